@@ -1,0 +1,46 @@
+"""What every soma-edge CLI shares: the exit-code contract (DESIGN.md §2).
+
+0 success; 2 and one `error: ...` line on stderr when the user's input is wrong (any SomaError, or a
+usage error from typer/click); 1 for an internal failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+import click
+import typer
+
+from soma_edge.errors import SomaError
+
+
+def make_app(help: str) -> typer.Typer:
+    return typer.Typer(help=help, pretty_exceptions_enable=False, add_completion=False, no_args_is_help=True)
+
+
+def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run a typer app under the exit-code contract; returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        result = app(args=argv, prog_name=prog, standalone_mode=False)
+        return int(result or 0)
+    except SomaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except click.exceptions.UsageError as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        return 2
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        print("error: aborted", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def entry(app: typer.Typer, prog: str) -> Callable[[], None]:
+    return lambda: sys.exit(run(app, prog=prog))

@@ -1,0 +1,146 @@
+"""Configuration: plain dataclasses, loadable from TOML, validated with messages that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from soma_edge.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """One expert: byte embedding [256, embed] -> `layers` LSTM layers of `hidden` -> linear to 256 logits."""
+
+    embed: int = 32
+    hidden: int = 128
+    layers: int = 1
+
+
+@dataclass
+class SPSAConfig:
+    """Central-difference SPSA. Defaults are the setting that learned on 2 CPU cores (DESIGN.md §1)."""
+
+    directions: int = 8  # K perturbations per step; each costs two forward passes
+    eps: float = 1e-3
+    eps_min: float = 1e-4  # floor for eps when tie_eps_to_lr, so warmup never makes eps zero
+    tie_eps_to_lr: bool = False
+    lr: float = 5e-3
+    lr_min_frac: float = 0.1  # cosine decays to lr * lr_min_frac
+    warmup_steps: int = 20
+    total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup
+    noise: str = "rademacher"  # or "gaussian"
+    normalize: bool = True  # scale the update to unit RMS; without it the step size is hopeless to tune
+    momentum: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    batch: int = 16
+    seq_len: int = 128
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    spsa: SPSAConfig = field(default_factory=SPSAConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda[:i] | any ORT execution provider name
+    threads: int = 0  # ORT intra-op threads; 0 lets ORT decide
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"model": ModelConfig, "spsa": SPSAConfig, "data": DataConfig}
+
+
+def _coerce(path: str, value: Any, typ: type) -> Any:
+    # TOML gives ints where users write `eps = 1`; accept those for float fields, reject everything else.
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if not isinstance(value, typ):
+        raise ConfigError(f"{path}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _fill(obj: Any, values: dict[str, Any], prefix: str) -> None:
+    types = {f.name: f.type for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if key not in types:
+            raise ConfigError(f"{path}: unknown setting (known: {', '.join(sorted(types))})")
+        typ = {"int": int, "float": float, "str": str, "bool": bool}.get(str(types[key]))
+        if typ is None:
+            raise ConfigError(f"{path}: is a section, not a value")
+        setattr(obj, key, _coerce(path, value, typ))
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested dicts (the TOML layout)."""
+    cfg = Config()
+    flat = {k: v for k, v in values.items() if k not in _SECTIONS}
+    _fill(cfg, flat, "")
+    for name in _SECTIONS:
+        section = values.get(name, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{name}: expected a [{name}] table")
+        _fill(getattr(cfg, name), section, f"{name}.")
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: config is not UTF-8 text") from None
+    try:
+        values = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML ({e})") from None
+    try:
+        return from_dict(values)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
+def _check(ok: bool, path: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{path} must be {rule}, got {value!r}")
+
+
+def validate(cfg: Config) -> Config:
+    m, s, d = cfg.model, cfg.spsa, cfg.data
+    _check(m.embed >= 1, "model.embed", ">= 1", m.embed)
+    _check(m.hidden >= 1, "model.hidden", ">= 1", m.hidden)
+    _check(1 <= m.layers <= 8, "model.layers", "between 1 and 8", m.layers)
+    _check(s.directions >= 1, "spsa.directions", ">= 1", s.directions)
+    _check(s.eps > 0 and s.eps < 1, "spsa.eps", "> 0 and < 1", s.eps)
+    _check(0 < s.eps_min <= 1, "spsa.eps_min", "> 0 and <= 1", s.eps_min)
+    _check(s.lr > 0 and s.lr < 10, "spsa.lr", "> 0 and < 10", s.lr)
+    _check(0 <= s.lr_min_frac <= 1, "spsa.lr_min_frac", "between 0 and 1", s.lr_min_frac)
+    _check(s.warmup_steps >= 0, "spsa.warmup_steps", ">= 0", s.warmup_steps)
+    _check(s.total_steps >= 0, "spsa.total_steps", ">= 0", s.total_steps)
+    _check(s.noise in ("rademacher", "gaussian"), "spsa.noise", "'rademacher' or 'gaussian'", s.noise)
+    _check(0 <= s.momentum < 1, "spsa.momentum", ">= 0 and < 1", s.momentum)
+    _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
+    _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
+    _check(cfg.seed >= 0, "seed", ">= 0", cfg.seed)
+    _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
+    from soma_edge.runtime import parse_device  # lazy: config must load without onnxruntime imported
+
+    try:
+        parse_device(cfg.device)
+    except ConfigError as e:
+        raise ConfigError(f"device: {e}") from None
+    return cfg

@@ -1,0 +1,102 @@
+"""An expert's weights as one flat float32 vector with named views.
+
+SPSA perturbs the flat vector; the ONNX graphs see named tensors. The views are numpy views of the
+flat buffer, so feeding a perturbed weight set to ORT copies nothing.
+
+Tensors are stored in ONNX `LSTM` layout: W [1, 4H, in], R [1, 4H, H], B [1, 8H], gates in ONNX order
+(i, o, f, c). torch.nn.LSTM orders its gates (i, f, g, o); `to_torch_gates` converts for the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from soma_edge.config import ModelConfig
+
+VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Layout:
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    size: int
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        if flat.shape != (self.size,) or flat.dtype != np.float32:
+            raise ValueError(f"expected float32[{self.size}], got {flat.dtype}{list(flat.shape)}")
+        return {
+            n: flat[o : o + int(np.prod(s))].reshape(s)
+            for n, s, o in zip(self.names, self.shapes, self.offsets)
+        }
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.shapes[self.names.index(name)]
+
+
+def layout(m: ModelConfig) -> Layout:
+    E, H = m.embed, m.hidden
+    entries: list[tuple[str, tuple[int, ...]]] = [("embed", (VOCAB, E))]
+    for layer in range(m.layers):
+        inp = E if layer == 0 else H
+        entries += [
+            (f"lstm{layer}.W", (1, 4 * H, inp)),
+            (f"lstm{layer}.R", (1, 4 * H, H)),
+            (f"lstm{layer}.B", (1, 8 * H)),
+        ]
+    entries += [("head.W", (H, VOCAB)), ("head.b", (VOCAB,))]
+    offsets, off = [], 0
+    for _, shape in entries:
+        offsets.append(off)
+        off += int(np.prod(shape))
+    return Layout(
+        names=tuple(n for n, _ in entries),
+        shapes=tuple(s for _, s in entries),
+        offsets=tuple(offsets),
+        size=off,
+    )
+
+
+def count(m: ModelConfig) -> int:
+    return layout(m).size
+
+
+def init(m: ModelConfig, seed: int) -> np.ndarray:
+    """Seeded initialization, the same scale rules as torch's defaults (uniform ±1/sqrt(H))."""
+    lay = layout(m)
+    rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, 0x1417])))
+    flat = np.empty(lay.size, dtype=np.float32)
+    v = lay.views(flat)
+    bound = 1.0 / np.sqrt(m.hidden)
+    for name, arr in v.items():
+        if name == "embed":
+            arr[...] = rng.standard_normal(arr.shape, dtype=np.float32)
+        else:
+            arr[...] = rng.uniform(-bound, bound, arr.shape).astype(np.float32)
+    for layer in range(m.layers):
+        # Forget-gate bias of 1 keeps early gradients (and SPSA signal) flowing through time.
+        H = m.hidden
+        v[f"lstm{layer}.B"][0, 2 * H : 3 * H] = 1.0
+    return flat
+
+
+# ONNX gate blocks (i, o, f, c) <-> torch blocks (i, f, g, o).
+_ONNX_FROM_TORCH = (0, 3, 1, 2)  # onnx block j is torch block _ONNX_FROM_TORCH[j]
+
+
+def _reorder(a: np.ndarray, order: tuple[int, ...], hidden: int) -> np.ndarray:
+    blocks = [a[i * hidden : (i + 1) * hidden] for i in order]
+    return np.concatenate(blocks, axis=0)
+
+
+def to_torch_gates(onnx_rows: np.ndarray, hidden: int) -> np.ndarray:
+    """Reorder the 4H leading rows from ONNX (i, o, f, c) to torch (i, f, g, o)."""
+    inverse = tuple(_ONNX_FROM_TORCH.index(t) for t in range(4))
+    return _reorder(onnx_rows, inverse, hidden)
+
+
+def from_torch_gates(torch_rows: np.ndarray, hidden: int) -> np.ndarray:
+    return _reorder(torch_rows, _ONNX_FROM_TORCH, hidden)

@@ -1,0 +1,134 @@
+"""ONNX Runtime sessions: execution-provider choice, and the expert loss evaluator SPSA calls.
+
+onnxruntime-gpu asked for CUDA on a machine without it logs an error and silently runs on CPU; we
+check `get_providers()` after creating every session and say so loudly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from soma_edge.config import ModelConfig
+from soma_edge.errors import ConfigError, DeviceError
+from soma_edge.params import layout
+
+log = logging.getLogger("soma_edge.runtime")
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+_CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")
+
+
+def _ort():
+    import onnxruntime
+
+    return onnxruntime
+
+
+def _nvidia_present() -> bool:
+    # onnxruntime-gpu lists CUDA as "available" even on machines with no GPU; asking for it there logs an
+    # error. For `auto`, look for the driver first.
+    return os.name == "nt" or Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()
+
+
+def parse_device(device: str) -> list[Any]:
+    """Map `auto | cpu | cuda[:i] | <EP name>` to an ORT providers list (CPU always last, as fallback)."""
+    ort = _ort()
+    d = device.strip()
+    low = d.lower()
+    if low == "auto":
+        if CUDA in ort.get_available_providers() and _nvidia_present():
+            return [(CUDA, {"device_id": 0}), CPU]
+        return [CPU]
+    if low == "cpu":
+        return [CPU]
+    m = _CUDA_RE.match(low)
+    if m:
+        return [(CUDA, {"device_id": int(m.group(1) or 0)}), CPU]
+    known = ort.get_all_providers()
+    for name in known:
+        if low in (name.lower(), name.lower().removesuffix("executionprovider")):
+            return [name] if name == CPU else [name, CPU]
+    raise ConfigError(
+        f"unknown execution provider {device!r} (use auto, cpu, cuda, cuda:N, or one of: {', '.join(known)})"
+    )
+
+
+def session_options(threads: int = 0, spin: bool = True):
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    if not spin:
+        # Workers sharing a box must not burn each other's cores spinning between ops.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+def make_session(model: onnx.ModelProto | bytes, device: str = "auto", threads: int = 0, spin: bool = True):
+    """Create an InferenceSession and report, loudly, when the requested EP is not the one in use."""
+    ort = _ort()
+    providers = parse_device(device)
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    wanted = providers[0][0] if isinstance(providers[0], tuple) else providers[0]
+    available = ort.get_available_providers()
+    if wanted not in available:
+        raise DeviceError(
+            f"execution provider {wanted} is not available in this onnxruntime build "
+            f"(available: {', '.join(available)})"
+        )
+    try:
+        sess = ort.InferenceSession(data, sess_options=session_options(threads, spin), providers=providers)
+    except Exception as e:  # ORT raises plain RuntimeError/Fail for a provider that cannot start
+        raise DeviceError(f"cannot create an ONNX Runtime session on {device!r}: {e}") from None
+    in_use = sess.get_providers()
+    if in_use[0] != wanted:
+        log.warning(
+            "requested %s (device=%r) but ONNX Runtime is running on %s: it fell back, so this runs on the CPU",
+            wanted,
+            device,
+            in_use[0],
+        )
+    return sess
+
+
+@dataclass
+class LossEvaluator:
+    """One ORT session per expert shape; evaluates L(w) for any flat weight vector w of that shape."""
+
+    model: ModelConfig
+    device: str = "auto"
+    threads: int = 0
+    spin: bool = True
+
+    def __post_init__(self) -> None:
+        from soma_edge.graph import build
+
+        self.layout = layout(self.model)
+        self.session = make_session(build(self.model, "loss"), self.device, self.threads, self.spin)
+        self.providers: list[str] = self.session.get_providers()
+
+    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        feeds: dict[str, np.ndarray] = {"x": x, "y": y}
+        feeds.update(self.layout.views(flat))
+        (out,) = self.session.run(["loss"], feeds)
+        return float(out)
+
+
+def mean_loss(evaluator: LossEvaluator, flat: np.ndarray, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:
+    """Mean nats/byte over all windows (x, y), evaluated in batches of `batch` windows."""
+    total, count = 0.0, 0
+    for i in range(0, len(x), batch):
+        xb, yb = x[i : i + batch], y[i : i + batch]
+        total += evaluator.loss(flat, xb, yb) * xb.size
+        count += xb.size
+    return total / max(count, 1)

@@ -1,0 +1,59 @@
+import msgpack
+import numpy as np
+import pytest
+
+from soma_edge import checkpoint, codec
+from soma_edge.errors import CheckpointError, CodecError
+
+
+def test_roundtrip_arrays_and_scalars():
+    body = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "h": np.float16(1.5), "n": 3, "s": "x", "t": (1, 2)}
+    out = codec.decode(codec.encode(body, "k"), "k")
+    assert out["w"].dtype == np.float32 and out["w"].shape == (3, 4)
+    assert np.array_equal(out["w"], body["w"])
+    assert out["t"] == [1, 2] and out["n"] == 3 and out["h"] == 1.5
+
+
+def test_refuses_oversize_wrong_kind_schema_and_garbage():
+    data = codec.encode({"a": 1}, "k")
+    with pytest.raises(CodecError, match="exceeds"):
+        codec.decode(data, "k", max_bytes=len(data) - 1)
+    with pytest.raises(CodecError, match="expected a other"):
+        codec.decode(data, "other")
+    with pytest.raises(CodecError, match="schema"):
+        codec.decode(msgpack.packb({"schema": 99, "kind": "k", "body": 1}), "k")
+    with pytest.raises(CodecError):
+        codec.decode(b"\xc1\xff\x00garbage", "k")
+    with pytest.raises(CodecError, match="envelope"):
+        codec.decode(msgpack.packb([1, 2, 3]), "k")
+
+
+def test_refuses_lying_array_header_and_object_dtype():
+    header = msgpack.packb(["<f4", [1000]])
+    bad = msgpack.packb({"schema": 1, "kind": "k", "body": msgpack.ExtType(1, header + b"\x00" * 8)})
+    with pytest.raises(CodecError, match="does not match"):
+        codec.decode(bad, "k")
+    header = msgpack.packb(["|O", [1]])
+    bad = msgpack.packb({"schema": 1, "kind": "k", "body": msgpack.ExtType(1, header + b"\x00" * 8)})
+    with pytest.raises(CodecError):
+        codec.decode(bad, "k")
+    with pytest.raises(CodecError):
+        codec.encode({"a": np.array(["x"], dtype=object)}, "k")
+
+
+def test_checkpoint_detects_corruption(tmp_path):
+    p = tmp_path / "e.msgpack"
+    digest = checkpoint.save(p, {"w": np.ones(10, dtype=np.float32)}, "expert")
+    assert len(digest) == 64
+    assert np.array_equal(checkpoint.load(p, "expert")["w"], np.ones(10, dtype=np.float32))
+    data = bytearray(p.read_bytes())
+    data[-3] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum"):
+        checkpoint.load(p, "expert")
+    p.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="magic"):
+        checkpoint.load(p, "expert")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        checkpoint.load(tmp_path / "missing", "expert")
+    assert [f.name for f in tmp_path.iterdir()] == ["e.msgpack"]  # no temp files left behind
