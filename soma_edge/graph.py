@@ -37,7 +37,6 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
     else:
         initializers += [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in lay.views(weights).items()]
     initializers.append(numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"))
-    initializers.append(numpy_helper.from_array(np.array([-1, H], dtype=np.int64), "rows_h"))
 
     nodes = [
         # Time-major for the LSTM op; transposing the int ids is cheaper than the embeddings.
@@ -74,6 +73,7 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
             helper.make_node("Reshape", ["y_tb", "flat1"], ["y_flat"]),
             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y_flat"], ["loss"], reduction="mean"),
         ]
+        initializers.append(numpy_helper.from_array(np.array([-1, H], dtype=np.int64), "rows_h"))
         initializers.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat1"))
         outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
     else:

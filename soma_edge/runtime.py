@@ -11,14 +11,16 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from soma_edge.config import ModelConfig
 from soma_edge.errors import ConfigError, DeviceError
 from soma_edge.params import layout
+
+if TYPE_CHECKING:  # the deploy path creates sessions from bytes and must run without the onnx package
+    import onnx
 
 log = logging.getLogger("soma_edge.runtime")
 
