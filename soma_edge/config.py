@@ -44,19 +44,43 @@ class DataConfig:
 
 
 @dataclass
+class FederationConfig:
+    """The federated run (`soma-coord start`): experts, rounds, and how long each round computes.
+
+    Flower's round trip costs >= 4.5 s (a fresh ClientApp process per message, 3 s polling), so a round
+    carries tens of seconds of compute; `round_seconds` is the compute each node is given per round.
+    """
+
+    experts: int = 4
+    rounds: int = 3
+    round_seconds: float = 60.0
+    local_workers: int = 0  # SuperNodes that `soma-coord start` launches on this box
+    min_nodes: int = 1  # round 1 waits (up to `wait_seconds`) for this many live nodes
+    wait_seconds: float = 120.0
+    keep_versions: int = 3  # checkpoints kept per expert; older versions are pruned
+    reply_dtype: str = "float32"  # or "float16": workers send that, the coordinator stores it as received
+    deadline_factor: float = 1.5  # a node misses the round when it has not replied by
+    deadline_slack: float = 30.0  # round_seconds * deadline_factor + deadline_slack
+    val_windows: int = 64  # held-out windows per expert for the per-round val loss
+    corpus: str = "default"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     spsa: SPSAConfig = field(default_factory=SPSAConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda[:i] | any ORT execution provider name
-    threads: int = 0  # ORT intra-op threads; 0 lets ORT decide
+    threads: int = 0  # ORT intra-op threads per evaluation; 0 = cores / parallel
+    parallel: int = 0  # loss evaluations run concurrently (L+ and L- of a direction); 0 = auto
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"model": ModelConfig, "spsa": SPSAConfig, "data": DataConfig}
+_SECTIONS = {"model": ModelConfig, "spsa": SPSAConfig, "data": DataConfig, "federation": FederationConfig}
 
 
 def _coerce(path: str, value: Any, typ: type) -> Any:
@@ -135,8 +159,22 @@ def validate(cfg: Config) -> Config:
     _check(0 <= s.momentum < 1, "spsa.momentum", ">= 0 and < 1", s.momentum)
     _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
     _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
+    f = cfg.federation
+    _check(1 <= f.experts <= 4096, "federation.experts", "between 1 and 4096", f.experts)
+    _check(f.rounds >= 0, "federation.rounds", ">= 0", f.rounds)
+    _check(f.round_seconds > 0, "federation.round_seconds", "> 0", f.round_seconds)
+    _check(0 <= f.local_workers <= 64, "federation.local_workers", "between 0 and 64", f.local_workers)
+    _check(f.min_nodes >= 1, "federation.min_nodes", ">= 1", f.min_nodes)
+    _check(f.wait_seconds > 0, "federation.wait_seconds", "> 0", f.wait_seconds)
+    _check(f.keep_versions >= 1, "federation.keep_versions", ">= 1", f.keep_versions)
+    _check(f.reply_dtype in ("float32", "float16"), "federation.reply_dtype", "'float32' or 'float16'", f.reply_dtype)
+    _check(f.deadline_factor >= 1, "federation.deadline_factor", ">= 1", f.deadline_factor)
+    _check(f.deadline_slack >= 0, "federation.deadline_slack", ">= 0", f.deadline_slack)
+    _check(f.val_windows >= 1, "federation.val_windows", ">= 1", f.val_windows)
+    _check(bool(f.corpus), "federation.corpus", "a corpus name or path", f.corpus)
     _check(cfg.seed >= 0, "seed", ">= 0", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
+    _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
     from soma_edge.runtime import parse_device  # lazy: config must load without onnxruntime imported
 
     try:

@@ -103,18 +103,49 @@ def make_session(model: onnx.ModelProto | bytes, device: str = "auto", threads: 
     return sess
 
 
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def plan_concurrency(device: str, threads: int = 0, parallel: int = 0) -> tuple[int, int]:
+    """Resolve (intra-op threads, concurrent evaluations); 0 means choose.
+
+    On CPU, two single-thread runs side by side beat one two-thread run (ORT's LSTM op scales poorly
+    across threads at batch 16), so auto splits the cores between two concurrent evaluations. On an
+    accelerator one evaluation at a time keeps the device busy.
+    """
+    first = parse_device(device)[0]
+    on_cpu = first == CPU
+    cores = cpu_count()
+    if not on_cpu:
+        return threads, parallel or 1
+    if parallel == 0:
+        parallel = 1 if cores < 2 or (threads and threads * 2 > cores) else 2
+    if threads == 0:
+        threads = max(1, cores // parallel)
+    return threads, parallel
+
+
 @dataclass
 class LossEvaluator:
-    """One ORT session per expert shape; evaluates L(w) for any flat weight vector w of that shape."""
+    """One ORT session per expert shape; evaluates L(w) for any flat weight vector w of that shape.
+
+    `session.run` is thread-safe, so `parallel` evaluations may run at once on the one session.
+    """
 
     model: ModelConfig
     device: str = "auto"
     threads: int = 0
     spin: bool = True
+    parallel: int = 0
 
     def __post_init__(self) -> None:
         from soma_edge.graph import build
 
+        self.threads, self.parallel = plan_concurrency(self.device, self.threads, self.parallel)
         self.layout = layout(self.model)
         self.session = make_session(build(self.model, "loss"), self.device, self.threads, self.spin)
         self.providers: list[str] = self.session.get_providers()

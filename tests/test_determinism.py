@@ -33,3 +33,23 @@ def test_same_seed_same_bits_other_seed_differs(tmp_path):
     init = params.init(ModelConfig(embed=16, hidden=48), 0)
     assert not np.array_equal(a, init)
     assert not np.array_equal(a, c)
+
+
+def test_concurrency_does_not_change_the_bits():
+    """parallel=1 and parallel=2 (two ORT runs at once) give the same weights: g_k z_k is summed in order k."""
+    from soma_edge.config import SPSAConfig
+    from soma_edge.runtime import LossEvaluator
+    from soma_edge.spsa import State, Stepper
+
+    m = ModelConfig(embed=8, hidden=24)
+    x = np.random.default_rng(0).integers(0, 256, (4, 32)).astype(np.int64)
+    out = []
+    for parallel in (1, 2):
+        ev = LossEvaluator(m, "cpu", threads=1, parallel=parallel)
+        stepper = Stepper(SPSAConfig(directions=6), seed=5, parallel=ev.parallel)
+        state = State(params.init(m, 0))
+        for _ in range(5):
+            stepper.step(state, lambda w: ev.loss(w, x, x))
+        stepper.close()
+        out.append(state.weights)
+    assert out[0].tobytes() == out[1].tobytes()

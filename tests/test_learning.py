@@ -17,7 +17,7 @@ def test_spsa_learns_below_unigram_on_test_split(default_docs):
     x, y = corpus.eval_windows(test_data, cfg.data.seq_len, max_windows=256)
     unigram = corpus.unigram_entropy(train_data, test_data)  # fitted on train, scored on test
 
-    evaluator = LossEvaluator(cfg.model, cfg.device, cfg.threads)
+    evaluator = LossEvaluator(cfg.model, cfg.device, cfg.threads, parallel=cfg.parallel)
     state = State(params.init(cfg.model, cfg.seed))
     before = mean_loss(evaluator, state.weights, x, y)
     # Honest threshold: the untrained model is far above it, and a unigram model scores `unigram` itself.

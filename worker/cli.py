@@ -49,7 +49,7 @@ def train_cmd(
     splits = corpus.by_split(corpus.default_documents())
     train_data, test_data = corpus.to_stream(splits["train"]), corpus.to_stream(splits["test"])
     xt, yt = corpus.eval_windows(test_data, cfg.data.seq_len, eval_windows)
-    evaluator = LossEvaluator(cfg.model, cfg.device, cfg.threads)
+    evaluator = LossEvaluator(cfg.model, cfg.device, cfg.threads, parallel=cfg.parallel)
     state = State(params.init(cfg.model, cfg.seed))
     before = mean_loss(evaluator, state.weights, xt, yt)
     report = train_loop(state, train_data, cfg, evaluator, steps=steps)

@@ -46,7 +46,7 @@ def train(
     """Run SPSA on `state` in place until `steps` are done or `seconds` have passed (whichever is set first)."""
     if steps is None and seconds is None:
         raise ValueError("give steps, seconds, or both")
-    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=expert)
+    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=evaluator.parallel)
     report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
     t0 = time.perf_counter()
     loss_sum = 0.0
