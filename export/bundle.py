@@ -1,0 +1,368 @@
+"""The deploy bundle: plain ONNX experts, the router, and a manifest that checks every byte of both.
+
+    DEPLOY/
+      manifest.json                  format, versions, per-expert config/step/val loss, sha256 of every file
+      router.msgpack                 the run's router, byte for byte
+      experts/<id>/score.onnx        x int64[B,T] -> logprobs float32[B,T,256]
+      experts/<id>/stream.onnx       x int64[B,T], h<l>/c<l> [1,B,H] -> logits [B,T,256], h<l>_out/c<l>_out
+
+Weights are initializers, so any ONNX Runtime runs an expert with no soma-edge code. `write` builds the
+whole bundle in a hidden sibling folder and renames it into place: a failed export leaves nothing behind.
+
+`read` is on the inference path: it must not import onnx, flwr or torch (only hashlib/json here). It checks
+the manifest and the sha256 of every file it lists before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from soma_edge import __version__, checkpoint
+from soma_edge.errors import CheckpointError, SomaError
+
+FORMAT = "soma-edge-deploy"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ROUTER = "router.msgpack"
+QUANTIZE = ("int8",)
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+
+
+class BundleError(SomaError):
+    """A deploy bundle that is missing, incomplete, tampered with, or not one of ours."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading (inference path)
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    id: int
+    version: int
+    step: int
+    val_loss: float | None
+    params: int
+    config: dict[str, Any]
+    score: str  # relative paths inside the bundle
+    stream: str
+
+    @property
+    def model(self) -> dict[str, int]:
+        return self.config["model"]
+
+
+@dataclass(frozen=True)
+class Bundle:
+    root: Path
+    manifest: dict[str, Any]
+    experts: tuple[ExpertEntry, ...]
+    seq_len: int
+    temperature: float  # the router's default temperature
+    quantize: str | None
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.experts)
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def read_verified(self, rel: str) -> bytes:
+        """The bytes of a listed file, checked again against the manifest (it may have changed since `read`)."""
+        path = self.path(rel)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise BundleError(f"{path}: cannot read ({e.strerror})") from None
+        if hashlib.sha256(data).hexdigest() != self.manifest["files"][rel]["sha256"]:
+            raise BundleError(f"{path}: sha256 does not match {MANIFEST}; the file was modified or corrupted")
+        return data
+
+
+def _field(obj: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise BundleError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
+        raise BundleError(f"{where}: field {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _safe_rel(rel: str, where: str) -> str:
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise BundleError(f"{where}: refusing file path {rel!r} outside the bundle")
+    return rel
+
+
+def read(root: str | Path) -> Bundle:
+    """Load and verify a deploy bundle: manifest schema, every listed file present with its sha256."""
+    root = Path(root)
+    mpath = root / MANIFEST
+    if not root.is_dir():
+        raise BundleError(f"{root}: not a directory (expected a bundle written by `soma-export onnx`)")
+    try:
+        size = mpath.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise BundleError(f"{mpath}: {size} bytes is too large for a manifest")
+        manifest = json.loads(mpath.read_bytes())
+    except FileNotFoundError:
+        raise BundleError(f"{mpath}: missing; is {root} a bundle written by `soma-export onnx`?") from None
+    except OSError as e:
+        raise BundleError(f"{mpath}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise BundleError(f"{mpath}: not valid JSON ({e})") from None
+    where = str(mpath)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{where}: not a soma-edge deploy manifest")
+    if _field(manifest, "format_version", int, where) != FORMAT_VERSION:
+        raise BundleError(f"{where}: format_version {manifest['format_version']}; this soma-edge reads {FORMAT_VERSION}")
+
+    files = _field(manifest, "files", dict, where)
+    for rel, meta in files.items():
+        _safe_rel(rel, where)
+        digest = _field(meta, "sha256", str, f"{where}: files[{rel!r}]")
+        path = root / rel
+        if not path.is_file():
+            raise BundleError(f"{path}: missing from the bundle (listed in {MANIFEST})")
+        if sha256_file(path) != digest:
+            raise BundleError(f"{path}: sha256 does not match {MANIFEST}; the file was modified or corrupted")
+
+    router = _field(manifest, "router", dict, where)
+    if _field(router, "file", str, f"{where}: router") not in files:
+        raise BundleError(f"{where}: router file is not listed under files")
+    temperature = float(_field(router, "temperature", (int, float), f"{where}: router"))
+    experts = []
+    for i, e in enumerate(_field(manifest, "experts", list, where)):
+        w = f"{where}: experts[{i}]"
+        entry = ExpertEntry(
+            id=_field(e, "id", int, w),
+            version=_field(e, "version", int, w),
+            step=_field(e, "step", int, w),
+            val_loss=e.get("val_loss"),
+            params=_field(e, "params", int, w),
+            config=_field(e, "config", dict, w),
+            score=_field(e, "score", str, w),
+            stream=_field(e, "stream", str, w),
+        )
+        if entry.id != i:
+            raise BundleError(f"{w}: id {entry.id}, expected {i} (experts are listed in id order)")
+        for rel in (entry.score, entry.stream):
+            if rel not in files:
+                raise BundleError(f"{w}: {rel} is not listed under files")
+        experts.append(entry)
+    if not experts:
+        raise BundleError(f"{where}: the bundle has no experts")
+    if _field(router, "n_experts", int, f"{where}: router") != len(experts):
+        raise BundleError(f"{where}: the router maps {router['n_experts']} experts but {len(experts)} are listed")
+    seq_len = _field(manifest, "seq_len", int, where)
+    if seq_len < 1:
+        raise BundleError(f"{where}: seq_len must be >= 1, got {seq_len}")
+    return Bundle(root, manifest, tuple(experts), seq_len, temperature, manifest.get("quantize"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing (needs onnx; imported lazily so that `read` stays importable without it)
+
+
+@dataclass
+class _Expert:
+    id: int
+    version: int
+    step: int
+    val_loss: float | None
+    config: Any  # soma_edge.config.Config
+    weights: np.ndarray  # float32
+    weights_sha256: str
+
+
+def _load_run(run: Path) -> tuple[dict[str, Any], list[_Expert], bytes]:
+    from soma_edge import config as config_mod
+    from soma_edge import params
+    from soma_edge.errors import ConfigError
+    from soma_edge.router import Router
+
+    if not run.is_dir():
+        raise CheckpointError(f"{run}: not a run directory")
+    state = checkpoint.load(run / "state.msgpack", "run_state")
+    entries = state.get("experts") if isinstance(state, dict) else None
+    if not isinstance(entries, dict) or not entries:
+        raise CheckpointError(f"{run / 'state.msgpack'}: no experts recorded; has the run trained a round?")
+
+    router_path = run / ROUTER
+    try:
+        router_bytes = router_path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{router_path}: cannot read the router ({e.strerror})") from None
+    try:
+        router = Router.from_bytes(router_bytes)
+    except SomaError as e:
+        raise CheckpointError(f"{router_path}: {e}") from None
+    ids = sorted(int(k) for k in entries)
+    if ids != list(range(router.n_experts)):
+        raise CheckpointError(
+            f"{run / 'state.msgpack'}: experts {ids} do not match the router's {router.n_experts} experts"
+        )
+
+    experts = []
+    for i in ids:
+        meta = entries[str(i)] if str(i) in entries else entries[i]
+        rel = Path(str(meta.get("path", "")))
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise CheckpointError(f"{run / 'state.msgpack'}: expert {i} has a bad path {str(rel)!r}")
+        path = run / rel
+        body = checkpoint.load(path, "expert")
+        weights = body.get("weights")
+        if not isinstance(weights, np.ndarray) or weights.ndim != 1 or weights.dtype.name not in ("float32", "float16"):
+            raise CheckpointError(f"{path}: weights must be a flat float32 or float16 array")
+        digest = hashlib.sha256(weights.tobytes()).hexdigest()
+        for name, want in (("the file's sha256", body.get("sha256")), ("state.msgpack's sha256", meta.get("sha256"))):
+            if digest != want:
+                raise CheckpointError(f"{path}: weights do not match {name}; the checkpoint is inconsistent")
+        if body.get("expert") != i or body.get("version") != meta.get("version"):
+            raise CheckpointError(
+                f"{path}: holds expert {body.get('expert')} v{body.get('version')}, state.msgpack expects "
+                f"expert {i} v{meta.get('version')}"
+            )
+        try:
+            cfg = config_mod.from_dict(body.get("config") or {})
+        except ConfigError as e:
+            raise CheckpointError(f"{path}: config: {e}") from None
+        w32 = weights.astype(np.float32)
+        if w32.size != params.count(cfg.model):
+            raise CheckpointError(f"{path}: {w32.size} weights, but the config's model has {params.count(cfg.model)}")
+        if not np.all(np.isfinite(w32)):
+            raise CheckpointError(f"{path}: weights hold NaN or infinity")
+        val = body.get("val_loss")
+        experts.append(
+            _Expert(i, int(body["version"]), int(body.get("step", 0)), None if val is None else float(val), cfg, w32, digest)
+        )
+    seq_lens = {e.config.data.seq_len for e in experts}
+    if len(seq_lens) != 1:
+        raise CheckpointError(f"{run}: experts were trained with different seq_len {sorted(seq_lens)}")
+    return state, experts, router_bytes
+
+
+def _quantize_int8(model: bytes) -> bytes:
+    # Dynamic quantization works on files; do it in a private temp folder.
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="soma-q-") as tmp:
+        src, dst = Path(tmp, "f32.onnx"), Path(tmp, "int8.onnx")
+        src.write_bytes(model)
+        quiet = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)  # it warns about pre-processing and the int64 input
+        try:
+            quantize_dynamic(src, dst, weight_type=QuantType.QInt8)
+        finally:
+            logging.getLogger().setLevel(quiet)
+        return dst.read_bytes()
+
+
+def _graphs(e: _Expert, quantize: str | None) -> dict[str, bytes]:
+    import onnx
+
+    from soma_edge import graph
+
+    out = {}
+    for kind, mode in (("score", "logprobs"), ("stream", "stream")):
+        model = graph.build(e.config.model, mode, e.weights)
+        model.doc_string = f"soma-edge expert {e.id} v{e.version} ({kind}), step {e.step}"
+        data = model.SerializeToString()
+        if quantize == "int8":
+            data = _quantize_int8(data)
+        onnx.checker.check_model(onnx.load_model_from_string(data), full_check=True)
+        out[kind] = data
+    return out
+
+
+def write(run: str | Path, out: str | Path, quantize: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Export a run directory to a deploy bundle at `out`; returns the manifest."""
+    run, out = Path(run), Path(out)
+    if quantize is not None and quantize not in QUANTIZE:
+        raise BundleError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if out.exists() and not force:
+        raise BundleError(f"{out}: already exists; pass --force to replace it")
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise BundleError(f"{out}: exists and is not a deploy bundle; refusing to replace it")
+    state, experts, router_bytes = _load_run(run)
+    from soma_edge.router import Router
+
+    router = Router.from_bytes(router_bytes)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    files: dict[str, dict[str, Any]] = {}
+
+    def put(rel: str, data: bytes) -> None:
+        checkpoint.atomic_write(tmp / rel, data)
+        files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+    try:
+        put(ROUTER, router_bytes)
+        entries = []
+        for e in experts:
+            rels = {}
+            for kind, data in _graphs(e, quantize).items():
+                rels[kind] = f"experts/{e.id}/{kind}.onnx"
+                put(rels[kind], data)
+            entries.append(
+                {
+                    "id": e.id,
+                    "version": e.version,
+                    "step": e.step,
+                    "val_loss": e.val_loss,
+                    "params": int(e.weights.size),
+                    "weights_sha256": e.weights_sha256,
+                    "config": e.config.to_dict(),
+                    "score": rels["score"],
+                    "stream": rels["stream"],
+                }
+            )
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "soma_edge": __version__,
+            "run": {"name": run.resolve().name, "round": state.get("round")},
+            "quantize": quantize,
+            "seq_len": experts[0].config.data.seq_len,
+            "router": {
+                "file": ROUTER,
+                "n_experts": router.n_experts,
+                "temperature": float(router.temperature),
+            },
+            "experts": entries,
+            "files": files,
+        }
+        checkpoint.atomic_write(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+        read(tmp)  # what we wrote must verify
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+            os.replace(out, old / "bundle")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

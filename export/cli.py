@@ -1,0 +1,169 @@
+"""`soma-export`: write a deploy bundle from a run, evaluate it, and generate from it.
+
+`eval` and `generate` import only onnxruntime, numpy, msgpack and typer (no onnx, flwr or torch), so they
+run on a deployment box without the training stack. `onnx` needs the onnx package, imported on use.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from soma_edge.cli import entry, make_app
+from soma_edge.errors import ConfigError
+
+app = make_app("soma-edge export: ONNX deploy bundles with routed top-k eval and generation.")
+
+DEVICE_HELP = "auto | cpu | cuda[:i] | an ORT execution provider."
+
+
+@app.callback()
+def _root() -> None:
+    """soma-edge export."""
+
+
+@app.command("onnx")
+def onnx_cmd(
+    run: Path = typer.Argument(..., help="Run directory written by `soma-coord start`."),
+    out: Path = typer.Option(..., "--out", help="Deploy bundle directory to write."),
+    quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the weights."),
+    force: bool = typer.Option(False, help="Replace an existing bundle at --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as one JSON object."),
+) -> None:
+    """Export every expert of RUN as ONNX (scoring + streaming), plus the router and a manifest."""
+    from export.bundle import write
+
+    manifest = write(run, out, quantize=quantize, force=force)
+    if as_json:
+        print(json.dumps(manifest))
+        return
+    files = manifest["files"]
+    total = sum(f["bytes"] for f in files.values())
+    print(f"{'expert':>6} {'version':>7} {'step':>7} {'val_loss':>9} {'params':>9} {'score.onnx':>11} {'stream.onnx':>11}")
+    for e in manifest["experts"]:
+        val = "-" if e["val_loss"] is None else f"{e['val_loss']:.4f}"
+        print(
+            f"{e['id']:>6} {e['version']:>7} {e['step']:>7} {val:>9} {e['params']:>9} "
+            f"{_size(files[e['score']]['bytes']):>11} {_size(files[e['stream']]['bytes']):>11}"
+        )
+    q = f", {manifest['quantize']}" if manifest["quantize"] else ""
+    print(f"wrote {out} ({len(files)} files, {_size(total)}{q})")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _top_k(dep, top_k: Optional[int]) -> int:
+    k = min(2, dep.n_experts) if top_k is None else top_k
+    if not 1 <= k <= dep.n_experts:
+        raise ConfigError(f"--top-k must be between 1 and the number of experts ({dep.n_experts}), got {k}")
+    return k
+
+
+@app.command("eval")
+def eval_cmd(
+    deploy: Path = typer.Argument(..., help="Deploy bundle written by `soma-export onnx`."),
+    data: List[Path] = typer.Option(..., "--data", help="Text or binary file, or a directory of them (repeatable)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts mixed per window (default: min(2, N))."),
+    router_temperature: Optional[float] = typer.Option(None, help="Router softmax temperature (default: the bundle's)."),
+    uniform: bool = typer.Option(False, help="Diagnostic: weight the top-k experts equally instead of by distance."),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
+    threads: int = typer.Option(0, min=0, help="ORT intra-op threads per session (0 = ORT decides)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Held-out nats/byte of the routed top-k mixture. Each window is routed on the bytes before it."""
+    from export.infer import Deployment, evaluate
+
+    dep = Deployment(deploy, device=device, threads=threads)
+    k = _top_k(dep, top_k)
+    report = evaluate(dep, data, k, router_temperature, uniform)
+    experts = [
+        {
+            "id": e.id,
+            "version": e.version,
+            "windows": report.expert_windows.get(e.id, 0),
+            "weight": report.expert_weight.get(e.id, 0.0),
+            "bytes": report.expert_bytes.get(e.id, 0),
+            "nats_per_byte_alone": (
+                report.expert_nats_sum[e.id] / report.expert_bytes[e.id] if report.expert_bytes.get(e.id) else None
+            ),
+            "val_loss": e.val_loss,
+        }
+        for e in dep.bundle.experts
+    ]
+    if as_json:
+        out = {
+            "nats_per_byte": report.nats_per_byte,
+            "bits_per_byte": report.nats_per_byte / 0.6931471805599453,
+            "bytes": report.bytes,
+            "top_k": k,
+            "uniform": uniform,
+            "n_experts": dep.n_experts,
+            "seq_len": dep.seq_len,
+            "seconds": report.seconds,
+            "files": [vars(f) for f in report.files],
+            "experts": experts,
+        }
+        print(json.dumps(out))
+        return
+    windows = sum(report.expert_windows.values()) / k
+    print(f"{'expert':>6} {'version':>7} {'windows':>8} {'share':>7} {'nats/byte alone':>16} {'val_loss':>9}")
+    for e in experts:
+        share = e["weight"] / windows if windows else 0.0
+        alone = "-" if e["nats_per_byte_alone"] is None else f"{e['nats_per_byte_alone']:.4f}"
+        val = "-" if e["val_loss"] is None else f"{e['val_loss']:.4f}"
+        print(f"{e['id']:>6} {e['version']:>7} {e['windows']:>8} {share:>7.1%} {alone:>16} {val:>9}")
+    print()
+    width = max([len("file")] + [len(f.path) for f in report.files])
+    print(f"{'file':<{width}} {'bytes':>10} {'nats/byte':>10} {'bits/byte':>10} {'bytes/s':>10}")
+    for f in report.files:
+        rate = f.bytes / f.seconds if f.seconds > 0 else float("inf")
+        print(f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / 0.6931471805599453:>10.4f} {rate:>10.0f}")
+    mode = "uniform" if uniform else "routed"
+    print(f"top-{k} {mode} mixture of {dep.n_experts} experts, held-out nats/byte: {report.nats_per_byte:.4f} over {report.bytes} bytes")
+
+
+@app.command("generate")
+def generate_cmd(
+    deploy: Path = typer.Argument(..., help="Deploy bundle written by `soma-export onnx`."),
+    prompt: str = typer.Option(..., help="Text to continue (UTF-8; at least one byte)."),
+    n_bytes: int = typer.Option(256, "--bytes", min=0, help="Bytes to sample."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts mixed per window (default: min(2, N))."),
+    temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature; 0 is greedy."),
+    seed: int = typer.Option(0, min=0, help="Sampling seed."),
+    router_temperature: Optional[float] = typer.Option(None, help="Router softmax temperature (default: the bundle's)."),
+    echo: bool = typer.Option(True, help="Write the prompt before the sampled bytes."),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
+    threads: int = typer.Option(1, min=0, help="ORT intra-op threads per session (one byte at a time: 1 is best)."),
+) -> None:
+    """Stream sampled bytes to stdout with the streaming graphs, routing each window on the one before."""
+    from export.infer import Deployment, generate
+
+    dep = Deployment(deploy, device=device, threads=threads)
+    k = _top_k(dep, top_k)
+    text = prompt.encode("utf-8")
+    stream = generate(dep, text, n_bytes, k, temperature, seed, router_temperature)
+    out = sys.stdout.buffer
+    if echo:
+        out.write(text)
+    for b, _ in stream:
+        out.write(bytes([b]))
+        if b == 10:
+            out.flush()
+    out.write(b"\n")
+    out.flush()
+
+
+main = entry(app, "soma-export")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Routed top-k inference over a deploy bundle: eval (held-out nats/byte) and generation.
+
+Needs only onnxruntime, numpy and msgpack (plus soma_edge modules that import nothing else at module
+level): no onnx, flwr or torch. Sessions are created lazily, so experts the router never selects are never
+loaded, let alone run.
+
+Generation walks the same windows as eval: position p belongs to window p // seq_len; at each window start
+the router picks experts from the previous window's bytes (the prior for window 0) and their LSTM states
+restart from zero, as in training. The mixture that samples each byte is therefore exactly the mixture that
+eval scores, byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from soma_edge import mixture
+from soma_edge.errors import CodecError, ConfigError, CorpusError, DeviceError
+from soma_edge.router import Router
+
+from export.bundle import Bundle, BundleError, ExpertEntry, read
+
+MAX_DATA_FILES = 100_000
+
+
+class Expert:
+    """One exported expert: a scoring session and a streaming session, each created on first use."""
+
+    def __init__(self, bundle: Bundle, entry: ExpertEntry, device: str, threads: int):
+        self.bundle, self.entry, self.device, self.threads = bundle, entry, device, threads
+        self.hidden, self.layers = int(entry.model["hidden"]), int(entry.model["layers"])
+        self._score = self._stream = None
+
+    def _session(self, rel: str):
+        from soma_edge.runtime import make_session
+
+        data = self.bundle.read_verified(rel)
+        try:
+            return make_session(data, self.device, self.threads)
+        except DeviceError as e:
+            if "INVALID_PROTOBUF" in str(e) or "INVALID_GRAPH" in str(e) or "NO_MODEL" in str(e):
+                raise BundleError(f"{self.bundle.path(rel)}: not a loadable ONNX model (truncated or corrupt)") from None
+            raise
+
+    def logprobs(self, x: np.ndarray) -> np.ndarray:
+        """x int64[B, T] -> log-probs float32[B, T, 256] (the scoring graph)."""
+        if self._score is None:
+            self._score = self._session(self.entry.score)
+        return self._score.run(None, {"x": x})[0]
+
+    def zero_state(self, batch: int = 1) -> dict[str, np.ndarray]:
+        z = np.zeros((1, batch, self.hidden), dtype=np.float32)
+        return {f"{s}{layer}": z for layer in range(self.layers) for s in ("h", "c")}
+
+    def step(self, x: np.ndarray, state: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Feed x int64[B, T] from `state`; returns logits float32[B, T, 256] and the state after x."""
+        if self._stream is None:
+            self._stream = self._session(self.entry.stream)
+            self._state_out = [f"{s}{layer}_out" for layer in range(self.layers) for s in ("h", "c")]
+        feeds = {"x": x, **state}
+        logits, *states = self._stream.run(None, feeds)
+        return logits, {name[: -len("_out")]: s for name, s in zip(self._state_out, states)}
+
+
+class Deployment:
+    """A verified bundle, its router, and its experts (sessions created lazily)."""
+
+    def __init__(self, root: str | Path, device: str = "cpu", threads: int = 0):
+        self.bundle = read(root)
+        rel = self.bundle.manifest["router"]["file"]
+        try:
+            self.router = Router.from_bytes(self.bundle.read_verified(rel))
+        except CodecError as e:
+            raise BundleError(f"{self.bundle.path(rel)}: cannot load the router ({e})") from None
+        if self.router.n_experts != self.bundle.n_experts:
+            raise BundleError(
+                f"{self.bundle.root}: the router maps {self.router.n_experts} experts, the manifest lists {self.bundle.n_experts}"
+            )
+        self.experts = [Expert(self.bundle, e, device, threads) for e in self.bundle.experts]
+
+    @property
+    def n_experts(self) -> int:
+        return self.bundle.n_experts
+
+    @property
+    def seq_len(self) -> int:
+        return self.bundle.seq_len
+
+    def check_top_k(self, top_k: int) -> None:
+        mixture.check_top_k(top_k, self.n_experts)
+
+    def score(
+        self, data: np.ndarray, top_k: int, temperature: float | None = None, uniform: bool = False, keep_logprobs: bool = False
+    ) -> mixture.MixtureResult:
+        return mixture.evaluate(
+            self.router,
+            [e.logprobs for e in self.experts],
+            data,
+            self.seq_len,
+            top_k,
+            self.bundle.temperature if temperature is None else temperature,
+            uniform=uniform,
+            keep_logprobs=keep_logprobs,
+        )
+
+    # -- generation ------------------------------------------------------------------------------------------
+
+    def stream(
+        self, prompt: bytes, top_k: int, temperature: float | None = None, uniform: bool = False
+    ) -> "Streamer":
+        return Streamer(self, prompt, top_k, self.bundle.temperature if temperature is None else temperature, uniform)
+
+
+class Streamer:
+    """Incremental routed mixture: feed bytes, read the log-probs of the next byte."""
+
+    def __init__(self, dep: Deployment, prompt: bytes, top_k: int, temperature: float, uniform: bool):
+        if not prompt:
+            raise ConfigError("the prompt must not be empty: generation continues from at least one byte")
+        dep.check_top_k(top_k)
+        self.dep, self.top_k, self.temperature, self.uniform = dep, top_k, temperature, uniform
+        self.text = bytearray()
+        self.logprobs = np.empty(256)  # of the next byte, given self.text
+        self.feed(prompt)
+
+    def _route(self, window: int) -> None:
+        T = self.dep.seq_len
+        if window == 0:
+            dists = None
+        else:
+            dists = self.dep.router.distances([bytes(self.text[(window - 1) * T : window * T])])
+        experts, weights = self.dep.router.route(dists, self.top_k, self.temperature)
+        self.chosen = [int(e) for e in np.asarray(experts).reshape(-1)[: self.top_k]]
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)[: self.top_k]
+        if self.uniform:
+            w = np.full(self.top_k, 1.0 / self.top_k)
+        with np.errstate(divide="ignore"):
+            self.logw = np.log(w)
+        self.states = {e: self.dep.experts[e].zero_state() for e in self.chosen}
+
+    def feed(self, data: bytes) -> None:
+        """Append bytes to the text; each window's chunk goes through the selected experts in one call."""
+        if not data:
+            return
+        T = self.dep.seq_len
+        i = 0
+        while i < len(data):
+            p = len(self.text)  # input position of data[i]
+            if p % T == 0:
+                self._route(p // T)
+            n = min(len(data) - i, T - p % T)
+            chunk = data[i : i + n]
+            self.text += chunk
+            x = np.frombuffer(bytes(chunk), dtype=np.uint8).astype(np.int64)[None, :]
+            last = []
+            for e in self.chosen:
+                logits, self.states[e] = self.dep.experts[e].step(x, self.states[e])
+                last.append(logits[0, -1].astype(np.float64))
+            i += n
+        z = np.stack(last)  # [k, 256]
+        z -= z.max(axis=1, keepdims=True)
+        own = z - np.log(np.exp(z).sum(axis=1, keepdims=True))  # log-softmax per expert
+        mix = self.logw[:, None] + own
+        m = mix.max(axis=0)
+        self.logprobs = m + np.log(np.exp(mix - m).sum(axis=0))
+
+
+def sample(logprobs: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    if temperature == 0:
+        return int(np.argmax(logprobs))
+    z = logprobs / temperature
+    p = np.exp(z - z.max())
+    c = np.cumsum(p)
+    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), 255))
+
+
+def generate(
+    dep: Deployment,
+    prompt: bytes,
+    n: int,
+    top_k: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    router_temperature: float | None = None,
+) -> Iterator[tuple[int, float]]:
+    """Yield (byte, its log-prob under the untempered mixture) for n sampled bytes after `prompt`."""
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if n < 0:
+        raise ConfigError(f"bytes must be >= 0, got {n}")
+    rng = np.random.default_rng(seed)
+    s = dep.stream(prompt, top_k, router_temperature)  # bad input fails here, before the first byte
+
+    def run() -> Iterator[tuple[int, float]]:
+        for _ in range(n):
+            b = sample(s.logprobs, temperature, rng)
+            yield b, float(s.logprobs[b])
+            s.feed(bytes([b]))
+
+    return run()
+
+
+# -- eval over files -----------------------------------------------------------------------------------------
+
+
+def data_files(paths: list[Path]) -> list[Path]:
+    """FILE... where each is a file or a directory of them (recursively, sorted, hidden entries skipped)."""
+    if not paths:
+        raise CorpusError("no data given: pass --data FILE (a file or a directory of files)")
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(
+                f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            )
+            if not found:
+                raise CorpusError(f"{p}: directory holds no files to evaluate")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        elif p.exists():
+            raise CorpusError(f"{p}: not a regular file or directory")
+        else:
+            raise CorpusError(f"{p}: no such file or directory")
+        if len(out) > MAX_DATA_FILES:
+            raise CorpusError(f"more than {MAX_DATA_FILES} data files; pass fewer or larger files")
+    return out
+
+
+def read_data(path: Path) -> np.ndarray:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot read ({e.strerror})") from None
+    if len(data) < 2:
+        what = "empty data file" if not data else "data file of 1 byte"
+        raise CorpusError(f"{path}: {what}; need at least 2 bytes to score the bytes after the first")
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+@dataclass
+class FileScore:
+    path: str
+    bytes: int
+    nats_per_byte: float
+    seconds: float
+
+
+@dataclass
+class EvalReport:
+    top_k: int
+    uniform: bool
+    files: list[FileScore] = field(default_factory=list)
+    expert_windows: dict[int, int] = field(default_factory=dict)
+    expert_weight: dict[int, float] = field(default_factory=dict)
+    expert_bytes: dict[int, int] = field(default_factory=dict)
+    expert_nats_sum: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def nats_per_byte(self) -> float:
+        return sum(f.nats_per_byte * f.bytes for f in self.files) / self.bytes
+
+    @property
+    def seconds(self) -> float:
+        return sum(f.seconds for f in self.files)
+
+
+def evaluate(
+    dep: Deployment, paths: list[Path], top_k: int, temperature: float | None = None, uniform: bool = False
+) -> EvalReport:
+    """Routed mixture nats/byte of each file (each its own stream, routed from its own prior)."""
+    dep.check_top_k(top_k)
+    files = data_files(paths)
+    streams = [(f, read_data(f)) for f in files]  # every file is checked before any scoring starts
+    report = EvalReport(top_k, uniform)
+    for f, data in streams:
+        t0 = time.perf_counter()
+        r = dep.score(data, top_k, temperature, uniform)
+        report.files.append(FileScore(str(f), r.bytes, r.nats_per_byte, time.perf_counter() - t0))
+        for e, n in r.expert_windows.items():
+            report.expert_windows[e] = report.expert_windows.get(e, 0) + n
+            report.expert_weight[e] = report.expert_weight.get(e, 0.0) + r.expert_weight[e]
+            report.expert_bytes[e] = report.expert_bytes.get(e, 0) + r.expert_bytes[e]
+            report.expert_nats_sum[e] = report.expert_nats_sum.get(e, 0.0) + r.expert_nats[e] * r.expert_bytes[e]
+    return report
