@@ -1,0 +1,220 @@
+"""The run directory: everything one federated training run owns, and the lock that makes it one writer's.
+
+    RUN/run.toml             resolved config (written once, read by every later start)
+    RUN/router.msgpack       the predetermined router        \\  written by `prepare`
+    RUN/prepare.json         shards per expert and split      |
+    RUN/shards/<sha256>.bin  content-addressed data shards   /
+    RUN/experts/<e>/v<n>.msgpack   accepted expert versions (last `keep_versions` kept)
+    RUN/state.msgpack        round, versions, assignment: the commit point of a round
+    RUN/metrics.jsonl        one line per expert per round, one per round
+    RUN/status.json          live progress for `soma-coord start` to draw
+    RUN/logs/                logs of every process `start` launched
+    RUN/flwr/                FLWR_HOME of the embedded SuperLink and the `flwr` CLI
+    RUN/run.lock             held by the one ServerApp writing this directory
+
+Round r commits by writing state.msgpack last: expert files and metrics written before it are
+either overwritten by the same round's retry after a crash or truncated on resume, so a resumed run
+neither repeats nor skips a round.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import tomli_w
+
+from soma_edge import checkpoint, config as config_mod
+from soma_edge.config import Config
+from soma_edge.errors import CheckpointError, ConfigError, CorpusError
+
+STATE_KIND = "run_state"
+EXPERT_KIND = "expert"
+
+
+class RunLockedError(CheckpointError):
+    """Another live process holds the run directory."""
+
+
+class RunDir:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+
+    # --- paths ----------------------------------------------------------------------------------------
+    run_toml = property(lambda self: self.root / "run.toml")
+    router = property(lambda self: self.root / "router.msgpack")
+    prepare_json = property(lambda self: self.root / "prepare.json")
+    state_path = property(lambda self: self.root / "state.msgpack")
+    metrics_path = property(lambda self: self.root / "metrics.jsonl")
+    status_path = property(lambda self: self.root / "status.json")
+    logs = property(lambda self: self.root / "logs")
+    flwr_home = property(lambda self: self.root / "flwr")
+    lock_path = property(lambda self: self.root / "run.lock")
+
+    def expert_rel(self, expert: int, version: int) -> str:
+        return f"experts/{expert}/v{version}.msgpack"
+
+    # --- config and prepared data ---------------------------------------------------------------------
+
+    def has_config(self) -> bool:
+        return self.run_toml.exists()
+
+    def load_config(self) -> Config:
+        return config_mod.load(self.run_toml)
+
+    def save_config(self, cfg: Config) -> None:
+        checkpoint.atomic_write(self.run_toml, tomli_w.dumps(cfg.to_dict()).encode())
+
+    def is_prepared(self) -> bool:
+        return self.prepare_json.exists() and self.router.exists()
+
+    def load_prepare(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.prepare_json.read_text())
+        except OSError as e:
+            raise CorpusError(f"{self.prepare_json}: cannot read ({e.strerror}); run `soma-coord prepare` into {self.root}") from None
+        except ValueError as e:
+            raise CorpusError(f"{self.prepare_json}: not valid JSON ({e})") from None
+
+    def shard(self, sha: str) -> bytes:
+        path = self.root / "shards" / f"{sha}.bin"
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CorpusError(f"{path}: cannot read shard ({e.strerror})") from None
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise CorpusError(f"{path}: shard content does not match its sha256 name; re-run prepare")
+        return data
+
+    # --- experts --------------------------------------------------------------------------------------
+
+    def save_expert(self, body: dict[str, Any]) -> str:
+        rel = self.expert_rel(body["expert"], body["version"])
+        checkpoint.save(self.root / rel, body, EXPERT_KIND)
+        return rel
+
+    def load_expert(self, rel: str) -> dict[str, Any]:
+        return checkpoint.load(self.root / rel, EXPERT_KIND)
+
+    def prune(self, expert: int, keep: int, current: int) -> list[Path]:
+        """Delete all but the newest `keep` versions at or below `current` (and anything above it: a
+        version above the committed one is debris of a crashed round)."""
+        folder = self.root / "experts" / str(expert)
+        found = []
+        for p in folder.glob("v*.msgpack"):
+            try:
+                found.append((int(p.stem[1:]), p))
+            except ValueError:
+                continue
+        gone = [p for v, p in found if v > current or v <= current - keep]
+        for p in gone:
+            p.unlink(missing_ok=True)
+        return gone
+
+    # --- state and metrics ----------------------------------------------------------------------------
+
+    def load_state(self) -> dict[str, Any] | None:
+        if not self.state_path.exists():
+            return None
+        return checkpoint.load(self.state_path, STATE_KIND)
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        checkpoint.save(self.state_path, state, STATE_KIND)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        try:
+            text = self.metrics_path.read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn tail cannot happen with atomic rewrites, but never fail on a log
+        return out
+
+    def write_metrics(self, lines: list[dict[str, Any]]) -> None:
+        # The file is small (a line per expert per round), so each update rewrites it atomically.
+        text = "".join(json.dumps(line, default=_json_default) + "\n" for line in lines)
+        checkpoint.atomic_write(self.metrics_path, text.encode())
+
+    def truncate_metrics(self, last_round: int) -> None:
+        lines = self.read_metrics()
+        kept = [m for m in lines if int(m.get("round", 0)) <= last_round]
+        if len(kept) != len(lines):
+            self.write_metrics(kept)
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        checkpoint.atomic_write(self.status_path, json.dumps(status, default=_json_default).encode())
+
+    def read_status(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    # --- the lock -------------------------------------------------------------------------------------
+
+    @contextmanager
+    def lock(self, wait: float = 0.0) -> Iterator[None]:
+        """Exclusive hold on the run directory (flock: released by the kernel when the holder dies, even
+        by kill -9). Waits up to `wait` seconds for a previous holder to exit."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = self.lock_holder()
+                        raise RunLockedError(
+                            f"{self.root} is in use by another coordinator (pid {holder}); stop it first"
+                        ) from None
+                    time.sleep(0.2)
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def lock_holder(self) -> int | None:
+        try:
+            return int(self.lock_path.read_text().strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def is_locked(self) -> bool:
+        if not self.lock_path.exists():
+            return False
+        fd = os.open(self.lock_path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)

@@ -1,0 +1,79 @@
+"""Which expert trains on which node, and for how many steps: minimize the round's makespan, stay sticky.
+
+Experts are equal units of work. With node rates r_n (forward evaluations/s), giving each next expert to
+the node that would finish it first, argmin (k_n + 1) / r_n, minimizes the makespan max_n k_n / r_n for
+identical jobs on machines of different speeds. Those are the quotas k_n. Then an expert stays on the node
+it trained on last round whenever that node is live and has quota left, so its weights stay where they
+are (the node caches them; nothing is sent); only the remainder moves.
+
+Each node then gets a step budget that fills `round_seconds` of compute: steps = round_seconds * r_n /
+(2 K k_n), two forward passes per SPSA direction. A node that missed the last deadline is simply not
+among the live nodes, so its experts are redistributed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class Plan:
+    assignment: dict[int, int]  # expert -> node
+    steps: dict[int, int]  # expert -> SPSA steps this round
+    makespan: float  # predicted compute seconds of the slowest node
+    moved: list[int]  # experts whose node changed (weights must travel)
+
+
+def quotas(n_experts: int, rates: dict[int, float]) -> dict[int, int]:
+    """Experts per node minimizing the makespan (ties to the lower node id, for determinism)."""
+    if not rates:
+        raise ValueError("no live nodes to schedule on")
+    counts = {n: 0 for n in rates}
+    for _ in range(n_experts):
+        best = min(sorted(rates), key=lambda n: (counts[n] + 1) / max(rates[n], 1e-9))
+        counts[best] += 1
+    return counts
+
+
+def assign(experts: list[int], rates: dict[int, float], previous: dict[int, int]) -> dict[int, int]:
+    """Sticky assignment within the makespan-optimal quotas."""
+    left = quotas(len(experts), rates)
+    out: dict[int, int] = {}
+    for e in sorted(experts):
+        n = previous.get(e)
+        if n in left and left[n] > 0:
+            out[e] = n
+            left[n] -= 1
+    for e in sorted(experts):
+        if e in out:
+            continue
+        n = max(sorted(left), key=lambda n: (left[n], rates[n]))
+        out[e] = n
+        left[n] -= 1
+    return out
+
+
+def steps_for(rate: float, count: int, round_seconds: float, directions: int) -> int:
+    """SPSA steps per expert so that `count` experts fill `round_seconds` on a node of `rate` evals/s."""
+    return max(1, math.floor(round_seconds * rate / (2 * directions * max(count, 1))))
+
+
+def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], round_seconds: float,
+         directions: int) -> Plan:  # fmt: skip
+    assignment = assign(experts, rates, previous)
+    counts: dict[int, int] = {}
+    for n in assignment.values():
+        counts[n] = counts.get(n, 0) + 1
+    steps = {e: steps_for(rates[n], counts[n], round_seconds, directions) for e, n in assignment.items()}
+    span = max((sum(steps[e] for e, m in assignment.items() if m == n) * 2 * directions / rates[n]
+                for n in counts), default=0.0)  # fmt: skip
+    moved = sorted(e for e, n in assignment.items() if previous.get(e) != n)
+    return Plan(assignment=assignment, steps=steps, makespan=span, moved=moved)
+
+
+def update_rate(old: float, observed: float, weight: float = 0.5) -> float:
+    """Blend a node's rate with what it just achieved under real load (other workers on its box, etc.)."""
+    if observed <= 0 or not math.isfinite(observed):
+        return old
+    return observed if old <= 0 else (1 - weight) * old + weight * observed

@@ -1,0 +1,584 @@
+"""The SOMA coordinator as a Flower ServerApp: the round loop.
+
+Each round: find live nodes (`grid.get_node_ids()`), ask new ones for their capabilities, plan a sticky,
+makespan-minimizing assignment (`coordinator.scheduler`), send each node one message with all its
+experts (weights and shards only where its cache lacks them), collect replies until the round deadline,
+validate every result (`soma_edge.protocol.check_result`), checkpoint accepted versions atomically,
+compute val losses, and commit the round by writing state.msgpack last.
+
+A node that misses the deadline (killed, hung, too slow) is set aside until it answers a capability
+query again, so its experts go to others next round; Flower's own failure report would take ~60 s.
+Error replies come from node 1, so they are mapped to our messages by `reply_to_message_id`.
+
+Flower launches this process itself (next to the SuperLink), so progress goes to RUN/status.json and
+RUN/metrics.jsonl, which `soma-coord start` tails.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from soma_edge import __version__, params, protocol
+from soma_edge.config import Config
+from soma_edge.corpus import SEPARATOR, eval_windows
+from soma_edge.errors import CodecError, CorpusError, SomaError, ValidationError
+from coordinator import scheduler
+from coordinator.run import RunDir
+
+log = logging.getLogger("soma.coord")
+if not log.handlers:  # flwr-serverapp configures only Flower's logger; ours goes to the SuperLink's log
+    _h = logging.StreamHandler(sys.stderr)
+    _h.setFormatter(logging.Formatter("%(asctime)s soma.coord %(levelname)s %(message)s"))
+    log.addHandler(_h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+POLL_SECONDS = 0.5
+QUERY_SECONDS = 90.0  # a capability query includes the node's throughput probe
+MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-1 when N = 1)
+
+
+@dataclass
+class Node:
+    id: int
+    name: str = "?"
+    status: str = "new"  # new | querying | active | probation (missed a deadline) | excluded
+    rate: float = 0.0  # forward evaluations/s, probed then updated from real rounds
+    weights: set[str] = field(default_factory=set)  # version hashes its cache holds (as far as we know)
+    shards: set[str] = field(default_factory=set)
+    caps: dict[str, Any] = field(default_factory=dict)
+    query_mid: str | None = None
+    query_sent: float = 0.0
+
+
+@dataclass
+class Outgoing:
+    node: int
+    kind: str  # "query" | "train"
+    expected: protocol.Expected | None = None
+    bytes_down: int = 0
+    per_expert: dict[int, dict[str, int]] = field(default_factory=dict)  # expert -> weight/shard bytes sent
+
+
+class Coordinator:
+    def __init__(self, grid, run: RunDir, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+        self.grid, self.run = grid, run
+        self.clock, self.sleep = clock, sleep
+        self.nodes: dict[int, Node] = {}
+        self.out: dict[str, Outgoing] = {}  # message id -> what it was
+
+    # --- entry ----------------------------------------------------------------------------------------
+
+    def main(self, lock_wait: float = 60.0) -> dict[str, Any]:
+        with self.run.lock(wait=lock_wait):
+            return self._main()
+
+    def _main(self) -> dict[str, Any]:
+        run = self.run
+        self.cfg: Config = run.load_config()
+        fed = self.cfg.federation
+        self.prep = run.load_prepare()
+        state = run.load_state()
+        if state is None:
+            state = self._init_state()
+        self.state = state
+        run.truncate_metrics(state["round"])
+        self.metrics = run.read_metrics()
+        self.size = params.layout(self.cfg.model).size
+        self._val_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._evaluator = None
+        if state["round"] >= fed.rounds:
+            log.info("run %s already completed its %d rounds", run.root, fed.rounds)
+            self._status("done")
+            return state
+        log.info("run %s: resuming after round %d of %d" if state["round"] else "run %s: starting, round %d of %d",
+                 run.root, state["round"], fed.rounds)  # fmt: skip
+        self._wait_for_nodes(fed.min_nodes)
+        for r in range(state["round"] + 1, fed.rounds + 1):
+            self._round(r)
+        self._status("done")
+        log.info("run complete: %d rounds", fed.rounds)
+        return self.state
+
+    # --- state ----------------------------------------------------------------------------------------
+
+    def _init_state(self) -> dict[str, Any]:
+        """Version 0 of every expert: the same seeded initialization (a common start, as in c-BTM)."""
+        w = params.init(self.cfg.model, self.cfg.seed)
+        sha = protocol.weights_sha256(w)
+        experts = {}
+        for e in range(self.cfg.federation.experts):
+            body = {"expert": e, "version": 0, "sha256": sha, "config": self.cfg.to_dict(), "step": 0,
+                    "weights": w, "momentum": None, "val_loss": None}  # fmt: skip
+            rel = self.run.save_expert(body)
+            experts[str(e)] = {"version": 0, "sha256": sha, "path": rel, "step": 0, "train_loss": None,
+                               "val_loss": None, "node": None}  # fmt: skip
+        state = {"round": 0, "rounds": self.cfg.federation.rounds, "run_id": uuid.uuid4().hex, "experts": experts,
+                 "assignment": {}, "soma_version": __version__}  # fmt: skip
+        self.run.save_state(state)
+        return state
+
+    def expert_ids(self) -> list[int]:
+        return sorted(int(e) for e in self.state["experts"])
+
+    def current_sha(self) -> dict[int, str]:
+        return {int(e): x["sha256"] for e, x in self.state["experts"].items()}
+
+    # --- talking to nodes -----------------------------------------------------------------------------
+
+    def _live_ids(self) -> set[int]:
+        return {int(n) for n in self.grid.get_node_ids()}
+
+    def _message(self, body: dict[str, Any], kind: str, node: int, message_type: str):
+        from flwr.app import Message
+
+        return Message(protocol.pack(body, kind), dst_node_id=node, message_type=message_type)
+
+    def _push(self, items: list[tuple[Any, Outgoing]]) -> None:
+        if not items:
+            return
+        mids = list(self.grid.push_messages([m for m, _ in items]))
+        for mid, (m, o) in zip(mids, items):
+            o.bytes_down = protocol.payload_bytes(m.content)
+            self.out[mid] = o
+            if o.kind == "query":
+                self.nodes[o.node].query_mid = mid
+                self.nodes[o.node].query_sent = self.clock()
+
+    def _query_new_nodes(self) -> None:
+        """Send a capability query to every live node we have not heard from (or that missed a deadline)."""
+        live = self._live_ids()
+        items = []
+        for nid in sorted(live):
+            node = self.nodes.setdefault(nid, Node(id=nid))
+            stale = node.query_mid is not None and self.clock() - node.query_sent > QUERY_SECONDS
+            if node.status in ("new", "probation", "gone") or (node.status == "querying" and stale):
+                if stale:
+                    self.out.pop(node.query_mid, None)
+                body = protocol.capability_query(self.cfg.to_dict(), self.state["run_id"])
+                items.append((self._message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES),
+                              Outgoing(node=nid, kind="query")))  # fmt: skip
+                node.status = "querying"
+        self._push(items)
+
+    def _pull(self, handle_train: Callable[[str, Any, Outgoing], None]) -> None:
+        """Pull replies for every outstanding message once; dispatch them."""
+        if not self.out:
+            return
+        for reply in self.grid.pull_messages(list(self.out)):
+            mid = reply.metadata.reply_to_message_id
+            o = self.out.pop(mid, None)
+            if o is None:
+                log.warning("reply to an unknown message %r from node %s ignored", mid, reply.metadata.src_node_id)
+                continue
+            if o.kind == "query":
+                self._on_capabilities(reply, o)
+            else:
+                handle_train(mid, reply, o)
+
+    def _on_capabilities(self, reply, o: Outgoing) -> None:
+        node = self.nodes[o.node]
+        node.query_mid = None
+        if reply.has_error():
+            log.warning("node %s did not answer the capability query: %s", o.node, reply.error.reason)
+            node.status = "probation"
+            return
+        try:
+            if reply.metadata.src_node_id != o.node:
+                raise ValidationError(f"capabilities for node {o.node} came from node {reply.metadata.src_node_id}")
+            caps = protocol.unpack(reply.content, protocol.KIND_CAPS, protocol.SMALL_BYTES)
+            rate = float(caps["evals_per_s"])
+            if not np.isfinite(rate) or rate <= 0:
+                raise ValidationError(f"throughput {rate!r} is not a positive number")
+        except (CodecError, ValidationError, KeyError, TypeError, ValueError) as e:
+            log.warning("node %s: bad capability reply (%s); excluded", o.node, e)
+            node.status = "excluded"
+            return
+        node.name = str(caps.get("name", o.node))
+        node.caps = {k: v for k, v in caps.items() if k != "cache"}
+        if caps.get("soma_version") != __version__:
+            log.warning("node %s (%s) runs soma-edge %s but the coordinator runs %s: excluded",
+                        o.node, node.name, caps.get("soma_version"), __version__)  # fmt: skip
+            node.status = "excluded"
+            return
+        inv = caps.get("cache") or {}
+        node.weights = set(inv.get("weights", []))
+        node.shards = set(inv.get("shards", []))
+        node.rate = rate if node.rate <= 0 else node.rate
+        node.status = "active"
+        log.info("node %s (%s) active: %.1f forward evals/s on %s, torch importable: %s, cache: %d versions, %d shards",
+                 o.node, node.name, rate, (caps.get("providers") or ["?"])[0], caps.get("torch_importable"),
+                 len(node.weights), len(node.shards))  # fmt: skip
+
+    def _active(self) -> dict[int, Node]:
+        live = self._live_ids()
+        for nid, node in self.nodes.items():
+            if nid not in live and node.status in ("active", "querying"):
+                log.warning("node %s (%s) left the federation", nid, node.name)
+                node.status = "gone"
+        return {nid: n for nid, n in self.nodes.items() if n.status == "active" and nid in live}
+
+    def _wait_for_nodes(self, want: int) -> dict[int, Node]:
+        fed = self.cfg.federation
+        deadline = self.clock() + fed.wait_seconds
+        self._status("waiting", message=f"waiting for {want} worker(s)")
+        while True:
+            self._query_new_nodes()
+            self._pull(lambda mid, reply, o: None)
+            active = self._active()
+            if len(active) >= want:
+                return active
+            if self.clock() >= deadline:
+                if active:
+                    log.warning("only %d of %d wanted workers after %.0f s; going on", len(active), want, fed.wait_seconds)
+                    return active
+                raise SomaError(f"no worker joined within {fed.wait_seconds:.0f} s: start `soma-worker join "
+                                f"--coordinator HOST:PORT` on a worker box (or use --local-workers)")  # fmt: skip
+            self.sleep(POLL_SECONDS)
+
+    # --- one round ------------------------------------------------------------------------------------
+
+    def _previous(self, active: dict[int, Node]) -> dict[int, int]:
+        """Where each expert's current version already is: last round's node, else any node caching it."""
+        prev: dict[int, int] = {}
+        last = {int(e): n for e, n in self.state.get("assignment", {}).items()}
+        by_name = {n.name: nid for nid, n in active.items()}
+        for e, sha in self.current_sha().items():
+            nid = last.get(e)
+            if isinstance(nid, str):
+                nid = by_name.get(nid)
+            if nid in active and sha in active[nid].weights:
+                prev[e] = nid
+                continue
+            holders = sorted(nid for nid, n in active.items() if sha in n.weights)
+            if holders:
+                prev[e] = holders[0]
+        return prev
+
+    def _tasks_for(self, r: int, nid: int, experts: list[int], steps: dict[int, int]) -> tuple[Any, Outgoing]:
+        node = self.nodes[nid]
+        from coordinator.prepare import expert_shards
+
+        tasks, shards, per_expert, exp_tasks = [], {}, {}, {}
+        for e in experts:
+            x = self.state["experts"][str(e)]
+            send_w = x["sha256"] not in node.weights
+            body = self.run.load_expert(x["path"]) if send_w else None
+            hashes = list(expert_shards(self.prep, e, "train"))
+            if not hashes:
+                raise CorpusError(f"expert {e} has no train shards in {self.run.prepare_json}")
+            sent_shard_bytes = 0
+            for h in hashes:
+                if h not in node.shards and h not in shards:
+                    shards[h] = self.run.shard(h)
+                    sent_shard_bytes += len(shards[h])
+            w = body["weights"] if body else None
+            m = body.get("momentum") if body else None
+            tasks.append(protocol.task(expert=e, version=x["version"], base_sha256=x["sha256"], step=x["step"],
+                                       steps=steps[e], shards=hashes, weights=w, momentum=m))  # fmt: skip
+            exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e]}
+            per_expert[e] = {"weights": 0 if w is None else w.nbytes + (0 if m is None else m.nbytes),
+                             "shards": sent_shard_bytes}  # fmt: skip
+        fed = self.cfg.federation
+        body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=self.cfg.to_dict(),
+                                      reply_dtype=fed.reply_dtype, max_seconds=fed.round_seconds * 1.1,
+                                      tasks=tasks, shards=shards)  # fmt: skip
+        expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=self.size, reply_dtype=fed.reply_dtype)
+        msg = self._message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
+        return msg, Outgoing(node=nid, kind="train", expected=expected, per_expert=per_expert)
+
+    def _round(self, r: int) -> None:
+        fed = self.cfg.federation
+        t_round = self.clock()
+        self._query_new_nodes()
+        self._pull(lambda mid, reply, o: None)
+        active = self._active()
+        if not active:
+            active = self._wait_for_nodes(1)
+        rates = {nid: n.rate for nid, n in active.items()}
+        plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
+                              self.cfg.spsa.directions)  # fmt: skip
+        by_node: dict[int, list[int]] = {}
+        for e, nid in sorted(plan.assignment.items()):
+            by_node.setdefault(nid, []).append(e)
+        log.info("round %d/%d: %s (predicted compute %.1f s; moved: %s)", r, fed.rounds,
+                 ", ".join(f"{self.nodes[n].name}<-{es}" for n, es in by_node.items()), plan.makespan,
+                 plan.moved or "none")  # fmt: skip
+
+        items = [self._tasks_for(r, nid, es, plan.steps) for nid, es in sorted(by_node.items())]
+        self._push(items)
+        train_mids = {mid for mid, o in self.out.items() if o.kind == "train"}
+        deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack
+        t_sent = self.clock()
+        ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=t_sent)
+        self._status("round", round=r, started=time.time(), deadline_in=deadline - self.clock(),
+                     assignment={str(e): self.nodes[n].name for e, n in plan.assignment.items()})  # fmt: skip
+
+        while self.clock() < deadline and any(mid in self.out for mid in train_mids | ctx.resent):
+            self._pull(lambda mid, reply, o: self._on_train(mid, reply, o, ctx))
+            if any(mid in self.out for mid in train_mids | ctx.resent):
+                self.sleep(POLL_SECONDS)
+        ctx.t_done = self.clock()
+        for mid in sorted(train_mids | ctx.resent):
+            o = self.out.pop(mid, None)
+            if o is None:
+                continue
+            node = self.nodes[o.node]
+            log.warning("round %d: node %s (%s) missed the deadline; its experts %s move next round",
+                        r, o.node, node.name, sorted(o.expected.tasks))  # fmt: skip
+            node.status = "probation"
+            for e in o.expected.tasks:
+                ctx.failed.setdefault(e, f"node {node.name} missed the round deadline")
+        self._commit(r, ctx, t_round)
+
+    def _on_train(self, mid: str, reply, o: Outgoing, ctx: "_RoundCtx") -> None:
+        node, exp = self.nodes[o.node], o.expected
+        ctx.bytes_down += o.bytes_down
+        if reply.has_error():
+            log.warning("round %d: node %s (%s) failed: code %s, %s", ctx.r, o.node, node.name,
+                        reply.error.code, reply.error.reason)  # fmt: skip
+            node.status = "probation"
+            for e in exp.tasks:
+                ctx.failed.setdefault(e, f"node {node.name} error {reply.error.code}")
+            return
+        ctx.bytes_up += protocol.payload_bytes(reply.content)
+        try:
+            body = protocol.unpack(reply.content, protocol.KIND_REPLY, exp.max_reply_bytes())
+            protocol.check_reply_header(body, exp, reply.metadata.src_node_id)
+        except (CodecError, ValidationError) as err:
+            self._reject(ctx, node, list(exp.tasks), str(err))
+            return
+        node.caps["torch_importable"] = body.get("torch_importable")
+        seen, evals, secs = set(), 0, 0.0
+        for res in body["results"]:
+            e = res.get("expert") if isinstance(res, dict) else None
+            try:
+                if e in seen:
+                    raise ValidationError(f"expert {e} appears twice in one reply")
+                w = protocol.check_result(res, exp, self.current_sha())
+            except ValidationError as err:
+                self._reject(ctx, node, [e], str(err))
+                continue
+            seen.add(e)
+            self._accept(ctx, node, res, w, o.per_expert.get(e, {}), body)
+            evals += int(res.get("forward_evals", 0))
+            secs += float(res.get("seconds", 0.0))
+        if secs > 0:
+            node.rate = scheduler.update_rate(node.rate, evals / secs)
+        ctx.compute[node.name] = ctx.compute.get(node.name, 0.0) + secs
+        for err in body.get("errors") or []:
+            log.warning("round %d: node %s (%s) reports: %s", ctx.r, o.node, node.name, err)
+        missing = body.get("missing") or {}
+        node.weights -= set(missing.get("weights") or [])
+        node.shards -= set(missing.get("shards") or [])
+        redo = [e for e in exp.tasks if e not in seen and e not in ctx.failed]
+        if redo and (missing.get("weights") or missing.get("shards")):
+            self._resend(ctx, o.node, redo)
+        for e in redo:
+            if e not in ctx.accepted and e not in ctx.failed and e not in ctx.pending_resend:
+                ctx.failed[e] = f"node {node.name} returned no result"
+
+    def _resend(self, ctx: "_RoundCtx", nid: int, experts: list[int]) -> None:
+        """The node lacked something it was assumed to cache: send again, with the payload, if time allows."""
+        fed = self.cfg.federation
+        left = ctx.deadline - self.clock() - fed.deadline_slack
+        if left < fed.round_seconds * 0.25:
+            for e in experts:
+                ctx.failed.setdefault(e, "node lacked cached data and too little round time was left to resend")
+            return
+        scale = left / (fed.round_seconds * fed.deadline_factor)
+        steps = {e: max(1, int(ctx.plan.steps[e] * min(1.0, scale))) for e in experts}
+        msg, o = self._tasks_for(ctx.r, nid, experts, steps)
+        log.info("round %d: resending %s to node %s with their payload (cache miss)", ctx.r, experts, nid)
+        before = set(self.out)
+        self._push([(msg, o)])
+        ctx.resent |= set(self.out) - before
+        ctx.pending_resend |= set(experts)
+
+    def _reject(self, ctx: "_RoundCtx", node: Node, experts: list, reason: str) -> None:
+        for e in experts:
+            log.warning("round %d: rejected expert %s from node %s (%s): %s", ctx.r, e, node.id, node.name, reason)
+            ctx.rejected.append({"expert": e, "node": node.name, "node_id": node.id, "reason": reason})
+            if isinstance(e, int) and e in ctx.plan.assignment:
+                ctx.failed.setdefault(e, f"rejected: {reason}")
+
+    def _accept(self, ctx: "_RoundCtx", node: Node, res: dict, w: np.ndarray, sent: dict[str, int],
+                reply: dict) -> None:  # fmt: skip
+        e = res["expert"]
+        val = self._val_loss(e, protocol.decode_weights(w))
+        body = {"expert": e, "version": res["version"], "sha256": res["sha256"], "config": self.cfg.to_dict(),
+                "step": res["step"], "weights": w, "momentum": res.get("momentum"), "val_loss": val}  # fmt: skip
+        rel = self.run.save_expert(body)
+        self.state["experts"][str(e)] = {"version": res["version"], "sha256": res["sha256"], "path": rel,
+                                         "step": res["step"], "train_loss": float(res["train_loss"]),
+                                         "val_loss": val, "node": node.name}  # fmt: skip
+        node.weights.add(res["sha256"])
+        node.shards |= set(self._train_shards(e))
+        ctx.accepted[e] = {
+            "type": "expert", "round": ctx.r, "expert": e, "accepted": True, "version": res["version"],
+            "sha256": res["sha256"], "node": node.name, "node_id": node.id, "train_loss": float(res["train_loss"]),
+            "val_loss": val, "steps": res["steps"], "forward_evals": int(res.get("forward_evals", 0)),
+            "seconds": float(res.get("seconds", 0.0)),
+            "steps_per_s": res["steps"] / res["seconds"] if res.get("seconds") else None,
+            "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
+            "weights_bytes_up": int(w.nbytes), "torch_importable": reply.get("torch_importable"),
+        }  # fmt: skip
+        ctx.failed.pop(e, None)
+        ctx.pending_resend.discard(e)
+        log.info("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
+                 ctx.r, e, res["version"], node.name, res["train_loss"], val, res["steps"], res.get("seconds", 0))  # fmt: skip
+        self._status("round", round=ctx.r)
+
+    def _train_shards(self, e: int) -> list[str]:
+        from coordinator.prepare import expert_shards
+
+        return list(expert_shards(self.prep, e, "train"))
+
+    # --- evaluation -----------------------------------------------------------------------------------
+
+    def _val_stream(self, e: int) -> np.ndarray:
+        from coordinator.prepare import expert_shards
+
+        data = [self.run.shard(h) for h in expert_shards(self.prep, e, "val")]
+        stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
+        if stream.size <= self.cfg.data.seq_len + 1:  # a cluster with almost no held-out text: use all of it
+            data = [self.run.shard(h) for x in self.expert_ids() for h in expert_shards(self.prep, x, "val")]
+            stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
+        return stream
+
+    def _val_loss(self, e: int, weights: np.ndarray) -> float:
+        from soma_edge.runtime import LossEvaluator, mean_loss
+
+        if e not in self._val_cache:
+            self._val_cache[e] = eval_windows(self._val_stream(e), self.cfg.data.seq_len,
+                                              self.cfg.federation.val_windows)  # fmt: skip
+        if self._evaluator is None:
+            # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
+            self._evaluator = LossEvaluator(self.cfg.model, "cpu", 1, False)
+        x, y = self._val_cache[e]
+        return float(mean_loss(self._evaluator, weights, x, y))
+
+    def _mixture_val_loss(self) -> float | None:
+        """Routed-mixture nats/byte of the whole model on held-out text (None if it cannot be computed)."""
+        from soma_edge import mixture
+        from soma_edge import router as router_mod
+        from soma_edge.graph import build
+        from soma_edge.runtime import make_session
+
+        try:
+            router = self._router = getattr(self, "_router", None) or router_mod.load(self.run.router)
+            seq = self.cfg.data.seq_len
+            per = self.cfg.federation.val_windows * seq
+            data = np.concatenate([self._val_stream(e)[:per] for e in self.expert_ids()])
+            fns = {}
+            for e in self.expert_ids():
+                w = protocol.decode_weights(self.run.load_expert(self.state["experts"][str(e)]["path"])["weights"])
+                sess = make_session(build(self.cfg.model, "logprobs", weights=w), "cpu", 1, False)
+                fns[e] = lambda x, s=sess: s.run(None, {"x": x})[0]
+            top_k = min(MIXTURE_TOP_K, len(fns))
+            return float(mixture.evaluate(router, fns, data, seq, top_k, router.temperature).nats_per_byte)
+        except (SomaError, AttributeError, ValueError, OSError) as e:
+            log.warning("routed-mixture val loss failed: %s", e)
+            return None
+
+    # --- commit ---------------------------------------------------------------------------------------
+
+    def _commit(self, r: int, ctx: "_RoundCtx", t_round: float) -> None:
+        fed = self.cfg.federation
+        lines = []
+        for e in self.expert_ids():
+            if e in ctx.accepted:
+                lines.append(ctx.accepted[e])
+            else:
+                x = self.state["experts"][str(e)]
+                lines.append({"type": "expert", "round": r, "expert": e, "accepted": False,
+                              "reason": ctx.failed.get(e, "not trained this round"), "version": x["version"],
+                              "sha256": x["sha256"], "node": self.nodes[ctx.plan.assignment[e]].name,
+                              "val_loss": x.get("val_loss"), "train_loss": x.get("train_loss"), "steps": 0,
+                              "forward_evals": 0, "seconds": 0.0})  # fmt: skip
+        mix = self._mixture_val_loss()
+        vals = [self.state["experts"][str(e)]["val_loss"] for e in self.expert_ids()]
+        vals = [v for v in vals if v is not None]
+        wall = max(ctx.t_done - ctx.t_sent, 1e-9)
+        round_total = self.clock() - t_round
+        nodes = sorted({self.nodes[n].name for n in ctx.plan.assignment.values()})
+        lines.append({
+            "type": "round", "round": r, "rounds": fed.rounds, "accepted": len(ctx.accepted),
+            "rejected": ctx.rejected, "missed": sorted(ctx.failed), "val_loss_mean": float(np.mean(vals)) if vals else None,
+            "mixture_val_loss": mix, "wall_seconds": wall, "round_seconds_total": round_total,
+            "compute_seconds": ctx.compute, "compute_share": (sum(ctx.compute.values()) / (len(nodes) * round_total))
+            if nodes else 0.0, "predicted_makespan": ctx.plan.makespan, "moved": ctx.plan.moved,
+            "bytes_down": ctx.bytes_down, "bytes_up": ctx.bytes_up, "nodes": nodes, "time": time.time(),
+        })  # fmt: skip
+        self.metrics = [m for m in self.metrics if int(m.get("round", 0)) < r] + lines
+        self.run.write_metrics(self.metrics)
+        self.state["round"] = r
+        self.state["assignment"] = {str(e): self.nodes[n].name for e, n in ctx.plan.assignment.items()}
+        self.run.save_state(self.state)  # the commit point
+        for e in self.expert_ids():
+            self.run.prune(e, fed.keep_versions, self.state["experts"][str(e)]["version"])
+        log.info("round %d/%d committed: %d/%d experts advanced, mean val %.4f, mixture val %s, compute share %.0f%%",
+                 r, fed.rounds, len(ctx.accepted), len(self.expert_ids()), lines[-1]["val_loss_mean"] or float("nan"),
+                 "n/a" if mix is None else f"{mix:.4f}", 100 * lines[-1]["compute_share"])  # fmt: skip
+        self._status("committed", round=r)
+
+    def _status(self, phase: str, **extra: Any) -> None:
+        st = getattr(self, "state", None) or {}
+        self.run.write_status({
+            "phase": phase, "pid": _pid(), "time": time.time(), "round": st.get("round", 0),
+            "rounds": self.cfg.federation.rounds if hasattr(self, "cfg") else None,
+            "round_seconds": self.cfg.federation.round_seconds if hasattr(self, "cfg") else None,
+            "experts": st.get("experts", {}),
+            "nodes": {str(n.id): {"name": n.name, "status": n.status, "rate": n.rate,
+                                  "torch_importable": n.caps.get("torch_importable")} for n in self.nodes.values()},
+            **extra,
+        })  # fmt: skip
+
+
+@dataclass
+class _RoundCtx:
+    r: int
+    plan: scheduler.Plan
+    deadline: float
+    t_sent: float
+    t_done: float = 0.0
+    accepted: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    compute: dict[str, float] = field(default_factory=dict)
+    resent: set[str] = field(default_factory=set)
+    pending_resend: set[int] = field(default_factory=set)
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _make_app():
+    from flwr.serverapp import ServerApp
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context) -> None:
+        run_dir = str(context.run_config.get("run-dir", "")).strip()
+        if not run_dir:
+            raise SomaError("run config 'run-dir' is empty: pass --run-config \"run-dir='/path/to/RUN'\" to flwr run")
+        Coordinator(grid, RunDir(run_dir)).main()
+
+    return server
+
+
+app = _make_app()

@@ -1,0 +1,191 @@
+"""The federation's message schema, shared by the coordinator and the worker, and the checks on replies.
+
+Every Flower message of ours carries one bounded, schema-versioned `codec` body as the bytes of a single
+Flower `Array` (stype `soma/msgpack`), so Flower chunks large weights for us and nothing is ever
+unpickled. Two exchanges exist:
+
+- `query.capabilities`: CapabilityQuery -> Capabilities (version, providers, memory, measured forward
+  evaluations/s for the run's model shape, and what the worker's disk cache holds).
+- `train`: TrainRequest (one per node per round, one Task per expert it trains) -> TrainReply (one
+  Result per task, or what the worker was missing).
+
+The coordinator trusts nothing in a reply: `check_result` verifies node, expert, base version hash,
+shape, dtype, finiteness, loss and the claimed sha256 before a version is accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from soma_edge import __version__, codec
+from soma_edge.errors import CodecError, ValidationError
+
+PROTOCOL = 1  # bump on any incompatible change of the bodies below
+STYPE = "soma/msgpack"
+RECORD = "soma"
+QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")
+TRAIN = "train"
+KIND_QUERY, KIND_CAPS = "capability_query", "capabilities"
+KIND_TRAIN, KIND_REPLY = "train_request", "train_reply"
+REPLY_DTYPES = ("float32", "float16")
+SMALL_BYTES = 1 << 20  # queries and capability replies are tiny; refuse anything larger
+
+
+def weights_sha256(weights: np.ndarray) -> str:
+    """The identity of an expert version: sha256 of the weight bytes exactly as stored and sent."""
+    return hashlib.sha256(np.ascontiguousarray(weights).tobytes()).hexdigest()
+
+
+def shard_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- Flower records <-> bodies -------------------------------------------------------------------------
+
+
+def pack(body: dict[str, Any], kind: str):
+    """A Flower RecordDict holding `body` as one codec blob."""
+    from flwr.app import Array, ArrayRecord, RecordDict
+
+    data = codec.encode({"protocol": PROTOCOL, **body}, kind)
+    return RecordDict({RECORD: ArrayRecord({"body": Array(dtype="uint8", shape=(len(data),), stype=STYPE, data=data)})})
+
+
+def unpack(content, kind: str, max_bytes: int = codec.MAX_BYTES) -> dict[str, Any]:
+    """The body of a RecordDict made by `pack`; CodecError when it is not one, is too big, or is another protocol."""
+    try:
+        arr = content[RECORD]["body"]
+    except (KeyError, TypeError):
+        raise CodecError(f"{kind}: not a soma-edge message (no '{RECORD}' record)") from None
+    if getattr(arr, "stype", None) != STYPE:
+        raise CodecError(f"{kind}: unexpected payload type {getattr(arr, 'stype', None)!r}")
+    body = codec.decode(bytes(arr.data), kind, max_bytes)
+    if not isinstance(body, dict):
+        raise CodecError(f"{kind}: body is not a map")
+    if body.get("protocol") != PROTOCOL:
+        raise CodecError(f"{kind}: protocol {body.get('protocol')!r}, this soma-edge speaks {PROTOCOL}")
+    return body
+
+
+def payload_bytes(content) -> int:
+    """Size of the codec blob in a packed RecordDict (what actually moved), 0 if none."""
+    try:
+        return len(content[RECORD]["body"].data)
+    except (KeyError, TypeError, AttributeError):
+        return 0
+
+
+# --- bodies ---------------------------------------------------------------------------------------------
+
+
+def capability_query(config: dict[str, Any], run_id: str) -> dict[str, Any]:
+    return {"soma_version": __version__, "run_id": run_id, "config": config}
+
+
+def train_request(
+    *, round: int, node: int, run_id: str, config: dict[str, Any], reply_dtype: str, max_seconds: float,
+    tasks: list[dict[str, Any]], shards: dict[str, bytes],
+) -> dict[str, Any]:  # fmt: skip
+    """One node's work for one round. `shards` holds only the shard bytes the node does not have."""
+    return {
+        "soma_version": __version__, "round": round, "node": node, "run_id": run_id, "config": config,
+        "reply_dtype": reply_dtype, "max_seconds": float(max_seconds), "tasks": tasks, "shards": shards,
+    }  # fmt: skip
+
+
+def task(
+    *, expert: int, version: int, base_sha256: str, step: int, steps: int, shards: list[str],
+    weights: np.ndarray | None = None, momentum: np.ndarray | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
+
+    `weights` is None when the node already holds that version in its cache: an unchanged assignment
+    moves no weights."""
+    return {
+        "expert": expert, "version": version, "base_sha256": base_sha256, "step": step, "steps": steps,
+        "shards": list(shards), "weights": weights, "momentum": momentum,
+    }  # fmt: skip
+
+
+@dataclass
+class Expected:
+    """What the coordinator sent one node, so that its reply can be checked against it."""
+
+    node: int
+    round: int
+    tasks: dict[int, dict[str, Any]]  # expert -> {"version", "base_sha256", "step", "steps"}
+    size: int  # parameters per expert
+    reply_dtype: str
+
+    def max_reply_bytes(self) -> int:
+        # weights (+ momentum) per task, plus generous room for metrics; bigger replies are refused unread
+        per = self.size * 4 * 2 + 64 * 1024
+        return len(self.tasks) * per + SMALL_BYTES
+
+
+def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> None:
+    """The parts of a reply that concern the whole message: whose it is and which round."""
+    if src_node != exp.node or body.get("node") != exp.node:
+        raise ValidationError(
+            f"reply for node {exp.node} came from node {src_node} claiming node {body.get('node')!r}"
+        )
+    if body.get("round") != exp.round:
+        raise ValidationError(f"reply is for round {body.get('round')!r}, expected round {exp.round}")
+    if not isinstance(body.get("results"), list):
+        raise ValidationError("reply has no results list")
+
+
+def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.ndarray:
+    """Validate one expert's result; returns its weights (exactly as received) or raises ValidationError.
+
+    `current_sha` is the coordinator's current accepted version hash per expert."""
+    if not isinstance(res, dict):
+        raise ValidationError("result is not a map")
+    e = res.get("expert")
+    if not isinstance(e, int) or isinstance(e, bool):
+        raise ValidationError(f"result names no expert ({e!r})")
+    if e not in current_sha:
+        raise ValidationError(f"unknown expert {e}")
+    if e not in exp.tasks:
+        raise ValidationError(f"expert {e} was not assigned to node {exp.node} this round")
+    sent = exp.tasks[e]
+    if res.get("base_sha256") != current_sha[e] or sent["base_sha256"] != current_sha[e]:
+        raise ValidationError(
+            f"expert {e}: stale base version {str(res.get('base_sha256'))[:12]}, current is {current_sha[e][:12]}"
+        )
+    if res.get("version") != sent["version"] + 1:
+        raise ValidationError(f"expert {e}: version {res.get('version')!r}, expected {sent['version'] + 1}")
+    steps = res.get("steps")
+    if not isinstance(steps, int) or not 1 <= steps <= sent["steps"]:
+        raise ValidationError(f"expert {e}: ran {steps!r} steps, asked for 1..{sent['steps']}")
+    if res.get("step") != sent["step"] + steps:
+        raise ValidationError(f"expert {e}: step counter {res.get('step')!r}, expected {sent['step'] + steps}")
+    w = res.get("weights")
+    if not isinstance(w, np.ndarray):
+        raise ValidationError(f"expert {e}: weights missing")
+    if w.dtype.name != exp.reply_dtype:
+        raise ValidationError(f"expert {e}: weights are {w.dtype.name}, expected {exp.reply_dtype}")
+    if w.shape != (exp.size,):
+        raise ValidationError(f"expert {e}: weights have shape {list(w.shape)}, expected [{exp.size}]")
+    if not np.isfinite(w).all():
+        raise ValidationError(f"expert {e}: weights contain NaN or infinity")
+    m = res.get("momentum")
+    if m is not None and (not isinstance(m, np.ndarray) or m.shape != (exp.size,) or m.dtype != np.float32
+                          or not np.isfinite(m).all()):  # fmt: skip
+        raise ValidationError(f"expert {e}: momentum is not a finite float32[{exp.size}]")
+    loss = res.get("train_loss")
+    if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
+        raise ValidationError(f"expert {e}: train loss {loss!r} is not finite")
+    if res.get("sha256") != weights_sha256(w):
+        raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
+    return w
+
+
+def decode_weights(w: np.ndarray) -> np.ndarray:
+    """Training always runs in float32, whatever dtype a version was stored in."""
+    return np.ascontiguousarray(w, dtype=np.float32)

@@ -1,0 +1,396 @@
+"""The round loop, reply validation, scheduler and worker cache, with a fake Flower Grid.
+
+The fake Grid hands each message straight to the real ClientApp (`worker.client_app.app`), which trains
+for real on ORT; only Flower's transport is replaced. Real-process tests are in test_e2e_federation.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid
+
+from coordinator import scheduler
+from coordinator.run import RunDir, RunLockedError
+from coordinator.server_app import Coordinator
+from soma_edge import checkpoint, protocol
+from soma_edge import config as config_mod
+from soma_edge.errors import CheckpointError, CodecError, ValidationError
+from worker import client_app
+from worker.cache import Cache
+
+TINY = {
+    "model": {"embed": 8, "hidden": 16, "layers": 1},
+    "data": {"batch": 2, "seq_len": 32},
+    "spsa": {"directions": 2, "lr": 5e-3, "warmup_steps": 0},
+    "device": "cpu",
+    "federation": {"experts": 4, "rounds": 2, "round_seconds": 0.4, "deadline_factor": 1.0,
+                   "deadline_slack": 3.0, "val_windows": 4, "min_nodes": 2, "wait_seconds": 5.0},
+}  # fmt: skip
+
+
+class FakeGrid(Grid):
+    """Delivers each pushed message to the real ClientApp of its node when pulled."""
+
+    def __init__(self, root: Path, names: list[str], tamper=None):
+        from flwr.supercore.task_identity import TaskIdentity
+
+        # What flwr-serverapp sets before calling the ServerApp; Message() reads it.
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.nodes = {1000 + i: {"name": n, "cache": str(root / n), "device": "cpu", "threads": 1, "spin": 0,
+                                 "probe-seconds": 0.05} for i, n in enumerate(names)}  # fmt: skip
+        self.dead: set[int] = set()  # nodes that never answer (killed mid-round)
+        self.gone: set[int] = set()  # nodes no longer listed
+        self.tamper = tamper  # fn(node_id, body) -> body, applied to train replies
+        self.pending: dict[str, Message] = {}
+        self.sent: list[Message] = []
+
+    def set_run(self, run):
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type)
+
+    def get_node_ids(self):
+        return [n for n in self.nodes if n not in self.gone]
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            mid = uuid.uuid4().hex
+            m.metadata.__dict__["_message_id"] = mid
+            self.pending[mid] = m
+            self.sent.append(m)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        out = []
+        for mid in list(message_ids):
+            m = self.pending.get(mid)
+            if m is None or m.metadata.dst_node_id in self.dead:
+                continue
+            del self.pending[mid]
+            nid = m.metadata.dst_node_id
+            ctx = Context(run_id=1, node_id=nid, node_config=self.nodes[nid], state=RecordDict(), run_config={})
+            reply = client_app.app(m, ctx)
+            if self.tamper and m.metadata.message_type == protocol.TRAIN:
+                body = protocol.unpack(reply.content, protocol.KIND_REPLY)
+                reply = Message(protocol.pack(self.tamper(nid, body), protocol.KIND_REPLY), reply_to=m)
+            reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            out.append(reply)
+        return out
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A prepared run directory on a small corpus (a slice of the standard library), shared read-only."""
+    import sysconfig
+
+    from coordinator.prepare import prepare
+
+    src = tmp_path_factory.mktemp("corpus")
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ["argparse.py", "textwrap.py", "string.py", "shlex.py", "csv.py", "fractions.py", "heapq.py",
+                 "bisect.py", "calendar.py", "difflib.py", "glob.py", "fnmatch.py"]:  # fmt: skip
+        (src / f"{name}.txt").write_bytes((lib / name).read_bytes())
+    run = tmp_path_factory.mktemp("prepared") / "run"
+    prepare(str(src), 4, run, seed=0, progress=False)
+    return run
+
+
+@pytest.fixture
+def run(prepared, tmp_path):
+    dest = tmp_path / "run"
+    shutil.copytree(prepared, dest)
+    rd = RunDir(dest)
+    rd.save_config(config_mod.from_dict(TINY))
+    return rd
+
+
+def _hashes(root: Path, subdirs=("experts", "shards")) -> dict[str, str]:
+    out = {}
+    for sub in subdirs:
+        for p in sorted((root / sub).rglob("*")):
+            if p.is_file():
+                out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    for name in ("router.msgpack", "prepare.json", "run.toml"):
+        out[name] = hashlib.sha256((root / name).read_bytes()).hexdigest()
+    return out
+
+
+def _set(rd: RunDir, **fed) -> None:
+    cfg = rd.load_config()
+    for k, v in fed.items():
+        setattr(cfg.federation, k, v)
+    rd.save_config(config_mod.validate(cfg))
+
+
+def test_rounds_advance_sticky_and_checkpointed(run, tmp_path):
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    state = Coordinator(grid, run).main()
+    assert state["round"] == 2
+    for e in range(4):
+        x = state["experts"][str(e)]
+        assert x["version"] == 2 and x["step"] > 0
+        body = checkpoint.load(run.root / x["path"], "expert")
+        assert protocol.weights_sha256(body["weights"]) == x["sha256"] == body["sha256"]
+        assert body["weights"].dtype == np.float32 and np.isfinite(body["val_loss"])
+    m = run.read_metrics()
+    assert [(x["type"], x["round"]) for x in m].count(("round", 1)) == 1 and len(m) == 2 * (4 + 1)
+    r2 = [x for x in m if x["type"] == "expert" and x["round"] == 2]
+    # Round 2 keeps every expert where it was: no weights travel, no shard travels, and nothing moved.
+    assert all(x["accepted"] for x in r2)
+    assert [x["weights_bytes_down"] for x in r2] == [0, 0, 0, 0]
+    assert [x["shard_bytes_down"] for x in r2] == [0, 0, 0, 0]
+    assert next(x for x in m if x["type"] == "round" and x["round"] == 2)["moved"] == []
+    # Round 1 sent version 0 weights to every node (their caches were empty).
+    assert all(x["weights_bytes_down"] > 0 for x in m if x["type"] == "expert" and x["round"] == 1)
+    # Two equal nodes get two experts each.
+    assert sorted([x["node"] for x in r2].count(n) for n in ("a", "b")) == [2, 2]
+    # The routed-mixture val loss is computed every round.
+    assert all(np.isfinite(x["mixture_val_loss"]) for x in m if x["type"] == "round")
+    # Old versions are pruned to keep_versions (3): v0..v2 all kept here; status says done.
+    assert sorted(p.name for p in (run.root / "experts" / "0").iterdir()) == ["v0.msgpack", "v1.msgpack", "v2.msgpack"]
+    assert run.read_status()["phase"] == "done"
+
+
+def _tamper_all(kind):
+    def fn(nid, body):
+        for res in body["results"]:
+            if kind == "shape":
+                res["weights"] = res["weights"][:-1]
+            elif kind == "nan":
+                res["weights"] = res["weights"].copy()
+                res["weights"][3] = np.nan
+                res["sha256"] = protocol.weights_sha256(res["weights"])
+            elif kind == "stale":
+                res["base_sha256"] = "0" * 64
+            elif kind == "unknown_expert":
+                res["expert"] = 99
+            elif kind == "dtype":
+                res["weights"] = res["weights"].astype(np.float64)
+                res["sha256"] = protocol.weights_sha256(res["weights"])
+            elif kind == "loss":
+                res["train_loss"] = float("inf")
+            elif kind == "hash":
+                res["sha256"] = "f" * 64
+        if kind == "wrong_node":
+            body["node"] = nid + 1
+        return body
+
+    return fn
+
+
+REASONS = {
+    "shape": "shape", "nan": "NaN", "stale": "stale base version", "unknown_expert": "unknown expert 99",
+    "dtype": "expected float32", "loss": "not finite", "hash": "sha256", "wrong_node": "claiming node",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(REASONS))
+def test_bad_replies_rejected_and_run_dir_untouched(run, tmp_path, kind, caplog):
+    _set(run, rounds=0)
+    Coordinator(FakeGrid(tmp_path / "idle", ["a", "b"]), run).main()  # writes version 0 of every expert, no round
+    _set(run, rounds=1)
+    before = _hashes(run.root)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_tamper_all(kind))
+    with caplog.at_level(logging.WARNING, logger="soma.coord"):
+        state = Coordinator(grid, run).main()
+    assert state["round"] == 1 and all(x["version"] == 0 for x in state["experts"].values())
+    assert _hashes(run.root) == before  # experts, shards, router, prepare.json, run.toml: byte-identical
+    rejected = next(m for m in run.read_metrics() if m["type"] == "round")["rejected"]
+    assert len(rejected) == 4 and all(REASONS[kind] in r["reason"] for r in rejected), rejected
+    assert REASONS[kind] in caplog.text and "rejected" in caplog.text
+
+
+def test_rejection_leaves_existing_versions_and_files_unchanged(run, tmp_path):
+    _set(run, rounds=1)
+    Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
+    state_before = run.load_state()["experts"]
+    _set(run, rounds=2)
+    before = _hashes(run.root)  # run.toml changed by _set; everything else is what round 1 left
+    grid = FakeGrid(tmp_path / "n2", ["a", "b"], tamper=_tamper_all("nan"))
+    state = Coordinator(grid, run).main()
+    assert state["round"] == 2 and state["experts"] == state_before
+    assert _hashes(run.root) == before
+
+
+def test_missed_deadline_moves_experts_and_loses_nothing(run, tmp_path):
+    _set(run, rounds=2, deadline_slack=1.0)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+
+    orig_push = grid.push_messages
+
+    def push(messages):
+        ids = orig_push(messages)
+        if any(m.metadata.message_type == protocol.TRAIN for m in messages) and not grid.dead:
+            grid.dead.add(1001)  # node "b" dies as soon as round 1 is sent
+        return ids
+
+    grid.push_messages = push
+    state = Coordinator(grid, run).main()
+    m = run.read_metrics()
+    r1 = {x["expert"]: x for x in m if x["type"] == "expert" and x["round"] == 1}
+    r2 = {x["expert"]: x for x in m if x["type"] == "expert" and x["round"] == 2}
+    lost = [e for e, x in r1.items() if x["node"] == "b"]
+    assert lost and all(not r1[e]["accepted"] and "deadline" in r1[e]["reason"] for e in lost)
+    # Round 2: everything on the survivor, every expert advanced, the dead node's experts included.
+    assert all(x["node"] == "a" and x["accepted"] for x in r2.values())
+    for e in range(4):
+        assert state["experts"][str(e)]["version"] == (2 if e not in lost else 1)
+        # every accepted version is on disk and intact
+        for v in range(state["experts"][str(e)]["version"] + 1):
+            checkpoint.load(run.root / f"experts/{e}/v{v}.msgpack", "expert")
+
+
+def test_resume_continues_without_repeating_rounds(run, tmp_path):
+    _set(run, rounds=1)
+    Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    s1 = run.load_state()
+    _set(run, rounds=3)
+    # Debris of a crashed round 2: a metrics line and a version file beyond the committed state.
+    run.write_metrics(run.read_metrics() + [{"type": "round", "round": 2, "debris": True}])
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])  # same caches: nothing needs sending again
+    state = Coordinator(grid, run).main()
+    rounds = [x["round"] for x in run.read_metrics() if x["type"] == "round"]
+    assert rounds == [1, 2, 3] and not any(x.get("debris") for x in run.read_metrics())
+    assert all(x["version"] == 3 for x in state["experts"].values())
+    assert state["run_id"] == s1["run_id"]
+    r2 = [x for x in run.read_metrics() if x["type"] == "expert" and x["round"] == 2]
+    assert sum(x["weights_bytes_down"] for x in r2) == 0  # the restarted nodes reported their caches
+
+
+def test_run_lock_excludes_a_second_coordinator(run, tmp_path):
+    with run.lock():
+        assert run.is_locked()
+        with pytest.raises(RunLockedError, match="in use"):
+            Coordinator(FakeGrid(tmp_path / "n", ["a"]), run).main(lock_wait=0.2)
+    assert not run.is_locked()
+
+
+def test_version_mismatch_excludes_node(run, tmp_path, monkeypatch, caplog):
+    _set(run, rounds=1, min_nodes=1)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    real = client_app.capabilities
+
+    def old_version(msg, context):
+        reply = real(msg, context)
+        if context.node_id == 1001:
+            body = protocol.unpack(reply.content, protocol.KIND_CAPS)
+            body["soma_version"] = "0.0.1"
+            return Message(protocol.pack(body, protocol.KIND_CAPS), reply_to=msg)
+        return reply
+
+    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", old_version)
+    with caplog.at_level(logging.WARNING, logger="soma.coord"):
+        Coordinator(grid, run).main()
+    assert "runs soma-edge 0.0.1" in caplog.text and "excluded" in caplog.text
+    assert {x["node"] for x in run.read_metrics() if x["type"] == "expert"} == {"a"}
+
+
+def test_torch_blocked_in_worker_reply(run, tmp_path):
+    """The ClientApp reports torch importability in every reply (here torch is importable: the flag is live)."""
+    _set(run, rounds=1)
+    Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    flags = {x["torch_importable"] for x in run.read_metrics() if x["type"] == "expert"}
+    assert flags == {client_app.torch_importable()}
+
+
+# --- protocol ------------------------------------------------------------------------------------------
+
+
+def test_protocol_refuses_foreign_and_oversized_bodies():
+    from flwr.app import Array, ArrayRecord
+
+    rd = protocol.pack({"x": 1}, protocol.KIND_CAPS)
+    assert protocol.unpack(rd, protocol.KIND_CAPS)["x"] == 1
+    with pytest.raises(CodecError, match="expected a train_reply"):
+        protocol.unpack(rd, protocol.KIND_REPLY)
+    with pytest.raises(CodecError, match="exceeds"):
+        protocol.unpack(protocol.pack({"x": "y" * 5000}, protocol.KIND_CAPS), protocol.KIND_CAPS, 1000)
+    with pytest.raises(CodecError, match="not a soma-edge message"):
+        protocol.unpack(RecordDict({}), protocol.KIND_CAPS)
+    bad = RecordDict({"soma": ArrayRecord({"body": Array(np.zeros(3, dtype=np.uint8))})})
+    with pytest.raises(CodecError, match="payload type"):
+        protocol.unpack(bad, protocol.KIND_CAPS)
+    from soma_edge import codec
+
+    other = codec.encode({"protocol": 99}, protocol.KIND_CAPS)
+    rd = RecordDict({"soma": ArrayRecord({"body": Array(dtype="uint8", shape=(len(other),), stype=protocol.STYPE,
+                                                          data=other)})})  # fmt: skip
+    with pytest.raises(CodecError, match="protocol 99"):
+        protocol.unpack(rd, protocol.KIND_CAPS)
+
+
+def test_check_result_accepts_a_good_result_and_float16():
+    w = np.ones(10, dtype=np.float16)
+    exp = protocol.Expected(node=5, round=1, tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3}},
+                            size=10, reply_dtype="float16")  # fmt: skip
+    res = {"expert": 0, "base_sha256": "a" * 64, "version": 1, "step": 3, "steps": 3, "weights": w,
+           "momentum": None, "train_loss": 1.0, "sha256": protocol.weights_sha256(w)}  # fmt: skip
+    assert protocol.check_result(res, exp, {0: "a" * 64}) is w
+    with pytest.raises(ValidationError, match="step counter"):
+        protocol.check_result({**res, "step": 4}, exp, {0: "a" * 64})
+    with pytest.raises(ValidationError, match="steps"):
+        protocol.check_result({**res, "steps": 4, "step": 4}, exp, {0: "a" * 64})
+
+
+# --- scheduler -----------------------------------------------------------------------------------------
+
+
+def test_scheduler_quotas_follow_throughput_and_stay_sticky():
+    assert scheduler.quotas(4, {1: 100.0, 2: 100.0}) == {1: 2, 2: 2}
+    assert scheduler.quotas(4, {1: 300.0, 2: 100.0}) == {1: 3, 2: 1}
+    assert scheduler.quotas(8, {1: 100.0}) == {1: 8}
+    prev = {0: 2, 1: 2, 2: 1, 3: 1}
+    a = scheduler.assign([0, 1, 2, 3], {1: 100.0, 2: 100.0}, prev)
+    assert a == prev  # nothing moves when quotas allow it
+    # node 2 dies: all four go to node 1; only its two experts move
+    p = scheduler.plan([0, 1, 2, 3], {1: 100.0}, prev, 10.0, 8)
+    assert p.assignment == {0: 1, 1: 1, 2: 1, 3: 1} and p.moved == [0, 1]
+    assert p.steps[0] == scheduler.steps_for(100.0, 4, 10.0, 8) == 15
+    # a faster node joins: it takes the surplus, the others keep theirs
+    p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 100.0, 3: 400.0}, {e: 1 for e in range(4)}, 10.0, 8)
+    assert sorted(p.assignment.values()).count(3) >= 2 and all(p.assignment[e] in (1, 3) for e in range(4))
+    assert p.makespan <= 10.0 + 1e-9
+
+
+# --- worker cache --------------------------------------------------------------------------------------
+
+
+def test_cache_verifies_prunes_and_evicts(tmp_path):
+    c = Cache(tmp_path / "c", max_bytes=10_000, keep_versions=2)
+    data = b"shard bytes" * 100
+    sha = hashlib.sha256(data).hexdigest()
+    c.put_shard(sha, data)
+    assert c.get_shard(sha) == data
+    with pytest.raises(CheckpointError, match="do not hash"):
+        c.put_shard("0" * 64, data)
+    (tmp_path / "c" / "shards" / f"{sha}.bin").write_bytes(b"corrupt")
+    assert c.get_shard(sha) is None and sha not in c.shards()  # dropped, reported missing
+    shas = []
+    for v in range(4):
+        w = np.full(100, v, dtype=np.float32)
+        shas.append(protocol.weights_sha256(w))
+        c.put_weights(shas[-1], expert=0, version=v, step=v, weights=w, momentum=None)
+    assert sorted(c.weights()) == sorted(shas[2:])  # only the newest keep_versions=2
+    assert c.get_weights(shas[3])["version"] == 3
+    big = np.zeros(3000, dtype=np.float32)  # 12 KB > max_bytes
+    c.put_weights(protocol.weights_sha256(big), expert=1, version=0, step=0, weights=big, momentum=None)
+    dropped = c.evict(protect={protocol.weights_sha256(big)})
+    assert set(dropped) == set(shas[2:]) and c.weights() == [protocol.weights_sha256(big)]

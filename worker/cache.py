@@ -1,0 +1,157 @@
+"""The worker's disk cache: data shards by sha256 and expert weights by version hash.
+
+Flower starts a fresh ClientApp process for every message, so nothing survives in memory between
+rounds. With this cache an unchanged assignment costs no transfer: the coordinator names the shard
+hashes and the base version hash, and the worker finds both here. Entries are content-addressed and
+verified on read; a corrupt entry is dropped and reported missing rather than trained on.
+
+Bounded two ways: at most `keep_versions` weight versions per expert (oldest by version pruned), and at
+most `max_bytes` in all (least recently used dropped first). All writes are atomic, so two workers
+sharing one cache folder cannot see half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from soma_edge import checkpoint
+from soma_edge.errors import CheckpointError
+from soma_edge.protocol import weights_sha256
+
+KIND = "worker_weights"
+DEFAULT_MAX_BYTES = 2 << 30
+
+
+@dataclass
+class Cache:
+    root: Path
+    max_bytes: int = DEFAULT_MAX_BYTES
+    keep_versions: int = 3
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        for sub in ("shards", "weights", "probe"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    # --- shards -------------------------------------------------------------------------------------
+
+    def _shard_path(self, sha: str) -> Path:
+        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise ValueError(f"not a sha256 hex digest: {sha!r}")
+        return self.root / "shards" / f"{sha}.bin"
+
+    def put_shard(self, sha: str, data: bytes) -> None:
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise CheckpointError(f"shard {sha[:12]}: its bytes do not hash to its name")
+        checkpoint.atomic_write(self._shard_path(sha), data)
+
+    def get_shard(self, sha: str) -> bytes | None:
+        path = self._shard_path(sha)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        if hashlib.sha256(data).hexdigest() != sha:
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)  # LRU clock
+        return data
+
+    def shards(self) -> list[str]:
+        return sorted(p.stem for p in (self.root / "shards").glob("*.bin"))
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    def _weights_path(self, sha: str) -> Path:
+        self._shard_path(sha)  # same digest check
+        return self.root / "weights" / f"{sha}.msgpack"
+
+    def put_weights(self, sha: str, *, expert: int, version: int, step: int, weights: np.ndarray,
+                    momentum: np.ndarray | None) -> None:  # fmt: skip
+        if weights_sha256(weights) != sha:
+            raise CheckpointError(f"weights {sha[:12]}: the array does not hash to its name")
+        body = {"expert": expert, "version": version, "step": step, "sha256": sha, "weights": weights,
+                "momentum": momentum}  # fmt: skip
+        path = self._weights_path(sha)
+        # The side index (expert, version) is written first, so the newest version always counts in pruning.
+        checkpoint.atomic_write(path.with_suffix(".json"), json.dumps({"expert": expert, "version": version}).encode())
+        checkpoint.save(path, body, KIND)
+        self._prune_versions(expert)
+
+    def get_weights(self, sha: str) -> dict[str, Any] | None:
+        path = self._weights_path(sha)
+        if not path.exists():
+            return None
+        try:
+            body = checkpoint.load(path, KIND)
+        except CheckpointError:
+            path.unlink(missing_ok=True)
+            return None
+        if not isinstance(body, dict) or not isinstance(body.get("weights"), np.ndarray) \
+                or weights_sha256(body["weights"]) != sha:  # fmt: skip
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)
+        return body
+
+    def weights(self) -> list[str]:
+        return sorted(p.stem for p in (self.root / "weights").glob("*.msgpack"))
+
+    def _index(self) -> list[tuple[int, int, Path]]:
+        """(expert, version, path) of every cached version, read from a small side index per file."""
+        out = []
+        for p in (self.root / "weights").glob("*.msgpack"):
+            meta = p.with_suffix(".json")
+            try:
+                m = json.loads(meta.read_text())
+                out.append((int(m["expert"]), int(m["version"]), p))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def _prune_versions(self, expert: int) -> None:
+        mine = sorted((v, p) for e, v, p in self._index() if e == expert)
+        for _, p in mine[: max(0, len(mine) - self.keep_versions)]:
+            p.unlink(missing_ok=True)
+            p.with_suffix(".json").unlink(missing_ok=True)
+
+    # --- bounds -------------------------------------------------------------------------------------
+
+    def evict(self, protect: set[str] = frozenset()) -> list[str]:
+        """Drop least recently used entries until the cache fits `max_bytes`; never those in `protect`."""
+        files = [p for sub in ("shards", "weights") for p in (self.root / sub).iterdir()
+                 if p.suffix in (".bin", ".msgpack")]  # fmt: skip
+        stats = [(p.stat().st_mtime, p.stat().st_size, p) for p in files if p.exists()]
+        total = sum(s for _, s, _ in stats)
+        dropped = []
+        for _, size, p in sorted(stats, key=lambda t: t[0]):
+            if total <= self.max_bytes:
+                break
+            if p.stem in protect:
+                continue
+            p.unlink(missing_ok=True)
+            p.with_suffix(".json").unlink(missing_ok=True)
+            total -= size
+            dropped.append(p.stem)
+        return dropped
+
+    def inventory(self) -> dict[str, list[str]]:
+        return {"weights": self.weights(), "shards": self.shards()}
+
+    # --- small JSON blobs (the probe result) ------------------------------------------------------------
+
+    def get_json(self, name: str) -> Any | None:
+        try:
+            return json.loads((self.root / "probe" / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def put_json(self, name: str, value: Any) -> None:
+        checkpoint.atomic_write(self.root / "probe" / f"{name}.json", json.dumps(value).encode())

@@ -1,0 +1,170 @@
+"""The SOMA worker as a Flower ClientApp: answers the capability query and trains experts.
+
+The SuperNode starts a fresh process for every message, so all state between rounds lives in the disk
+cache (`worker.cache`): shards by hash, weights by version hash, the throughput probe. Settings come
+from the SuperNode's `--node-config` (name, cache, device, threads, spin), which `soma-worker join` sets.
+
+With SOMA_BLOCK_TORCH=1 in the environment (`soma-worker join` always sets it) torch is made
+unimportable before anything else runs, and every reply says whether torch could be imported: the
+end-to-end test uses that to prove the training path is torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("SOMA_BLOCK_TORCH") == "1" and "torch" not in sys.modules:
+    sys.modules["torch"] = None  # type: ignore[assignment]  # any `import torch` now raises ImportError
+
+import importlib  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+from flwr.app import Context, Message  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from soma_edge import __version__, codec, protocol  # noqa: E402
+from soma_edge import config as config_mod  # noqa: E402
+from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
+from soma_edge.errors import SomaError  # noqa: E402
+from soma_edge.spsa import State  # noqa: E402
+from worker import probe  # noqa: E402
+from worker.cache import Cache  # noqa: E402
+from worker.trainer import train as train_loop  # noqa: E402
+
+log = logging.getLogger("soma.worker")
+if not log.handlers:  # flwr-clientapp configures only Flower's own logger; ours goes to the node's log
+    _h = logging.StreamHandler(sys.stderr)
+    _h.setFormatter(logging.Formatter("%(asctime)s soma.worker %(levelname)s %(message)s"))
+    log.addHandler(_h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+app = ClientApp()
+
+
+@dataclass
+class Settings:
+    name: str
+    cache: Path
+    device: str
+    threads: int
+    spin: bool
+    cache_bytes: int
+    probe_seconds: float
+
+
+def settings(node_config: dict[str, Any]) -> Settings:
+    def get(key: str, default: Any) -> Any:
+        v = node_config.get(key, default)
+        return default if v in ("", None) else v
+
+    return Settings(
+        name=str(get("name", f"pid{os.getpid()}")),
+        cache=Path(str(get("cache", cache_dir() / "worker"))),
+        device=str(get("device", "auto")),
+        threads=int(get("threads", 0)),
+        spin=bool(int(get("spin", 1))),
+        cache_bytes=int(float(get("cache-mb", 2048)) * (1 << 20)),
+        probe_seconds=float(get("probe-seconds", probe.PROBE_SECONDS)),
+    )
+
+
+def torch_importable() -> bool:
+    try:
+        importlib.import_module("torch")
+        return True
+    except ImportError:
+        return False
+
+
+def _reply(msg: Message, body: dict[str, Any], kind: str) -> Message:
+    return Message(protocol.pack(body, kind), reply_to=msg)
+
+
+@app.query("capabilities")
+def capabilities(msg: Message, context: Context) -> Message:
+    body = protocol.unpack(msg.content, protocol.KIND_QUERY, protocol.SMALL_BYTES)
+    s = settings(dict(context.node_config))
+    cfg = config_mod.from_dict(body["config"])
+    cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
+    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.probe_seconds)
+    log.info("capabilities: %.1f forward evals/s on %s (probe %s)", caps["evals_per_s"], caps["providers"][0],
+             "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s")  # fmt: skip
+    reply = {"soma_version": __version__, "node": context.node_id, "name": s.name, "pid": os.getpid(),
+             "torch_importable": torch_importable(), "cache": cache.inventory(), **caps}  # fmt: skip
+    return _reply(msg, reply, protocol.KIND_CAPS)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    t_start = time.perf_counter()
+    s = settings(dict(context.node_config))
+    body = protocol.unpack(msg.content, protocol.KIND_TRAIN, codec.MAX_BYTES)
+    header = {"node": context.node_id, "name": s.name, "round": body.get("round"), "pid": os.getpid(),
+              "torch_importable": torch_importable(), "soma_version": __version__}  # fmt: skip
+    if body.get("node") != context.node_id:
+        log.warning("refusing a request addressed to node %s (this is node %s)", body.get("node"), context.node_id)
+        return _reply(msg, {**header, "results": [], "errors": ["request addressed to another node"]}, protocol.KIND_REPLY)
+    cfg = config_mod.from_dict(body["config"])
+    reply_dtype = body["reply_dtype"]
+    if reply_dtype not in protocol.REPLY_DTYPES:
+        raise SomaError(f"unknown reply dtype {reply_dtype!r}")
+    cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
+    for sha, data in body["shards"].items():
+        cache.put_shard(sha, bytes(data))
+
+    runnable, missing_w, missing_s, errors = [], [], [], []
+    for t in body["tasks"]:
+        base = t["base_sha256"]
+        if t.get("weights") is not None:
+            w, m = t["weights"], t.get("momentum")
+            if protocol.weights_sha256(w) != base:
+                errors.append(f"expert {t['expert']}: sent weights do not hash to {base[:12]}")
+                continue
+            cache.put_weights(base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, momentum=m)
+        else:
+            hit = cache.get_weights(base)
+            if hit is None:
+                missing_w.append(base)
+                continue
+            w, m = hit["weights"], hit.get("momentum")
+        shards = [cache.get_shard(h) for h in t["shards"]]
+        if any(x is None for x in shards):
+            missing_s += [h for h, x in zip(t["shards"], shards) if x is None]
+            continue
+        runnable.append((t, w, m, shards))
+    if missing_w or missing_s:
+        log.info("round %s: cache misses: %d weight versions, %d shards", body["round"], len(missing_w), len(missing_s))
+
+    results = []
+    evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin) if runnable else None
+    budget = float(body["max_seconds"])
+    for i, (t, w, m, shards) in enumerate(runnable):
+        e = t["expert"]
+        remaining = budget - (time.perf_counter() - t_start)
+        cap = max(1.0, remaining / (len(runnable) - i))
+        data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
+        state = State(protocol.decode_weights(w), step=t["step"],
+                      momentum=None if m is None else np.array(m, dtype=np.float32))  # fmt: skip
+        rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
+        out = state.weights.astype(reply_dtype)
+        sha = protocol.weights_sha256(out)
+        cache.put_weights(sha, expert=e, version=t["version"] + 1, step=state.step, weights=out, momentum=state.momentum)
+        log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", e, t["version"] + 1, sha,
+                 rep.steps, rep.seconds, rep.loss)  # fmt: skip
+        results.append({
+            "expert": e, "base_sha256": t["base_sha256"], "version": t["version"] + 1, "step": state.step,
+            "steps": rep.steps, "forward_evals": rep.forward_evals, "seconds": rep.seconds,
+            "train_loss": rep.loss, "sha256": sha, "weights": out, "momentum": state.momentum,
+        })  # fmt: skip
+    protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
+    cache.evict(protect)
+    reply = {**header, "results": results, "missing": {"weights": missing_w, "shards": sorted(set(missing_s))},
+             "errors": errors, "seconds_total": time.perf_counter() - t_start}  # fmt: skip
+    return _reply(msg, reply, protocol.KIND_REPLY)

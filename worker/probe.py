@@ -1,0 +1,93 @@
+"""What a worker can do: providers, memory, and measured forward evaluations/s for the run's model shape.
+
+Measured once per (model shape, batch, device, threads, versions) and cached on disk, because the
+ClientApp process that answers the capability query lives for one message only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+import numpy as np
+
+from soma_edge import __version__, params
+from soma_edge.config import Config
+from soma_edge.runtime import LossEvaluator
+from worker.cache import Cache
+
+PROBE_SECONDS = 1.5
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cuda_memory_bytes() -> int | None:
+    """Total memory of GPU 0 from nvidia-smi (no torch on workers), None when there is none."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=10)  # fmt: skip
+        return int(r.stdout.split()[0]) * (1 << 20) if r.returncode == 0 and r.stdout.strip() else None
+    except (OSError, ValueError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def make_evaluator(cfg: Config, device: str, threads: int, spin: bool) -> LossEvaluator:
+    """One sequential evaluator: workers sharing a box split its cores by `threads`, not by parallel runs."""
+    import dataclasses
+
+    extra = {"parallel": 1} if "parallel" in {f.name for f in dataclasses.fields(LossEvaluator)} else {}
+    return LossEvaluator(cfg.model, device, threads, spin, **extra)
+
+
+def _key(cfg: Config, device: str, threads: int, spin: bool) -> str:
+    import onnxruntime
+
+    what = {"soma": __version__, "ort": onnxruntime.__version__, "model": cfg.to_dict()["model"],
+            "batch": cfg.data.batch, "seq_len": cfg.data.seq_len, "device": device, "threads": threads, "spin": spin}  # fmt: skip
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def measure(evaluator: LossEvaluator, cfg: Config, seconds: float = PROBE_SECONDS) -> float:
+    """Forward (loss) evaluations per second of `evaluator` at the run's batch shape."""
+    rng = np.random.default_rng(0)
+    w = params.init(cfg.model, 0)
+    x = rng.integers(0, 256, size=(cfg.data.batch, cfg.data.seq_len), dtype=np.int64)
+    y = rng.integers(0, 256, size=(cfg.data.batch, cfg.data.seq_len), dtype=np.int64)
+    evaluator.loss(w, x, y)  # warm-up: first run allocates
+    n, t0 = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - t0 < seconds:
+        evaluator.loss(w, x, y)
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def capabilities(cfg: Config, cache: Cache, device: str, threads: int, spin: bool,
+                 seconds: float = PROBE_SECONDS, evaluator_factory=None) -> dict[str, Any]:  # fmt: skip
+    """Measured (or cached) throughput plus static facts about this box."""
+    key = _key(cfg, device, threads, spin)
+    hit = cache.get_json(key)
+    if isinstance(hit, dict) and isinstance(hit.get("evals_per_s"), (int, float)):
+        return {**hit, "probe_cached": True}
+    t0 = time.perf_counter()
+    evaluator = evaluator_factory() if evaluator_factory else make_evaluator(cfg, device, threads, spin)
+    rate = measure(evaluator, cfg, seconds)
+    on_cuda = evaluator.providers[0] == "CUDAExecutionProvider"
+    out = {
+        "evals_per_s": rate,
+        "providers": list(evaluator.providers),
+        "device": device,
+        "threads": threads,
+        "device_memory": cuda_memory_bytes() if on_cuda else host_memory_bytes(),
+        "probe_seconds": time.perf_counter() - t0,
+    }
+    cache.put_json(key, out)
+    return {**out, "probe_cached": False}
