@@ -12,6 +12,7 @@ eval scores, byte for byte.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,18 +54,17 @@ class Expert:
             self._score = self._session(self.entry.score)
         return self._score.run(None, {"x": x})[0]
 
-    def zero_state(self, batch: int = 1) -> dict[str, np.ndarray]:
-        z = np.zeros((1, batch, self.hidden), dtype=np.float32)
-        return {f"{s}{layer}": z for layer in range(self.layers) for s in ("h", "c")}
+    def zero_state(self, batch: int = 1) -> list[np.ndarray]:
+        """The LSTM state in the streaming graph's order: h0, c0, h1, c1, ..."""
+        return [np.zeros((1, batch, self.hidden), dtype=np.float32)] * (2 * self.layers)
 
-    def step(self, x: np.ndarray, state: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def step(self, x: np.ndarray, state: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Feed x int64[B, T] from `state`; returns logits float32[B, T, 256] and the state after x."""
         if self._stream is None:
             self._stream = self._session(self.entry.stream)
-            self._state_out = [f"{s}{layer}_out" for layer in range(self.layers) for s in ("h", "c")]
-        feeds = {"x": x, **state}
-        logits, *states = self._stream.run(None, feeds)
-        return logits, {name[: -len("_out")]: s for name, s in zip(self._state_out, states)}
+            self._inputs = ["x"] + [f"{s}{layer}" for layer in range(self.layers) for s in ("h", "c")]
+        logits, *state = self._stream.run(None, dict(zip(self._inputs, [x, *state])))
+        return logits, state
 
 
 class Deployment:
@@ -117,7 +117,11 @@ class Deployment:
 
 
 class Streamer:
-    """Incremental routed mixture: feed bytes, read the log-probs of the next byte."""
+    """Incremental routed mixture: feed bytes, read the distribution of the next byte.
+
+    The per-byte path is a handful of numpy calls on 256 floats beside the ORT runs: the mixture is kept
+    as probabilities (sum_e w_e softmax(z_e)), and log-probs are computed only when asked for.
+    """
 
     def __init__(self, dep: Deployment, prompt: bytes, top_k: int, temperature: float, uniform: bool):
         if not prompt:
@@ -125,8 +129,13 @@ class Streamer:
         dep.check_top_k(top_k)
         self.dep, self.top_k, self.temperature, self.uniform = dep, top_k, temperature, uniform
         self.text = bytearray()
-        self.logprobs = np.empty(256)  # of the next byte, given self.text
+        self.probs = np.empty(256)  # of the next byte, given self.text
         self.feed(prompt)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        with np.errstate(divide="ignore"):
+            return np.log(self.probs)
 
     def _route(self, window: int) -> None:
         T = self.dep.seq_len
@@ -135,18 +144,12 @@ class Streamer:
         else:
             dists = self.dep.router.distances([bytes(self.text[(window - 1) * T : window * T])])
         experts, weights = self.dep.router.route(dists, self.top_k, self.temperature)
-        self.chosen = [int(e) for e in np.asarray(experts).reshape(-1)[: self.top_k]]
-        w = np.asarray(weights, dtype=np.float64).reshape(-1)[: self.top_k]
-        if self.uniform:
-            w = np.full(self.top_k, 1.0 / self.top_k)
-        with np.errstate(divide="ignore"):
-            self.logw = np.log(w)
-        self.states = {e: self.dep.experts[e].zero_state() for e in self.chosen}
+        self.chosen = [self.dep.experts[int(e)] for e in experts[0]]
+        self.weights = np.full(self.top_k, 1.0 / self.top_k) if self.uniform else np.asarray(weights[0], np.float64)
+        self.states = [e.zero_state() for e in self.chosen]
 
     def feed(self, data: bytes) -> None:
         """Append bytes to the text; each window's chunk goes through the selected experts in one call."""
-        if not data:
-            return
         T = self.dep.seq_len
         i = 0
         while i < len(data):
@@ -156,26 +159,32 @@ class Streamer:
             n = min(len(data) - i, T - p % T)
             chunk = data[i : i + n]
             self.text += chunk
-            x = np.frombuffer(bytes(chunk), dtype=np.uint8).astype(np.int64)[None, :]
+            x = np.array([list(chunk)], dtype=np.int64)
             last = []
-            for e in self.chosen:
-                logits, self.states[e] = self.dep.experts[e].step(x, self.states[e])
-                last.append(logits[0, -1].astype(np.float64))
+            for j, expert in enumerate(self.chosen):
+                logits, self.states[j] = expert.step(x, self.states[j])
+                last.append(logits[0, -1])
             i += n
-        z = np.stack(last)  # [k, 256]
-        z -= z.max(axis=1, keepdims=True)
-        own = z - np.log(np.exp(z).sum(axis=1, keepdims=True))  # log-softmax per expert
-        mix = self.logw[:, None] + own
-        m = mix.max(axis=0)
-        self.logprobs = m + np.log(np.exp(mix - m).sum(axis=0))
+        if not data:
+            return
+        z = (last[0] if self.top_k == 1 else np.stack(last)).astype(np.float64)
+        if self.top_k == 1:
+            e = np.exp(z - z.max())
+            self.probs = e / e.sum()
+        else:
+            e = np.exp(z - z.max(axis=1, keepdims=True))
+            self.probs = (self.weights / e.sum(axis=1)) @ e
 
 
-def sample(logprobs: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+def sample(probs: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """One byte from `probs` sharpened or flattened by temperature (0: the most likely byte)."""
     if temperature == 0:
-        return int(np.argmax(logprobs))
-    z = logprobs / temperature
-    p = np.exp(z - z.max())
-    c = np.cumsum(p)
+        return int(np.argmax(probs))
+    if temperature != 1:
+        with np.errstate(divide="ignore"):
+            z = np.log(probs) / temperature
+        probs = np.exp(z - z.max())
+    c = np.cumsum(probs)
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), 255))
 
 
@@ -198,9 +207,9 @@ def generate(
 
     def run() -> Iterator[tuple[int, float]]:
         for _ in range(n):
-            b = sample(s.logprobs, temperature, rng)
-            yield b, float(s.logprobs[b])
-            s.feed(bytes([b]))
+            b = sample(s.probs, temperature, rng)
+            yield b, math.log(s.probs[b])
+            s.feed(bytes((b,)))
 
     return run()
 
