@@ -3,6 +3,7 @@
     DEPLOY/
       manifest.json                  format, versions, per-expert config/step/val loss, sha256 of every file
       router.msgpack                 the run's router, byte for byte
+      router_features.onnx           context uint8[L] -> distances [1, N] to each expert (the router as ONNX)
       experts/<id>/score.onnx        x int64[B,T] -> logprobs float32[B,T,256]
       experts/<id>/stream.onnx       x int64[B,T], h<l>/c<l> [1,B,H] -> logits [B,T,256], h<l>_out/c<l>_out
 
@@ -34,6 +35,7 @@ FORMAT = "soma-edge-deploy"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ROUTER = "router.msgpack"
+FEATURES = "router_features.onnx"
 QUANTIZE = ("int8",)
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 
@@ -278,6 +280,16 @@ def _quantize_int8(model: bytes) -> bytes:
         return dst.read_bytes()
 
 
+def _router_features(router: Any) -> bytes | None:
+    from soma_edge import graph
+
+    try:
+        return graph.router_features(router).SerializeToString()
+    except NotImplementedError as e:  # a featurizer this builder does not know: the msgpack router still works
+        logging.getLogger("export.bundle").warning("no ONNX router featurizer in the bundle: %s", e)
+        return None
+
+
 def _graphs(e: _Expert, quantize: str | None) -> dict[str, bytes]:
     import onnx
 
@@ -319,6 +331,9 @@ def write(run: str | Path, out: str | Path, quantize: str | None = None, force: 
 
     try:
         put(ROUTER, router_bytes)
+        features = _router_features(router)
+        if features is not None:
+            put(FEATURES, features)
         entries = []
         for e in experts:
             rels = {}
@@ -349,6 +364,10 @@ def write(run: str | Path, out: str | Path, quantize: str | None = None, force: 
                 "file": ROUTER,
                 "n_experts": router.n_experts,
                 "temperature": float(router.temperature),
+                # Routing without soma-edge: distances from the featurizer graph (a non-empty context), or
+                # the prior for a document's first window; top-k of softmax(-d^2 / temperature).
+                "features": FEATURES if features is not None else None,
+                "prior": [float(p) for p in router.prior],
             },
             "experts": entries,
             "files": files,

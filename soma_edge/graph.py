@@ -10,12 +10,17 @@ With `weights=None` the weights are graph inputs; with a flat vector they become
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from soma_edge.config import ModelConfig
 from soma_edge.params import VOCAB, layout
+
+if TYPE_CHECKING:
+    from soma_edge.router import Router
 
 OPSET = 17
 MODES = ("loss", "logprobs", "stream")
@@ -93,4 +98,120 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="soma-edge")
     model.ir_version = 8  # readable by every ORT >= 1.10
     onnx.checker.check_model(model)
+    return model
+
+
+def router_features(r: "Router") -> onnx.ModelProto:
+    """The router's featurizer and distances as ONNX: context uint8[L] (L >= 1) -> distances float32[1, N].
+
+    The same computation as `Router.distances` for one non-empty context, so a deployment can route with
+    any ONNX Runtime and no soma-edge code: hash every byte n-gram (n = 1..MAX_N) into 2^bits buckets with
+    uint64 multiplicative hashing, weight each present bucket (1 + ln count) * idf, fold the buckets into
+    `dim` signed dimensions, normalize, and take each expert's minimum squared distance over its clusters.
+    An empty context (a document's first window) has no features: route it on the prior instead.
+    """
+    from soma_edge import router as router_mod
+
+    if router_mod.FEATURIZER != "byte-ngram-tfidf-sketch-v1" or router_mod.MAX_N != 4:
+        raise NotImplementedError(f"no ONNX builder for router featurizer {router_mod.FEATURIZER!r}")
+    bits, dim = r.bucket_bits, r.dim
+    n_clusters = r.n_clusters
+    members = [np.flatnonzero(r.cluster_expert == e) for e in range(r.n_experts)]
+    width = max(len(m) for m in members)
+    # Each expert's clusters, padded by repeating one of them (the minimum is unchanged).
+    gather = np.array([np.resize(m, width) for m in members], dtype=np.int64)
+    u64 = lambda name, v: numpy_helper.from_array(np.array(v, dtype=np.uint64), name)  # noqa: E731
+    i64 = lambda name, v: numpy_helper.from_array(np.array(v, dtype=np.int64), name)  # noqa: E731
+    inits = [
+        u64("k_gram", [int(router_mod._H_GRAM)]),
+        u64("k_dim", [int(router_mod._H_DIM)]),
+        u64("k_sign", [int(router_mod._H_SIGN)]),
+        u64("shift8", [8]),
+        u64("shift_bucket", [64 - bits]),
+        u64("shift_dim", [64 - int(dim).bit_length() + 1]),
+        u64("shift_sign", [63]),
+        u64("one_u", [1]),
+        i64("zero", [0]),
+        i64("minus1", [-1]),
+        i64("big", [np.iinfo(np.int64).max]),
+        i64("axis0", [0]),
+        i64("axis2", [2]),
+        numpy_helper.from_array(np.asarray(r.idf, dtype=np.float32), "idf"),
+        numpy_helper.from_array(np.zeros(dim, dtype=np.float64), "fold0"),
+        numpy_helper.from_array(np.array(1.0), "one_d"),
+        numpy_helper.from_array(np.array(2.0), "two_d"),
+        numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two_f"),
+        numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero_f"),
+        numpy_helper.from_array(np.ascontiguousarray(np.asarray(r.centroids, dtype=np.float32).T), "centroids_t"),
+        numpy_helper.from_array(gather, "expert_clusters"),
+    ]
+    node = helper.make_node
+    nodes = [node("Cast", ["context"], ["b"], to=TensorProto.UINT64)]
+    hashes = []
+    for n in range(1, 5):
+        if n == 1:
+            gram = "b"
+        else:  # gram_n[p] = gram_{n-1}[p] << 8 | b[p + n - 1]: the n bytes at p, big-endian
+            inits.append(i64(f"start{n}", [n - 1]))
+            nodes += [
+                node("Slice", [prev, "zero", "minus1"], [f"head{n}"]),
+                node("BitShift", [f"head{n}", "shift8"], [f"shl{n}"], direction="LEFT"),
+                node("Slice", ["b", f"start{n}", "big"], [f"tail{n}"]),
+                node("BitwiseOr", [f"shl{n}", f"tail{n}"], [f"gram{n}"]),
+            ]
+            gram = f"gram{n}"
+        inits.append(u64(f"tag{n}", [n << 32]))
+        nodes += [
+            node("BitwiseOr", [gram, f"tag{n}"], [f"key{n}"]),
+            node("Mul", [f"key{n}", "k_gram"], [f"mix{n}"]),  # wraps mod 2^64, as numpy's uint64 does
+            node("BitShift", [f"mix{n}", "shift_bucket"], [f"h{n}"], direction="RIGHT"),
+        ]
+        hashes.append(f"h{n}")
+        prev = gram
+    nodes += [
+        node("Concat", hashes, ["h_all"], axis=0),
+        node("Cast", ["h_all"], ["buckets"], to=TensorProto.INT64),
+        node("Unique", ["buckets"], ["present", "", "", "counts"], sorted=1),
+        # weight (1 + ln count) * idf, in float64 like the numpy featurizer
+        node("Cast", ["counts"], ["counts_d"], to=TensorProto.DOUBLE),
+        node("Log", ["counts_d"], ["log_counts"]),
+        node("Add", ["log_counts", "one_d"], ["tf"]),
+        node("Gather", ["idf", "present"], ["idf_p"]),
+        node("Cast", ["idf_p"], ["idf_d"], to=TensorProto.DOUBLE),
+        node("Mul", ["tf", "idf_d"], ["w_abs"]),
+        # bucket -> (dimension, sign) by the router's second hash, on bucket + 1
+        node("Cast", ["present"], ["present_u"], to=TensorProto.UINT64),
+        node("Add", ["present_u", "one_u"], ["b1"]),
+        node("Mul", ["b1", "k_dim"], ["dmix"]),
+        node("BitShift", ["dmix", "shift_dim"], ["dim_u"], direction="RIGHT"),
+        node("Cast", ["dim_u"], ["dims"], to=TensorProto.INT64),
+        node("Mul", ["b1", "k_sign"], ["smix"]),
+        node("BitShift", ["smix", "shift_sign"], ["sbit"], direction="RIGHT"),
+        node("Cast", ["sbit"], ["sbit_d"], to=TensorProto.DOUBLE),
+        node("Mul", ["sbit_d", "two_d"], ["s2"]),
+        node("Sub", ["s2", "one_d"], ["sign"]),
+        node("Mul", ["w_abs", "sign"], ["w"]),
+        node("ScatterElements", ["fold0", "dims", "w"], ["folded"], reduction="add"),
+        node("ReduceL2", ["folded"], ["norm"], keepdims=1),
+        node("Div", ["folded", "norm"], ["unit_d"]),
+        node("Cast", ["unit_d"], ["unit"], to=TensorProto.FLOAT),
+        node("Unsqueeze", ["unit", "axis0"], ["feat"]),
+        node("MatMul", ["feat", "centroids_t"], ["dots"]),
+        node("Mul", ["dots", "two_f"], ["dots2"]),
+        node("Sub", ["two_f", "dots2"], ["d2_raw"]),
+        node("Max", ["d2_raw", "zero_f"], ["d2"]),  # [1, C]
+        node("Gather", ["d2", "expert_clusters"], ["d2_e"], axis=1),  # [1, N, width]
+        node("ReduceMin", ["d2_e", "axis2"], ["distances"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "soma_router_features",
+        [helper.make_tensor_value_info("context", TensorProto.UINT8, ["L"])],
+        [helper.make_tensor_value_info("distances", TensorProto.FLOAT, [1, r.n_experts])],
+        inits,
+    )
+    graph.doc_string = f"{router_mod.FEATURIZER}: {n_clusters} clusters, {r.n_experts} experts, dim {dim}"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="soma-edge")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
     return model

@@ -126,16 +126,17 @@ def test_bundle_lists_and_checks_every_file(exported):
     manifest = json.loads((deploy / "manifest.json").read_text())
     on_disk = {str(p.relative_to(deploy)) for p in deploy.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(manifest["files"]) == on_disk
-    assert len([f for f in on_disk if f.endswith(".onnx")]) == 2 * N
+    assert len([f for f in on_disk if f.endswith(".onnx")]) == 2 * N + 1  # + the router featurizer
     for rel, meta in manifest["files"].items():
         data = (deploy / rel).read_bytes()
         assert hashlib.sha256(data).hexdigest() == meta["sha256"] and len(data) == meta["bytes"]
         if rel.endswith(".onnx"):
             model = onnx.load_model_from_string(data)
             onnx.checker.check_model(model, full_check=True)
-            # weights are initializers: the only inputs are the byte ids (and the LSTM state when streaming)
-            assert [i.name for i in model.graph.input][0] == "x"
-            assert {i.name for i in model.graph.input} <= {"x", "h0", "c0"}
+            # weights are initializers: the only inputs are the bytes (and the LSTM state when streaming)
+            inputs = [i.name for i in model.graph.input]
+            assert inputs == ["context"] if rel == "router_features.onnx" else inputs[0] == "x"
+            assert set(inputs) <= {"x", "h0", "c0", "context"}
     assert (deploy / "router.msgpack").read_bytes() == (run / "router.msgpack").read_bytes()
     assert manifest["seq_len"] == T and manifest["router"]["n_experts"] == N and manifest["quantize"] is None
     assert manifest["run"]["round"] == 4
@@ -244,6 +245,29 @@ def test_routed_eval_uses_only_preceding_bytes(dep, eval_file):
     assert not np.allclose(other.weights[i + 1], base.weights[i + 1]) or (other.experts[i + 1] != base.experts[i + 1]).any()
     # the scores before window i are untouched (a leak would move them)
     np.testing.assert_array_equal(other.logprobs[: i * T - 1], base.logprobs[: i * T - 1])
+
+
+def test_router_runs_from_onnx_and_manifest_alone(exported, dep, eval_file):
+    """Routing with plain ORT + the manifest (no soma-edge router code) picks what eval picked."""
+    _, deploy, _ = exported
+    manifest = json.loads((deploy / "manifest.json").read_text())
+    r = manifest["router"]
+    sess = ort.InferenceSession(str(deploy / r["features"]), providers=["CPUExecutionProvider"])
+    prior, temp = np.array(r["prior"]), r["temperature"]
+    data = np.frombuffer(eval_file.read_bytes(), np.uint8)
+    k = 2
+    want = dep.score(data, k)
+    for i in range(want.experts.shape[0]):
+        if i == 0:
+            scores = np.log(prior)
+        else:
+            d = sess.run(None, {"context": data[(i - 1) * T : i * T]})[0][0]
+            np.testing.assert_allclose(d, dep.router.distances([data[(i - 1) * T : i * T]])[0], atol=1e-5)
+            scores = -d.astype(np.float64) / temp
+        top = np.argsort(-scores, kind="stable")[:k]
+        w = np.exp(scores[top] - scores[top].max())
+        np.testing.assert_array_equal(top, want.experts[i])
+        np.testing.assert_allclose(w / w.sum(), want.weights[i], atol=1e-5)
 
 
 def test_top1_runs_one_expert_per_window(dep, eval_file):
