@@ -30,7 +30,7 @@ from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CodecError, CorpusError, SomaError, ValidationError
 from coordinator import scheduler
-from coordinator.run import RunDir
+from coordinator.run import RunDir, RunLockedError
 
 log = logging.getLogger("soma.coord")
 if not log.handlers:  # flwr-serverapp configures only Flower's logger; ours goes to the SuperLink's log
@@ -78,8 +78,22 @@ class Coordinator:
     # --- entry ----------------------------------------------------------------------------------------
 
     def main(self, lock_wait: float = 60.0) -> dict[str, Any]:
-        with self.run.lock(wait=lock_wait):
-            return self._main()
+        # Flower keeps the ServerApp's own output to itself (`flwr log`); ours also goes to RUN/logs.
+        self.run.logs.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.run.logs / "coordinator.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s soma.coord %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        try:
+            with self.run.lock(wait=lock_wait):
+                return self._main()
+        except Exception as e:
+            log.error("coordinator failed: %s: %s", type(e).__name__, e)
+            if not isinstance(e, RunLockedError) and hasattr(self, "cfg"):
+                self._status("failed", message=f"{type(e).__name__}: {e}", user_error=isinstance(e, SomaError))
+            raise
+        finally:
+            log.removeHandler(handler)
+            handler.close()
 
     def _main(self) -> dict[str, Any]:
         run = self.run

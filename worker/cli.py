@@ -75,6 +75,85 @@ def train_cmd(
             print(f"{k:>28}: {v}")
 
 
+@app.command("join")
+def join_cmd(
+    coordinator: str = typer.Option(..., "--coordinator", help="HOST:PORT of the coordinator's SuperLink."),
+    name: Optional[str] = typer.Option(None, help="This worker's name in the coordinator's table (default: host name)."),
+    cache: Optional[Path] = typer.Option(None, help="Cache for shards, weights and the probe (default: $SOMA_CACHE/worker)."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda[:i] | an ORT execution provider."),
+    threads: int = typer.Option(0, min=0, help="ORT intra-op threads (0 = ORT decides; 1 when workers share a box)."),
+    no_spin: bool = typer.Option(False, "--no-spin", help="No ORT spin-waiting (for workers sharing cores)."),
+    port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0 = a free one)."),
+    cache_mb: int = typer.Option(2048, min=16, help="Bound on the cache size; least recently used entries go first."),
+    root_certificates: Optional[Path] = typer.Option(
+        None, "--root-certificates", help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure."
+    ),
+    probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
+) -> None:
+    """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until stopped."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    from soma_edge.errors import ConfigError
+    from soma_edge.runtime import parse_device
+
+    host, sep, port_s = coordinator.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT, for example 10.0.0.5:9092")
+    try:
+        parse_device(device)
+    except ConfigError as e:
+        raise ConfigError(f"--device: {e}") from None
+    if root_certificates is not None and not root_certificates.is_file():
+        raise ConfigError(f"--root-certificates {root_certificates}: no such file")
+    name = name or socket.gethostname()
+    cache = (cache or corpus.cache_dir() / "worker").resolve()
+    for what, v in (("--name", name), ("--cache", str(cache)), ("--device", device)):
+        if "'" in v or "\\" in v:
+            raise ConfigError(f"{what} {v!r}: must not contain quotes or backslashes")
+    cache.mkdir(parents=True, exist_ok=True)
+    if port == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    node_config = (f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
+                   f"cache-mb={cache_mb} probe-seconds={probe_seconds}")  # fmt: skip
+    exe = Path(sys.executable).parent / "flower-supernode"
+    cmd = [str(exe) if exe.exists() else "flower-supernode", "--superlink", coordinator, "--port", str(port),
+           "--node-config", node_config]  # fmt: skip
+    cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
+    env = dict(os.environ, FLWR_HOME=str(cache / "flwr"), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
+               SOMA_BLOCK_TORCH="1", PYTHONUNBUFFERED="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # fmt: skip
+    print(f"soma-worker {name}: joining {coordinator} (device {device}, threads {threads}, cache {cache})", flush=True)
+    try:
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    except OSError as e:
+        raise ConfigError(f"cannot start flower-supernode ({e.strerror}): is flwr installed in this environment?") from None
+
+    def forward(sig, _frame):
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = proc.wait()
+    raise typer.Exit(0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code)
+
+
+def _die_with_parent() -> None:
+    # The SuperNode must not outlive this process, even when it is killed with SIGKILL (Linux only).
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _sha256(a: np.ndarray) -> str:
     import hashlib
 

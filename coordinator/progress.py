@@ -1,0 +1,126 @@
+"""What a person watching a run sees: the experts table and the round progress.
+
+The ServerApp runs inside Flower (next to the SuperLink), and Flower's own log streaming arrives in
+batches 45-60 s late, so the ServerApp writes RUN/status.json and RUN/metrics.jsonl and we read those.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordinator.run import RunDir
+
+
+def last_expert_lines(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for m in metrics:
+        if m.get("type") == "expert" and m.get("accepted"):
+            out[int(m["expert"])] = m
+    return out
+
+
+def last_round(metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
+    rounds = [m for m in metrics if m.get("type") == "round"]
+    return rounds[-1] if rounds else None
+
+
+def summary(run: RunDir) -> dict[str, Any]:
+    """Everything `soma-coord status` reports, from the checkpoint alone (no server needed)."""
+    state = run.load_state()
+    metrics = run.read_metrics()
+    cfg = run.load_config() if run.has_config() else None
+    last = last_expert_lines(metrics)
+    lr = last_round(metrics)
+    experts = {}
+    for e, x in sorted(((int(k), v) for k, v in (state or {}).get("experts", {}).items())):
+        m = last.get(e, {})
+        experts[str(e)] = {**x, "steps_per_s": m.get("steps_per_s"), "last_round": m.get("round")}
+    return {
+        "run": str(run.root),
+        "round": (state or {}).get("round", 0),
+        "rounds": cfg.federation.rounds if cfg else None,
+        "experts": experts,
+        "mixture_val_loss": lr.get("mixture_val_loss") if lr else None,
+        "val_loss_mean": lr.get("val_loss_mean") if lr else None,
+        "compute_share": lr.get("compute_share") if lr else None,
+        "running": run.is_locked(),
+    }
+
+
+def _f(v: Any, digits: int = 4) -> str:
+    return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Table:
+    title = f"{s['run']}: round {s['round']}/{s['rounds'] or '?'}"
+    if s.get("mixture_val_loss") is not None:
+        title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
+    t = Table(title=title, title_justify="left")
+    for col in ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s"):
+        t.add_column(col, justify="left" if col in ("sha256", "node") else "right")
+    live_nodes = (status or {}).get("assignment") or {}
+    for e, x in s["experts"].items():
+        node = live_nodes.get(e) or x.get("node") or "-"
+        t.add_row(e, str(x["version"]), x["sha256"][:12], str(x.get("step", "-")), _f(x.get("train_loss")),
+                  _f(x.get("val_loss")), node, _f(x.get("steps_per_s"), 2))  # fmt: skip
+    return t
+
+
+class Follower:
+    """Draws status.json/metrics.jsonl: a live table on a terminal, one line per round otherwise."""
+
+    def __init__(self, run: RunDir, console: Console | None = None):
+        self.run = run
+        self.console = console or Console(stderr=False)
+        self.seen_rounds: set[int] = set()
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                 TimeElapsedColumn(), console=self.console)  # fmt: skip
+        self.task = self.progress.add_task("rounds", total=None)
+        self.rtask = self.progress.add_task("round compute", total=None)
+        self.live = None
+
+    def __enter__(self) -> "Follower":
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(console=self.console, refresh_per_second=2, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def update(self, status: dict[str, Any] | None) -> None:
+        s = summary(self.run)
+        if self.live is not None:
+            self.progress.update(self.task, completed=s["round"], total=s["rounds"])
+            if status and status.get("phase") == "round" and status.get("started"):
+                total = float(status.get("round_seconds") or 1)
+                done = min(total, time.time() - float(status["started"]))
+                self.progress.update(self.rtask, completed=round(done), total=round(total),
+                                     description=f"round {status.get('round')} compute (s)")  # fmt: skip
+            phase = (status or {}).get("phase", "starting")
+            msg = (status or {}).get("message") or ""
+            self.live.update(Group(experts_table(s, status), self.progress, f"[dim]{phase} {msg}[/dim]"))
+            return
+        for m in self.run.read_metrics():
+            r = int(m.get("round", 0))
+            if m.get("type") == "round" and r not in self.seen_rounds:
+                self.seen_rounds.add(r)
+                mix = m.get("mixture_val_loss")
+                self.console.print(
+                    f"round {r}/{m.get('rounds')}: {m.get('accepted')} experts advanced, mean val "
+                    f"{_f(m.get('val_loss_mean'))}, routed val {_f(mix)} nats/byte, "
+                    f"{m.get('round_seconds_total', 0):.1f} s, compute {100 * (m.get('compute_share') or 0):.0f}%"
+                )
+
+    def final(self) -> None:
+        s = summary(self.run)
+        if self.live is None:
+            self.console.print(experts_table(s))
