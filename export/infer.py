@@ -23,6 +23,7 @@ import numpy as np
 from soma_edge import mixture
 from soma_edge.errors import CodecError, ConfigError, CorpusError, DeviceError
 from soma_edge.router import Router
+from soma_edge.runtime import make_session
 
 from export.bundle import Bundle, BundleError, ExpertEntry, read
 
@@ -38,8 +39,6 @@ class Expert:
         self._score = self._stream = None
 
     def _session(self, rel: str):
-        from soma_edge.runtime import make_session
-
         data = self.bundle.read_verified(rel)
         try:
             return make_session(data, self.device, self.threads)

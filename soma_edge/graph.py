@@ -6,6 +6,8 @@ Three heads over one body:
 - "logprobs": x[B,T] -> log-probs [B,T,256] (scoring).
 - "stream":   (x[B,T], h*/c* [1,B,H] per layer) -> logits [B,T,256] and the new states (generation).
 With `weights=None` the weights are graph inputs; with a flat vector they become initializers (deploy).
+
+`router_features` builds the router's featurizer and distances as a graph, for deploy bundles.
 """
 
 from __future__ import annotations
