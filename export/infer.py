@@ -240,15 +240,22 @@ def data_files(paths: list[Path]) -> list[Path]:
     return out
 
 
-def read_data(path: Path) -> np.ndarray:
+def check_data(path: Path) -> None:
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
     except OSError as e:
         raise CorpusError(f"{path}: cannot read ({e.strerror})") from None
-    if len(data) < 2:
-        what = "empty data file" if not data else "data file of 1 byte"
+    if size < 2:
+        what = "empty data file" if size == 0 else "data file of 1 byte"
         raise CorpusError(f"{path}: {what}; need at least 2 bytes to score the bytes after the first")
-    return np.frombuffer(data, dtype=np.uint8)
+
+
+def read_data(path: Path) -> np.ndarray:
+    check_data(path)
+    try:
+        return np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot read ({e.strerror})") from None
 
 
 @dataclass
@@ -288,9 +295,11 @@ def evaluate(
     """Routed mixture nats/byte of each file (each its own stream, routed from its own prior)."""
     dep.check_top_k(top_k)
     files = data_files(paths)
-    streams = [(f, read_data(f)) for f in files]  # every file is checked before any scoring starts
+    for f in files:  # every file is checked before any scoring starts; each is read when its turn comes
+        check_data(f)
     report = EvalReport(top_k, uniform)
-    for f, data in streams:
+    for f in files:
+        data = read_data(f)
         t0 = time.perf_counter()
         r = dep.score(data, top_k, temperature, uniform)
         report.files.append(FileScore(str(f), r.bytes, r.nats_per_byte, time.perf_counter() - t0))

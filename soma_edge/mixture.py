@@ -44,6 +44,15 @@ class MixtureResult:
     logprobs: np.ndarray | None = None  # float64[bytes]: mixture log-prob of each scored byte, if asked
 
 
+def count_windows(n_bytes: int, seq_len: int) -> int:
+    """Windows needed to score n_bytes: one prediction per byte after the first, seq_len per window."""
+    if seq_len < 1:
+        raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
+    if n_bytes < 2:
+        raise CorpusError(f"need at least 2 bytes to score anything, got {n_bytes}")
+    return -(-(n_bytes - 1) // seq_len)
+
+
 def windows(data: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut a byte stream into (x, y, lengths): x, y int64[W, seq_len], y = x shifted by one byte.
 
@@ -51,13 +60,9 @@ def windows(data: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.
     zeros at the end, which cannot change the earlier positions of a left-to-right LSTM. `lengths` says how
     many positions of each window are real.
     """
-    if seq_len < 1:
-        raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
     data = np.asarray(data, dtype=np.uint8)
     n = data.size - 1  # predictions
-    if n < 1:
-        raise CorpusError(f"need at least 2 bytes to score anything, got {data.size}")
-    w = -(-n // seq_len)
+    w = count_windows(data.size, seq_len)
     x = np.zeros(w * seq_len, dtype=np.int64)
     y = np.zeros(w * seq_len, dtype=np.int64)
     x[:n], y[:n] = data[:-1], data[1:]
@@ -72,22 +77,31 @@ def check_top_k(top_k: int, n_experts: int) -> None:
 
 
 def route(
-    router: RouterLike, data: np.ndarray, seq_len: int, top_k: int, temperature: float, uniform: bool = False
+    router: RouterLike,
+    data: np.ndarray,
+    seq_len: int,
+    top_k: int,
+    temperature: float,
+    uniform: bool = False,
+    windows_range: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(experts int64[W, k], weights float64[W, k]) for the windows of `windows(data, seq_len)`.
 
     The router sees the input stream x = data[:-1] cut into the same windows, and routes window i on
-    window i-1. `uniform` replaces the weights by 1/k (a diagnostic: with k = N it is the plain average).
+    window i-1. `windows_range` (lo, hi) routes only windows lo..hi-1 (the router then featurizes only
+    hi - lo contexts). `uniform` replaces the weights by 1/k (a diagnostic: with k = N the plain average).
     """
     check_top_k(top_k, router.n_experts)
     x_stream = np.asarray(data, dtype=np.uint8)[:-1]
-    experts, weights = router.route_windows(x_stream, seq_len, top_k, temperature)
-    experts = np.asarray(experts, dtype=np.int64)
-    weights = np.asarray(weights, dtype=np.float64)
-    n_windows = -(-x_stream.size // seq_len)
-    if experts.shape != (n_windows, top_k) or weights.shape != experts.shape:
+    total = -(-x_stream.size // seq_len)
+    lo, hi = windows_range or (0, total)
+    first = max(lo - 1, 0)  # window lo is routed on window lo - 1: hand that one to the router too
+    experts, weights = router.route_windows(x_stream[first * seq_len : hi * seq_len], seq_len, top_k, temperature)
+    experts = np.asarray(experts, dtype=np.int64)[lo - first :]
+    weights = np.asarray(weights, dtype=np.float64)[lo - first :]
+    if experts.shape != (hi - lo, top_k) or weights.shape != experts.shape:
         raise ValueError(
-            f"router returned experts {experts.shape} and weights {weights.shape} for {n_windows} windows, top-k {top_k}"
+            f"router returned experts {experts.shape} and weights {weights.shape} for {hi - lo} windows, top-k {top_k}"
         )
     if uniform:
         weights = np.full(experts.shape, 1.0 / top_k)
@@ -110,38 +124,54 @@ def evaluate(
     uniform: bool = False,
     batch: int = 64,
     keep_logprobs: bool = False,
+    block: int = 4096,
 ) -> MixtureResult:
-    """Mixture nats/byte of `data` under routed top-k experts; see the module docstring."""
-    x, y, lengths = windows(data, seq_len)
-    chosen, weights = route(router, data, seq_len, top_k, temperature, uniform)
-    n_windows, k = chosen.shape
-    real = np.arange(seq_len)[None, :] < lengths[:, None]  # [W, T]
-    own = np.zeros((n_windows, k, seq_len), dtype=np.float64)  # log p_e(y) of each chosen expert
-    for e in np.unique(chosen).tolist():
-        rows, slots = np.nonzero(chosen == e)
-        fn = experts[e]
-        for i in range(0, rows.size, batch):
-            r, s = rows[i : i + batch], slots[i : i + batch]
-            out = fn(x[r])
-            if out.shape != (r.size, seq_len, 256):
-                raise ValueError(f"expert {e} returned log-probs of shape {out.shape}, expected {(r.size, seq_len, 256)}")
-            own[r, s] = np.take_along_axis(out, y[r][..., None], axis=-1)[..., 0]
-    with np.errstate(divide="ignore"):  # a weight of exactly 0 contributes nothing: log 0 = -inf
-        logw = np.log(weights)
-    mix = _logsumexp(logw[:, :, None] + own, axis=1)  # [W, T]
-    scored = int(real.sum())
-    result = MixtureResult(
-        nats_per_byte=float(-mix[real].sum() / scored),
+    """Mixture nats/byte of `data` under routed top-k experts; see the module docstring.
+
+    Windows are routed and scored `block` at a time, so memory stays bounded for any length of data.
+    """
+    data = np.asarray(data, dtype=np.uint8)
+    check_top_k(top_k, router.n_experts)
+    n_windows = count_windows(data.size, seq_len)
+    nll = 0.0
+    stats = {"windows": {}, "weight": {}, "bytes": {}, "nats": {}}
+    parts_e, parts_w, parts_lp = [], [], []
+    for lo in range(0, n_windows, block):
+        hi = min(lo + block, n_windows)
+        x, y, lengths = windows(data[lo * seq_len : hi * seq_len + 1], seq_len)
+        chosen, weights = route(router, data, seq_len, top_k, temperature, uniform, (lo, hi))
+        real = np.arange(seq_len)[None, :] < lengths[:, None]  # [w, T]
+        own = np.zeros(chosen.shape + (seq_len,), dtype=np.float64)  # log p_e(y) of each chosen expert
+        for e in np.unique(chosen).tolist():
+            rows, slots = np.nonzero(chosen == e)
+            fn = experts[e]
+            for i in range(0, rows.size, batch):
+                r, s = rows[i : i + batch], slots[i : i + batch]
+                out = fn(x[r])
+                if out.shape != (r.size, seq_len, 256):
+                    raise ValueError(f"expert {e} returned log-probs of shape {out.shape}, expected {(r.size, seq_len, 256)}")
+                own[r, s] = np.take_along_axis(out, y[r][..., None], axis=-1)[..., 0]
+            mask = real[rows]
+            for key, value in (("windows", rows.size), ("weight", weights[rows, slots].sum()),
+                               ("bytes", mask.sum()), ("nats", -own[rows, slots][mask].sum())):  # fmt: skip
+                stats[key][e] = stats[key].get(e, 0) + value
+        with np.errstate(divide="ignore"):  # a weight of exactly 0 contributes nothing: log 0 = -inf
+            logw = np.log(weights)
+        mix = _logsumexp(logw[:, :, None] + own, axis=1)[real]  # row-major order = stream order
+        nll -= mix.sum()
+        parts_e.append(chosen)
+        parts_w.append(weights)
+        if keep_logprobs:
+            parts_lp.append(mix)
+    scored = data.size - 1
+    return MixtureResult(
+        nats_per_byte=float(nll / scored),
         bytes=scored,
-        experts=chosen,
-        weights=weights,
-        logprobs=mix[real] if keep_logprobs else None,  # row-major order = stream order
+        experts=np.concatenate(parts_e),
+        weights=np.concatenate(parts_w),
+        expert_windows={e: int(v) for e, v in stats["windows"].items()},
+        expert_weight={e: float(v) for e, v in stats["weight"].items()},
+        expert_bytes={e: int(v) for e, v in stats["bytes"].items()},
+        expert_nats={e: float(stats["nats"][e] / stats["bytes"][e]) for e in stats["bytes"]},
+        logprobs=np.concatenate(parts_lp) if keep_logprobs else None,
     )
-    for e in np.unique(chosen).tolist():
-        rows, slots = np.nonzero(chosen == e)
-        mask = real[rows]
-        result.expert_windows[e] = int(rows.size)
-        result.expert_weight[e] = float(weights[rows, slots].sum())
-        result.expert_bytes[e] = int(mask.sum())
-        result.expert_nats[e] = float(-own[rows, slots][mask].sum() / mask.sum())
-    return result

@@ -131,3 +131,20 @@ def test_top_k_out_of_range(k):
     data = np.frombuffer(b"hello world", dtype=np.uint8)
     with pytest.raises(ConfigError, match="top-k"):
         mixture.evaluate(RuleRouter(N), [CountingExpert(t) for t in _bigram_tables(N)], data, 4, k, 1.0)
+
+
+def test_blocks_change_nothing():
+    """Scoring in blocks of windows (bounded memory) equals scoring all windows at once, across borders."""
+    tables = _bigram_tables(N)
+    data = np.frombuffer(bytes(range(256)) * 3 + b"tail", dtype=np.uint8)
+    whole = mixture.evaluate(RuleRouter(N), [CountingExpert(t) for t in tables], data, 8, 2, 0.5, keep_logprobs=True)
+    router = RuleRouter(N)
+    parts = mixture.evaluate(router, [CountingExpert(t) for t in tables], data, 8, 2, 0.5, keep_logprobs=True, block=7)
+    assert len(router.contexts) > whole.experts.shape[0]  # it really went block by block
+    np.testing.assert_array_equal(parts.experts, whole.experts)
+    np.testing.assert_array_equal(parts.weights, whole.weights)
+    np.testing.assert_allclose(parts.logprobs, whole.logprobs, rtol=0, atol=1e-12)
+    assert parts.nats_per_byte == pytest.approx(whole.nats_per_byte, abs=1e-12)
+    assert parts.expert_windows == whole.expert_windows and parts.expert_bytes == whole.expert_bytes
+    for e in whole.expert_nats:
+        assert parts.expert_nats[e] == pytest.approx(whole.expert_nats[e], abs=1e-12)
