@@ -1,0 +1,98 @@
+"""Where a federated round's wall time goes, and how many bytes it moves per expert.
+
+For each round of a run (from its metrics.jsonl): the round's wall time (plan -> commit), each node's
+seconds of SPSA compute, the compute share (mean over nodes of compute / wall), and the bytes moved per
+expert: weights down (coordinator -> worker), shard bytes down, weights up. Steady state = every round
+after the first (the first pays for capability probes, shard and version-0 transfers).
+
+    python bench/federation_overhead.py --run runs/demo          # analyse an existing run
+    python bench/federation_overhead.py --fresh --rounds 4 --round-seconds 55   # run the demo setting first
+
+Targets (issue 4): compute >= 90% of wall time in steady state; zero weight bytes to a worker whose
+assignment did not change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def load(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def table(run: Path) -> dict:
+    metrics = load(run)
+    rounds = [m for m in metrics if m["type"] == "round"]
+    experts = [m for m in metrics if m["type"] == "expert"]
+    print(f"run: {run}")
+    print(f"{'round':>5} {'wall s':>7} {'compute s/node':>15} {'share':>6} {'moved':>6} "
+          f"{'w down/exp':>11} {'shards down/exp':>16} {'w up/exp':>9} {'sticky w down':>14}")  # fmt: skip
+    rows = []
+    for r in rounds:
+        lines = [m for m in experts if m["round"] == r["round"]]
+        n = max(len(lines), 1)
+        comp = r.get("compute_seconds") or {}
+        per_node = sum(comp.values()) / max(len(r.get("nodes") or [1]), 1)
+        moved = set(r.get("moved") or [])
+        sticky_down = sum(m.get("weights_bytes_down", 0) for m in lines if m["expert"] not in moved)
+        row = {
+            "round": r["round"], "wall": r["round_seconds_total"], "compute_per_node": per_node,
+            "share": r["compute_share"], "moved": len(moved),
+            "w_down": sum(m.get("weights_bytes_down", 0) for m in lines) / n,
+            "s_down": sum(m.get("shard_bytes_down", 0) for m in lines) / n,
+            "w_up": sum(m.get("weights_bytes_up", 0) for m in lines) / n, "sticky_down": sticky_down,
+        }  # fmt: skip
+        rows.append(row)
+        print(f"{row['round']:>5} {row['wall']:>7.1f} {row['compute_per_node']:>15.1f} {100 * row['share']:>5.1f}% "
+              f"{row['moved']:>6} {row['w_down']:>11.0f} {row['s_down']:>16.0f} {row['w_up']:>9.0f} {row['sticky_down']:>14}")  # fmt: skip
+    steady = rows[1:] or rows
+    share = sum(r["share"] for r in steady) / max(len(steady), 1)
+    wall = sum(r["wall"] for r in steady) / max(len(steady), 1)
+    summary = {
+        "steady_rounds": len(steady), "steady_compute_share": share, "steady_wall_s": wall,
+        "steady_overhead_s": wall * (1 - share), "sticky_weight_bytes_down": sum(r["sticky_down"] for r in steady),
+        "steady_weight_bytes_up_per_expert": sum(r["w_up"] for r in steady) / max(len(steady), 1),
+    }  # fmt: skip
+    print(f"steady state (rounds {', '.join(str(r['round']) for r in steady)}): compute {100 * share:.1f}% of "
+          f"{wall:.1f} s rounds, {summary['steady_overhead_s']:.1f} s/round in Flower round trips, process start, "
+          f"transfers and checkpoints; weight bytes sent for unchanged assignments: {summary['sticky_weight_bytes_down']}")  # fmt: skip
+    return summary
+
+
+def fresh(rounds: int, round_seconds: float, experts: int, workers: int) -> Path:
+    run = Path(tempfile.mkdtemp(prefix="soma-fed-bench-")) / "run"
+    cmd = [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--local-workers", str(workers),
+           "--experts", str(experts), "--rounds", str(rounds), "--round-seconds", str(round_seconds), "--port", "0"]  # fmt: skip
+    t0 = time.time()
+    subprocess.run(cmd, check=True)
+    print(f"federation finished in {time.time() - t0:.0f} s")
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", type=Path, help="analyse this run directory")
+    ap.add_argument("--fresh", action="store_true", help="run the demo setting first (embedded, local workers)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--round-seconds", type=float, default=55.0)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="also print the summary as one JSON object")
+    args = ap.parse_args()
+    if not args.run and not args.fresh:
+        ap.error("give --run DIR or --fresh")
+    run = fresh(args.rounds, args.round_seconds, args.experts, args.workers) if args.fresh else args.run
+    summary = table(run)
+    if args.json:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

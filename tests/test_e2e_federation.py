@@ -1,0 +1,231 @@
+"""The federation with real processes on 127.0.0.1: `soma-coord start` runs a real `flower-superlink`
+and two real SuperNodes (`soma-worker join`), and Flower spawns real ServerApp/ClientApp processes.
+
+One run directory is shared by the three tests, in order, to keep the suite short:
+1. rounds 1-2: every expert advances, the val loss recomputed here from the checkpoints falls, the
+   checkpoint hashes are the ones the workers logged as sent, and torch was unimportable in the workers;
+2. rounds 3-4: one worker is killed with SIGKILL while it trains; the run completes without it;
+3. rounds 5-6: the coordinator is killed with SIGKILL mid-round and started again; it resumes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.run import RunDir
+from soma_edge import checkpoint, corpus, protocol
+from soma_edge.runtime import LossEvaluator, mean_loss
+
+CONFIG = """
+seed = 3
+[model]
+embed = 16
+hidden = 32
+[data]
+batch = 8
+seq_len = 64
+[spsa]
+directions = 4
+warmup_steps = 0
+[federation]
+experts = 4
+rounds = 2
+round_seconds = 6.0
+deadline_factor = 1.5
+deadline_slack = 12.0
+val_windows = 16
+local_workers = 2
+"""
+START_TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fed")
+    src = root / "corpus"
+    src.mkdir()
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ["argparse.py", "textwrap.py", "string.py", "shlex.py", "csv.py", "fractions.py", "heapq.py",
+                 "bisect.py", "calendar.py", "difflib.py", "glob.py", "fnmatch.py"]:  # fmt: skip
+        (src / f"{name}.txt").write_bytes((lib / name).read_bytes())
+    (root / "fed.toml").write_text(CONFIG)
+    env = dict(os.environ, SOMA_CACHE=str(root / "cache"))  # nothing of the user's cache is touched
+    return {"root": root, "run": root / "run", "corpus": src, "config": root / "fed.toml", "env": env}
+
+
+def _start(fed, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "coordinator", "start", "--run", str(fed["run"]), "--config", str(fed["config"]),
+           "--corpus", str(fed["corpus"]), "--port", "0", *extra]  # fmt: skip
+    log = open(fed["root"] / "start.log", "ab")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=fed["env"], cwd=fed["root"])
+
+
+def _finish(fed, proc: subprocess.Popen) -> None:
+    try:
+        code = proc.wait(START_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    tail = (fed["root"] / "start.log").read_text(errors="replace")[-3000:]
+    assert code == 0, tail
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _sent(run: Path) -> dict[tuple[int, int], str]:
+    """(expert, version) -> sha256, from every worker's log line for what it sent."""
+    out = {}
+    for log in (run / "logs").glob("w*.log"):
+        for e, v, sha in re.findall(r"sent expert=(\d+) version=(\d+) sha256=([0-9a-f]{64})", log.read_text(errors="replace")):
+            out[(int(e), int(v))] = sha
+    return out
+
+
+def _val_loss(rd: RunDir, expert: int, version: int) -> float:
+    from coordinator.prepare import expert_shards
+
+    cfg = rd.load_config()
+    body = checkpoint.load(rd.root / f"experts/{expert}/v{version}.msgpack", "expert")
+    prep = rd.load_prepare()
+    data = b"".join(rd.shard(h) for h in expert_shards(prep, expert, "val"))
+    if len(data) < 2000:
+        data = corpus.SEPARATOR.join(rd.shard(h) for e in range(4) for h in expert_shards(prep, e, "val"))
+    x, y = corpus.eval_windows(np.frombuffer(data, dtype=np.uint8), cfg.data.seq_len, 64)
+    ev = LossEvaluator(cfg.model, "cpu", 1)
+    return mean_loss(ev, protocol.decode_weights(body["weights"]), x, y)
+
+
+def _metrics(rd: RunDir, kind: str) -> list[dict]:
+    return [m for m in rd.read_metrics() if m["type"] == kind]
+
+
+def _pgid_of_worker(run: Path, name: str) -> int:
+    """The process group of the local worker `name` of this run (found by its unique cache path)."""
+    needle = f"{run}/workers/{name}/cache"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"join" in cmd and needle.encode() in cmd:
+            return os.getpgid(int(pid))
+    raise AssertionError(f"worker {name} of {run} not found")
+
+
+def test_federation_trains_and_checkpoints_what_workers_sent(fed):
+    assert importlib.util.find_spec("torch") is not None  # torch IS installed: blocking it is what is tested
+    _finish(fed, _start(fed))
+    rd = RunDir(fed["run"])
+    state = rd.load_state()
+    assert state["round"] == 2
+    sent = _sent(fed["run"])
+    for e in range(4):
+        x = state["experts"][str(e)]
+        assert x["version"] == 2, x
+        for v in (1, 2):
+            body = checkpoint.load(rd.root / f"experts/{e}/v{v}.msgpack", "expert")
+            on_disk = protocol.weights_sha256(body["weights"])
+            assert on_disk == body["sha256"] == sent[(e, v)], (e, v)
+        assert x["sha256"] == sent[(e, 2)]
+        before, after = _val_loss(rd, e, 0), _val_loss(rd, e, 2)
+        assert after < before - 0.2, (e, before, after)
+    lines = _metrics(rd, "expert")
+    assert len(lines) == 8 and all(m["accepted"] for m in lines)
+    assert {m["torch_importable"] for m in lines} == {False}
+    assert {m["node"] for m in lines} == {"w0", "w1"}
+    rounds = _metrics(rd, "round")
+    assert [m["round"] for m in rounds] == [1, 2] and all(np.isfinite(m["mixture_val_loss"]) for m in rounds)
+    # Round 2 kept every expert on its node: no weights were sent again.
+    assert sum(m["weights_bytes_down"] for m in lines if m["round"] == 2) == 0
+    assert not rd.is_locked()
+
+
+def test_killed_worker_loses_its_experts_to_the_other(fed):
+    rd = RunDir(fed["run"])
+    r0 = rd.load_state()["round"]
+    assert r0 == 2, "needs the run of the previous test"
+    versions_before = {e: x["version"] for e, x in rd.load_state()["experts"].items()}
+    proc = _start(fed, "--rounds", str(r0 + 2))
+    w1_log = fed["run"] / "logs" / "w1.log"
+    trains_before = w1_log.read_text(errors="replace").count("Receiving: train message")
+
+    def w1_training():
+        st = rd.read_status() or {}
+        return (st.get("phase") == "round" and st.get("round") == r0 + 1
+                and w1_log.read_text(errors="replace").count("Receiving: train message") > trains_before)  # fmt: skip
+
+    try:
+        _wait(w1_training, 120, "w1 to start training in the round")
+        time.sleep(1.0)
+        os.killpg(_pgid_of_worker(fed["run"], "w1"), signal.SIGKILL)
+        _finish(fed, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = rd.load_state()
+    assert state["round"] == r0 + 2
+    lines = _metrics(rd, "expert")
+    killed = [m for m in lines if m["round"] == r0 + 1 and m["node"] == "w1"]
+    assert killed and all(not m["accepted"] and "deadline" in m["reason"] for m in killed)
+    after = [m for m in lines if m["round"] == r0 + 2]
+    assert all(m["accepted"] and m["node"] == "w0" for m in after)  # reassigned, and trained
+    for e, x in state["experts"].items():
+        accepted = sum(1 for m in lines if m["expert"] == int(e) and m["accepted"])
+        assert x["version"] == accepted  # every accepted version counted, none lost
+        assert x["version"] > versions_before[e]
+        body = checkpoint.load(rd.root / x["path"], "expert")
+        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+
+
+def test_coordinator_killed_mid_run_resumes(fed):
+    rd = RunDir(fed["run"])
+    r0 = rd.load_state()["round"]
+    assert r0 == 4, "needs the runs of the previous tests"
+    target = r0 + 2
+    proc = _start(fed, "--rounds", str(target))
+    try:
+        _wait(lambda: (rd.read_status() or {}).get("phase") == "round" and (rd.read_status() or {}).get("round") == r0 + 2,
+              180, "the last round to start")  # fmt: skip
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    committed = rd.load_state()["round"]
+    assert committed == r0 + 1
+    # Everything the dead coordinator started goes away by itself, and with it the run lock.
+    _wait(lambda: not rd.is_locked(), 60, "the orphaned ServerApp to release the run lock")
+    proc = _start(fed, "--rounds", str(target))
+    _finish(fed, proc)
+    state = rd.load_state()
+    assert state["round"] == target
+    rounds = [m["round"] for m in _metrics(rd, "round")]
+    assert rounds == list(range(1, target + 1))  # none repeated, none skipped
+    per_round = {}
+    for m in _metrics(rd, "expert"):
+        per_round.setdefault(m["round"], []).append(m["expert"])
+    assert all(sorted(v) == [0, 1, 2, 3] for v in per_round.values())
+    assert "resuming after round 5" in (fed["run"] / "logs" / "coordinator.log").read_text()
+    for e, x in state["experts"].items():
+        assert x["version"] == sum(1 for m in _metrics(rd, "expert") if m["expert"] == int(e) and m["accepted"])
