@@ -118,8 +118,8 @@ class Deployment:
 class Streamer:
     """Incremental routed mixture: feed bytes, read the distribution of the next byte.
 
-    The per-byte path is a handful of numpy calls on 256 floats beside the ORT runs: the mixture is kept
-    as probabilities (sum_e w_e softmax(z_e)), and log-probs are computed only when asked for.
+    The mixture is kept as unnormalized probabilities `p` (sum_e w_e softmax(z_e), up to a constant), so
+    the per-byte path is one ORT run per selected expert and a handful of numpy calls on 256 floats.
     """
 
     def __init__(self, dep: Deployment, prompt: bytes, top_k: int, temperature: float, uniform: bool):
@@ -128,13 +128,14 @@ class Streamer:
         dep.check_top_k(top_k)
         self.dep, self.top_k, self.temperature, self.uniform = dep, top_k, temperature, uniform
         self.text = bytearray()
-        self.probs = np.empty(256)  # of the next byte, given self.text
+        self.p = np.ones(256)  # of the next byte, given self.text
+        self._x1 = np.zeros((1, 1), dtype=np.int64)
         self.feed(prompt)
 
     @property
     def logprobs(self) -> np.ndarray:
         with np.errstate(divide="ignore"):
-            return np.log(self.probs)
+            return np.log(self.p / self.p.sum())
 
     def _route(self, window: int) -> None:
         T = self.dep.seq_len
@@ -147,8 +148,31 @@ class Streamer:
         self.weights = np.full(self.top_k, 1.0 / self.top_k) if self.uniform else np.asarray(weights[0], np.float64)
         self.states = [e.zero_state() for e in self.chosen]
 
+    def _run(self, x: np.ndarray) -> None:
+        """x int64[1, n], all inside the current window, through every selected expert; mix the last logits."""
+        last = []
+        for j, expert in enumerate(self.chosen):
+            logits, self.states[j] = expert.step(x, self.states[j])
+            last.append(logits[0, -1])
+        if self.top_k == 1:
+            z = last[0].astype(np.float64)
+            self.p = np.exp(z - z.max())
+        else:
+            z = np.stack(last).astype(np.float64)
+            e = np.exp(z - z.max(axis=1, keepdims=True))
+            self.p = (self.weights / e.sum(axis=1)) @ e
+
+    def push(self, b: int) -> None:
+        """Append one byte (the generation hot path)."""
+        p = len(self.text)
+        if p % self.dep.seq_len == 0:
+            self._route(p // self.dep.seq_len)
+        self.text.append(b)
+        self._x1[0, 0] = b  # ORT reads its inputs during run() only, so one array serves every byte
+        self._run(self._x1)
+
     def feed(self, data: bytes) -> None:
-        """Append bytes to the text; each window's chunk goes through the selected experts in one call."""
+        """Append bytes; each window's chunk goes through the selected experts in one call."""
         T = self.dep.seq_len
         i = 0
         while i < len(data):
@@ -156,35 +180,26 @@ class Streamer:
             if p % T == 0:
                 self._route(p // T)
             n = min(len(data) - i, T - p % T)
-            chunk = data[i : i + n]
-            self.text += chunk
-            x = np.array([list(chunk)], dtype=np.int64)
-            last = []
-            for j, expert in enumerate(self.chosen):
-                logits, self.states[j] = expert.step(x, self.states[j])
-                last.append(logits[0, -1])
+            self.text += data[i : i + n]
+            self._run(np.frombuffer(data, dtype=np.uint8, count=n, offset=i).astype(np.int64)[None, :])
             i += n
-        if not data:
-            return
-        z = (last[0] if self.top_k == 1 else np.stack(last)).astype(np.float64)
-        if self.top_k == 1:
-            e = np.exp(z - z.max())
-            self.probs = e / e.sum()
-        else:
-            e = np.exp(z - z.max(axis=1, keepdims=True))
-            self.probs = (self.weights / e.sum(axis=1)) @ e
 
 
-def sample(probs: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    """One byte from `probs` sharpened or flattened by temperature (0: the most likely byte)."""
+def sample(p: np.ndarray, temperature: float, rng: np.random.Generator) -> tuple[int, float]:
+    """A byte drawn from unnormalized probabilities p at `temperature` (0: the most likely), and its
+    log-prob under p itself."""
+    c = np.cumsum(p)
     if temperature == 0:
-        return int(np.argmax(probs))
-    if temperature != 1:
+        b = int(np.argmax(p))
+    elif temperature == 1:
+        b = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    else:
         with np.errstate(divide="ignore"):
-            z = np.log(probs) / temperature
-        probs = np.exp(z - z.max())
-    c = np.cumsum(probs)
-    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), 255))
+            z = np.log(p) / temperature
+        ct = np.cumsum(np.exp(z - z.max()))
+        b = int(np.searchsorted(ct, rng.random() * ct[-1], side="right"))
+    b = min(b, 255)  # rounding at the very top of the cdf
+    return b, math.log(p[b] / c[-1])
 
 
 def generate(
@@ -206,9 +221,9 @@ def generate(
 
     def run() -> Iterator[tuple[int, float]]:
         for _ in range(n):
-            b = sample(s.probs, temperature, rng)
-            yield b, math.log(s.probs[b])
-            s.feed(bytes((b,)))
+            b, logprob = sample(s.p, temperature, rng)
+            yield b, logprob
+            s.push(b)
 
     return run()
 
