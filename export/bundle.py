@@ -168,6 +168,10 @@ def read(root: str | Path) -> Bundle:
         )
         if entry.id != i:
             raise BundleError(f"{w}: id {entry.id}, expected {i} (experts are listed in id order)")
+        model = _field(entry.config, "model", dict, f"{w}: config")
+        for key in ("embed", "hidden", "layers"):
+            if _field(model, key, int, f"{w}: config.model") < 1:
+                raise BundleError(f"{w}: config.model.{key} must be >= 1, got {model[key]}")
         for rel in (entry.score, entry.stream):
             if rel not in files:
                 raise BundleError(f"{w}: {rel} is not listed under files")

@@ -378,6 +378,17 @@ def test_tampered_router(deploy_copy, eval_file, capsys):
     assert_user_error(rc, err, "router.msgpack")
 
 
+def test_malformed_manifest(deploy_copy, eval_file, capsys):
+    manifest = json.loads((deploy_copy / "manifest.json").read_text())
+    del manifest["experts"][1]["config"]["model"]["hidden"]
+    (deploy_copy / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = cli(["eval", deploy_copy, "--data", eval_file], capsys)
+    assert_user_error(rc, err, "experts[1]", "hidden")
+    (deploy_copy / "manifest.json").write_text("{not json")
+    rc, _, err = cli(["eval", deploy_copy, "--data", eval_file], capsys)
+    assert_user_error(rc, err, "manifest.json", "not valid JSON")
+
+
 def test_truncated_onnx(deploy_copy, eval_file, capsys):
     p = deploy_copy / "experts" / "0" / "score.onnx"
     p.write_bytes(p.read_bytes()[:1000])
