@@ -150,7 +150,7 @@ def generate_cmd(
 
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k)
-    text = prompt.encode("utf-8")
+    text = prompt.encode("utf-8", "surrogateescape")  # argv bytes that are not UTF-8 come back as they were
     stream = generate(dep, text, n_bytes, k, temperature, seed, router_temperature)
     out = sys.stdout.buffer
     if echo:

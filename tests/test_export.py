@@ -449,7 +449,8 @@ def test_eval_and_generate_without_torch_flwr_or_onnx(exported, eval_file):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def sub(*argv):
-        return subprocess.run([sys.executable, "-c", prelude, *map(str, argv)], capture_output=True, env=env, timeout=120)
+        args = [a if isinstance(a, bytes) else str(a) for a in argv]
+        return subprocess.run([sys.executable, "-c", prelude, *args], capture_output=True, env=env, timeout=120)
 
     r = sub("eval", deploy, "--data", eval_file, "--json")
     assert r.returncode == 0, r.stderr.decode()
@@ -462,6 +463,8 @@ def test_eval_and_generate_without_torch_flwr_or_onnx(exported, eval_file):
     assert g1.returncode == 0, g1.stderr.decode()
     assert g1.stdout.startswith(b"def f(x):") and len(g1.stdout) == len(b"def f(x):") + 80 + 1
     assert g1.stdout == g2.stdout and g1.stdout != g3.stdout  # the seed decides the sample
+    raw = sub("generate", deploy, "--prompt", b"caf\xe9 \xff", "--bytes", 5)  # not UTF-8: bytes as given
+    assert raw.returncode == 0 and raw.stdout.startswith(b"caf\xe9 \xff"), raw.stderr.decode()
 
     bad = sub("eval", deploy, "--data", eval_file, "--top-k", 0)
     assert bad.returncode == 2 and bad.stderr.decode().strip().count("\n") == 0
