@@ -17,8 +17,20 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q tests
 
+# The demo: an embedded SuperLink, 2 local workers, 4 experts, a few rounds on the default corpus, then
+# the ONNX deploy bundle and its held-out (test split) nats/byte, which is the last line printed.
+DEMO_RUN ?= runs/demo
+DEMO_ROUNDS ?= 4
+DEMO_ROUND_SECONDS ?= 55
+HELDOUT = import json, sys; r = sys.argv[1]; p = json.load(open(r + "/prepare.json")); \
+	print(" ".join("--data %s/shards/%s.bin" % (r, c["shards"]["test"]) for c in p["clusters"] if c["bytes"]["test"]))
+
 demo: setup
-	$(VENV)/bin/soma-worker train --steps 600
+	rm -rf $(DEMO_RUN)
+	$(VENV)/bin/soma-coord start --run $(DEMO_RUN) --local-workers 2 --experts 4 \
+		--rounds $(DEMO_ROUNDS) --round-seconds $(DEMO_ROUND_SECONDS) --port 0
+	$(VENV)/bin/soma-export onnx $(DEMO_RUN) --out $(DEMO_RUN)/deploy --force
+	$(VENV)/bin/soma-export eval $(DEMO_RUN)/deploy $$($(PY) -c '$(HELDOUT)' $(DEMO_RUN))
 
 clean:
 	rm -rf runs .pytest_cache

@@ -173,9 +173,9 @@ class Launcher:
         return p
 
     def worker(self, name: str, coordinator: str, cache: Path, threads: int, device: str = "cpu",
-               spin: bool = False, tls: TLS | None = None) -> Proc:  # fmt: skip
+               spin: bool = False, parallel: int = 0, tls: TLS | None = None) -> Proc:  # fmt: skip
         cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", coordinator, "--name", name,
-               "--cache", str(cache), "--threads", str(threads), "--device", device]  # fmt: skip
+               "--cache", str(cache), "--threads", str(threads), "--device", device, "--parallel", str(parallel)]  # fmt: skip
         cmd += [] if spin else ["--no-spin"]
         cmd += ["--root-certificates", str(tls.ca)] if tls and tls.enabled else []
         p = spawn(name, cmd, self.logs / f"{name}.log", flower_env(self.flwr_home))

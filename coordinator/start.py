@@ -143,10 +143,10 @@ def start(opts: Options) -> int:
             where = f"{opts.host}:{port}" + ("" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)")
             print(f"SuperLink listening on {where}; logs in {run.logs}", flush=True)
             w = cfg.federation.local_workers
-            threads = max(1, (os.cpu_count() or 1) // max(w, 1))
+            threads = 0 if w == 1 else max(1, (os.cpu_count() or 1) // max(w, 1))  # workers split the cores
             for i in range(w):
                 procs.worker(f"w{i}", address, run.root / "workers" / f"w{i}" / "cache", threads=threads,
-                             device=opts.worker_device, spin=w == 1, tls=opts.tls)  # fmt: skip
+                             device=opts.worker_device, spin=w == 1, parallel=0 if w == 1 else 1, tls=opts.tls)  # fmt: skip
             if w:
                 print(f"started {w} local worker(s), {threads} thread(s) each", flush=True)
         t_submit = time.time()

@@ -44,7 +44,7 @@ class FakeGrid(Grid):
 
         # What flwr-serverapp sets before calling the ServerApp; Message() reads it.
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        self.nodes = {1000 + i: {"name": n, "cache": str(root / n), "device": "cpu", "threads": 1, "spin": 0,
+        self.nodes = {1000 + i: {"name": n, "cache": str(root / n), "device": "cpu", "threads": 1, "spin": 0, "parallel": 1,
                                  "probe-seconds": 0.05} for i, n in enumerate(names)}  # fmt: skip
         self.dead: set[int] = set()  # nodes that never answer (killed mid-round)
         self.gone: set[int] = set()  # nodes no longer listed

@@ -83,6 +83,7 @@ def join_cmd(
     device: str = typer.Option("auto", help="auto | cpu | cuda[:i] | an ORT execution provider."),
     threads: int = typer.Option(0, min=0, help="ORT intra-op threads (0 = ORT decides; 1 when workers share a box)."),
     no_spin: bool = typer.Option(False, "--no-spin", help="No ORT spin-waiting (for workers sharing cores)."),
+    parallel: int = typer.Option(0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."),
     port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0 = a free one)."),
     cache_mb: int = typer.Option(2048, min=16, help="Bound on the cache size; least recently used entries go first."),
     root_certificates: Optional[Path] = typer.Option(
@@ -119,7 +120,7 @@ def join_cmd(
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     node_config = (f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
-                   f"cache-mb={cache_mb} probe-seconds={probe_seconds}")  # fmt: skip
+                   f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}")  # fmt: skip
     exe = Path(sys.executable).parent / "flower-supernode"
     cmd = [str(exe) if exe.exists() else "flower-supernode", "--superlink", coordinator, "--port", str(port),
            "--node-config", node_config]  # fmt: skip

@@ -55,6 +55,7 @@ class Settings:
     device: str
     threads: int
     spin: bool
+    parallel: int
     cache_bytes: int
     probe_seconds: float
 
@@ -70,6 +71,7 @@ def settings(node_config: dict[str, Any]) -> Settings:
         device=str(get("device", "auto")),
         threads=int(get("threads", 0)),
         spin=bool(int(get("spin", 1))),
+        parallel=int(get("parallel", 0)),
         cache_bytes=int(float(get("cache-mb", 2048)) * (1 << 20)),
         probe_seconds=float(get("probe-seconds", probe.PROBE_SECONDS)),
     )
@@ -93,7 +95,7 @@ def capabilities(msg: Message, context: Context) -> Message:
     s = settings(dict(context.node_config))
     cfg = config_mod.from_dict(body["config"])
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
-    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.probe_seconds)
+    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
     log.info("capabilities: %.1f forward evals/s on %s (probe %s)", caps["evals_per_s"], caps["providers"][0],
              "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s")  # fmt: skip
     reply = {"soma_version": __version__, "node": context.node_id, "name": s.name, "pid": os.getpid(),
@@ -143,7 +145,7 @@ def train(msg: Message, context: Context) -> Message:
         log.info("round %s: cache misses: %d weight versions, %d shards", body["round"], len(missing_w), len(missing_s))
 
     results = []
-    evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin) if runnable else None
+    evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel) if runnable else None
     budget = float(body["max_seconds"])
     for i, (t, w, m, shards) in enumerate(runnable):
         e = t["expert"]

@@ -40,19 +40,18 @@ def cuda_memory_bytes() -> int | None:
         return None
 
 
-def make_evaluator(cfg: Config, device: str, threads: int, spin: bool) -> LossEvaluator:
-    """One sequential evaluator: workers sharing a box split its cores by `threads`, not by parallel runs."""
-    import dataclasses
-
-    extra = {"parallel": 1} if "parallel" in {f.name for f in dataclasses.fields(LossEvaluator)} else {}
-    return LossEvaluator(cfg.model, device, threads, spin, **extra)
+def make_evaluator(cfg: Config, device: str, threads: int, spin: bool, parallel: int = 0) -> LossEvaluator:
+    """The worker's evaluator. Workers sharing a box pass parallel=1 and threads=cores/workers, so that
+    together they use each core once; a worker alone lets ORT and SPSA choose (0 = auto)."""
+    return LossEvaluator(cfg.model, device, threads, spin, parallel=parallel)
 
 
-def _key(cfg: Config, device: str, threads: int, spin: bool) -> str:
+def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> str:
     import onnxruntime
 
     what = {"soma": __version__, "ort": onnxruntime.__version__, "model": cfg.to_dict()["model"],
-            "batch": cfg.data.batch, "seq_len": cfg.data.seq_len, "device": device, "threads": threads, "spin": spin}  # fmt: skip
+            "batch": cfg.data.batch, "seq_len": cfg.data.seq_len, "device": device, "threads": threads, "spin": spin,
+            "parallel": parallel}  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -70,22 +69,23 @@ def measure(evaluator: LossEvaluator, cfg: Config, seconds: float = PROBE_SECOND
     return n / (time.perf_counter() - t0)
 
 
-def capabilities(cfg: Config, cache: Cache, device: str, threads: int, spin: bool,
-                 seconds: float = PROBE_SECONDS, evaluator_factory=None) -> dict[str, Any]:  # fmt: skip
+def capabilities(cfg: Config, cache: Cache, device: str, threads: int, spin: bool, parallel: int = 0,
+                 seconds: float = PROBE_SECONDS) -> dict[str, Any]:  # fmt: skip
     """Measured (or cached) throughput plus static facts about this box."""
-    key = _key(cfg, device, threads, spin)
+    key = _key(cfg, device, threads, spin, parallel)
     hit = cache.get_json(key)
     if isinstance(hit, dict) and isinstance(hit.get("evals_per_s"), (int, float)):
         return {**hit, "probe_cached": True}
     t0 = time.perf_counter()
-    evaluator = evaluator_factory() if evaluator_factory else make_evaluator(cfg, device, threads, spin)
+    evaluator = make_evaluator(cfg, device, threads, spin, parallel)
     rate = measure(evaluator, cfg, seconds)
     on_cuda = evaluator.providers[0] == "CUDAExecutionProvider"
     out = {
         "evals_per_s": rate,
         "providers": list(evaluator.providers),
         "device": device,
-        "threads": threads,
+        "threads": evaluator.threads,
+        "parallel": evaluator.parallel,
         "device_memory": cuda_memory_bytes() if on_cuda else host_memory_bytes(),
         "probe_seconds": time.perf_counter() - t0,
     }
