@@ -62,7 +62,7 @@ def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Ta
         title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
     t = Table(title=title, title_justify="left")
     for col in ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s"):
-        t.add_column(col, justify="left" if col in ("sha256", "node") else "right")
+        t.add_column(col, justify="left" if col in ("sha256", "node") else "right", no_wrap=True)
     live_nodes = (status or {}).get("assignment") or {}
     for e, x in s["experts"].items():
         node = live_nodes.get(e) or x.get("node") or "-"

@@ -394,3 +394,49 @@ def test_cache_verifies_prunes_and_evicts(tmp_path):
     c.put_weights(protocol.weights_sha256(big), expert=1, version=0, step=0, weights=big, momentum=None)
     dropped = c.evict(protect={protocol.weights_sha256(big)})
     assert set(dropped) == set(shas[2:]) and c.weights() == [protocol.weights_sha256(big)]
+
+
+# --- CLI contract (no Flower processes) ----------------------------------------------------------------
+
+
+def _cli(argv, capsys):
+    from coordinator.cli import app
+    from soma_edge.cli import run as run_cli
+
+    code = run_cli(app, argv, prog="soma-coord")
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_app_path_is_a_valid_flower_app(capsys):
+    import tomllib
+
+    from flwr.common.config import validate_fields_in_config
+
+    code, out, _ = _cli(["app-path"], capsys)
+    app_dir = Path(out.strip())
+    assert code == 0 and app_dir.is_dir()
+    cfg = tomllib.loads((app_dir / "pyproject.toml").read_text())
+    ok, errors, _ = validate_fields_in_config(cfg)
+    assert ok, errors
+    comps = cfg["tool"]["flwr"]["app"]["components"]
+    assert comps == {"serverapp": "coordinator.server_app:app", "clientapp": "worker.client_app:app"}
+    assert cfg["tool"]["flwr"]["app"]["config"] == {"run-dir": ""}
+
+
+def test_status_prints_the_checkpoint_and_start_refuses_identity_changes(run, tmp_path, capsys):
+    import json
+
+    _set(run, rounds=1)
+    Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    code, out, _ = _cli(["status", str(run.root), "--json"], capsys)
+    s = json.loads(out)
+    assert code == 0 and s["round"] == 1 and s["rounds"] == 1 and not s["running"]
+    assert {e: x["version"] for e, x in s["experts"].items()} == {str(e): 1 for e in range(4)}
+    code, out, _ = _cli(["status", str(run.root)], capsys)
+    assert code == 0 and run.load_state()["experts"]["0"]["sha256"][:12] in out
+    # Resuming with another number of experts is the user's error: exit 2, one line, nothing started.
+    code, _, err = _cli(["start", "--run", str(run.root), "--experts", "3", "--port", "0"], capsys)
+    assert code == 2 and err.startswith("error: ") and "federation.experts" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _cli(["status", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "no state.msgpack" in err
