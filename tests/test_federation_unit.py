@@ -169,6 +169,25 @@ def test_rounds_advance_sticky_and_checkpointed(run, tmp_path):
     assert run.read_status()["phase"] == "done"
 
 
+def test_float16_replies_stored_as_received_and_old_versions_pruned(run, tmp_path):
+    _set(run, rounds=3, reply_dtype="float16", keep_versions=2)
+    state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    for e in range(4):
+        x = state["experts"][str(e)]
+        body = checkpoint.load(run.root / x["path"], "expert")
+        assert body["weights"].dtype == np.float16 and x["version"] == 3
+        assert protocol.weights_sha256(body["weights"]) == x["sha256"]  # the hash of the float16 bytes received
+        assert sorted(p.name for p in (run.root / "experts" / str(e)).iterdir()) == ["v2.msgpack", "v3.msgpack"]
+    up = [m["weights_bytes_up"] for m in run.read_metrics() if m["type"] == "expert"]
+    assert set(up) == {2 * state_size(run)}  # half the bytes of float32
+
+
+def state_size(rd: RunDir) -> int:
+    from soma_edge import params
+
+    return params.layout(rd.load_config().model).size
+
+
 def _tamper_all(kind):
     def fn(nid, body):
         for res in body["results"]:
