@@ -7,14 +7,19 @@ it trained on last round whenever that node is live and has quota left, so its w
 are (the node caches them; nothing is sent); only the remainder moves.
 
 Each node then gets a step budget that fills `round_seconds` of compute: steps = round_seconds * r_n /
-(2 K k_n), two forward passes per SPSA direction. A node that missed the last deadline is simply not
-among the live nodes, so its experts are redistributed.
+(2 K k_n), two forward passes per SPSA direction, times HEADROOM. The worker also stops each expert at
+its share of `round_seconds`, so a node whose rate was overestimated still meets the deadline and one
+that was underestimated does not sit idle: every node computes for about `round_seconds`, whatever the
+load of its box did to its speed since the last round. A node that missed the last deadline is simply
+not among the live nodes, so its experts are redistributed.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+HEADROOM = 1.5  # step budget over the predicted steps; the worker's time budget is what normally stops it
 
 
 @dataclass
@@ -65,9 +70,10 @@ def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], 
     counts: dict[int, int] = {}
     for n in assignment.values():
         counts[n] = counts.get(n, 0) + 1
-    steps = {e: steps_for(rates[n], counts[n], round_seconds, directions) for e, n in assignment.items()}
-    span = max((sum(steps[e] for e, m in assignment.items() if m == n) * 2 * directions / rates[n]
+    predicted = {e: steps_for(rates[n], counts[n], round_seconds, directions) for e, n in assignment.items()}
+    span = max((sum(predicted[e] for e, m in assignment.items() if m == n) * 2 * directions / rates[n]
                 for n in counts), default=0.0)  # fmt: skip
+    steps = {e: math.ceil(HEADROOM * s) for e, s in predicted.items()}
     moved = sorted(e for e, n in assignment.items() if previous.get(e) != n)
     return Plan(assignment=assignment, steps=steps, makespan=span, moved=moved)
 

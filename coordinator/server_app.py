@@ -277,7 +277,8 @@ class Coordinator:
                 prev[e] = holders[0]
         return prev
 
-    def _tasks_for(self, r: int, nid: int, experts: list[int], steps: dict[int, int]) -> tuple[Any, Outgoing]:
+    def _tasks_for(self, r: int, nid: int, experts: list[int], steps: dict[int, int],
+                   max_seconds: float | None = None) -> tuple[Any, Outgoing]:  # fmt: skip
         node = self.nodes[nid]
         from coordinator.prepare import expert_shards
 
@@ -303,7 +304,7 @@ class Coordinator:
                              "shards": sent_shard_bytes}  # fmt: skip
         fed = self.cfg.federation
         body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=self.cfg.to_dict(),
-                                      reply_dtype=fed.reply_dtype, max_seconds=fed.round_seconds * 1.1,
+                                      reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
                                       tasks=tasks, shards=shards)  # fmt: skip
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=self.size, reply_dtype=fed.reply_dtype)
         msg = self._message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
@@ -410,7 +411,7 @@ class Coordinator:
             return
         scale = left / (fed.round_seconds * fed.deadline_factor)
         steps = {e: max(1, int(ctx.plan.steps[e] * min(1.0, scale))) for e in experts}
-        msg, o = self._tasks_for(ctx.r, nid, experts, steps)
+        msg, o = self._tasks_for(ctx.r, nid, experts, steps, max_seconds=min(left, fed.round_seconds))
         log.info("round %d: resending %s to node %s with their payload (cache miss)", ctx.r, experts, nid)
         before = set(self.out)
         self._push([(msg, o)])

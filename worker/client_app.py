@@ -150,7 +150,7 @@ def train(msg: Message, context: Context) -> Message:
     for i, (t, w, m, shards) in enumerate(runnable):
         e = t["expert"]
         remaining = budget - (time.perf_counter() - t_start)
-        cap = max(1.0, remaining / (len(runnable) - i))
+        cap = max(0.01, remaining / (len(runnable) - i))  # at least one step per expert
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
         state = State(protocol.decode_weights(w), step=t["step"],
                       momentum=None if m is None else np.array(m, dtype=np.float32))  # fmt: skip
