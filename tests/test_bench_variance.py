@@ -1,0 +1,32 @@
+"""bench/variance.py runs end to end at a tiny size and prints well-formed JSON (the claim is the result, not a test)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_variance_bench_tiny_json():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "variance.py"), "--params", "12000", "--trials", "3",
+         "--k", "1,4", "--experts", "1,2", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = out["rows"]
+    assert {(row["N"], row["K"]) for row in rows} == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    for row in rows:
+        for key in ("shared", "separable", "theory_shared", "theory_separable"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert -1 <= row["cos_shared"] <= 1 and -1 <= row["cos_separable"] <= 1
+        assert row["M"] == row["N"] * row["expert_params"]
+    for row in rows:
+        if row["N"] == 1:
+            assert row["shared"] == pytest.approx(row["separable"])
