@@ -7,6 +7,7 @@ run on a deployment box without the training stack. `onnx` needs the onnx packag
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -14,7 +15,6 @@ from typing import List, Optional
 import typer
 
 from soma_edge.cli import entry, make_app
-from soma_edge.errors import ConfigError
 
 app = make_app("soma-edge export: ONNX deploy bundles with routed top-k eval and generation.")
 
@@ -64,8 +64,7 @@ def _size(n: int) -> str:
 
 def _top_k(dep, top_k: Optional[int]) -> int:
     k = min(2, dep.n_experts) if top_k is None else top_k
-    if not 1 <= k <= dep.n_experts:
-        raise ConfigError(f"--top-k must be between 1 and the number of experts ({dep.n_experts}), got {k}")
+    dep.check_top_k(k)
     return k
 
 
@@ -103,7 +102,7 @@ def eval_cmd(
     if as_json:
         out = {
             "nats_per_byte": report.nats_per_byte,
-            "bits_per_byte": report.nats_per_byte / 0.6931471805599453,
+            "bits_per_byte": report.nats_per_byte / math.log(2),
             "bytes": report.bytes,
             "top_k": k,
             "uniform": uniform,
@@ -127,7 +126,7 @@ def eval_cmd(
     print(f"{'file':<{width}} {'bytes':>10} {'nats/byte':>10} {'bits/byte':>10} {'bytes/s':>10}")
     for f in report.files:
         rate = f.bytes / f.seconds if f.seconds > 0 else float("inf")
-        print(f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / 0.6931471805599453:>10.4f} {rate:>10.0f}")
+        print(f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / math.log(2):>10.4f} {rate:>10.0f}")
     mode = "uniform" if uniform else "routed"
     print(f"top-{k} {mode} mixture of {dep.n_experts} experts, held-out nats/byte: {report.nats_per_byte:.4f} over {report.bytes} bytes")
 
