@@ -1,0 +1,5 @@
+"""`python -m coordinator` is `soma-coord`."""
+
+from coordinator.cli import main
+
+main()

@@ -1,0 +1,260 @@
+"""`prepare`: fit the router on a corpus and cut it into per-cluster, content-addressed shards.
+
+Output (into a run directory, DESIGN.md §2):
+- `router.msgpack`: the fitted router (soma_edge.router);
+- `shards/<sha256>.bin`: for each cluster and split, its documents' bytes joined by corpus.SEPARATOR,
+  named by the sha256 of those bytes (workers cache shards by that name);
+- `prepare.json`: clusters (expert, documents, bytes and shard hash per split), the domain-by-cluster
+  table, purity, seconds.
+
+Everything is built in a temporary directory beside `out` and renamed into place, so an interrupted
+prepare leaves nothing half-written. Into an existing run directory, prepare.json is removed first and
+moved in last: its presence means a complete prepare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from soma_edge import corpus as corpus_mod
+from soma_edge import router as router_mod
+from soma_edge.checkpoint import atomic_write
+from soma_edge.errors import ConfigError, CorpusError
+
+SCHEMA = 1
+UNLABELLED = "(unlabelled)"
+
+
+def ensure_debian(progress: bool = False) -> None:
+    """Build the `debian` corpus into the cache (as root) unless it is there already."""
+    if not (corpus_mod.cache_dir() / corpus_mod.DEBIAN / "manifest.json").exists():
+        from coordinator import debian_corpus
+
+        debian_corpus.build(progress=progress)
+
+
+def purity(domains: list[str], labels: np.ndarray, weights: np.ndarray) -> float | None:
+    """Byte-weighted cluster purity against domain labels: sum over clusters of their largest domain's
+    bytes, over all bytes. None without at least two labelled domains (nothing to measure)."""
+    keep = np.array([d not in ("", UNLABELLED) for d in domains], dtype=bool)
+    names = sorted({d for d, k in zip(domains, keep) if k})
+    if len(names) < 2:
+        return None
+    idx = np.array([names.index(d) if k else -1 for d, k in zip(domains, keep)])
+    table = np.zeros((len(names), int(labels.max()) + 1))
+    np.add.at(table, (idx[keep], labels[keep]), weights[keep])
+    return float(table.max(axis=0).sum() / table.sum())
+
+
+def expert_shards(prepare_json: dict, expert: int, split: str) -> list[str]:
+    """The shard hashes of `expert`'s clusters for `split`, in cluster order."""
+    if split not in corpus_mod.SPLITS:
+        raise ConfigError(f"split must be one of {', '.join(corpus_mod.SPLITS)}, got {split!r}")
+    return [c["shards"][split] for c in prepare_json["clusters"] if c["expert"] == expert]
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out we could not write, before any work is done."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    base = out.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: cannot create it ({base} is not a writable directory)")
+
+
+def _make_tmp(out: Path) -> Path:
+    """An empty directory beside `out` (same filesystem, so the final rename is atomic)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp.mkdir()
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write beside it ({e.strerror})") from None
+    return tmp
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Move the finished files from tmp into out (a rename if out does not exist yet)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    (out / "shards").mkdir(exist_ok=True)
+    (out / "prepare.json").unlink(missing_ok=True)  # until the new one lands, out is "not prepared"
+    for f in sorted((tmp / "shards").iterdir()):
+        os.replace(f, out / "shards" / f.name)
+    os.replace(tmp / "router.msgpack", out / "router.msgpack")
+    os.replace(tmp / "prepare.json", out / "prepare.json")
+
+
+def prepare(
+    corpus: str, experts: int, out: Path, seed: int = 0, clusters: int | None = None, progress: bool = True
+) -> dict:
+    """Fit the router and write router.msgpack, prepare.json and shards/ into `out`; returns prepare.json."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    if experts < 1:
+        raise ConfigError(f"--experts must be >= 1, got {experts}")
+    if clusters is not None and clusters < experts:
+        raise ConfigError(f"--clusters ({clusters}) must be >= --experts ({experts}): every expert needs a cluster")
+    _check_out(out)
+    n_clusters = clusters or experts
+
+    if corpus == corpus_mod.DEBIAN:
+        ensure_debian(progress)  # before our bar: the recipe reports its own steps
+
+    bar = _progress_bar() if progress else None
+    with bar or nullcontext():
+        task = bar.add_task("loading corpus", total=None) if bar else None
+        docs = corpus_mod.load_documents(corpus)
+        if experts > len(docs) or n_clusters > len(docs):
+            what = f"--experts {experts}" if experts > len(docs) else f"--clusters {n_clusters}"
+            raise CorpusError(
+                f"corpus {corpus} has {_n(len(docs), 'document')} (texts cut into pieces of at most "
+                f"{corpus_mod.CHUNK // 1024} KiB), fewer than {what}"
+            )
+
+        def report(phase: str, done: int, total: int) -> None:
+            if bar:
+                bar.update(task, description=phase, completed=done, total=total)
+
+        texts = [d.text for d in docs]
+        train = [i for i, d in enumerate(docs) if d.split == "train"]  # held-out text never shapes the router
+        if n_clusters > len(train):
+            raise CorpusError(
+                f"corpus {corpus} has {_n(len(train), 'training document')} (of {len(docs)}), fewer than "
+                f"{n_clusters} clusters: use fewer experts or more text"
+            )
+        router, labels = router_mod.fit(texts, experts, n_clusters, seed, fit_on=train, progress=report)
+        report("writing shards", 0, n_clusters)
+        tmp = _make_tmp(out)
+        try:
+            on_cluster = lambda k: report("writing shards", k, n_clusters)  # noqa: E731
+            summary = _write(tmp, corpus, seed, experts, docs, router, labels, on_cluster)
+            summary["seconds"] = round(time.perf_counter() - t0, 3)
+            atomic_write(tmp / "prepare.json", (json.dumps(summary, indent=1) + "\n").encode())
+            _install(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def _write(
+    tmp: Path,
+    corpus: str,
+    seed: int,
+    experts: int,
+    docs: list[corpus_mod.Document],
+    router: router_mod.Router,
+    labels: np.ndarray,
+    on_cluster: Callable[[int], None],
+) -> dict:
+    router_bytes = router.to_bytes()
+    atomic_write(tmp / "router.msgpack", router_bytes)
+    (tmp / "shards").mkdir()
+    sizes = np.array([len(d.text) for d in docs], dtype=np.float64)
+    splits = [d.split for d in docs]
+    clusters = []
+    for k in range(router.n_clusters):
+        members = np.flatnonzero(labels == k).tolist()
+        entry = {"id": k, "expert": int(router.cluster_expert[k]), "docs": len(members), "bytes": {}, "shards": {}}
+        for split in corpus_mod.SPLITS:
+            data = corpus_mod.SEPARATOR.join(docs[i].text for i in members if splits[i] == split)
+            digest = hashlib.sha256(data).hexdigest()
+            path = tmp / "shards" / f"{digest}.bin"
+            if not path.exists():
+                atomic_write(path, data)
+            entry["bytes"][split], entry["shards"][split] = len(data), digest
+        clusters.append(entry)
+        on_cluster(k + 1)
+    domains: dict[str, dict[str, int]] = {}
+    for d, k in zip(docs, labels.tolist()):
+        row = domains.setdefault(d.domain or UNLABELLED, {})
+        row[str(k)] = row.get(str(k), 0) + len(d.text)
+    domains = {name: dict(sorted(row.items(), key=lambda kv: int(kv[0]))) for name, row in sorted(domains.items())}
+    p = purity([d.domain for d in docs], labels, sizes)
+    return {
+        "schema": SCHEMA,
+        "corpus": corpus,
+        "seed": seed,
+        "experts": experts,
+        "documents": len(docs),
+        "bytes": int(sizes.sum()),
+        "separator": corpus_mod.SEPARATOR.decode(),
+        "router": {
+            "sha256": hashlib.sha256(router_bytes).hexdigest(),
+            "bytes": len(router_bytes),
+            "clusters": router.n_clusters,
+            "dim": router.dim,
+            "temperature": router.temperature,
+            "prior": [round(float(x), 6) for x in router.prior],
+        },
+        "clusters": clusters,
+        "purity": None if p is None else round(p, 6),
+        "domains": domains,
+    }
+
+
+def _progress_bar():
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    # Transient, and off when stderr is not a terminal: logs and error output stay one clean line each.
+    return Progress(
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>5.1f}%"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    """A short table of clusters on stdout: expert, documents, MB per split, largest domain."""
+    from rich.console import Console
+    from rich.table import Table
+
+    top: dict[int, tuple[str, float]] = {}
+    for k in range(len(summary["clusters"])):
+        col = {name: row.get(str(k), 0) for name, row in summary["domains"].items()}
+        total = sum(col.values())
+        name = max(sorted(col), key=lambda n: col[n])
+        top[k] = (name, col[name] / total if total else 0.0)
+    table = Table(title=f"prepare {summary['corpus']}: {summary['experts']} experts, seed {summary['seed']}")
+    for col in ("cluster", "expert", "docs", "train MB", "val MB", "test MB", "top domain"):
+        table.add_column(col, justify="left" if col == "top domain" else "right")
+    for c in summary["clusters"]:
+        b = c["bytes"]
+        name, share = top[c["id"]]
+        table.add_row(str(c["id"]), str(c["expert"]), str(c["docs"]), _mb(b["train"]), _mb(b["val"]), _mb(b["test"]),
+                      f"{name} ({share:.0%})")  # fmt: skip
+    console = Console()
+    console.print(table)
+    purity = "n/a (unlabelled)" if summary["purity"] is None else f"{summary['purity']:.3f}"
+    console.print(
+        f"{summary['documents']} documents, {_mb(summary['bytes'])} MB, purity {purity}, "
+        f"router {summary['router']['bytes'] / 1024:.0f} KiB, {summary['seconds']:.1f} s -> {out}",
+        highlight=False,
+    )
