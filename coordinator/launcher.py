@@ -183,7 +183,12 @@ class Launcher:
         return p
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):  # workers first, the SuperLink last
+        for p in self.procs:  # signal everything at once, then wait for each
+            try:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in reversed(self.procs):
             p.stop()
         self.procs.clear()
 

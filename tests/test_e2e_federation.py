@@ -5,7 +5,8 @@ One run directory is shared by the three tests, in order, to keep the suite shor
 1. rounds 1-2: every expert advances, the val loss recomputed here from the checkpoints falls, the
    checkpoint hashes are the ones the workers logged as sent, and torch was unimportable in the workers;
 2. rounds 3-4: one worker is killed with SIGKILL while it trains; the run completes without it;
-3. rounds 5-6: the coordinator is killed with SIGKILL mid-round and started again; it resumes.
+3. rounds 5-6: the coordinator is interrupted (Ctrl-C) in round 5 and killed with SIGKILL in round 6,
+   and started again each time; every process it launched goes away, and it resumes.
 """
 
 from __future__ import annotations
@@ -197,27 +198,56 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
         assert protocol.weights_sha256(body["weights"]) == x["sha256"]
 
 
-def test_coordinator_killed_mid_run_resumes(fed):
-    rd = RunDir(fed["run"])
-    r0 = rd.load_state()["round"]
-    assert r0 == 4, "needs the runs of the previous tests"
-    target = r0 + 2
+def _leftovers(run: Path) -> list[str]:
+    """Processes of this run still alive: anything whose command line names RUN or that runs inside it
+    (the SuperLink and the ServerApp run in RUN/flwr; workers name their cache under RUN)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (str(run) in cmd or cwd.startswith(str(run))):
+            out.append(f"{pid} {cmd[:120]}")
+    return out
+
+
+def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
     proc = _start(fed, "--rounds", str(target))
     try:
-        _wait(lambda: (rd.read_status() or {}).get("phase") == "round" and (rd.read_status() or {}).get("round") == r0 + 2,
-              180, "the last round to start")  # fmt: skip
+        _wait(lambda: (rd.read_status() or {}).get("phase") == "round" and (rd.read_status() or {}).get("round") == r,
+              180, f"round {r} to start")  # fmt: skip
         time.sleep(2.0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        proc.send_signal(sig)
+        code = proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    committed = rd.load_state()["round"]
-    assert committed == r0 + 1
-    # Everything the dead coordinator started goes away by itself, and with it the run lock.
-    _wait(lambda: not rd.is_locked(), 60, "the orphaned ServerApp to release the run lock")
-    proc = _start(fed, "--rounds", str(target))
-    _finish(fed, proc)
+    # Everything that `start` launched goes away (Ctrl-C: stopped by it; kill -9: by the kernel's parent-death
+    # signal and Flower's parent watch), and with the ServerApp goes the run lock.
+    _wait(lambda: not _leftovers(fed["run"]), 60, f"no processes of the run left: {_leftovers(fed['run'])}")
+    _wait(lambda: not rd.is_locked(), 30, "the run lock to be released")
+    return code
+
+
+def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
+    rd = RunDir(fed["run"])
+    r0 = rd.load_state()["round"]
+    assert r0 == 4, "needs the runs of the previous tests"
+    target = r0 + 3
+    # Ctrl-C in round 5: exit 130. The round may still commit if its replies land while things shut down.
+    assert _interrupt_in_round(fed, rd, r0 + 1, signal.SIGINT, target) == 130
+    c1 = rd.load_state()["round"]
+    assert c1 in (r0, r0 + 1)
+    # kill -9 in the next round.
+    assert _interrupt_in_round(fed, rd, c1 + 1, signal.SIGKILL, target) == -signal.SIGKILL
+    c2 = rd.load_state()["round"]
+    assert c2 in (c1, c1 + 1) and c2 < target
+    _finish(fed, _start(fed, "--rounds", str(target)))
     state = rd.load_state()
     assert state["round"] == target
     rounds = [m["round"] for m in _metrics(rd, "round")]
@@ -226,6 +256,11 @@ def test_coordinator_killed_mid_run_resumes(fed):
     for m in _metrics(rd, "expert"):
         per_round.setdefault(m["round"], []).append(m["expert"])
     assert all(sorted(v) == [0, 1, 2, 3] for v in per_round.values())
-    assert "resuming after round 5" in (fed["run"] / "logs" / "coordinator.log").read_text()
+    log = (fed["run"] / "logs" / "coordinator.log").read_text()
+    assert f"resuming after round {c1} of {target}" in log and f"resuming after round {c2} of {target}" in log
     for e, x in state["experts"].items():
         assert x["version"] == sum(1 for m in _metrics(rd, "expert") if m["expert"] == int(e) and m["accepted"])
+        body = checkpoint.load(rd.root / x["path"], "expert")
+        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+    # The finished ServerApp exits on its own shortly after `start` returns.
+    _wait(lambda: not _leftovers(fed["run"]), 30, "no processes of the run left")
