@@ -37,6 +37,69 @@ def prepare_cmd(
         print_summary(summary, out)
 
 
+@app.command("start")
+def start_cmd(
+    run: Path = typer.Option(Path("runs/default"), "--run", help="Run directory (created, prepared and resumed here)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config: [model] [spsa] [data] [federation], seed."),
+    corpus: Optional[str] = typer.Option(None, "--corpus", help="Corpus to prepare if RUN is not prepared (default: default)."),
+    experts: Optional[int] = typer.Option(None, "--experts", min=1, help="Number of experts N."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", min=0, help="Total rounds (a resumed run trains up to this)."),
+    round_seconds: Optional[float] = typer.Option(None, "--round-seconds", min=0.1, help="Compute seconds per node per round."),
+    local_workers: Optional[int] = typer.Option(None, "--local-workers", min=0, help="SuperNodes to start on this box."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed of initialization, noise, batches and prepare."),
+    superlink: Optional[str] = typer.Option(None, "--superlink", help="HOST:PORT of an existing SuperLink (external mode)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Embedded SuperLink: interface to listen on (0.0.0.0 for other boxes)."),
+    port: int = typer.Option(9092, "--port", min=0, max=65535, help="Embedded SuperLink port (0 = a free one)."),
+    ssl_ca_certfile: Optional[Path] = typer.Option(None, "--ssl-ca-certfile", help="TLS CA certificate (passed to Flower)."),
+    ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="TLS server certificate (embedded SuperLink)."),
+    ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="TLS server key (embedded SuperLink)."),
+) -> None:
+    """Run or resume federated training: embedded SuperLink (+ local workers), or submit to --superlink."""
+    from coordinator import start as start_mod
+    from coordinator.launcher import TLS
+
+    overrides = {k: v for k, v in {
+        "federation.corpus": corpus, "federation.experts": experts, "federation.rounds": rounds,
+        "federation.round_seconds": round_seconds, "federation.local_workers": local_workers, "seed": seed,
+    }.items() if v is not None}  # fmt: skip
+    if superlink is not None and local_workers:
+        raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
+    tls = TLS(ssl_ca_certfile, ssl_certfile, ssl_keyfile) if ssl_ca_certfile or ssl_certfile or ssl_keyfile else None
+    opts = start_mod.Options(run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls)
+    raise typer.Exit(start_mod.start(opts))
+
+
+@app.command("status")
+def status_cmd(
+    run: Path = typer.Argument(..., help="Run directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+) -> None:
+    """The experts table of a run, from its checkpoint (no server needed)."""
+    from soma_edge.errors import CheckpointError
+
+    from coordinator.progress import experts_table, summary
+    from coordinator.run import RunDir
+
+    rd = RunDir(run)
+    if not rd.state_path.exists():
+        raise CheckpointError(f"{run}: no state.msgpack, so no training has started in this directory")
+    s = summary(rd)
+    if as_json:
+        print(json.dumps(s, default=str))
+    else:
+        from rich.console import Console
+
+        Console().print(experts_table(s))
+
+
+@app.command("app-path")
+def app_path_cmd() -> None:
+    """Print the path of the Flower app directory, for `flwr run "$(soma-coord app-path)" ...`."""
+    from coordinator.launcher import APP_DIR
+
+    print(APP_DIR)
+
+
 main = entry(app, "soma-coord")
 
 if __name__ == "__main__":
