@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -42,6 +42,7 @@ ROUTE_WINDOWS_PER_DOC = 16
 MAX_FIT_DOCS = 16384  # k-means runs on a seeded sample of at most this many documents; all are assigned
 MAX_ROUTER_BYTES = 64 * 1024 * 1024
 _BLOCK_BYTES = 2 * 1024 * 1024  # featurize in blocks of about this many bytes (bounds peak memory)
+_BLOCK_SEGS = 4096  # ... and at most this many texts (at dim 2048: a 64 MiB float64 block)
 # Fixed odd 64-bit multipliers (Fibonacci hashing): the n-gram -> bucket hash, and bucket -> (dim, sign).
 _H_GRAM = np.uint64(0x9E3779B97F4A7C15)
 _H_DIM = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -78,7 +79,7 @@ def _bucket_counts(buf: np.ndarray, bounds: np.ndarray, bits: int = BUCKET_BITS)
         keys.append((seg[:m][ok] << np.uint32(bits)) | h.astype(np.uint32))
     if not keys:
         return np.zeros(0, np.uint32), np.zeros(0, np.int64)
-    k = np.sort(np.concatenate(keys))
+    k = np.sort(np.concatenate(keys), kind="stable")  # faster than the default here (2.5x on 8M keys)
     first = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
     return k[first], np.diff(np.append(first, k.size))
 
@@ -103,15 +104,15 @@ def _weigh(
     return (x / np.where(norm > 0, norm, 1.0)).astype(np.float32)
 
 
-def _blocks(lengths: np.ndarray, block_bytes: int = _BLOCK_BYTES) -> list[tuple[int, int]]:
-    """Consecutive [i, j) runs of segments of about block_bytes each (at least one segment, and at most
-    2^(32-BUCKET_BITS) of them, per run)."""
+def _blocks(lengths: np.ndarray, block_bytes: int = _BLOCK_BYTES, max_segs: int = _BLOCK_SEGS) -> list[tuple[int, int]]:
+    """Consecutive [i, j) runs of segments of about block_bytes each, at least one and at most max_segs
+    segments per run (a run's dense [segments, dim] features stay small; uint32 keys need < 2^14)."""
     out, i, n = [], 0, lengths.size
     ends = np.cumsum(lengths)
     while i < n:
         base = ends[i - 1] if i else 0
         j = max(i + 1, int(np.searchsorted(ends, base + block_bytes, side="right")))
-        j = min(j, n, i + (1 << (32 - BUCKET_BITS)))
+        j = min(j, n, i + max_segs)
         out.append((i, j))
         i = j
     return out
@@ -148,16 +149,20 @@ class Router:
 
     # ------------------------------------------------------------ features and distances
 
-    def features(self, texts: Sequence[bytes | np.ndarray]) -> np.ndarray:
-        """float32 [n, dim] unit-length features (zero rows for texts without a byte)."""
+    def _feature_blocks(self, texts: Sequence[bytes | np.ndarray]) -> Iterator[tuple[int, int, np.ndarray]]:
         arrays = [_as_array(t) for t in texts]
         lengths = np.array([a.size for a in arrays], dtype=np.int64)
-        out = np.zeros((len(arrays), self.dim), dtype=np.float32)
         for i, j in _blocks(lengths):
             buf = np.concatenate(arrays[i:j]) if j > i + 1 else arrays[i]
             bounds = np.concatenate([[0], np.cumsum(lengths[i:j])])
             keys, counts = _bucket_counts(buf, bounds, self.bucket_bits)
-            out[i:j] = _weigh(keys, counts, j - i, self.idf, self._dims, self._signs, self.dim)
+            yield i, j, _weigh(keys, counts, j - i, self.idf, self._dims, self._signs, self.dim)
+
+    def features(self, texts: Sequence[bytes | np.ndarray]) -> np.ndarray:
+        """float32 [n, dim] unit-length features (zero rows for texts without a byte)."""
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, j, f in self._feature_blocks(texts):
+            out[i:j] = f
         return out
 
     def cluster_distances(self, features: np.ndarray) -> np.ndarray:
@@ -181,7 +186,10 @@ class Router:
         A None or empty context has no features: its row is NaN, which `route` answers with the prior.
         """
         texts = [b"" if c is None else c for c in contexts]
-        return self._expert_min(self.cluster_distances(self.features(texts)))
+        out = np.empty((len(texts), self.n_experts))
+        for i, j, f in self._feature_blocks(texts):  # block by block: no [n, dim] matrix for long inputs
+            out[i:j] = self._expert_min(self.cluster_distances(f))
+        return out
 
     # ------------------------------------------------------------ routing
 
