@@ -1,12 +1,21 @@
 """`soma-coord prepare` on a corpus: time, peak memory, purity, and how well the router routes held-out text.
 
-    .venv/bin/python bench/prepare_router.py [--corpus debian] [--experts 16] [--seed 0]
+    .venv/bin/python bench/prepare_router.py [--corpus debian] [--experts 16] [--seed 0] [--ablate]
+    .venv/bin/python bench/prepare_router.py --corpus four --experts 4 --ablate
+
+CORPUS is any `prepare` corpus, or `four`: the labelled 4-domain sample of the tests (400 KB each of
+Shakespeare, Milton, standard-library Python and pydoc topics from the default corpus, as JSONL). Its test
+split is tiny (~0.04 MB), so for `four` the ablations route the default corpus's other documents of those
+domains (up to 20 each) and count a window right when it goes to the expert holding most of its domain.
 
 1. Runs `python -m coordinator prepare CORPUS --experts N --json` as a child process; reports its wall
    time and peak resident memory (the child's rusage), purity and balance from prepare.json.
 2. Routes the held-out (test split) shards with the fitted router exactly as inference does
    (`Router.route_windows`: window i on window i-1) for several window lengths, and reports how often the
    top-1 expert is the expert whose cluster the text belongs to, and the routing throughput.
+3. With --ablate, refits in this process to compare design choices, all on the same corpus and seed:
+   the balanced cap (mean + one document, 1.1 x mean, 1.25 x mean) and the routing centroids (mean of
+   256-byte windows, as shipped, or mean of whole documents).
 """
 
 from __future__ import annotations
@@ -50,10 +59,15 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--windows", default="64,128,256,512")
+    ap.add_argument("--ablate", action="store_true", help="also refit with other caps and centroids (slow)")
     args = ap.parse_args()
     print(f"machine: {_machine()}")
 
     with tempfile.TemporaryDirectory() as tmp:
+        outside = None
+        if args.corpus == "four":
+            path, outside = _write_four(Path(tmp) / "four.jsonl")
+            args.corpus = str(path)
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "coordinator", "prepare", args.corpus, "--experts", str(args.experts),
                "--seed", str(args.seed), "--out", str(out), "--json"]  # fmt: skip
@@ -70,11 +84,11 @@ def main() -> int:
         s = json.loads(stdout)
         sizes = np.array([sum(c["bytes"].values()) for c in s["clusters"]], dtype=float)
         print(f"\n## prepare {args.corpus} --experts {args.experts} --seed {args.seed}\n")
-        print("| documents | MB | clusters | purity | max/mean cluster bytes | min/mean | router KiB | wall s | peak RSS MiB |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| documents | MB | clusters | purity | max/mean cluster bytes | min/mean | router KiB | wall s "
+              "| peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
         print(f"| {s['documents']} | {s['bytes'] / 1e6:.1f} | {len(s['clusters'])} | {s['purity']} | "
-              f"{sizes.max() / sizes.mean():.3f} | {sizes.min() / sizes.mean():.3f} | {s['router']['bytes'] / 1024:.0f} | "
-              f"{wall:.1f} | {peak_mib:.0f} |")  # fmt: skip
+              f"{sizes.max() / sizes.mean():.3f} | {sizes.min() / sizes.mean():.3f} | "
+              f"{s['router']['bytes'] / 1024:.0f} | {wall:.1f} | {peak_mib:.0f} |")  # fmt: skip
 
         router = router_mod.load(out / "router.msgpack")
         tests = [(c["expert"], (out / "shards" / f"{c['shards']['test']}.bin").read_bytes()) for c in s["clusters"]]
@@ -95,7 +109,81 @@ def main() -> int:
             secs = time.perf_counter() - t0
             mb = sum(len(t) for _, t in tests) / 1e6
             print(f"| {w} | {n} | {hit1 / n:.3f} | {hit2 / n:.3f} | {mb / secs:.1f} |")
+        if args.ablate:
+            ablate(args.corpus, args.experts, args.seed, outside)
     return 0
+
+
+def _write_four(path: Path, per_domain: int = 400_000) -> tuple[Path, list]:
+    """The 4-domain JSONL, and up to 20 documents per domain that are not in it."""
+    from soma_edge import corpus
+
+    docs, outside = corpus.default_documents(), []
+    with open(path, "w") as f:
+        for domain in ("shakespeare", "milton", "python", "pydoc"):
+            got, ordered = 0, sorted((d for d in docs if d.domain == domain), key=lambda d: d.sha256)
+            for i, d in enumerate(ordered):
+                if got >= per_domain:
+                    outside += ordered[i : i + 20]
+                    break
+                f.write(json.dumps({"text": d.text.decode("utf-8"), "domain": domain}) + "\n")
+                got += len(d.text)
+    return path, outside
+
+
+def _agreement(router: router_mod.Router, pairs: list[tuple[bytes, int]], window: int) -> float:
+    """Top-1 routing agreement: window i (routed on window i-1) goes to its text's expert."""
+    hit = n = 0
+    for text, expert in pairs:
+        if len(text) > window:
+            experts, _ = router.route_windows(text, window, 1, router.temperature)
+            hit += int((experts[1:, 0] == expert).sum())
+            n += experts.shape[0] - 1
+    return hit / n
+
+
+def _pairs(router: router_mod.Router, docs: list, labels: np.ndarray, outside: list | None) -> list:
+    if outside is None:  # test documents, to the expert of their cluster
+        return [(d.text, int(router.cluster_expert[k])) for d, k in zip(docs, labels.tolist()) if d.split == "test"]
+    majority = {}
+    for domain in {d.domain for d in docs}:
+        experts = [router.cluster_expert[k] for d, k in zip(docs, labels.tolist()) if d.domain == domain]
+        majority[domain] = int(np.bincount(experts).argmax())
+    return [(d.text, majority[d.domain]) for d in outside]
+
+
+def ablate(corpus_spec: str, experts: int, seed: int, outside: list | None) -> None:
+    from coordinator.prepare import purity
+    from soma_edge import corpus
+
+    docs = corpus.load_documents(corpus_spec)
+    texts, train = [d.text for d in docs], [i for i, d in enumerate(docs) if d.split == "train"]
+    sizes = np.array([len(t) for t in texts], dtype=float)
+    where = "test documents" if outside is None else f"{len(outside)} documents outside the sample"
+    print(f"\n## ablations ({experts} experts, seed {seed}; top-1 routing agreement on {where})\n")
+    print("| cap | routing centroids | purity | max/mean | 128-byte windows | 512-byte windows | fit s |")
+    print("|---|---|---|---|---|---|---|")
+    shipped = router_mod.SLACK
+    try:
+        for slack in (1.0, 1.1, 1.25):
+            router_mod.SLACK = slack
+            t0 = time.perf_counter()
+            router, labels = router_mod.fit(texts, experts, seed=seed, fit_on=train)
+            secs = time.perf_counter() - t0
+            per, pairs = np.bincount(labels, weights=sizes), _pairs(router, docs, labels, outside)
+            pur = purity([d.domain for d in docs], labels, sizes)
+            cap = "mean + 1 doc" if slack == 1.0 else f"{slack} x mean"
+            row = f"| {cap} | %s | {pur:.3f} | {per.max() / per.mean():.2f} |"
+            print(row % "256-byte windows", f"{_agreement(router, pairs, 128):.3f} |",
+                  f"{_agreement(router, pairs, 512):.3f} | {secs:.1f} |")  # fmt: skip
+            if slack == 1.0:  # the same clusters, routed by whole-document centroids instead
+                feats, lab = router.features([texts[i] for i in train]), labels[train]
+                cent = np.stack([feats[lab == k].sum(axis=0, dtype=np.float64) for k in range(router.n_clusters)])
+                router.centroids = (cent / np.linalg.norm(cent, axis=1, keepdims=True)).astype(np.float32)
+                print(row % "whole documents", f"{_agreement(router, pairs, 128):.3f} |",
+                      f"{_agreement(router, pairs, 512):.3f} | |")  # fmt: skip
+    finally:
+        router_mod.SLACK = shipped
 
 
 if __name__ == "__main__":
