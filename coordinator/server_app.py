@@ -117,9 +117,13 @@ class Coordinator:
                  run.root, state["round"], fed.rounds)  # fmt: skip
         self._wait_for_nodes(fed.min_nodes)
         for r in range(state["round"] + 1, fed.rounds + 1):
+            if fed.max_steps and not self._steps_left():
+                log.info("every expert has its %d steps (federation.max_steps): stopping before round %d",
+                         fed.max_steps, r)  # fmt: skip
+                break
             self._round(r)
         self._status("done")
-        log.info("run complete: %d rounds", fed.rounds)
+        log.info("run complete: %d rounds", self.state["round"])
         return self.state
 
     # --- state ----------------------------------------------------------------------------------------
@@ -139,6 +143,12 @@ class Coordinator:
                  "assignment": {}, "soma_version": __version__}  # fmt: skip
         self.run.save_state(state)
         return state
+
+    def _steps_left(self) -> dict[int, int]:
+        """Steps each expert may still take under federation.max_steps (experts with none left omitted)."""
+        cap = self.cfg.federation.max_steps
+        left = {e: cap - int(self.state["experts"][str(e)]["step"]) for e in self.expert_ids()}
+        return {e: n for e, n in left.items() if n > 0}
 
     def expert_ids(self) -> list[int]:
         return sorted(int(e) for e in self.state["experts"])
@@ -321,9 +331,13 @@ class Coordinator:
         rates = {nid: n.rate for nid, n in active.items()}
         plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
                               self.cfg.spsa.directions)  # fmt: skip
+        if fed.max_steps:  # a fixed budget: never past max_steps; experts that have it all sit the round out
+            left = self._steps_left()
+            plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
         by_node: dict[int, list[int]] = {}
         for e, nid in sorted(plan.assignment.items()):
-            by_node.setdefault(nid, []).append(e)
+            if e in plan.steps:
+                by_node.setdefault(nid, []).append(e)
         log.info("round %d/%d: %s (predicted compute %.1f s; moved: %s)", r, fed.rounds,
                  ", ".join(f"{self.nodes[n].name}<-{es}" for n, es in by_node.items()), plan.makespan,
                  plan.moved or "none")  # fmt: skip

@@ -63,6 +63,7 @@ class FederationConfig:
     deadline_slack: float = 30.0  # round_seconds * deadline_factor + deadline_slack
     val_windows: int = 64  # held-out windows per expert for the per-round val loss
     corpus: str = "default"
+    max_steps: int = 0  # SPSA steps per expert over the whole run (a fixed compute budget); 0 = no cap
 
 
 @dataclass
@@ -172,6 +173,7 @@ def validate(cfg: Config) -> Config:
     _check(f.deadline_slack >= 0, "federation.deadline_slack", ">= 0", f.deadline_slack)
     _check(f.val_windows >= 1, "federation.val_windows", ">= 1", f.val_windows)
     _check(bool(f.corpus), "federation.corpus", "a corpus name or path", f.corpus)
+    _check(f.max_steps >= 0, "federation.max_steps", ">= 0", f.max_steps)
     _check(cfg.seed >= 0, "seed", ">= 0", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
     _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
