@@ -1,0 +1,496 @@
+"""Loss at equal compute budget: SOMA (N experts, federated) vs monolithic SPSA vs backprop (Adam).
+
+    .venv/bin/python bench/equal_budget.py --minutes 5 [--corpus debian] [--params 120000] [--ns 2,4,8]
+        [--plot docs/img/equal_budget.png] [--json]
+
+Every arm has the same total parameter count M (an expert has ~M/N parameters, embedding 16, hidden size
+chosen to fit, as in bench/variance.py) and the same compute budget F in forward FLOPs:
+- `--minutes` becomes F once, at the start: this machine's measured SPSA forward throughput on the
+  monolithic shape (evaluations/s, both cores) times the analytic FLOPs of one forward pass, times the
+  minutes. Load from other processes afterwards changes wall time, never what an arm gets.
+- An SPSA step costs 2K forward passes of its expert; a backprop step costs 3x its forward pass.
+- SOMA with N experts: each expert gets F/N, i.e. `federation.max_steps` SPSA steps, and trains through
+  the real federation (`soma-coord start` with an embedded SuperLink and local workers). Its score is the
+  routed top-2 mixture (soma_edge.mixture, the router fitted by `soma-coord prepare`).
+- Monolithic SPSA: the same path with N = 1 (one expert of M parameters, one local worker).
+- Adam: bench/torch_ref.py's TorchExpert of the monolithic shape, first-order: the backprop reference.
+Each arm's learning rate comes from a short sweep (a fraction of the arm's steps, one expert, scored on its
+cluster's val split). All arms are scored on the same test bytes: held-out nats/byte; curves of that loss
+against FLOPs (on an evenly spread sample of the test split) come from the run's per-round checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.variance import expert_shape  # noqa: E402
+from coordinator.run import RunDir  # noqa: E402
+from soma_edge import corpus, mixture, params  # noqa: E402
+from soma_edge import router as router_mod  # noqa: E402
+from soma_edge.config import Config, ModelConfig  # noqa: E402
+from soma_edge.runtime import LossEvaluator, cpu_count, mean_loss  # noqa: E402
+from soma_edge.spsa import State  # noqa: E402
+from worker.trainer import train as spsa_train  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TOP_K = 2  # the mixture's top-k (top-1 when N = 1), as the coordinator's per-round val loss
+SWEEP_VAL_WINDOWS = 64
+Federate = Callable[[Path], None]  # runs the federation on a prepared, configured run directory
+
+
+def say(*a: Any) -> None:
+    """Progress goes to stderr: stdout is the table, or the one JSON object with --json."""
+    print(*a, file=sys.stderr, flush=True)
+
+
+def forward_flops(m: ModelConfig, batch: int, seq: int) -> float:
+    """Analytic FLOPs (2 x multiply-adds) of one forward pass on a [batch, seq] minibatch.
+
+    Per byte: the LSTM gate matmuls 2*4H*(in+H) per layer and the head 2*256*H; the embedding is a lookup,
+    and the element-wise gate math and log-softmax (O(H) and O(256)) are left out, as usual."""
+    per_byte, inp = 0, m.embed
+    for _ in range(m.layers):
+        per_byte += 2 * 4 * m.hidden * (inp + m.hidden)
+        inp = m.hidden
+    per_byte += 2 * 256 * m.hidden
+    return float(per_byte * batch * seq)
+
+
+def default_corpus() -> str:
+    """`debian` when its cache is complete (built by `soma-coord prepare debian` as root), else `default`."""
+    return "debian" if (corpus.cache_dir() / "debian" / "manifest.json").exists() else "default"
+
+
+def base_config(m: ModelConfig, n: int, lr: float, steps: int, corpus_name: str, seed: int) -> Config:
+    cfg = Config()
+    cfg.model, cfg.seed, cfg.device = m, seed, "cpu"
+    cfg.spsa.lr, cfg.spsa.total_steps = lr, steps  # cosine over the arm's whole budget
+    cfg.spsa.warmup_steps = min(cfg.spsa.warmup_steps, max(steps // 10, 0))
+    cfg.federation.experts, cfg.federation.corpus = n, corpus_name
+    cfg.federation.max_steps = steps
+    return cfg
+
+
+# --- data and scoring --------------------------------------------------------------------------------
+
+
+def test_bytes(corpus_name: str, limit: int) -> np.ndarray:
+    docs = corpus.by_split(corpus.load_documents(corpus_name))["test"]
+    data = corpus.to_stream(docs)
+    return data[:limit] if limit else data
+
+
+def spread_sample(data: np.ndarray, size: int, pieces: int = 16) -> np.ndarray:
+    """`pieces` contiguous slices evenly spaced over `data`, `size` bytes in all (the test stream is in
+    corpus order, domain after domain, so a prefix would be one domain)."""
+    if size <= 0 or size >= data.size:
+        return data
+    step, piece = data.size // pieces, size // pieces
+    return np.concatenate([data[i * step : i * step + piece] for i in range(pieces)])
+
+
+def ort_logprobs(m: ModelConfig, w: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    from soma_edge.graph import build
+    from soma_edge.runtime import make_session
+
+    sess = make_session(build(m, "logprobs", weights=np.asarray(w, dtype=np.float32)), "cpu", cpu_count(), False)
+    return lambda x: sess.run(None, {"x": x})[0]
+
+
+def mixture_loss(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -> float:
+    k = min(TOP_K, len(fns))
+    return float(mixture.evaluate(router, fns, data, seq, k, router.temperature).nats_per_byte)
+
+
+def prepared(work: Path, corpus_name: str, n: int, seed: int) -> RunDir:
+    """A prepared directory per N (router + shards), reused across reruns; arms copy it."""
+    from coordinator.prepare import prepare
+
+    d = work / "prepared" / f"n{n}"
+    if not (d / "prepare.json").exists():
+        prepare(corpus_name, n, d, seed=seed, progress=False)
+    return RunDir(d)
+
+
+def shard_stream(rd: RunDir, expert: int, split: str) -> np.ndarray:
+    from coordinator.prepare import expert_shards
+
+    data = [rd.shard(h) for h in expert_shards(rd.load_prepare(), expert, split)]
+    return np.frombuffer(corpus.SEPARATOR.join(data), dtype=np.uint8)
+
+
+def sweep_val(rd: RunDir) -> np.ndarray:
+    """Expert 0's val split; all experts' when its cluster has almost no held-out text (tiny corpora)."""
+    val = shard_stream(rd, 0, "val")
+    if val.size <= 4 * Config().data.seq_len:
+        n = int(rd.load_prepare()["experts"])
+        val = np.concatenate([shard_stream(rd, e, "val") for e in range(n)])
+    return val
+
+
+# --- learning-rate sweeps (short, one expert, in-process) --------------------------------------------
+
+
+def sweep_spsa(rd: RunDir, m: ModelConfig, n: int, lrs: list[float], steps: int, corpus_name: str,
+               seed: int) -> dict[float, float]:  # fmt: skip
+    """Val nats/byte of expert 0 after `steps` SPSA steps (cosine over them) at each lr."""
+    train, val = shard_stream(rd, 0, "train"), sweep_val(rd)
+    x, y = corpus.eval_windows(val, Config().data.seq_len, SWEEP_VAL_WINDOWS)
+    ev = LossEvaluator(m, "cpu")
+    out = {}
+    for lr in lrs:
+        cfg = base_config(m, n, lr, steps, corpus_name, seed)
+        state = State(params.init(m, seed))
+        spsa_train(state, train, cfg, ev, expert=0, steps=steps)
+        out[lr] = float(mean_loss(ev, state.weights, x, y))
+        say(f"  sweep N={n} lr={lr:g}: val {out[lr]:.4f} nats/byte after {steps} steps")
+    return out
+
+
+def sweep_adam(rd: RunDir, m: ModelConfig, lrs: list[float], steps: int, batch: int, seq: int,
+               seed: int) -> dict[float, float]:  # fmt: skip
+    train, val = shard_stream(rd, 0, "train"), sweep_val(rd)
+    x, y = corpus.eval_windows(val, seq, SWEEP_VAL_WINDOWS)
+    out = {}
+    for lr in lrs:
+        model = adam_train(m, train, lr, steps, batch, seq, seed)
+        out[lr] = torch_eval_loss(model, x, y)
+        say(f"  sweep adam lr={lr:g}: val {out[lr]:.4f} nats/byte after {steps} steps")
+    return out
+
+
+# --- the backprop reference ---------------------------------------------------------------------------
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int, min_frac: float = 0.1) -> float:
+    """Warmup then cosine to lr * min_frac: the SPSA schedule (soma_edge.spsa.schedule), for Adam."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def adam_train(m: ModelConfig, data: np.ndarray, lr: float, steps: int, batch: int, seq: int, seed: int,
+               on_step: Callable[[int, Any], None] | None = None):  # fmt: skip
+    import torch
+
+    from bench.torch_ref import TorchExpert
+
+    torch.manual_seed(seed)
+    model = TorchExpert(m).load_flat(params.init(m, seed))  # the same initialization as the SPSA monolith
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    warmup = min(20, steps // 10)
+    for s in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s, steps, lr, warmup)
+        x, y = corpus.sample_batch(data, batch, seq, corpus.batch_rng(seed, 0, s))
+        opt.zero_grad()
+        model(torch.from_numpy(x), torch.from_numpy(y)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if on_step:
+            on_step(s + 1, model)
+    return model
+
+
+def torch_eval_loss(model, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:
+    import torch
+
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            total += float(model(torch.from_numpy(x[i : i + batch]), torch.from_numpy(y[i : i + batch]))) * x[i : i + batch].size
+    return total / x.size
+
+
+def torch_logprobs(model) -> Callable[[np.ndarray], np.ndarray]:
+    import torch
+
+    def fn(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            h, _ = model.lstm(model.embed(torch.from_numpy(x)))
+            return torch.log_softmax(model.head(h), dim=-1).numpy()
+
+    return fn
+
+
+# --- arms --------------------------------------------------------------------------------------------
+
+
+def soma_coord_start(run: Path) -> None:
+    """The real federation: `soma-coord start` (embedded SuperLink, local workers) on a configured run."""
+    exe = Path(sys.executable).parent / "soma-coord"
+    cmd = [str(exe), "start", "--run", str(run), "--config", str(run / "bench.toml"), "--port", "0"]
+    with open(run / "start.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    if rc != 0:
+        tail = (run / "start.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"soma-coord start failed (exit {rc}) on {run}:\n{tail}")
+
+
+def run_spsa_arm(work: Path, prep: RunDir, cfg: Config, federate: Federate, curve_data: np.ndarray,
+                 test_data: np.ndarray, round_seconds: float, name: str) -> dict[str, Any]:  # fmt: skip
+    import tomli_w
+
+    n, m, seq = cfg.federation.experts, cfg.model, cfg.data.seq_len
+    run = work / "runs" / name
+    if run.exists():
+        shutil.rmtree(run)
+    shutil.copytree(prep.root, run)
+    fed = cfg.federation
+    fed.rounds = 100_000  # max_steps ends the run
+    fed.round_seconds = round_seconds
+    fed.local_workers = fed.min_nodes = min(n, 2)
+    fed.keep_versions = 100_000  # every version stays: the curve is scored from them afterwards
+    fed.val_windows = 16  # the coordinator's own per-round val loss: keep it cheap
+    (run / "bench.toml").write_text(tomli_w.dumps(cfg.to_dict()))
+    t0 = time.perf_counter()
+    federate(run)
+    wall = time.perf_counter() - t0
+
+    rd = RunDir(run)
+    state = rd.load_state()
+    f1 = forward_flops(m, cfg.data.batch, seq)
+    metrics = rd.read_metrics()
+    rounds = sorted({x["round"] for x in metrics if x["type"] == "round"})
+    router = router_mod.load(rd.router)
+    points, evals, compute = [], 0, 0.0
+    versions = {e: 0 for e in range(n)}
+    fns = {e: ort_logprobs(m, rd.load_expert(rd.expert_rel(e, 0))["weights"]) for e in range(n)}
+    points.append({"round": 0, "forward_evals": 0, "flops": 0.0, "loss": mixture_loss(router, fns, curve_data, seq)})
+    for r in rounds:
+        for x in (x for x in metrics if x["type"] == "expert" and x["round"] == r):
+            evals += int(x.get("forward_evals", 0))
+            compute += float(x.get("seconds", 0.0))
+            if x["version"] != versions[x["expert"]]:
+                versions[x["expert"]] = x["version"]
+                w = rd.load_expert(rd.expert_rel(x["expert"], x["version"]))["weights"]
+                fns[x["expert"]] = ort_logprobs(m, w)
+        points.append({"round": r, "forward_evals": evals, "flops": evals * f1,
+                       "loss": mixture_loss(router, fns, curve_data, seq)})  # fmt: skip
+    final = {e: ort_logprobs(m, rd.load_expert(state["experts"][str(e)]["path"])["weights"]) for e in range(n)}
+    steps = [int(state["experts"][str(e)]["step"]) for e in range(n)]
+    return {
+        "arm": name, "kind": "soma" if n > 1 else "monolithic-spsa", "experts": n, "shape": m.__dict__,
+        "params_per_expert": params.count(m), "params_total": n * params.count(m), "lr": cfg.spsa.lr,
+        "directions": cfg.spsa.directions, "steps_per_expert": steps, "forward_evals": evals, "flops": evals * f1,
+        "test_nats_per_byte": mixture_loss(router, final, test_data, seq), "top_k": min(TOP_K, n),
+        "wall_seconds": wall, "compute_seconds": compute, "rounds": len(rounds), "curve": points,
+    }  # fmt: skip
+
+
+def run_adam_arm(prep: RunDir, m: ModelConfig, lr: float, steps: int, batch: int, seq: int, seed: int,
+                 curve_data: np.ndarray, test_data: np.ndarray, points_n: int = 10) -> dict[str, Any]:  # fmt: skip
+    router = router_mod.load(prep.router)  # one expert: the mixture is the model itself
+    train = shard_stream(prep, 0, "train")
+    f3 = 3 * forward_flops(m, batch, seq)
+    every = max(1, steps // points_n)
+    points, eval_s = [], 0.0
+    t_init = params.init(m, seed)
+    points.append({"step": 0, "forward_evals": 0, "flops": 0.0,
+                   "loss": mixture_loss(router, {0: ort_logprobs(m, t_init)}, curve_data, seq)})  # fmt: skip
+
+    def on_step(s: int, model) -> None:
+        nonlocal eval_s
+        if s % every == 0 or s == steps:
+            t = time.perf_counter()
+            points.append({"step": s, "forward_evals": 3 * s, "flops": s * f3,
+                           "loss": mixture_loss(router, {0: torch_logprobs(model)}, curve_data, seq)})  # fmt: skip
+            eval_s += time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    model = adam_train(m, train, lr, steps, batch, seq, seed, on_step)
+    wall = time.perf_counter() - t0 - eval_s
+    return {
+        "arm": "adam", "kind": "backprop-reference", "experts": 1, "shape": m.__dict__,
+        "params_per_expert": params.count(m), "params_total": params.count(m), "lr": lr, "directions": None,
+        "steps_per_expert": [steps], "forward_evals": 3 * steps, "flops": steps * f3,
+        "test_nats_per_byte": mixture_loss(router, {0: torch_logprobs(model)}, test_data, seq), "top_k": 1,
+        "wall_seconds": wall, "compute_seconds": wall, "rounds": None, "curve": points,
+    }  # fmt: skip
+
+
+# --- budget ------------------------------------------------------------------------------------------
+
+
+def measure_rate(prep: RunDir, m: ModelConfig, seconds: float, seed: int) -> float:
+    """Forward evaluations/s of SPSA training on the monolithic shape, both cores (what a lone worker does)."""
+    cfg = base_config(m, 1, 5e-3, 0, "default", seed)
+    ev = LossEvaluator(m, "cpu")
+    data = shard_stream(prep, 0, "train")
+    spsa_train(State(params.init(m, seed)), data, cfg, ev, steps=2)  # warm the session up
+    rep = spsa_train(State(params.init(m, seed)), data, cfg, ev, seconds=seconds)
+    return rep.evals_per_s
+
+
+# --- output ------------------------------------------------------------------------------------------
+
+
+def table(out: dict[str, Any]) -> str:
+    mono = next((a for a in out["arms"] if a["kind"] == "monolithic-spsa"), None)
+    lines = ["| arm | N | params | lr | steps/expert | forward evals | FLOPs / budget | test nats/byte | vs mono SPSA | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for a in out["arms"]:
+        rel = f"{(a['test_nats_per_byte'] / mono['test_nats_per_byte'] - 1) * 100:+.1f}%" if mono else "n/a"
+        lines.append(f"| {a['arm']} | {a['experts']} | {a['params_total']:,} | {a['lr']:g} | {a['steps_per_expert'][0]:,} | "
+                     f"{a['forward_evals']:,} | {a['flops'] / out['budget_flops']:.3f} | {a['test_nats_per_byte']:.4f} | "
+                     f"{rel} | {a['wall_seconds']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for a in out["arms"]:
+        xs = [p["flops"] / 1e12 for p in a["curve"]]
+        ys = [p["loss"] for p in a["curve"]]
+        style = "--" if a["kind"] == "backprop-reference" else "-"
+        label = {"soma": f"SOMA N={a['experts']}", "monolithic-spsa": "monolithic SPSA (N=1)",
+                 "backprop-reference": "Adam (backprop reference)"}[a["kind"]]  # fmt: skip
+        ax.plot(xs, ys, style, marker="o", ms=3, label=f"{label}, lr {a['lr']:g}")
+    if out.get("unigram_nats_per_byte"):
+        ax.axhline(out["unigram_nats_per_byte"], color="grey", lw=0.8, ls=":", label="unigram entropy")
+    ax.axvline(out["budget_flops"] / 1e12, color="black", lw=0.8, ls=":")
+    ax.set_xlabel("training compute (forward TFLOPs; backprop step = 3 forwards)")
+    ax.set_ylabel("held-out nats/byte (test sample)")
+    ax.set_title(f"Equal budget, {out['params_target']:,} params total, corpus {out['corpus']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+def floats(s: str) -> list[float]:
+    return [float(v) for v in s.split(",") if v]
+
+
+def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=5.0, help="per-arm budget: minutes of monolithic SPSA on this machine")
+    ap.add_argument("--corpus", default=None, help="debian (if built), default, or a text file/folder")
+    ap.add_argument("--params", type=int, default=120_000, help="total parameter count M of every arm")
+    ap.add_argument("--ns", default="2,4,8", help="SOMA expert counts")
+    ap.add_argument("--lrs", default="2.5e-3,5e-3,1e-2,2e-2", help="SPSA lr sweep grid")
+    ap.add_argument("--adam-lrs", default="1e-3,3e-3,1e-2", help="Adam lr sweep grid")
+    ap.add_argument("--sweep-frac", type=float, default=0.1, help="sweep runs this fraction of an arm's steps")
+    ap.add_argument("--no-adam", action="store_true")
+    ap.add_argument("--round-seconds", type=float, default=60.0)
+    ap.add_argument("--rate-seconds", type=float, default=10.0, help="how long to measure the forward throughput")
+    ap.add_argument("--test-bytes", type=int, default=0, help="score at most this many test bytes (0 = all)")
+    ap.add_argument("--curve-bytes", type=int, default=131072, help="test-sample bytes scored at every round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default="runs/equal_budget", help="run directories and partial results")
+    ap.add_argument("--plot", default=None, help="write a PNG plot here")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    corpus_name = args.corpus or default_corpus()
+    ns = [int(v) for v in args.ns.split(",") if v]
+    B, T = Config().data.batch, Config().data.seq_len
+    K = Config().spsa.directions
+    shapes = {n: expert_shape(args.params, n) for n in [1, *ns]}
+    preps = {n: prepared(work, corpus_name, n, args.seed) for n in [1, *ns]}
+    test_data = test_bytes(corpus_name, args.test_bytes)
+    curve_data = spread_sample(test_data, args.curve_bytes)
+    train_all = corpus.to_stream(corpus.by_split(corpus.load_documents(corpus_name))["train"])
+    unigram = corpus.unigram_entropy(train_all, test_data)
+    say(f"corpus {corpus_name}: {test_data.size:,} test bytes (curve sample {curve_data.size:,}); unigram {unigram:.4f}")
+
+    # The budget, fixed once: forward FLOPs = minutes x measured rate on the monolithic shape.
+    rate = measure_rate(preps[1], shapes[1], args.rate_seconds, args.seed)
+    f_mono = forward_flops(shapes[1], B, T)
+    budget = args.minutes * 60 * rate * f_mono
+    steps = {n: max(1, int(budget / (n * 2 * K * forward_flops(shapes[n], B, T)))) for n in [1, *ns]}
+    adam_steps = max(1, int(budget / (3 * f_mono)))
+    say(f"budget: {args.minutes:g} min x {rate:.1f} forward evals/s x {f_mono / 1e9:.3f} GFLOP = {budget / 1e12:.2f} TFLOPs; "
+        f"SPSA steps per expert {steps}, Adam steps {adam_steps}")  # fmt: skip
+
+    out: dict[str, Any] = {
+        "machine": f"{platform.machine()} {cpu_count()} cores", "corpus": corpus_name, "params_target": args.params,
+        "minutes": args.minutes, "forward_evals_per_s": rate, "forward_flops_mono": f_mono, "budget_flops": budget,
+        "batch": B, "seq_len": T, "directions": K, "test_bytes": int(test_data.size), "curve_bytes": int(curve_data.size),
+        "unigram_nats_per_byte": unigram, "sweep": {}, "arms": [],
+    }  # fmt: skip
+    partial = work / "results.json"
+
+    def save() -> None:
+        out["seconds"] = time.perf_counter() - t0
+        partial.write_text(json.dumps(out, indent=1))
+
+    lrs, adam_lrs = floats(args.lrs), floats(args.adam_lrs)
+    chosen: dict[str, float] = {}
+    for n in [1, *ns]:
+        s = max(10, int(args.sweep_frac * steps[n]))
+        res = sweep_spsa(preps[n], shapes[n], n, lrs, s, corpus_name, args.seed)
+        chosen[f"n{n}"] = min(res, key=res.get)
+        out["sweep"][f"n{n}"] = {"steps": s, "val_nats_per_byte": {f"{k:g}": v for k, v in res.items()}}
+        save()
+    if not args.no_adam:
+        import torch
+
+        torch.set_num_threads(cpu_count())
+        s = max(10, int(args.sweep_frac * adam_steps))
+        res = sweep_adam(preps[1], shapes[1], adam_lrs, s, B, T, args.seed)
+        chosen["adam"] = min(res, key=res.get)
+        out["sweep"]["adam"] = {"steps": s, "val_nats_per_byte": {f"{k:g}": v for k, v in res.items()}}
+    out["lr"] = {k: v for k, v in chosen.items()}
+    say(f"chosen lr: {out['lr']}")
+    save()
+
+    for n in [1, *ns]:
+        name = "mono-spsa" if n == 1 else f"soma-n{n}"
+        cfg = base_config(shapes[n], n, chosen[f"n{n}"], steps[n], corpus_name, args.seed)
+        arm = run_spsa_arm(work, preps[n], cfg, federate, curve_data, test_data, args.round_seconds, name)
+        out["arms"].append(arm)
+        say(f"{name}: test {arm['test_nats_per_byte']:.4f} nats/byte, {arm['flops'] / budget:.3f} of the budget, "
+            f"wall {arm['wall_seconds']:.0f} s")  # fmt: skip
+        save()
+    if not args.no_adam:
+        arm = run_adam_arm(preps[1], shapes[1], chosen["adam"], adam_steps, B, T, args.seed, curve_data, test_data)
+        out["arms"].append(arm)
+        say(f"adam: test {arm['test_nats_per_byte']:.4f} nats/byte, wall {arm['wall_seconds']:.0f} s")
+        save()
+
+    mono = next(a for a in out["arms"] if a["kind"] == "monolithic-spsa")
+    out["soma_vs_mono"] = {str(a["experts"]): 1 - a["test_nats_per_byte"] / mono["test_nats_per_byte"]
+                           for a in out["arms"] if a["kind"] == "soma"}  # fmt: skip
+    save()
+    if args.plot:
+        plot(out, args.plot)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(table(out))
+        print(f"SOMA improvement over monolithic SPSA (1 - soma/mono): {out['soma_vs_mono']}; "
+              f"total {out['seconds']:.0f} s")  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    main()
