@@ -17,7 +17,10 @@ from soma_edge.errors import SomaError
 
 
 def make_app(help: str) -> typer.Typer:
-    return typer.Typer(help=help, pretty_exceptions_enable=False, add_completion=False, no_args_is_help=True)
+    # rich_markup_mode=None: help strings mention TOML tables like [spsa], which rich would eat as markup.
+    return typer.Typer(
+        help=help, pretty_exceptions_enable=False, add_completion=False, no_args_is_help=True, rich_markup_mode=None
+    )
 
 
 def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None) -> int:
