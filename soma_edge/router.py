@@ -79,7 +79,7 @@ def _bucket_counts(buf: np.ndarray, bounds: np.ndarray, bits: int = BUCKET_BITS)
         keys.append((seg[:m][ok] << np.uint32(bits)) | h.astype(np.uint32))
     if not keys:
         return np.zeros(0, np.uint32), np.zeros(0, np.int64)
-    k = np.sort(np.concatenate(keys), kind="stable")  # faster than the default here (2.5x on 8M keys)
+    k = np.sort(np.concatenate(keys), kind="stable")  # runs sorted by segment: 2.5x faster than the default
     first = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
     return k[first], np.diff(np.append(first, k.size))
 
