@@ -27,7 +27,7 @@ HELDOUT = import json, sys; r = sys.argv[1]; p = json.load(open(r + "/prepare.js
 
 demo: setup
 	rm -rf $(DEMO_RUN)
-	$(VENV)/bin/soma-coord start --run $(DEMO_RUN) --local-workers 2 --experts 4 \
+	$(VENV)/bin/soma-coord start --run $(DEMO_RUN) --config examples/demo.toml --local-workers 2 --experts 4 \
 		--rounds $(DEMO_ROUNDS) --round-seconds $(DEMO_ROUND_SECONDS) --port 0
 	$(VENV)/bin/soma-export onnx $(DEMO_RUN) --out $(DEMO_RUN)/deploy --force
 	$(VENV)/bin/soma-export eval $(DEMO_RUN)/deploy $$($(PY) -c '$(HELDOUT)' $(DEMO_RUN))

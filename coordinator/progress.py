@@ -6,6 +6,8 @@ batches 45-60 s late, so the ServerApp writes RUN/status.json and RUN/metrics.js
 
 from __future__ import annotations
 
+import sys
+
 import time
 from typing import Any
 
@@ -76,7 +78,8 @@ class Follower:
 
     def __init__(self, run: RunDir, console: Console | None = None):
         self.run = run
-        self.console = console or Console(stderr=False)
+        # Off a terminal rich assumes 80 columns and wraps the per-round lines and the experts table.
+        self.console = console or Console(stderr=False, width=None if sys.stdout.isatty() else 120, soft_wrap=True)
         self.seen_rounds: set[int] = set()
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                  TimeElapsedColumn(), console=self.console)  # fmt: skip
