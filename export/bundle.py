@@ -44,14 +44,6 @@ class BundleError(SomaError):
     """A deploy bundle that is missing, incomplete, tampered with, or not one of ours."""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Reading (inference path)
 
@@ -146,7 +138,7 @@ def read(root: str | Path) -> Bundle:
         path = root / rel
         if not path.is_file():
             raise BundleError(f"{path}: missing from the bundle (listed in {MANIFEST})")
-        if sha256_file(path) != digest:
+        if checkpoint.sha256_file(path) != digest:
             raise BundleError(f"{path}: sha256 does not match {MANIFEST}; the file was modified or corrupted")
 
     router = _field(manifest, "router", dict, where)

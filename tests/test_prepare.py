@@ -14,32 +14,20 @@ from coordinator import debian_corpus
 from coordinator.prepare import expert_shards, prepare
 from soma_edge import corpus, router as router_mod
 from soma_edge.errors import CorpusError
+from tests.conftest import FOUR_DOMAINS
 
 ROOT = Path(__file__).resolve().parent.parent
-DOMAINS = ("shakespeare", "milton", "python", "pydoc")
-
-
-def write_four_domains(default_docs, path: Path, per_domain: int = 400_000) -> list:
-    """A labelled JSONL of equal bytes from each of the default corpus's four sources."""
-    docs = [d for split in default_docs.values() for d in split]
-    picked = []
-    for domain in DOMAINS:
-        got = 0
-        for d in sorted((d for d in docs if d.domain == domain), key=lambda d: d.sha256):
-            if got >= per_domain:
-                break
-            picked.append(d)
-            got += len(d.text)
+def write_jsonl(docs, path: Path) -> None:
+    """A labelled JSONL of documents."""
     with open(path, "w") as f:
-        for d in picked:
+        for d in docs:
             f.write(json.dumps({"text": d.text.decode("utf-8"), "domain": d.domain}) + "\n")
-    return picked
 
 
 @pytest.fixture(scope="module")
-def prepared(default_docs, tmp_path_factory):
+def prepared(four_domain_docs, tmp_path_factory):
     base = tmp_path_factory.mktemp("prep")
-    write_four_domains(default_docs, base / "four.jsonl")
+    write_jsonl(four_domain_docs, base / "four.jsonl")
     summary = prepare(str(base / "four.jsonl"), 4, base / "run", seed=0, progress=False)
     return base, summary
 
@@ -47,7 +35,7 @@ def prepared(default_docs, tmp_path_factory):
 def test_purity_balance_and_summary(prepared):
     base, s = prepared
     assert s["schema"] == 1 and s["experts"] == 4 and s["seed"] == 0 and len(s["clusters"]) == 4
-    assert set(s["domains"]) == set(DOMAINS)
+    assert set(s["domains"]) == set(FOUR_DOMAINS)
     # Purity, recomputed from the domain-by-cluster table: the largest domain of each cluster, over all bytes.
     table = np.array([[row.get(str(k), 0) for k in range(4)] for row in s["domains"].values()], dtype=float)
     assert s["purity"] == pytest.approx(table.max(axis=0).sum() / table.sum(), abs=1e-6)

@@ -10,28 +10,12 @@ import pytest
 from soma_edge import codec
 from soma_edge import router as router_mod
 from soma_edge.errors import CodecError, ConfigError
-
-DOMAINS = ("shakespeare", "milton", "python", "pydoc")
-
-
-def four_domains(default_docs, per_domain: int = 400_000) -> list:
-    """Equal bytes of each of the default corpus's four sources (documents in sha256 order)."""
-    docs = [d for split in default_docs.values() for d in split]
-    out = []
-    for domain in DOMAINS:
-        got = 0
-        for d in sorted((d for d in docs if d.domain == domain), key=lambda d: d.sha256):
-            if got >= per_domain:
-                break
-            out.append(d)
-            got += len(d.text)
-    return out
-
+from tests.conftest import FOUR_DOMAINS
 
 @pytest.fixture(scope="module")
-def fitted(default_docs):
+def fitted(four_domain_docs):
     """A router with 8 clusters over 4 experts, fitted on the train split of the 4-domain sample."""
-    docs = four_domains(default_docs)
+    docs = four_domain_docs
     train = [i for i, d in enumerate(docs) if d.split == "train"]
     router, labels = router_mod.fit([d.text for d in docs], 4, n_clusters=8, seed=0, fit_on=train)
     return docs, router, labels
@@ -77,7 +61,7 @@ def test_routes_held_out_windows_to_their_domain(fitted):
     expert that trains on their domain (0.88 measured with 8 clusters over 4 experts; chance is 0.25)."""
     docs, router, labels = fitted
     majority = {}
-    for dom in DOMAINS:
+    for dom in FOUR_DOMAINS:
         experts = [router.cluster_expert[k] for d, k in zip(docs, labels) if d.domain == dom]
         majority[dom] = np.bincount(experts, minlength=4).argmax()
     hits = total = 0

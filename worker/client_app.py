@@ -18,7 +18,6 @@ if os.environ.get("SOMA_BLOCK_TORCH") == "1" and "torch" not in sys.modules:
     sys.modules["torch"] = None  # type: ignore[assignment]  # any `import torch` now raises ImportError
 
 import importlib  # noqa: E402
-import logging  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -33,17 +32,12 @@ from soma_edge import config as config_mod  # noqa: E402
 from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
 from soma_edge.errors import SomaError  # noqa: E402
 from soma_edge.spsa import State  # noqa: E402
+from soma_edge.logs import role_logger  # noqa: E402
 from worker import probe  # noqa: E402
 from worker.cache import Cache  # noqa: E402
 from worker.trainer import train as train_loop  # noqa: E402
 
-log = logging.getLogger("soma.worker")
-if not log.handlers:  # flwr-clientapp configures only Flower's own logger; ours goes to the node's log
-    _h = logging.StreamHandler(sys.stderr)
-    _h.setFormatter(logging.Formatter("%(asctime)s soma.worker %(levelname)s %(message)s"))
-    log.addHandler(_h)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+log = role_logger("soma.worker")
 
 app = ClientApp()
 
