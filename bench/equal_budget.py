@@ -341,7 +341,8 @@ def measure_rate(prep: RunDir, m: ModelConfig, seconds: float, seed: int) -> flo
 
 
 def table(out: dict[str, Any]) -> str:
-    mono = next((a for a in out["arms"] if a["kind"] == "monolithic-spsa"), None)
+    monos = [a for a in out["arms"] if a["kind"] == "monolithic-spsa"]
+    mono = min(monos, key=lambda a: a["test_nats_per_byte"]) if monos else None
     lines = ["| arm | N | params | lr | steps/expert | forward evals | FLOPs / budget | test nats/byte | vs mono SPSA | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for a in out["arms"]:
@@ -405,7 +406,15 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     ap.add_argument("--work", default="runs/equal_budget", help="run directories and partial results")
     ap.add_argument("--plot", default=None, help="write a PNG plot here")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--budget-tflops", type=float, default=None, help="use this budget instead of measuring one "
+                    "(to add arms to an earlier run at its budget)")  # fmt: skip
+    ap.add_argument("--lr", default="", help="pinned lrs that skip the sweep, e.g. n1=0.01,adam=0.003")
+    ap.add_argument("--tag", default="", help="suffix for arm names (extra arms of an earlier run)")
+    ap.add_argument("--from-json", default=None, help="comma-separated results.json files: merge their arms, "
+                    "print the table and plot; trains nothing")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.from_json:
+        return report(merge([Path(p) for p in args.from_json.split(",") if p]), args)
 
     t0 = time.perf_counter()
     work = Path(args.work).resolve()
@@ -423,12 +432,15 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     say(f"corpus {corpus_name}: {test_data.size:,} test bytes (curve sample {curve_data.size:,}); unigram {unigram:.4f}")
 
     # The budget, fixed once: forward FLOPs = minutes x measured rate on the monolithic shape.
-    rate = measure_rate(preps[1], shapes[1], args.rate_seconds, args.seed)
     f_mono = forward_flops(shapes[1], B, T)
-    budget = args.minutes * 60 * rate * f_mono
+    if args.budget_tflops:
+        rate, budget = None, args.budget_tflops * 1e12
+    else:
+        rate = measure_rate(preps[1], shapes[1], args.rate_seconds, args.seed)
+        budget = args.minutes * 60 * rate * f_mono
     steps = {n: max(1, int(budget / (n * 2 * K * forward_flops(shapes[n], B, T)))) for n in [1, *ns]}
     adam_steps = max(1, int(budget / (3 * f_mono)))
-    say(f"budget: {args.minutes:g} min x {rate:.1f} forward evals/s x {f_mono / 1e9:.3f} GFLOP = {budget / 1e12:.2f} TFLOPs; "
+    say(f"budget: {args.minutes:g} min x {rate or 0:.1f} forward evals/s x {f_mono / 1e9:.3f} GFLOP = {budget / 1e12:.2f} TFLOPs; "
         f"SPSA steps per expert {steps}, Adam steps {adam_steps}")  # fmt: skip
 
     out: dict[str, Any] = {
@@ -444,8 +456,10 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
         partial.write_text(json.dumps(out, indent=1))
 
     lrs, adam_lrs = floats(args.lrs), floats(args.adam_lrs)
-    chosen: dict[str, float] = {}
+    chosen: dict[str, float] = {k: float(v) for k, v in (kv.split("=") for kv in args.lr.split(",") if kv)}
     for n in [1, *ns]:
+        if f"n{n}" in chosen:
+            continue
         s = max(10, int(args.sweep_frac * steps[n]))
         res = sweep_spsa(preps[n], shapes[n], n, lrs, s, corpus_name, args.seed)
         chosen[f"n{n}"] = min(res, key=res.get)
@@ -455,6 +469,7 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
         import torch
 
         torch.set_num_threads(cpu_count())
+    if not args.no_adam and "adam" not in chosen:
         s = max(10, int(args.sweep_frac * adam_steps))
         res = sweep_adam(preps[1], shapes[1], adam_lrs, s, B, T, args.seed)
         chosen["adam"] = min(res, key=res.get)
@@ -464,7 +479,7 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     save()
 
     for n in [1, *ns]:
-        name = "mono-spsa" if n == 1 else f"soma-n{n}"
+        name = ("mono-spsa" if n == 1 else f"soma-n{n}") + args.tag
         cfg = base_config(shapes[n], n, chosen[f"n{n}"], steps[n], corpus_name, args.seed)
         arm = run_spsa_arm(work, preps[n], cfg, federate, curve_data, test_data, args.round_seconds, name)
         out["arms"].append(arm)
@@ -473,22 +488,43 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
         save()
     if not args.no_adam:
         arm = run_adam_arm(preps[1], shapes[1], chosen["adam"], adam_steps, B, T, args.seed, curve_data, test_data)
+        arm["arm"] += args.tag
         out["arms"].append(arm)
         say(f"adam: test {arm['test_nats_per_byte']:.4f} nats/byte, wall {arm['wall_seconds']:.0f} s")
         save()
 
-    mono = next(a for a in out["arms"] if a["kind"] == "monolithic-spsa")
-    out["soma_vs_mono"] = {str(a["experts"]): 1 - a["test_nats_per_byte"] / mono["test_nats_per_byte"]
-                           for a in out["arms"] if a["kind"] == "soma"}  # fmt: skip
     save()
+    return report(out, args)
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """The first run's header with the arms of all of them (which must share its budget and corpus)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    out = runs[0]
+    for r in runs[1:]:
+        if abs(r["budget_flops"] - out["budget_flops"]) > 1e-6 * out["budget_flops"] or r["corpus"] != out["corpus"]:
+            raise SystemExit(f"error: {r['corpus']} at {r['budget_flops']:.4g} FLOPs is not the first run's budget")
+        out["arms"] = out["arms"] + r["arms"]
+        out["seconds"] = out.get("seconds", 0) + r.get("seconds", 0)
+        out.setdefault("extra_runs", []).append({"sweep": r.get("sweep"), "lr": r.get("lr"), "seconds": r.get("seconds")})
+    return out
+
+
+def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Table (or JSON) and plot. SOMA is compared with the best monolithic SPSA arm present."""
+    monos = [a for a in out["arms"] if a["kind"] == "monolithic-spsa"]
+    if monos:
+        mono = min(monos, key=lambda a: a["test_nats_per_byte"])
+        out["soma_vs_mono"] = {str(a["experts"]): 1 - a["test_nats_per_byte"] / mono["test_nats_per_byte"]
+                               for a in out["arms"] if a["kind"] == "soma"}  # fmt: skip
     if args.plot:
         plot(out, args.plot)
     if args.json:
         print(json.dumps(out))
     else:
         print(table(out))
-        print(f"SOMA improvement over monolithic SPSA (1 - soma/mono): {out['soma_vs_mono']}; "
-              f"total {out['seconds']:.0f} s")  # fmt: skip
+        print(f"SOMA improvement over the best monolithic SPSA arm (1 - soma/mono): {out.get('soma_vs_mono')}; "
+              f"total {out.get('seconds', 0):.0f} s")  # fmt: skip
     return out
 
 

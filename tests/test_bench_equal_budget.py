@@ -68,3 +68,18 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
     assert set(out["soma_vs_mono"]) == {"2"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "work" / "results.json").read_text())["arms"] == out["arms"]
+
+    # An extra monolithic arm at a pinned lr and the first run's budget (no sweep, no rate probe), merged.
+    extra = equal_budget.main(["--corpus", str(src), "--params", "12000", "--ns", "", "--no-adam", "--lr", "n1=1e-3",
+                               "--budget-tflops", str(budget / 1e12), "--tag=-lr1e-3", "--round-seconds", "0.5",
+                               "--test-bytes", "20000", "--curve-bytes", "8000", "--work", str(tmp_path / "work2")],
+                              federate=fake_federation)  # fmt: skip
+    assert [a["arm"] for a in extra["arms"]] == ["mono-spsa-lr1e-3"] and extra["sweep"] == {}
+    assert extra["arms"][0]["lr"] == 1e-3 and extra["budget_flops"] == budget
+    capsys.readouterr()
+    merged = equal_budget.main(["--from-json", f"{tmp_path / 'work' / 'results.json'},{tmp_path / 'work2' / 'results.json'}",
+                                "--plot", str(png)])  # fmt: skip
+    assert [a["arm"] for a in merged["arms"]] == ["mono-spsa", "soma-n2", "adam", "mono-spsa-lr1e-3"]
+    best = min(a["test_nats_per_byte"] for a in merged["arms"] if a["kind"] == "monolithic-spsa")
+    assert merged["soma_vs_mono"]["2"] == 1 - soma["test_nats_per_byte"] / best
+    assert "| mono-spsa-lr1e-3 | 1 |" in capsys.readouterr().out
