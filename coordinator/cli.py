@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from soma_edge.cli import entry, make_app
+from soma_edge.config import MAX_SEED
 
 app = make_app("soma-edge coordinator: prepare data clusters, orchestrate training over Flower.")
 
@@ -24,7 +25,7 @@ def prepare_cmd(
     experts: int = typer.Option(..., "--experts", min=1, help="Number of experts N."),
     out: Path = typer.Option(..., "--out", help="Run directory to write router.msgpack, prepare.json, shards/ into."),
     clusters: Optional[int] = typer.Option(None, "--clusters", min=1, help="Clusters C >= N (default N)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the fit: same corpus and seed, same router and shards."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed of the fit: same corpus and seed, same router and shards."),
     as_json: bool = typer.Option(False, "--json", help="Print prepare.json instead of the summary table."),
 ) -> None:
     """Fit the router (hashed byte n-gram tf-idf, balanced k-means) and write per-cluster shards."""
@@ -46,7 +47,7 @@ def start_cmd(
     rounds: Optional[int] = typer.Option(None, "--rounds", min=0, help="Total rounds (a resumed run trains up to this)."),
     round_seconds: Optional[float] = typer.Option(None, "--round-seconds", min=0.1, help="Compute seconds per node per round."),
     local_workers: Optional[int] = typer.Option(None, "--local-workers", min=0, help="SuperNodes to start on this box."),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed of initialization, noise, batches and prepare."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=MAX_SEED, help="Seed of initialization, noise, batches and prepare."),
     superlink: Optional[str] = typer.Option(None, "--superlink", help="HOST:PORT of an existing SuperLink (external mode)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Embedded SuperLink: interface to listen on (0.0.0.0 for other boxes)."),
     port: int = typer.Option(9092, "--port", min=0, max=65535, help="Embedded SuperLink port (0 = a free one)."),

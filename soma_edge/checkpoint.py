@@ -30,6 +30,13 @@ def sha256_file(path: str | Path) -> str:
 
 def atomic_write(path: str | Path, data: bytes) -> None:
     path = Path(path)
+    try:
+        _atomic_write(path, data)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,12 +145,25 @@ def _check(ok: bool, path: str, rule: str, value: Any) -> None:
         raise ConfigError(f"{path} must be {rule}, got {value!r}")
 
 
+MAX_SEED = 2**32 - 1  # the SPSA noise key holds the seed in 32 bits
+
+
+def _check_finite(obj: Any, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{f.name}.")
+        elif isinstance(value, float):
+            _check(math.isfinite(value), f"{prefix}{f.name}", "a finite number", value)
+
+
 def validate(cfg: Config) -> Config:
+    _check_finite(cfg, "")
     m, s, d = cfg.model, cfg.spsa, cfg.data
     _check(m.embed >= 1, "model.embed", ">= 1", m.embed)
     _check(m.hidden >= 1, "model.hidden", ">= 1", m.hidden)
     _check(1 <= m.layers <= 8, "model.layers", "between 1 and 8", m.layers)
-    _check(s.directions >= 1, "spsa.directions", ">= 1", s.directions)
+    _check(1 <= s.directions <= 65536, "spsa.directions", "between 1 and 65536", s.directions)
     _check(s.eps > 0 and s.eps < 1, "spsa.eps", "> 0 and < 1", s.eps)
     _check(0 < s.eps_min <= 1, "spsa.eps_min", "> 0 and <= 1", s.eps_min)
     _check(s.lr > 0 and s.lr < 10, "spsa.lr", "> 0 and < 10", s.lr)
@@ -174,7 +188,7 @@ def validate(cfg: Config) -> Config:
     _check(f.val_windows >= 1, "federation.val_windows", ">= 1", f.val_windows)
     _check(bool(f.corpus), "federation.corpus", "a corpus name or path", f.corpus)
     _check(f.max_steps >= 0, "federation.max_steps", ">= 0", f.max_steps)
-    _check(cfg.seed >= 0, "seed", ">= 0", cfg.seed)
+    _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
     _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
     from soma_edge.runtime import parse_device  # lazy: config must load without onnxruntime imported

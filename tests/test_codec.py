@@ -57,3 +57,13 @@ def test_checkpoint_detects_corruption(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read"):
         checkpoint.load(tmp_path / "missing", "expert")
     assert [f.name for f in tmp_path.iterdir()] == ["e.msgpack"]  # no temp files left behind
+
+
+def test_unwritable_path_is_a_checkpoint_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="cannot write"):
+        checkpoint.atomic_write(blocker / "sub" / "x.bin", b"data")
+    with pytest.raises(CheckpointError, match="cannot write"):
+        checkpoint.atomic_write(tmp_path, b"data")  # a folder where the file should go
+    assert blocker.read_bytes() == b"x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]

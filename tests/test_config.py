@@ -30,6 +30,10 @@ def _worker(tmp_path, toml: str, *extra: str):
         ("[spsa]\nwhat = 1\n", "spsa.what"),
         ('[spsa]\nlr = "fast"\n', "spsa.lr"),
         ("[spsa\n", "invalid TOML"),
+        ("seed = 4294967296\n", "seed"),
+        ("[spsa]\nlr = inf\n", "spsa.lr"),
+        ("[federation]\nround_seconds = inf\n", "federation.round_seconds"),
+        ("[spsa]\neps = nan\n", "spsa.eps"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, field):
@@ -39,6 +43,16 @@ def test_bad_config_is_one_line_exit_2(tmp_path, toml, field):
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert field in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_out_that_is_a_folder_fails_before_training(tmp_path):
+    r = _worker(tmp_path, "", "--out", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.startswith("error: --out") and "Traceback" not in r.stderr
+
+
+def test_seed_flag_out_of_range(tmp_path):
+    r = _worker(tmp_path, "", "--seed", str(2**32))
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
 
 
 def test_unknown_device_flag(tmp_path):

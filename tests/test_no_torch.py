@@ -15,7 +15,7 @@ def test_worker_training_path_without_torch():
         from soma_edge.config import Config, DataConfig, ModelConfig
         from soma_edge.runtime import LossEvaluator
         from soma_edge.spsa import State
-        import worker.trainer, worker.cli
+        import worker.trainer, worker.cli, worker.client_app, worker.cache, worker.probe
         cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=2, seq_len=16), device="cpu")
         data = np.frombuffer(b"hello forward-only world " * 50, dtype=np.uint8)
         state = State(params.init(cfg.model, 0))
@@ -23,6 +23,7 @@ def test_worker_training_path_without_torch():
         rep = worker.trainer.train(state, data, cfg, LossEvaluator(cfg.model, "cpu", 1), steps=3)
         assert rep.steps == 3 and state.step == 3 and rep.forward_evals == 3 * 2 * cfg.spsa.directions
         assert not np.array_equal(state.weights, w0)
+        assert worker.client_app.torch_importable() is False
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -33,3 +34,26 @@ def test_worker_training_path_without_torch():
     assert r.returncode == 0, r.stderr
     assert "torch-blocked-ok" in r.stdout
     assert "torch" not in r.stderr
+
+
+def test_worker_path_never_loads_torch_even_when_installed():
+    """Without the block, the worker's modules and a training step still leave torch unloaded."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        from soma_edge import params
+        from soma_edge.config import Config, DataConfig, ModelConfig
+        from soma_edge.runtime import LossEvaluator
+        from soma_edge.spsa import State
+        import worker.trainer, worker.cli, worker.client_app, worker.cache, worker.probe
+        cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=2, seq_len=16), device="cpu")
+        data = np.frombuffer(b"no autograd here " * 50, dtype=np.uint8)
+        worker.trainer.train(State(params.init(cfg.model, 0)), data, cfg, LossEvaluator(cfg.model, "cpu", 1), steps=2)
+        worker.client_app.torch_importable()
+        print("loaded" if "torch" in sys.modules else "not-loaded")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "not-loaded"

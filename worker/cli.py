@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import typer
 
 from soma_edge import checkpoint, corpus, params
 from soma_edge import config as config_mod
 from soma_edge.cli import entry, make_app
+from soma_edge.config import MAX_SEED
+from soma_edge.errors import CheckpointError, ConfigError
+from soma_edge.protocol import weights_sha256
 from soma_edge.runtime import LossEvaluator, mean_loss
 from soma_edge.spsa import State
 from worker.trainer import train as train_loop
@@ -29,7 +31,7 @@ def _root() -> None:
 def train_cmd(
     config: Optional[Path] = typer.Option(None, help="TOML config ([model], [spsa], [data], seed, device, threads)."),
     steps: int = typer.Option(200, min=1, help="SPSA steps to run."),
-    seed: Optional[int] = typer.Option(None, help="Override the config's seed."),
+    seed: Optional[int] = typer.Option(None, min=0, max=MAX_SEED, help="Override the config's seed."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:i] | an ORT execution provider."),
     threads: Optional[int] = typer.Option(None, help="ORT intra-op threads (0 = ORT decides)."),
     out: Optional[Path] = typer.Option(None, help="Write the trained weights here (checksummed msgpack)."),
@@ -45,6 +47,8 @@ def train_cmd(
     if threads is not None:
         cfg.threads = threads
     config_mod.validate(cfg)
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise CheckpointError(f"--out {out}: must be a file path in an existing folder")
 
     splits = corpus.by_split(corpus.default_documents())
     train_data, test_data = corpus.to_stream(splits["train"]), corpus.to_stream(splits["test"])
@@ -66,7 +70,7 @@ def train_cmd(
         "test_nats_per_byte_before": before,
         "test_nats_per_byte_after": after,
         "unigram_nats_per_byte": corpus.unigram_entropy(train_data, test_data),
-        "weights_sha256": _sha256(state.weights),
+        "weights_sha256": weights_sha256(state.weights),
     }
     if as_json:
         print(json.dumps(summary))
@@ -114,7 +118,10 @@ def join_cmd(
     for what, v in (("--name", name), ("--cache", str(cache)), ("--device", device)):
         if "'" in v or "\\" in v:
             raise ConfigError(f"{what} {v!r}: must not contain quotes or backslashes")
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--cache {cache}: cannot create ({e.strerror or e})") from None
     if port == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -153,12 +160,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def _sha256(a: np.ndarray) -> str:
-    import hashlib
-
-    return hashlib.sha256(a.tobytes()).hexdigest()
 
 
 main = entry(app, "soma-worker")

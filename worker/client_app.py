@@ -17,7 +17,7 @@ import sys
 if os.environ.get("SOMA_BLOCK_TORCH") == "1" and "torch" not in sys.modules:
     sys.modules["torch"] = None  # type: ignore[assignment]  # any `import torch` now raises ImportError
 
-import importlib  # noqa: E402
+import importlib.util  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -72,11 +72,8 @@ def settings(node_config: dict[str, Any]) -> Settings:
 
 
 def torch_importable() -> bool:
-    try:
-        importlib.import_module("torch")
-        return True
-    except ImportError:
-        return False
+    """Could this process import torch? Asked without importing it (find_spec is None when blocked)."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def _reply(msg: Message, body: dict[str, Any], kind: str) -> Message:
