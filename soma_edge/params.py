@@ -33,9 +33,6 @@ class Layout:
             for n, s, o in zip(self.names, self.shapes, self.offsets)
         }
 
-    def shape_of(self, name: str) -> tuple[int, ...]:
-        return self.shapes[self.names.index(name)]
-
 
 def layout(m: ModelConfig) -> Layout:
     E, H = m.embed, m.hidden
