@@ -9,10 +9,8 @@ to RUN/logs/<name>.log.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,10 +22,10 @@ from pathlib import Path
 import tomli_w
 
 from soma_edge.errors import SomaError
+from soma_edge.procs import die_with_parent, flower_bin, flower_env
 
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
 CONNECTION = "soma"
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -52,36 +50,6 @@ class TLS:
                 raise SomaError(f"--ssl-{k} {v}: no such file")
 
 
-def flower_bin(name: str) -> str:
-    """A Flower executable from this interpreter's environment (so a venv's Flower wins over PATH)."""
-    here = Path(sys.executable).parent / name
-    if here.exists():
-        return str(here)
-    found = shutil.which(name)
-    if not found:
-        raise SomaError(f"`{name}` not found: install soma-edge (it depends on flwr) into this environment")
-    return found
-
-
-def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        FLWR_HOME=str(flwr_home),
-        FLWR_TELEMETRY_ENABLED="0",
-        FLWR_DISABLE_UPDATE_CHECK="1",
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",  # flwr-serverapp/-clientapp
-        PYTHONUNBUFFERED="1",
-        **extra,
-    )
-    return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def port_open(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):
@@ -99,13 +67,6 @@ def wait_port(host: str, port: int, timeout: float, proc: "Proc | None" = None) 
             raise SomaError(f"{proc.name} exited with code {proc.popen.returncode}; see {proc.log}")
         time.sleep(0.2)
     raise SomaError(f"nothing listens on {host}:{port} after {timeout:.0f} s" + (f"; see {proc.log}" if proc else ""))
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: children outlive a kill -9 of the parent, but Ctrl-C still stops them
 
 
 @dataclass
@@ -146,7 +107,7 @@ def spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path |
     f.flush()
     try:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                             start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+                             start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
     finally:
         f.close()
     return Proc(name=name, popen=p, log=log)

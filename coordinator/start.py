@@ -21,6 +21,7 @@ from soma_edge import checkpoint
 from soma_edge import config as config_mod
 from soma_edge.config import Config
 from soma_edge.errors import ConfigError, SomaError
+from soma_edge.procs import free_port
 from coordinator import launcher
 from coordinator.progress import Follower
 from coordinator.run import RunDir, RunLockedError
@@ -137,7 +138,7 @@ def start(opts: Options) -> int:
                 if launcher.stop_run(run.flwr_home, leftover["run_id"]):
                     print(f"stopped the leftover Flower run {leftover['run_id']}", flush=True)
         else:
-            port = opts.port or launcher.free_port()
+            port = opts.port or free_port()
             procs.superlink(opts.host, port, opts.tls)
             address = f"127.0.0.1:{port}" if opts.host in ("0.0.0.0", "", "127.0.0.1") else f"{opts.host}:{port}"
             where = f"{opts.host}:{port}" + ("" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +13,7 @@ from soma_edge import config as config_mod
 from soma_edge.cli import entry, make_app
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError
+from soma_edge.procs import die_with_parent, flower_bin, flower_env, free_port
 from soma_edge.protocol import weights_sha256
 from soma_edge.runtime import LossEvaluator, mean_loss
 from soma_edge.spsa import State
@@ -96,12 +96,10 @@ def join_cmd(
     probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
 ) -> None:
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until stopped."""
-    import os
     import signal
     import socket
     import subprocess
 
-    from soma_edge.errors import ConfigError
     from soma_edge.runtime import parse_device
 
     host, sep, port_s = coordinator.rpartition(":")
@@ -123,21 +121,16 @@ def join_cmd(
     except OSError as e:
         raise ConfigError(f"--cache {cache}: cannot create ({e.strerror or e})") from None
     if port == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
     node_config = (f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
                    f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}")  # fmt: skip
-    exe = Path(sys.executable).parent / "flower-supernode"
-    cmd = [str(exe) if exe.exists() else "flower-supernode", "--superlink", coordinator, "--port", str(port),
+    cmd = [flower_bin("flower-supernode"), "--superlink", coordinator, "--port", str(port),
            "--node-config", node_config]  # fmt: skip
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
-    env = dict(os.environ, FLWR_HOME=str(cache / "flwr"), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
-               SOMA_BLOCK_TORCH="1", PYTHONUNBUFFERED="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # fmt: skip
+    env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
     print(f"soma-worker {name}: joining {coordinator} (device {device}, threads {threads}, cache {cache})", flush=True)
     try:
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
     except OSError as e:
         raise ConfigError(f"cannot start flower-supernode ({e.strerror}): is flwr installed in this environment?") from None
 
@@ -149,17 +142,6 @@ def join_cmd(
     signal.signal(signal.SIGINT, forward)
     code = proc.wait()
     raise typer.Exit(0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code)
-
-
-def _die_with_parent() -> None:
-    # The SuperNode must not outlive this process, even when it is killed with SIGKILL (Linux only).
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 main = entry(app, "soma-worker")

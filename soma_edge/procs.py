@@ -1,0 +1,58 @@
+"""Starting Flower's processes: executables, environment, free ports, and lifetime.
+
+Both roles launch Flower binaries (the coordinator a SuperLink and local workers, the worker a
+SuperNode); they share these so both get the same environment and the same no-orphans guarantee.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from soma_edge.errors import SomaError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def flower_bin(name: str) -> str:
+    """A Flower executable from this interpreter's environment (so a venv's Flower wins over PATH)."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        raise SomaError(f"`{name}` not found: install soma-edge (it depends on flwr) into this environment")
+    return found
+
+
+def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
+    """Our environment for a Flower process: its own FLWR_HOME, no telemetry, no update checks."""
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(flwr_home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",  # flwr-serverapp/-clientapp
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies, even by SIGKILL (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: children outlive a kill -9 of the parent, but Ctrl-C still stops them
