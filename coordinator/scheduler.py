@@ -20,6 +20,9 @@ import math
 from dataclasses import dataclass
 
 HEADROOM = 1.5  # step budget over the predicted steps; the worker's time budget is what normally stops it
+# Rates are claims by workers: bound them, so that no claim takes every expert with steps too large to encode.
+MAX_RATE = 1e7  # forward evaluations/s; orders of magnitude above any device on our model shapes
+MAX_STEPS = 2**31 - 1  # per expert per round
 
 
 @dataclass
@@ -59,9 +62,15 @@ def assign(experts: list[int], rates: dict[int, float], previous: dict[int, int]
     return out
 
 
+def clamp_rate(rate: float) -> float:
+    """A claimed or observed rate within (0, MAX_RATE] (callers have checked it is finite and positive)."""
+    return min(float(rate), MAX_RATE)
+
+
 def steps_for(rate: float, count: int, round_seconds: float, directions: int) -> int:
     """SPSA steps per expert so that `count` experts fill `round_seconds` on a node of `rate` evals/s."""
-    return max(1, math.floor(round_seconds * rate / (2 * directions * max(count, 1))))
+    steps = round_seconds * clamp_rate(rate) / (2 * directions * max(count, 1))
+    return max(1, min(MAX_STEPS, math.floor(steps)))
 
 
 def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], round_seconds: float,
@@ -73,7 +82,7 @@ def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], 
     predicted = {e: steps_for(rates[n], counts[n], round_seconds, directions) for e, n in assignment.items()}
     span = max((sum(predicted[e] for e, m in assignment.items() if m == n) * 2 * directions / rates[n]
                 for n in counts), default=0.0)  # fmt: skip
-    steps = {e: math.ceil(HEADROOM * s) for e, s in predicted.items()}
+    steps = {e: min(MAX_STEPS, math.ceil(HEADROOM * s)) for e, s in predicted.items()}
     moved = sorted(e for e, n in assignment.items() if previous.get(e) != n)
     return Plan(assignment=assignment, steps=steps, makespan=span, moved=moved)
 
@@ -82,4 +91,5 @@ def update_rate(old: float, observed: float, weight: float = 0.5) -> float:
     """Blend a node's rate with what it just achieved under real load (other workers on its box, etc.)."""
     if observed <= 0 or not math.isfinite(observed):
         return old
-    return observed if old <= 0 else (1 - weight) * old + weight * observed
+    observed = clamp_rate(observed)
+    return observed if old <= 0 else clamp_rate((1 - weight) * old + weight * observed)

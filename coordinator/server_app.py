@@ -213,10 +213,8 @@ class Coordinator:
             if reply.metadata.src_node_id != o.node:
                 raise ValidationError(f"capabilities for node {o.node} came from node {reply.metadata.src_node_id}")
             caps = protocol.unpack(reply.content, protocol.KIND_CAPS, protocol.SMALL_BYTES)
-            rate = float(caps["evals_per_s"])
-            if not np.isfinite(rate) or rate <= 0:
-                raise ValidationError(f"throughput {rate!r} is not a positive number")
-        except (CodecError, ValidationError, KeyError, TypeError, ValueError) as e:
+            rate = scheduler.clamp_rate(protocol.check_caps(caps))
+        except (CodecError, ValidationError) as e:
             log.warning("node %s: bad capability reply (%s); excluded", o.node, e)
             node.status = "excluded"
             return
@@ -383,6 +381,7 @@ class Coordinator:
         seen, evals, secs = set(), 0, 0.0
         for res in body["results"]:
             e = res.get("expert") if isinstance(res, dict) else None
+            e = e if isinstance(e, int) and not isinstance(e, bool) else None  # anything else is only logged
             try:
                 if e in seen:
                     raise ValidationError(f"expert {e} appears twice in one reply")
@@ -392,8 +391,8 @@ class Coordinator:
                 continue
             seen.add(e)
             self._accept(ctx, node, res, w, o.per_expert.get(e, {}), body)
-            evals += int(res.get("forward_evals", 0))
-            secs += float(res.get("seconds", 0.0))
+            evals += res["forward_evals"]
+            secs += float(res["seconds"])
         if secs > 0:
             node.rate = scheduler.update_rate(node.rate, evals / secs)
         ctx.compute[node.name] = ctx.compute.get(node.name, 0.0) + secs
@@ -448,16 +447,15 @@ class Coordinator:
         ctx.accepted[e] = {
             "type": "expert", "round": ctx.r, "expert": e, "accepted": True, "version": res["version"],
             "sha256": res["sha256"], "node": node.name, "node_id": node.id, "train_loss": float(res["train_loss"]),
-            "val_loss": val, "steps": res["steps"], "forward_evals": int(res.get("forward_evals", 0)),
-            "seconds": float(res.get("seconds", 0.0)),
-            "steps_per_s": res["steps"] / res["seconds"] if res.get("seconds") else None,
+            "val_loss": val, "steps": res["steps"], "forward_evals": res["forward_evals"],
+            "seconds": float(res["seconds"]), "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
             "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
             "weights_bytes_up": int(w.nbytes), "torch_importable": reply.get("torch_importable"),
         }  # fmt: skip
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
         log.info("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
-                 ctx.r, e, res["version"], node.name, res["train_loss"], val, res["steps"], res.get("seconds", 0))  # fmt: skip
+                 ctx.r, e, res["version"], node.name, res["train_loss"], val, res["steps"], res["seconds"])  # fmt: skip
         self._status("round", round=ctx.r)
 
     def _train_shards(self, e: int) -> list[str]:

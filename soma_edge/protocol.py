@@ -10,7 +10,8 @@ unpickled. Two exchanges exist:
   Result per task, or what the worker was missing).
 
 The coordinator trusts nothing in a reply: `check_result` verifies node, expert, base version hash,
-shape, dtype, finiteness, loss and the claimed sha256 before a version is accepted.
+shape, dtype, finiteness, loss, counters and the claimed sha256 before a version is accepted;
+`check_reply_header` and `check_caps` type-check every other field it records or acts on.
 """
 
 from __future__ import annotations
@@ -128,8 +129,33 @@ class Expected:
         return len(self.tasks) * per + SMALL_BYTES
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_sha256(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _check_hash_lists(value: Any, what: str) -> None:
+    """`value` is None or a map of "weights"/"shards" to lists of sha256 hex digests (inventories, misses)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValidationError(f"{what} is not a map")
+    for key in ("weights", "shards"):
+        items = value.get(key)
+        if items is not None and (not isinstance(items, list) or not all(_is_sha256(h) for h in items)):
+            raise ValidationError(f"{what}.{key} is not a list of sha256 hex digests")
+
+
 def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> None:
-    """The parts of a reply that concern the whole message: whose it is and which round."""
+    """The parts of a reply that concern the whole message: whose it is, which round, and the fields the
+    coordinator records or acts on (torch_importable, missing, errors), so that none of them can crash it."""
     if src_node != exp.node or body.get("node") != exp.node:
         raise ValidationError(
             f"reply for node {exp.node} came from node {src_node} claiming node {body.get('node')!r}"
@@ -138,6 +164,30 @@ def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> No
         raise ValidationError(f"reply is for round {body.get('round')!r}, expected round {exp.round}")
     if not isinstance(body.get("results"), list):
         raise ValidationError("reply has no results list")
+    if body.get("torch_importable") not in (True, False, None):
+        raise ValidationError(f"torch_importable is {type(body.get('torch_importable')).__name__}, not a bool")
+    _check_hash_lists(body.get("missing"), "missing")
+    errors = body.get("errors")
+    if errors is not None and (not isinstance(errors, list) or not all(isinstance(x, str) for x in errors)):
+        raise ValidationError("errors is not a list of strings")
+
+
+def check_caps(caps: dict[str, Any]) -> float:
+    """Validate a capability reply (the fields the coordinator uses); returns its throughput in forward
+    evaluations/s, or raises ValidationError. The caller still clamps the rate (a huge claim is legal here)."""
+    rate = caps.get("evals_per_s")
+    if not _is_number(rate) or rate <= 0:
+        raise ValidationError(f"throughput {rate!r} is not a positive number")
+    for key in ("name", "soma_version"):
+        if caps.get(key) is not None and not isinstance(caps[key], str):
+            raise ValidationError(f"{key} is {type(caps[key]).__name__}, not a string")
+    providers = caps.get("providers")
+    if providers is not None and (not isinstance(providers, list) or not all(isinstance(x, str) for x in providers)):
+        raise ValidationError("providers is not a list of strings")
+    if caps.get("torch_importable") not in (True, False, None):
+        raise ValidationError(f"torch_importable is {type(caps.get('torch_importable')).__name__}, not a bool")
+    _check_hash_lists(caps.get("cache"), "cache")
+    return float(rate)
 
 
 def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.ndarray:
@@ -147,7 +197,7 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.nda
     if not isinstance(res, dict):
         raise ValidationError("result is not a map")
     e = res.get("expert")
-    if not isinstance(e, int) or isinstance(e, bool):
+    if not _is_int(e):
         raise ValidationError(f"result names no expert ({e!r})")
     if e not in current_sha:
         raise ValidationError(f"unknown expert {e}")
@@ -158,12 +208,12 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.nda
         raise ValidationError(
             f"expert {e}: stale base version {str(res.get('base_sha256'))[:12]}, current is {current_sha[e][:12]}"
         )
-    if res.get("version") != sent["version"] + 1:
+    if not _is_int(res.get("version")) or res["version"] != sent["version"] + 1:
         raise ValidationError(f"expert {e}: version {res.get('version')!r}, expected {sent['version'] + 1}")
     steps = res.get("steps")
-    if not isinstance(steps, int) or not 1 <= steps <= sent["steps"]:
+    if not _is_int(steps) or not 1 <= steps <= sent["steps"]:
         raise ValidationError(f"expert {e}: ran {steps!r} steps, asked for 1..{sent['steps']}")
-    if res.get("step") != sent["step"] + steps:
+    if not _is_int(res.get("step")) or res["step"] != sent["step"] + steps:
         raise ValidationError(f"expert {e}: step counter {res.get('step')!r}, expected {sent['step'] + steps}")
     w = res.get("weights")
     if not isinstance(w, np.ndarray):
@@ -181,6 +231,11 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.nda
     loss = res.get("train_loss")
     if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
         raise ValidationError(f"expert {e}: train loss {loss!r} is not finite")
+    evals, seconds = res.get("forward_evals"), res.get("seconds")
+    if not _is_int(evals) or evals < 0:
+        raise ValidationError(f"expert {e}: forward_evals {evals!r} is not a count")
+    if not _is_number(seconds) or seconds < 0:
+        raise ValidationError(f"expert {e}: seconds {seconds!r} is not a finite duration")
     if res.get("sha256") != weights_sha256(w):
         raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
     return w

@@ -209,8 +209,20 @@ def _tamper_all(kind):
                 res["train_loss"] = float("inf")
             elif kind == "hash":
                 res["sha256"] = "f" * 64
+            elif kind == "expert_list":  # unhashable: must not reach `e in seen`
+                res["expert"] = [res["expert"]]
+            elif kind == "seconds_str":
+                res["seconds"] = "x"
+            elif kind == "evals_negative":
+                res["forward_evals"] = -1
         if kind == "wrong_node":
             body["node"] = nid + 1
+        elif kind == "torch_bytes":  # would make json.dumps of status.json / metrics.jsonl raise
+            body["torch_importable"] = b"yes"
+        elif kind == "missing_type":
+            body["missing"] = {"weights": 5}
+        elif kind == "errors_type":
+            body["errors"] = [1]
         return body
 
     return fn
@@ -219,6 +231,8 @@ def _tamper_all(kind):
 REASONS = {
     "shape": "shape", "nan": "NaN", "stale": "stale base version", "unknown_expert": "unknown expert 99",
     "dtype": "expected float32", "loss": "not finite", "hash": "sha256", "wrong_node": "claiming node",
+    "expert_list": "names no expert", "seconds_str": "not a finite duration", "evals_negative": "not a count",
+    "torch_bytes": "torch_importable", "missing_type": "missing.weights", "errors_type": "errors is not a list",
 }  # fmt: skip
 
 
@@ -323,6 +337,45 @@ def test_version_mismatch_excludes_node(run, tmp_path, monkeypatch, caplog):
     assert {x["node"] for x in run.read_metrics() if x["type"] == "expert"} == {"a"}
 
 
+CAPS_TAMPER = {  # node name -> (field, value) of a bad capability reply, and what the log must say
+    "b": ("cache", [1], "cache is not a map"),
+    "c": ("providers", 5, "providers is not a list"),
+    "d": ("evals_per_s", "fast", "throughput 'fast'"),
+    "e": ("torch_importable", b"x", "torch_importable"),
+}
+
+
+def test_bad_capability_replies_exclude_the_node_and_huge_rates_are_clamped(run, tmp_path, monkeypatch, caplog):
+    """A hostile capability reply excludes its node (the run goes on); a claimed 1e300 evals/s is bounded."""
+    _set(run, rounds=1, min_nodes=1)
+    names = ["a", *CAPS_TAMPER, "f"]
+    grid = FakeGrid(tmp_path / "nodes", names)
+    real = client_app.capabilities
+
+    def tampered(msg, context):
+        reply = real(msg, context)
+        name = names[context.node_id - 1000]
+        body = protocol.unpack(reply.content, protocol.KIND_CAPS)
+        if name in CAPS_TAMPER:
+            body[CAPS_TAMPER[name][0]] = CAPS_TAMPER[name][1]
+        elif name == "f":
+            body["evals_per_s"] = 1e300
+        return Message(protocol.pack(body, protocol.KIND_CAPS), reply_to=msg)
+
+    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", tampered)
+    with caplog.at_level(logging.WARNING, logger="soma.coord"):
+        state = Coordinator(grid, run).main()
+    assert state["round"] == 1
+    for name, (_, _, reason) in CAPS_TAMPER.items():
+        assert f"node {1000 + names.index(name)}: bad capability reply ({reason}" in caplog.text
+    nodes = run.read_status()["nodes"]
+    assert sorted(int(nid) for nid, n in nodes.items() if n["status"] == "excluded") == [1001, 1002, 1003, 1004]
+    assert all(0 < n["rate"] <= scheduler.MAX_RATE for n in nodes.values() if n["status"] == "active")
+    sent = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN]
+    assert sent and all(t["steps"] <= scheduler.MAX_STEPS for b in sent for t in b["tasks"])
+    assert {x["node"] for x in run.read_metrics() if x["type"] == "expert"} <= {"a", "f"}
+
+
 def test_torch_blocked_in_worker_reply(run, tmp_path):
     """The ClientApp reports torch importability in every reply (here torch is importable: the flag is live)."""
     _set(run, rounds=1)
@@ -362,8 +415,13 @@ def test_check_result_accepts_a_good_result_and_float16():
     exp = protocol.Expected(node=5, round=1, tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3}},
                             size=10, reply_dtype="float16")  # fmt: skip
     res = {"expert": 0, "base_sha256": "a" * 64, "version": 1, "step": 3, "steps": 3, "weights": w,
-           "momentum": None, "train_loss": 1.0, "sha256": protocol.weights_sha256(w)}  # fmt: skip
+           "momentum": None, "train_loss": 1.0, "sha256": protocol.weights_sha256(w), "forward_evals": 12,
+           "seconds": 0.5}  # fmt: skip
     assert protocol.check_result(res, exp, {0: "a" * 64}) is w
+    for key, bad in [("forward_evals", True), ("forward_evals", 1.5), ("seconds", float("nan")), ("seconds", -1.0),
+                     ("seconds", None), ("steps", True), ("version", True), ("expert", [0])]:  # fmt: skip
+        with pytest.raises(ValidationError):
+            protocol.check_result({**res, key: bad}, exp, {0: "a" * 64})
     with pytest.raises(ValidationError, match="step counter"):
         protocol.check_result({**res, "step": 4}, exp, {0: "a" * 64})
     with pytest.raises(ValidationError, match="steps"):
@@ -388,6 +446,19 @@ def test_scheduler_quotas_follow_throughput_and_stay_sticky():
     p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 100.0, 3: 400.0}, {e: 1 for e in range(4)}, 10.0, 8)
     assert sorted(p.assignment.values()).count(3) >= 2 and all(p.assignment[e] in (1, 3) for e in range(4))
     assert p.makespan <= 10.0 + 1e-9
+
+
+def test_scheduler_bounds_claimed_rates_and_steps():
+    """A node claiming 1e300 evals/s gets a bounded rate and step counts that msgpack can encode."""
+    from soma_edge import codec
+
+    assert scheduler.clamp_rate(1e300) == scheduler.MAX_RATE and scheduler.clamp_rate(5.0) == 5.0
+    assert scheduler.update_rate(100.0, 1e300) <= scheduler.MAX_RATE
+    assert scheduler.update_rate(0.0, 1e300) == scheduler.MAX_RATE
+    assert scheduler.steps_for(1e300, 1, 1e6, 1) == scheduler.MAX_STEPS
+    p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 1e300}, {}, 10.0, 8)
+    assert all(1 <= s <= scheduler.MAX_STEPS for s in p.steps.values()) and math.isfinite(p.makespan)
+    codec.encode({"steps": max(p.steps.values())}, "train_request")
 
 
 # --- worker cache --------------------------------------------------------------------------------------
