@@ -487,6 +487,42 @@ def test_cache_verifies_prunes_and_evicts(tmp_path):
     assert set(dropped) == set(shas[2:]) and c.weights() == [protocol.weights_sha256(big)]
 
 
+def test_cache_prunes_per_run_so_an_old_run_cannot_evict_a_new_one(tmp_path):
+    """One join cache serves every run: v48..v50 of expert 0 from an old run must not prune v0 of a new one."""
+    c = Cache(tmp_path / "c", keep_versions=3)
+
+    def put(run_id, v):
+        w = np.full(10, v, dtype=np.float32) + (0.5 if run_id == "new" else 0.0)
+        sha = protocol.weights_sha256(w)
+        c.put_weights(sha, expert=0, version=v, step=v, weights=w, momentum=None, run_id=run_id)
+        return sha
+
+    old = [put("old", v) for v in (48, 49, 50)]
+    v0 = put("new", 0)
+    assert c.get_weights(v0) is not None and set(old) <= set(c.weights())
+    new = [v0] + [put("new", v) for v in (1, 2, 3)]
+    assert set(c.weights()) == set(old) | set(new[1:])  # each run keeps its own newest 3
+
+
+def test_cache_evict_tolerates_files_vanishing(tmp_path, monkeypatch):
+    """A file unlinked by another worker between listing and stat is skipped, not an error."""
+    c = Cache(tmp_path / "c", max_bytes=0)
+    data = b"x" * 100
+    sha = hashlib.sha256(data).hexdigest()
+    c.put_shard(sha, data)
+    gone = tmp_path / "c" / "shards" / f"{sha}.bin"
+    real_stat = Path.stat
+
+    def stat(self, *a, **k):
+        if self == gone:
+            raise FileNotFoundError(self)
+        return real_stat(self, *a, **k)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    monkeypatch.setattr(Path, "exists", lambda self, *a, **k: True)
+    assert c.evict() == []
+
+
 # --- CLI contract (no Flower processes) ----------------------------------------------------------------
 
 

@@ -5,8 +5,9 @@ rounds. With this cache an unchanged assignment costs no transfer: the coordinat
 hashes and the base version hash, and the worker finds both here. Entries are content-addressed and
 verified on read; a corrupt entry is dropped and reported missing rather than trained on.
 
-Bounded two ways: at most `keep_versions` weight versions per expert (oldest by version pruned), and at
-most `max_bytes` in all (least recently used dropped first). All writes are atomic, so two workers
+Bounded two ways: at most `keep_versions` weight versions per expert of each run (oldest by version
+pruned; version numbers of different runs are unrelated, and one cache folder serves every run a worker
+joins), and at most `max_bytes` in all (least recently used dropped first). All writes are atomic, so two workers
 sharing one cache folder cannot see half a file.
 """
 
@@ -74,16 +75,17 @@ class Cache:
         return self.root / "weights" / f"{sha}.msgpack"
 
     def put_weights(self, sha: str, *, expert: int, version: int, step: int, weights: np.ndarray,
-                    momentum: np.ndarray | None) -> None:  # fmt: skip
+                    momentum: np.ndarray | None, run_id: str | None = None) -> None:  # fmt: skip
         if weights_sha256(weights) != sha:
             raise CheckpointError(f"weights {sha[:12]}: the array does not hash to its name")
         body = {"expert": expert, "version": version, "step": step, "sha256": sha, "weights": weights,
                 "momentum": momentum}  # fmt: skip
         path = self._weights_path(sha)
-        # The side index (expert, version) is written first, so the newest version always counts in pruning.
-        checkpoint.atomic_write(path.with_suffix(".json"), json.dumps({"expert": expert, "version": version}).encode())
+        # The side index (run, expert, version) is written first, so the newest version always counts in pruning.
+        meta = {"run_id": run_id, "expert": expert, "version": version}
+        checkpoint.atomic_write(path.with_suffix(".json"), json.dumps(meta).encode())
         checkpoint.save(path, body, KIND)
-        self._prune_versions(expert)
+        self._prune_versions(run_id, expert)
 
     def get_weights(self, sha: str) -> dict[str, Any] | None:
         path = self._weights_path(sha)
@@ -104,20 +106,21 @@ class Cache:
     def weights(self) -> list[str]:
         return sorted(p.stem for p in (self.root / "weights").glob("*.msgpack"))
 
-    def _index(self) -> list[tuple[int, int, Path]]:
-        """(expert, version, path) of every cached version, read from a small side index per file."""
+    def _index(self) -> list[tuple[str | None, int, int, Path]]:
+        """(run_id, expert, version, path) of every cached version, read from a small side index per file
+        (run_id None for entries written without one)."""
         out = []
         for p in (self.root / "weights").glob("*.msgpack"):
             meta = p.with_suffix(".json")
             try:
                 m = json.loads(meta.read_text())
-                out.append((int(m["expert"]), int(m["version"]), p))
-            except (OSError, ValueError, KeyError, TypeError):
+                out.append((m.get("run_id"), int(m["expert"]), int(m["version"]), p))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
         return out
 
-    def _prune_versions(self, expert: int) -> None:
-        mine = sorted((v, p) for e, v, p in self._index() if e == expert)
+    def _prune_versions(self, run_id: str | None, expert: int) -> None:
+        mine = sorted((v, p) for r, e, v, p in self._index() if r == run_id and e == expert)
         for _, p in mine[: max(0, len(mine) - self.keep_versions)]:
             p.unlink(missing_ok=True)
             p.with_suffix(".json").unlink(missing_ok=True)
@@ -128,7 +131,13 @@ class Cache:
         """Drop least recently used entries until the cache fits `max_bytes`; never those in `protect`."""
         files = [p for sub in ("shards", "weights") for p in (self.root / sub).iterdir()
                  if p.suffix in (".bin", ".msgpack")]  # fmt: skip
-        stats = [(p.stat().st_mtime, p.stat().st_size, p) for p in files if p.exists()]
+        stats = []
+        for p in files:
+            try:  # one stat: another worker sharing this folder may unlink the file at any moment
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            stats.append((st.st_mtime, st.st_size, p))
         total = sum(s for _, s, _ in stats)
         dropped = []
         for _, size, p in sorted(stats, key=lambda t: t[0]):
