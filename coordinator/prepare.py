@@ -30,6 +30,7 @@ from soma_edge import corpus as corpus_mod
 from soma_edge import router as router_mod
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, CorpusError
+from coordinator.run import RunDir
 
 SCHEMA = 1
 UNLABELLED = "(unlabelled)"
@@ -78,6 +79,17 @@ def _check_out(out: Path) -> None:
         raise ConfigError(f"--out {out}: cannot create it ({base} is not a writable directory)")
 
 
+def _check_untrained(out: Path) -> None:
+    """Refuse a run directory with trained experts or a live coordinator: a new router and shards would
+    silently change what those experts are trained and evaluated on."""
+    run = RunDir(out)
+    if run.is_locked():
+        raise ConfigError(f"--out {out}: a coordinator is running on it (pid {run.lock_holder()}); stop it, or "
+                          "prepare into a new directory")  # fmt: skip
+    if run.state_path.exists():
+        raise ConfigError(f"--out {out}: has trained experts ({run.state_path.name}); prepare into a new directory")
+
+
 def _make_tmp(out: Path) -> Path:
     """An empty directory beside `out` (same filesystem, so the final rename is atomic)."""
     try:
@@ -113,6 +125,7 @@ def prepare(
     if clusters is not None and clusters < experts:
         raise ConfigError(f"--clusters ({clusters}) must be >= --experts ({experts}): every expert needs a cluster")
     _check_out(out)
+    _check_untrained(out)
     n_clusters = clusters or experts
 
     if corpus == corpus_mod.DEBIAN:
@@ -148,6 +161,7 @@ def prepare(
             summary = _write(tmp, corpus, seed, experts, docs, router, labels, on_cluster)
             summary["seconds"] = round(time.perf_counter() - t0, 3)
             atomic_write(tmp / "prepare.json", (json.dumps(summary, indent=1) + "\n").encode())
+            _check_untrained(out)  # again: a coordinator may have started while the router was fitted
             _install(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

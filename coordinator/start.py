@@ -96,11 +96,28 @@ def _explicit_keys(path: Path) -> set[str]:
     return out | {f"federation.{k}" for k in ("experts", "corpus") if k in fed}
 
 
-def ensure_prepared(run: RunDir, cfg: Config) -> None:
+def _same_corpus(a: str, b: str) -> bool:
+    """Corpus names are equal, or both name the same existing path (`data/` vs `./data`)."""
+    if a == b:
+        return True
+    pa, pb = Path(a), Path(b)
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def ensure_prepared(run: RunDir, cfg: Config, given: set[str] | frozenset[str] = frozenset()) -> None:
+    """Prepare RUN unless it is; a prepared RUN must match the experts, and the corpus and seed when the
+    user gave them (`given`: dotted keys set on the command line or in --config), else training would
+    silently run on another corpus than the one asked for."""
     if run.is_prepared():
         prep = run.load_prepare()
         if int(prep.get("experts", -1)) != cfg.federation.experts:
             raise ConfigError(f"{run.root} is prepared for {prep.get('experts')} experts, not {cfg.federation.experts}")
+        if "federation.corpus" in given and not _same_corpus(cfg.federation.corpus, str(prep.get("corpus"))):
+            raise ConfigError(f"{run.root} is prepared from corpus {prep.get('corpus')!r}, not "
+                              f"{cfg.federation.corpus!r} (use a new --run directory)")  # fmt: skip
+        if "seed" in given and prep.get("seed") != cfg.seed:
+            raise ConfigError(f"{run.root} is prepared with seed {prep.get('seed')!r}, not {cfg.seed!r} "
+                              "(use a new --run directory)")  # fmt: skip
         return
     from coordinator.prepare import prepare
 
@@ -118,7 +135,8 @@ def start(opts: Options) -> int:
     if run.is_locked():
         raise RunLockedError(f"{run.root} is in use by a running coordinator (pid {run.lock_holder()}); stop it first")
     cfg = resolve_config(run, opts.config, opts.overrides or {})
-    ensure_prepared(run, cfg)
+    given = set(opts.overrides or {}) | (_explicit_keys(opts.config) if opts.config else set())
+    ensure_prepared(run, cfg, given)
     run.save_config(cfg)
     state = run.load_state()
     if state and state["round"] >= cfg.federation.rounds:

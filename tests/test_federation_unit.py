@@ -567,3 +567,32 @@ def test_status_prints_the_checkpoint_and_start_refuses_identity_changes(run, tm
     assert code == 2 and err.startswith("error: ") and "federation.experts" in err and len(err.strip().splitlines()) == 1
     code, _, err = _cli(["status", str(tmp_path / "nothing")], capsys)
     assert code == 2 and "no state.msgpack" in err
+
+
+def test_prepare_refuses_a_trained_or_running_run_and_start_refuses_another_corpus(run, capsys):
+    """Re-preparing would swap router and shards under trained experts; `start --corpus/--seed` on a run
+    prepared otherwise would silently train on the prepared corpus."""
+    from coordinator.prepare import prepare
+    from coordinator.start import ensure_prepared
+    from soma_edge.errors import ConfigError
+
+    prep = run.load_prepare()
+    before = _hashes(run.root, subdirs=("shards",))
+    with run.lock():
+        with pytest.raises(ConfigError, match="a coordinator is running on it"):
+            prepare(prep["corpus"], 4, run.root, seed=1, progress=False)
+    run.state_path.write_bytes(b"a committed round")
+    code, _, err = _cli(["prepare", prep["corpus"], "--experts", "4", "--out", str(run.root), "--seed", "1"], capsys)
+    assert code == 2 and err.startswith("error: ") and "trained experts" in err and len(err.strip().splitlines()) == 1
+    assert _hashes(run.root, subdirs=("shards",)) == before  # router, shards, prepare.json untouched
+
+    cfg = run.load_config()
+    cfg.federation.corpus, cfg.seed = prep["corpus"], prep["seed"]
+    ensure_prepared(run, cfg, {"federation.corpus", "seed"})  # the same corpus and seed: fine
+    cfg.federation.corpus = "default"
+    ensure_prepared(run, cfg)  # not given by the user (the config default): the prepared corpus is used
+    with pytest.raises(ConfigError, match="prepared from corpus"):
+        ensure_prepared(run, cfg, {"federation.corpus"})
+    cfg.federation.corpus, cfg.seed = prep["corpus"], prep["seed"] + 1
+    with pytest.raises(ConfigError, match="prepared with seed 0"):
+        ensure_prepared(run, cfg, {"seed"})
