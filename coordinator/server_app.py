@@ -43,6 +43,7 @@ MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-
 class Node:
     id: int
     name: str = "?"
+    label: str = "?"  # the name, plus "#id" when another live node has the same name (both default to the host name)
     status: str = "new"  # new | querying | active | probation (missed a deadline) | excluded
     rate: float = 0.0  # forward evaluations/s, probed then updated from real rounds
     weights: set[str] = field(default_factory=set)  # version hashes its cache holds (as far as we know)
@@ -218,7 +219,11 @@ class Coordinator:
             log.warning("node %s: bad capability reply (%s); excluded", o.node, e)
             node.status = "excluded"
             return
-        node.name = str(caps.get("name", o.node))
+        node.name = str(caps.get("name") or o.node)
+        live = self._live_ids()
+        twins = [n for n in self.nodes.values() if n.id != node.id and n.id in live and n.name == node.name
+                 and n.status in ("active", "querying", "probation")]  # fmt: skip
+        node.label = f"{node.name}#{node.id}" if twins else node.name
         node.caps = {k: v for k, v in caps.items() if k != "cache"}
         if caps.get("soma_version") != __version__:
             log.warning("node %s (%s) runs soma-edge %s but the coordinator runs %s: excluded",
@@ -266,11 +271,11 @@ class Coordinator:
         """Where each expert's current version already is: last round's node, else any node caching it."""
         prev: dict[int, int] = {}
         last = {int(e): n for e, n in self.state.get("assignment", {}).items()}
-        by_name = {n.name: nid for nid, n in active.items()}
+        by_label = {n.label: nid for nid, n in active.items()}
         for e, sha in self.current_sha().items():
             nid = last.get(e)
             if isinstance(nid, str):
-                nid = by_name.get(nid)
+                nid = by_label.get(nid)
             if nid in active and sha in active[nid].weights:
                 prev[e] = nid
                 continue
@@ -331,7 +336,7 @@ class Coordinator:
             if e in plan.steps:
                 by_node.setdefault(nid, []).append(e)
         log.info("round %d/%d: %s (predicted compute %.1f s; moved: %s)", r, fed.rounds,
-                 ", ".join(f"{self.nodes[n].name}<-{es}" for n, es in by_node.items()), plan.makespan,
+                 ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()), plan.makespan,
                  plan.moved or "none")  # fmt: skip
 
         items = [self._tasks_for(r, nid, es, plan.steps) for nid, es in sorted(by_node.items())]
@@ -341,7 +346,7 @@ class Coordinator:
         t_sent = self.clock()
         ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=t_sent)
         self._status("round", round=r, started=time.time(), deadline_in=deadline - self.clock(),
-                     assignment={str(e): self.nodes[n].name for e, n in plan.assignment.items()})  # fmt: skip
+                     assignment={str(e): self.nodes[n].label for e, n in plan.assignment.items()})  # fmt: skip
 
         while self.clock() < deadline and any(mid in self.out for mid in train_mids | ctx.resent):
             self._pull(lambda mid, reply, o: self._on_train(mid, reply, o, ctx))
@@ -357,7 +362,7 @@ class Coordinator:
                         r, o.node, node.name, sorted(o.expected.tasks))  # fmt: skip
             node.status = "probation"
             for e in o.expected.tasks:
-                ctx.failed.setdefault(e, f"node {node.name} missed the round deadline")
+                ctx.failed.setdefault(e, f"node {node.label} missed the round deadline")
         self._commit(r, ctx, t_round)
 
     def _on_train(self, mid: str, reply, o: Outgoing, ctx: "_RoundCtx") -> None:
@@ -368,7 +373,7 @@ class Coordinator:
                         reply.error.code, reply.error.reason)  # fmt: skip
             node.status = "probation"
             for e in exp.tasks:
-                ctx.failed.setdefault(e, f"node {node.name} error {reply.error.code}")
+                ctx.failed.setdefault(e, f"node {node.label} error {reply.error.code}")
             return
         ctx.bytes_up += protocol.payload_bytes(reply.content)
         try:
@@ -395,7 +400,7 @@ class Coordinator:
             secs += float(res["seconds"])
         if secs > 0:
             node.rate = scheduler.update_rate(node.rate, evals / secs)
-        ctx.compute[node.name] = ctx.compute.get(node.name, 0.0) + secs
+        ctx.compute[node.id] = ctx.compute.get(node.id, 0.0) + secs
         for err in body.get("errors") or []:
             log.warning("round %d: node %s (%s) reports: %s", ctx.r, o.node, node.name, err)
         missing = body.get("missing") or {}
@@ -406,7 +411,7 @@ class Coordinator:
             self._resend(ctx, o.node, redo)
         for e in redo:
             if e not in ctx.accepted and e not in ctx.failed and e not in ctx.pending_resend:
-                ctx.failed[e] = f"node {node.name} returned no result"
+                ctx.failed[e] = f"node {node.label} returned no result"
 
     def _resend(self, ctx: "_RoundCtx", nid: int, experts: list[int]) -> None:
         """The node lacked something it was assumed to cache: send again, with the payload, if time allows."""
@@ -428,7 +433,7 @@ class Coordinator:
     def _reject(self, ctx: "_RoundCtx", node: Node, experts: list, reason: str) -> None:
         for e in experts:
             log.warning("round %d: rejected expert %s from node %s (%s): %s", ctx.r, e, node.id, node.name, reason)
-            ctx.rejected.append({"expert": e, "node": node.name, "node_id": node.id, "reason": reason})
+            ctx.rejected.append({"expert": e, "node": node.label, "node_id": node.id, "reason": reason})
             if isinstance(e, int) and e in ctx.plan.assignment:
                 ctx.failed.setdefault(e, f"rejected: {reason}")
 
@@ -441,12 +446,12 @@ class Coordinator:
         rel = self.run.save_expert(body)
         self.state["experts"][str(e)] = {"version": res["version"], "sha256": res["sha256"], "path": rel,
                                          "step": res["step"], "train_loss": float(res["train_loss"]),
-                                         "val_loss": val, "node": node.name}  # fmt: skip
+                                         "val_loss": val, "node": node.label}  # fmt: skip
         node.weights.add(res["sha256"])
         node.shards |= set(self._train_shards(e))
         ctx.accepted[e] = {
             "type": "expert", "round": ctx.r, "expert": e, "accepted": True, "version": res["version"],
-            "sha256": res["sha256"], "node": node.name, "node_id": node.id, "train_loss": float(res["train_loss"]),
+            "sha256": res["sha256"], "node": node.label, "node_id": node.id, "train_loss": float(res["train_loss"]),
             "val_loss": val, "steps": res["steps"], "forward_evals": res["forward_evals"],
             "seconds": float(res["seconds"]), "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
             "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
@@ -455,7 +460,7 @@ class Coordinator:
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
         log.info("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
-                 ctx.r, e, res["version"], node.name, res["train_loss"], val, res["steps"], res["seconds"])  # fmt: skip
+                 ctx.r, e, res["version"], node.label, res["train_loss"], val, res["steps"], res["seconds"])  # fmt: skip
         self._status("round", round=ctx.r)
 
     def _train_shards(self, e: int) -> list[str]:
@@ -522,7 +527,7 @@ class Coordinator:
                 x = self.state["experts"][str(e)]
                 lines.append({"type": "expert", "round": r, "expert": e, "accepted": False,
                               "reason": ctx.failed.get(e, "not trained this round"), "version": x["version"],
-                              "sha256": x["sha256"], "node": self.nodes[ctx.plan.assignment[e]].name,
+                              "sha256": x["sha256"], "node": self.nodes[ctx.plan.assignment[e]].label,
                               "val_loss": x.get("val_loss"), "train_loss": x.get("train_loss"), "steps": 0,
                               "forward_evals": 0, "seconds": 0.0})  # fmt: skip
         mix = self._mixture_val_loss()
@@ -530,19 +535,21 @@ class Coordinator:
         vals = [v for v in vals if v is not None]
         wall = max(ctx.t_done - ctx.t_sent, 1e-9)
         round_total = self.clock() - t_round
-        nodes = sorted({self.nodes[n].name for n in ctx.plan.assignment.values()})
+        planned = set(ctx.plan.assignment.values())  # by id: two workers may share a name
+        nodes = sorted(self.nodes[n].label for n in planned)
         lines.append({
             "type": "round", "round": r, "rounds": fed.rounds, "accepted": len(ctx.accepted),
             "rejected": ctx.rejected, "missed": sorted(ctx.failed), "val_loss_mean": float(np.mean(vals)) if vals else None,
             "mixture_val_loss": mix, "wall_seconds": wall, "round_seconds_total": round_total,
-            "compute_seconds": ctx.compute, "compute_share": (sum(ctx.compute.values()) / (len(nodes) * round_total))
+            "compute_seconds": {self.nodes[n].label: s for n, s in sorted(ctx.compute.items())},
+            "compute_share": (sum(ctx.compute.values()) / (len(planned) * round_total))
             if nodes else 0.0, "predicted_makespan": ctx.plan.makespan, "moved": ctx.plan.moved,
             "bytes_down": ctx.bytes_down, "bytes_up": ctx.bytes_up, "nodes": nodes, "time": time.time(),
         })  # fmt: skip
         self.metrics = [m for m in self.metrics if int(m.get("round", 0)) < r] + lines
         self.run.write_metrics(self.metrics)
         self.state["round"] = r
-        self.state["assignment"] = {str(e): self.nodes[n].name for e, n in ctx.plan.assignment.items()}
+        self.state["assignment"] = {str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()}
         self.run.save_state(self.state)  # the commit point
         for e in self.expert_ids():
             self.run.prune(e, fed.keep_versions, self.state["experts"][str(e)]["version"])
@@ -574,7 +581,7 @@ class _RoundCtx:
     accepted: dict[int, dict[str, Any]] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     rejected: list[dict[str, Any]] = field(default_factory=list)
-    compute: dict[str, float] = field(default_factory=dict)
+    compute: dict[int, float] = field(default_factory=dict)  # node id -> compute seconds this round
     resent: set[str] = field(default_factory=set)
     pending_resend: set[int] = field(default_factory=set)
     bytes_down: int = 0

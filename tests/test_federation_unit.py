@@ -376,6 +376,27 @@ def test_bad_capability_replies_exclude_the_node_and_huge_rates_are_clamped(run,
     assert {x["node"] for x in run.read_metrics() if x["type"] == "expert"} <= {"a", "f"}
 
 
+def test_workers_sharing_a_name_are_accounted_apart(run, tmp_path, monkeypatch):
+    """The default worker name is the host name: two such workers must not merge their compute time."""
+    _set(run, rounds=1)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "a"])
+    grid.nodes[1001]["cache"] = str(tmp_path / "nodes" / "a2")
+    real = client_app.capabilities
+
+    def equal_rates(msg, context):  # the probe is noisy on a busy box; equal claims split the experts 2/2
+        body = protocol.unpack(real(msg, context).content, protocol.KIND_CAPS)
+        return Message(protocol.pack({**body, "evals_per_s": 1000.0}, protocol.KIND_CAPS), reply_to=msg)
+
+    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", equal_rates)
+    state = Coordinator(grid, run).main()
+    m = next(m for m in run.read_metrics() if m["type"] == "round")
+    assert m["nodes"] == ["a", "a#1001"] and sorted(m["compute_seconds"]) == ["a", "a#1001"]
+    assert all(s > 0 for s in m["compute_seconds"].values()) and m["compute_share"] <= 1.0
+    assert sorted(state["assignment"].values()) == ["a", "a", "a#1001", "a#1001"]
+    experts = [x for x in run.read_metrics() if x["type"] == "expert"]
+    assert sorted(x["node"] for x in experts) == ["a", "a", "a#1001", "a#1001"] and all(x["accepted"] for x in experts)
+
+
 def test_torch_blocked_in_worker_reply(run, tmp_path):
     """The ClientApp reports torch importability in every reply (here torch is importable: the flag is live)."""
     _set(run, rounds=1)
