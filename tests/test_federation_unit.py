@@ -10,6 +10,7 @@ import hashlib
 import logging
 import math
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -397,12 +398,14 @@ def test_workers_sharing_a_name_are_accounted_apart(run, tmp_path, monkeypatch):
     assert sorted(x["node"] for x in experts) == ["a", "a", "a#1001", "a#1001"] and all(x["accepted"] for x in experts)
 
 
-def test_torch_blocked_in_worker_reply(run, tmp_path):
-    """The ClientApp reports torch importability in every reply (here torch is importable: the flag is live)."""
+def test_torch_blocked_in_worker_reply(run, tmp_path, monkeypatch):
+    """Every reply says whether torch was importable in the ClientApp: False once it is blocked there."""
+    pytest.importorskip("torch")  # installed here, so a True flag would mean the block did not hold
     _set(run, rounds=1)
+    monkeypatch.setitem(sys.modules, "torch", None)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     flags = {x["torch_importable"] for x in run.read_metrics() if x["type"] == "expert"}
-    assert flags == {client_app.torch_importable()}
+    assert flags == {False}
 
 
 # --- protocol ------------------------------------------------------------------------------------------

@@ -109,6 +109,7 @@ def train(msg: Message, context: Context) -> Message:
     if reply_dtype not in protocol.REPLY_DTYPES:
         raise SomaError(f"unknown reply dtype {reply_dtype!r}")
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
+    run_id = str(body.get("run_id"))  # versions are pruned per run: a cache serves many runs
     for sha, data in body["shards"].items():
         cache.put_shard(sha, bytes(data))
 
@@ -120,7 +121,8 @@ def train(msg: Message, context: Context) -> Message:
             if protocol.weights_sha256(w) != base:
                 errors.append(f"expert {t['expert']}: sent weights do not hash to {base[:12]}")
                 continue
-            cache.put_weights(base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, momentum=m)
+            cache.put_weights(base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, momentum=m,
+                              run_id=run_id)  # fmt: skip
         else:
             hit = cache.get_weights(base)
             if hit is None:
@@ -148,7 +150,8 @@ def train(msg: Message, context: Context) -> Message:
         rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
         out = state.weights.astype(reply_dtype)
         sha = protocol.weights_sha256(out)
-        cache.put_weights(sha, expert=e, version=t["version"] + 1, step=state.step, weights=out, momentum=state.momentum)
+        cache.put_weights(sha, expert=e, version=t["version"] + 1, step=state.step, weights=out, momentum=state.momentum,
+                          run_id=run_id)  # fmt: skip
         log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", e, t["version"] + 1, sha,
                  rep.steps, rep.seconds, rep.loss)  # fmt: skip
         results.append({
