@@ -359,14 +359,16 @@ def plot(out: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     for a in out["arms"]:
         xs = [p["flops"] / 1e12 for p in a["curve"]]
         ys = [p["loss"] for p in a["curve"]]
         style = "--" if a["kind"] == "backprop-reference" else "-"
         label = {"soma": f"SOMA N={a['experts']}", "monolithic-spsa": "monolithic SPSA (N=1)",
                  "backprop-reference": "Adam (backprop reference)"}[a["kind"]]  # fmt: skip
-        ax.plot(xs, ys, style, marker="o", ms=3, label=f"{label}, lr {a['lr']:g}")
+        extra = a["arm"] not in ("mono-spsa", "adam") and not a["arm"].startswith("soma-n") or "-lr" in a["arm"]
+        ax.plot(xs, ys, style, marker="o", ms=2 if extra else 3, lw=0.9 if extra else 1.8, alpha=0.75 if extra else 1,
+                label=f"{label}, lr {a['lr']:g}" + (" (extra lr)" if extra else ""))  # fmt: skip
     if out.get("unigram_nats_per_byte"):
         ax.axhline(out["unigram_nats_per_byte"], color="grey", lw=0.8, ls=":", label="unigram entropy")
     ax.axvline(out["budget_flops"] / 1e12, color="black", lw=0.8, ls=":")
@@ -374,7 +376,7 @@ def plot(out: dict[str, Any], path: str) -> None:
     ax.set_ylabel("held-out nats/byte (test sample)")
     ax.set_title(f"Equal budget, {out['params_target']:,} params total, corpus {out['corpus']}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -398,6 +400,7 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     ap.add_argument("--adam-lrs", default="1e-3,3e-3,1e-2", help="Adam lr sweep grid")
     ap.add_argument("--sweep-frac", type=float, default=0.1, help="sweep runs this fraction of an arm's steps")
     ap.add_argument("--no-adam", action="store_true")
+    ap.add_argument("--no-mono", action="store_true", help="skip the monolithic SPSA arm (extra SOMA arms)")
     ap.add_argument("--round-seconds", type=float, default=60.0)
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="how long to measure the forward throughput")
     ap.add_argument("--test-bytes", type=int, default=0, help="score at most this many test bytes (0 = all)")
@@ -440,7 +443,8 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
         budget = args.minutes * 60 * rate * f_mono
     steps = {n: max(1, int(budget / (n * 2 * K * forward_flops(shapes[n], B, T)))) for n in [1, *ns]}
     adam_steps = max(1, int(budget / (3 * f_mono)))
-    say(f"budget: {args.minutes:g} min x {rate or 0:.1f} forward evals/s x {f_mono / 1e9:.3f} GFLOP = {budget / 1e12:.2f} TFLOPs; "
+    how = "given" if rate is None else f"{args.minutes:g} min x {rate:.1f} forward evals/s x {f_mono / 1e9:.3f} GFLOP"
+    say(f"budget: {how} = {budget / 1e12:.2f} TFLOPs; "
         f"SPSA steps per expert {steps}, Adam steps {adam_steps}")  # fmt: skip
 
     out: dict[str, Any] = {
@@ -457,7 +461,8 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
 
     lrs, adam_lrs = floats(args.lrs), floats(args.adam_lrs)
     chosen: dict[str, float] = {k: float(v) for k, v in (kv.split("=") for kv in args.lr.split(",") if kv)}
-    for n in [1, *ns]:
+    spsa_ns = ns if args.no_mono else [1, *ns]
+    for n in spsa_ns:
         if f"n{n}" in chosen:
             continue
         s = max(10, int(args.sweep_frac * steps[n]))
@@ -478,7 +483,7 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     say(f"chosen lr: {out['lr']}")
     save()
 
-    for n in [1, *ns]:
+    for n in spsa_ns:
         name = ("mono-spsa" if n == 1 else f"soma-n{n}") + args.tag
         cfg = base_config(shapes[n], n, chosen[f"n{n}"], steps[n], corpus_name, args.seed)
         arm = run_spsa_arm(work, preps[n], cfg, federate, curve_data, test_data, args.round_seconds, name)
