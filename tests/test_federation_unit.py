@@ -142,7 +142,21 @@ def _set(rd: RunDir, **fed) -> None:
     rd.save_config(config_mod.validate(cfg))
 
 
-def test_rounds_advance_sticky_and_checkpointed(run, tmp_path):
+def _equal_rates(monkeypatch) -> None:
+    """Nodes claim, and keep, 1000 evals/s: the probe and the measured rates are noisy on a busy box, and a
+    2x difference between two nodes rightly moves an expert."""
+    real = client_app.capabilities
+
+    def equal(msg, context):
+        body = protocol.unpack(real(msg, context).content, protocol.KIND_CAPS)
+        return Message(protocol.pack({**body, "evals_per_s": 1000.0}, protocol.KIND_CAPS), reply_to=msg)
+
+    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", equal)
+    monkeypatch.setattr(scheduler, "update_rate", lambda old, measured: old)
+
+
+def test_rounds_advance_sticky_and_checkpointed(run, tmp_path, monkeypatch):
+    _equal_rates(monkeypatch)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     assert state["round"] == 2
@@ -382,13 +396,7 @@ def test_workers_sharing_a_name_are_accounted_apart(run, tmp_path, monkeypatch):
     _set(run, rounds=1)
     grid = FakeGrid(tmp_path / "nodes", ["a", "a"])
     grid.nodes[1001]["cache"] = str(tmp_path / "nodes" / "a2")
-    real = client_app.capabilities
-
-    def equal_rates(msg, context):  # the probe is noisy on a busy box; equal claims split the experts 2/2
-        body = protocol.unpack(real(msg, context).content, protocol.KIND_CAPS)
-        return Message(protocol.pack({**body, "evals_per_s": 1000.0}, protocol.KIND_CAPS), reply_to=msg)
-
-    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", equal_rates)
+    _equal_rates(monkeypatch)
     state = Coordinator(grid, run).main()
     m = next(m for m in run.read_metrics() if m["type"] == "round")
     assert m["nodes"] == ["a", "a#1001"] and sorted(m["compute_seconds"]) == ["a", "a#1001"]
