@@ -34,3 +34,18 @@ def four_domain_docs(default_docs):
             out.append(d)
             got += len(d.text)
     return out
+
+
+STDLIB_SAMPLE = ("argparse.py", "textwrap.py", "string.py", "shlex.py", "csv.py", "fractions.py", "heapq.py",
+                 "bisect.py", "calendar.py", "difflib.py", "glob.py", "fnmatch.py")  # fmt: skip
+
+
+def write_stdlib_corpus(folder: Path) -> Path:
+    """A small corpus folder (~400 KB of standard-library Python as .txt files) for federation tests."""
+    import sysconfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    for name in STDLIB_SAMPLE:
+        (folder / f"{name}.txt").write_bytes((lib / name).read_bytes())
+    return folder

@@ -8,23 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-import sysconfig
 from pathlib import Path
 
 from test_federation_unit import FakeGrid
 
 from bench import equal_budget
+from tests.conftest import write_stdlib_corpus
 from coordinator.run import RunDir
 from coordinator.server_app import Coordinator
 
 
 def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
-    src = tmp_path / "corpus"
-    src.mkdir()
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ["argparse.py", "textwrap.py", "string.py", "shlex.py", "csv.py", "fractions.py", "heapq.py",
-                 "calendar.py", "difflib.py", "glob.py", "fnmatch.py", "bisect.py"]:  # fmt: skip
-        (src / f"{name}.txt").write_bytes((lib / name).read_bytes())
+    src = write_stdlib_corpus(tmp_path / "corpus")
 
     def fake_federation(run: Path) -> None:  # the real ServerApp and ClientApp; only Flower's transport is faked
         rd = RunDir(run)

@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import pytest
 from coordinator.run import RunDir
 from soma_edge import checkpoint, corpus, protocol
 from soma_edge.runtime import LossEvaluator, mean_loss
+from tests.conftest import write_stdlib_corpus
 
 CONFIG = """
 seed = 3
@@ -54,12 +54,7 @@ START_TIMEOUT = 240
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory):
     root = tmp_path_factory.mktemp("fed")
-    src = root / "corpus"
-    src.mkdir()
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ["argparse.py", "textwrap.py", "string.py", "shlex.py", "csv.py", "fractions.py", "heapq.py",
-                 "bisect.py", "calendar.py", "difflib.py", "glob.py", "fnmatch.py"]:  # fmt: skip
-        (src / f"{name}.txt").write_bytes((lib / name).read_bytes())
+    src = write_stdlib_corpus(root / "corpus")
     (root / "fed.toml").write_text(CONFIG)
     env = dict(os.environ, SOMA_CACHE=str(root / "cache"))  # nothing of the user's cache is touched
     return {"root": root, "run": root / "run", "corpus": src, "config": root / "fed.toml", "env": env}
