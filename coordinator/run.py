@@ -33,7 +33,7 @@ import tomli_w
 
 from soma_edge import checkpoint, config as config_mod
 from soma_edge.config import Config
-from soma_edge.errors import CheckpointError, ConfigError, CorpusError
+from soma_edge.errors import CheckpointError, CorpusError
 
 STATE_KIND = "run_state"
 EXPERT_KIND = "expert"
@@ -213,8 +213,3 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
-
-
-def require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from soma_edge import __version__, checkpoint
+from soma_edge.protocol import weights_sha256
 from soma_edge.errors import CheckpointError, SomaError
 
 FORMAT = "soma-edge-deploy"
@@ -232,7 +233,7 @@ def _load_run(run: Path) -> tuple[dict[str, Any], list[_Expert], bytes]:
         weights = body.get("weights")
         if not isinstance(weights, np.ndarray) or weights.ndim != 1 or weights.dtype.name not in ("float32", "float16"):
             raise CheckpointError(f"{path}: weights must be a flat float32 or float16 array")
-        digest = hashlib.sha256(weights.tobytes()).hexdigest()
+        digest = weights_sha256(weights)
         for name, want in (("the file's sha256", body.get("sha256")), ("state.msgpack's sha256", meta.get("sha256"))):
             if digest != want:
                 raise CheckpointError(f"{path}: weights do not match {name}; the checkpoint is inconsistent")

@@ -42,10 +42,6 @@ def weights_sha256(weights: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(weights).tobytes()).hexdigest()
 
 
-def shard_sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 # --- Flower records <-> bodies -------------------------------------------------------------------------
 
 
