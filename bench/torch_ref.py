@@ -65,3 +65,17 @@ def torch_loss(m: ModelConfig, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -
     model = TorchExpert(m).load_flat(flat)
     with torch.no_grad():
         return float(model(torch.from_numpy(x), torch.from_numpy(y)))
+
+
+def decoder_path_grad(m: ModelConfig, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    """(loss, autograd's gradient of the loss with respect to the head alone, hidden states detached),
+    the gradient flat in soma-edge's layout order [head.W [H, 256], head.b]: what the delta rule computes."""
+    model = TorchExpert(m).load_flat(flat)
+    with torch.no_grad():
+        h, _ = model.lstm(model.embed(torch.from_numpy(x)))
+    logits = model.head(h.detach())
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(y).reshape(-1))
+    loss.backward()
+    g_w = model.head.weight.grad.detach().numpy().T  # torch stores [256, H]; ONNX head.W is [H, 256]
+    g_b = model.head.bias.grad.detach().numpy()
+    return loss.item(), np.concatenate([g_w.reshape(-1), g_b]).astype(np.float32)

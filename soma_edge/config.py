@@ -23,7 +23,10 @@ class ModelConfig:
 
 @dataclass
 class SPSAConfig:
-    """Central-difference SPSA. Defaults are the setting that learned on 2 CPU cores (DESIGN.md §1)."""
+    """Central-difference SPSA on the body, plus how the decoder (the head) learns.
+
+    Defaults are the setting that learned best on 2 CPU cores (docs/RESULTS.md, `bench/recipe.py`).
+    """
 
     directions: int = 8  # K perturbations per step; each costs two forward passes
     eps: float = 1e-3
@@ -32,10 +35,23 @@ class SPSAConfig:
     lr: float = 5e-3
     lr_min_frac: float = 0.1  # cosine decays to lr * lr_min_frac
     warmup_steps: int = 20
-    total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup
+    total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup (the plateau rule decays it)
     noise: str = "rademacher"  # or "gaussian"
-    normalize: bool = True  # scale the update to unit RMS; without it the step size is hopeless to tune
-    momentum: float = 0.0
+    density: float = 1.0  # share of ordinary weights a probe touches (sparse probes); norm gains stay dense
+    update: str = "rms"  # body update from the estimate: rms (unit-RMS step) | adam | sgd
+    momentum: float = 0.0  # heavy-ball momentum for update = rms | sgd
+    beta1: float = 0.9  # Adam moments, for update = adam and for the delta-rule decoder
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0  # coupled: wd * w is added to the body's SPSA estimate before the moments
+    accumulate: int = 1  # A batches per update, each with its own K fresh directions
+    decoder: str = "delta"  # delta: exact decoder-path gradient + Adam | spsa: perturbed with the body | frozen
+    decoder_lr: float = 3e-2
+    plateau: bool = False  # halve lr and eps together when the val loss stops improving
+    plateau_patience: int = 1000  # ... for this many steps
+    plateau_factor: float = 0.5
+    plateau_min_delta: float = 1e-8  # an improvement smaller than this does not count
+    lr_floor: float = 1e-5  # the plateau rule never takes lr below this
 
 
 @dataclass
@@ -145,7 +161,9 @@ def _check(ok: bool, path: str, rule: str, value: Any) -> None:
         raise ConfigError(f"{path} must be {rule}, got {value!r}")
 
 
-MAX_SEED = 2**32 - 1  # the SPSA noise key holds the seed in 32 bits
+MAX_SEED = 2**32 - 1
+UPDATES = ("rms", "adam", "sgd")
+DECODERS = ("delta", "spsa", "frozen")  # the SPSA noise key holds the seed in 32 bits
 
 
 def _check_finite(obj: Any, prefix: str) -> None:
@@ -172,6 +190,21 @@ def validate(cfg: Config) -> Config:
     _check(s.total_steps >= 0, "spsa.total_steps", ">= 0", s.total_steps)
     _check(s.noise in ("rademacher", "gaussian"), "spsa.noise", "'rademacher' or 'gaussian'", s.noise)
     _check(0 <= s.momentum < 1, "spsa.momentum", ">= 0 and < 1", s.momentum)
+    _check(0 < s.density <= 1, "spsa.density", "> 0 and <= 1", s.density)
+    _check(s.update in UPDATES, "spsa.update", " | ".join(map(repr, UPDATES)), s.update)
+    _check(0 <= s.beta1 < 1, "spsa.beta1", ">= 0 and < 1", s.beta1)
+    _check(0 <= s.beta2 < 1, "spsa.beta2", ">= 0 and < 1", s.beta2)
+    _check(s.adam_eps > 0, "spsa.adam_eps", "> 0", s.adam_eps)
+    _check(0 <= s.weight_decay < 1, "spsa.weight_decay", ">= 0 and < 1", s.weight_decay)
+    _check(1 <= s.accumulate <= 1024, "spsa.accumulate", "between 1 and 1024", s.accumulate)
+    _check(s.accumulate * s.directions <= 1 << 24, "spsa.accumulate * spsa.directions", "<= 2^24",
+           s.accumulate * s.directions)  # fmt: skip
+    _check(s.decoder in DECODERS, "spsa.decoder", " | ".join(map(repr, DECODERS)), s.decoder)
+    _check(0 < s.decoder_lr < 10, "spsa.decoder_lr", "> 0 and < 10", s.decoder_lr)
+    _check(s.plateau_patience >= 1, "spsa.plateau_patience", ">= 1 step", s.plateau_patience)
+    _check(0 < s.plateau_factor < 1, "spsa.plateau_factor", "> 0 and < 1", s.plateau_factor)
+    _check(s.plateau_min_delta >= 0, "spsa.plateau_min_delta", ">= 0", s.plateau_min_delta)
+    _check(0 < s.lr_floor <= s.lr, "spsa.lr_floor", f"> 0 and <= spsa.lr ({s.lr})", s.lr_floor)
     _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
     _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
     f = cfg.federation

@@ -309,9 +309,11 @@ def unigram_entropy(data: np.ndarray, eval_data: np.ndarray | None = None) -> fl
     return float(-(freq * logp).sum() / freq.sum())
 
 
-def batch_rng(seed: int, expert: int, step: int) -> np.random.Generator:
-    """Minibatch positions for (seed, expert, step): a step's batch is as replayable as its noise."""
-    return np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, expert, step, 0xDA7A])))
+def batch_rng(seed: int, expert: int, step: int, part: int = 0) -> np.random.Generator:
+    """Minibatch positions for (seed, expert, step) and, with accumulation, the step's `part`-th batch:
+    a step's batches are as replayable as its noise."""
+    key = [seed, expert, step, 0xDA7A] + ([part] if part else [])
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence(key)))
 
 
 def sample_batch(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

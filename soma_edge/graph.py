@@ -1,8 +1,12 @@
 """ONNX graph builders for one expert, with the ONNX `LSTM` op.
 
-Three heads over one body:
+Four heads over one body:
 - "loss":     (x[B,T], y[B,T]) -> mean cross-entropy in nats/byte. Training feeds the weights as
               graph inputs, so one ORT session evaluates every perturbed weight set.
+- "train":    "loss" plus the exact gradient of that loss with respect to the decoder alone (the
+              decoder-path delta rule): with h the top layer's output rows and d = (softmax - onehot(y))
+              / (B*T), grad.head.W = h^T d and grad.head.b = sum over rows of d. One MatMul and a
+              reduction on top of the forward, so a worker needs nothing but ONNX Runtime.
 - "logprobs": x[B,T] -> log-probs [B,T,256] (scoring).
 - "stream":   (x[B,T], h*/c* [1,B,H] per layer) -> logits [B,T,256] and the new states (generation).
 With `weights=None` the weights are graph inputs; with a flat vector they become initializers (deploy).
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
     from soma_edge.router import Router
 
 OPSET = 17
-MODES = ("loss", "logprobs", "stream")
+MODES = ("loss", "train", "logprobs", "stream")
 
 
 def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None) -> onnx.ModelProto:
@@ -34,7 +38,7 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
     lay = layout(m)
     H = m.hidden
     inputs = [helper.make_tensor_value_info("x", TensorProto.INT64, ["B", "T"])]
-    if mode == "loss":
+    if mode in ("loss", "train"):
         inputs.append(helper.make_tensor_value_info("y", TensorProto.INT64, ["B", "T"]))
     initializers: list[onnx.TensorProto] = []
     if weights is None:
@@ -71,7 +75,7 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
         ]
     top = f"h_in{m.layers}"
 
-    if mode == "loss":
+    if mode in ("loss", "train"):
         nodes += [
             helper.make_node("Reshape", [top, "rows_h"], ["rows"]),
             helper.make_node("MatMul", ["rows", "head.W"], ["logits_mm"]),
@@ -83,6 +87,13 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
         initializers.append(numpy_helper.from_array(np.array([-1, H], dtype=np.int64), "rows_h"))
         initializers.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat1"))
         outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
+        if mode == "train":
+            nodes += _decoder_grad_nodes()
+            initializers += _decoder_grad_constants()
+            outputs += [
+                helper.make_tensor_value_info("grad.head.W", TensorProto.FLOAT, [H, VOCAB]),
+                helper.make_tensor_value_info("grad.head.b", TensorProto.FLOAT, [VOCAB]),
+            ]
     else:
         # Batch-major out: [T,B,H] -> [B,T,H] before the head, so callers index [b, t].
         nodes += [
@@ -101,6 +112,30 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
     model.ir_version = 8  # readable by every ORT >= 1.10
     onnx.checker.check_model(model)
     return model
+
+
+def _decoder_grad_nodes() -> list[onnx.NodeProto]:
+    """d(mean CE)/d(head) with the hidden rows held fixed: (softmax(logits) - onehot(y)) / rows, then h^T d."""
+    node = helper.make_node
+    return [
+        node("Softmax", ["logits"], ["probs"], axis=-1),
+        node("OneHot", ["y_flat", "vocab", "onehot_values"], ["onehot"], axis=-1),
+        node("Sub", ["probs", "onehot"], ["delta_sum"]),
+        node("Shape", ["y_flat"], ["n_rows_i"]),
+        node("Cast", ["n_rows_i"], ["n_rows"], to=TensorProto.FLOAT),
+        node("Div", ["delta_sum", "n_rows"], ["delta"]),
+        node("Transpose", ["rows"], ["rows_t"], perm=[1, 0]),
+        node("MatMul", ["rows_t", "delta"], ["grad.head.W"]),
+        node("ReduceSum", ["delta", "axis0"], ["grad.head.b"], keepdims=0),
+    ]
+
+
+def _decoder_grad_constants() -> list[onnx.TensorProto]:
+    return [
+        numpy_helper.from_array(np.array(VOCAB, dtype=np.int64), "vocab"),
+        numpy_helper.from_array(np.array([0.0, 1.0], dtype=np.float32), "onehot_values"),
+        numpy_helper.from_array(np.array([0], dtype=np.int64), "axis0"),
+    ]
 
 
 def router_features(r: "Router") -> onnx.ModelProto:

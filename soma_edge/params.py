@@ -18,12 +18,22 @@ from soma_edge.config import ModelConfig
 VOCAB = 256
 
 
+DECODER = ("head.W", "head.b")  # the decoder's tensors: always the layout's last entries
+
+
 @dataclass(frozen=True)
 class Layout:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]
     size: int
+
+    @property
+    def body(self) -> int:
+        """Length of the body: flat[:body] is everything but the decoder, flat[body:] the decoder.
+
+        Keeping the decoder last makes "perturb the body only" a prefix of the flat vector."""
+        return self.offsets[self.names.index(DECODER[0])]
 
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         if flat.shape != (self.size,) or flat.dtype != np.float32:

@@ -22,6 +22,8 @@ from soma_edge.params import layout
 if TYPE_CHECKING:  # the deploy path creates sessions from bytes and must run without the onnx package
     import onnx
 
+    from soma_edge.config import Config
+
 log = logging.getLogger("soma_edge.runtime")
 
 CPU = "CPUExecutionProvider"
@@ -133,7 +135,9 @@ def plan_concurrency(device: str, threads: int = 0, parallel: int = 0) -> tuple[
 class LossEvaluator:
     """One ORT session per expert shape; evaluates L(w) for any flat weight vector w of that shape.
 
-    `session.run` is thread-safe, so `parallel` evaluations may run at once on the one session.
+    `session.run` is thread-safe, so `parallel` evaluations may run at once on the one session. With
+    `decoder_grad`, a second session on the "train" graph gives the clean forward: the loss and the exact
+    decoder-path gradient at w.
     """
 
     model: ModelConfig
@@ -141,6 +145,7 @@ class LossEvaluator:
     threads: int = 0
     spin: bool = True
     parallel: int = 0
+    decoder_grad: bool = False
 
     def __post_init__(self) -> None:
         from soma_edge.graph import build
@@ -149,12 +154,35 @@ class LossEvaluator:
         self.layout = layout(self.model)
         self.session = make_session(build(self.model, "loss"), self.device, self.threads, self.spin)
         self.providers: list[str] = self.session.get_providers()
+        self.train_session = None
+        if self.decoder_grad:
+            self.train_session = make_session(build(self.model, "train"), self.device, self.threads, self.spin)
 
-    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+    def _feeds(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
         feeds: dict[str, np.ndarray] = {"x": x, "y": y}
         feeds.update(self.layout.views(flat))
-        (out,) = self.session.run(["loss"], feeds)
+        return feeds
+
+    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        (out,) = self.session.run(["loss"], self._feeds(flat, x, y))
         return float(out)
+
+    def clean(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+        """(loss, gradient of the loss with respect to the decoder) at `flat`; the gradient is float32 in
+        the layout's order, the length of flat[layout.body:]."""
+        if self.train_session is None:
+            raise RuntimeError("this evaluator was built without decoder_grad")
+        loss, g_w, g_b = self.train_session.run(["loss", "grad.head.W", "grad.head.b"], self._feeds(flat, x, y))
+        return float(loss), np.concatenate([g_w.reshape(-1), g_b.reshape(-1)])
+
+
+def evaluator_for(cfg: "Config", device: str | None = None, threads: int | None = None, spin: bool = True,
+                  parallel: int | None = None) -> LossEvaluator:  # fmt: skip
+    """The evaluator a config trains with: its model, and the clean-forward session when the decoder
+    learns by the delta rule. Arguments left None come from the config."""
+    return LossEvaluator(cfg.model, cfg.device if device is None else device, cfg.threads if threads is None else threads,
+                         spin, cfg.parallel if parallel is None else parallel,
+                         decoder_grad=cfg.spsa.decoder == "delta")  # fmt: skip
 
 
 def mean_loss(evaluator: LossEvaluator, flat: np.ndarray, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:

@@ -1,27 +1,38 @@
-"""Central-difference SPSA, forward passes only.
+"""Central-difference SPSA on the body, the exact delta rule on the decoder, forward passes only.
 
-For k = 1..K: z_k comes from a counter-based RNG keyed by (seed, expert, step, k), g_k = (L(w+εz_k) -
-L(w-εz_k)) / 2ε, ĝ = (1/K) Σ g_k z_k, and w <- w - η_t u(ĝ). The noise is regenerated from its key and
-never stored (as in MeZO), so an update replays from (key, g_1..g_K): `replay` gives bit-identical weights.
+One step at weights w, for each of A minibatches (`accumulate`) and each of its K directions:
+z comes from a counter-based RNG keyed by (seed, expert, step, a*K + k), optionally sparsified by a mask
+from the same key; g = (L(w+εz) - L(w-εz)) / 2ε; the estimate is ĝ = (1/AK) Σ g z over the body only.
+With `decoder = "delta"`, one clean forward per minibatch at w gives the step's clean loss and the exact
+gradient of the loss with respect to the decoder (hidden states held fixed), which takes its own Adam
+step. The body's estimate goes through the configured update: unit-RMS, Adam, or plain SGD, with optional
+momentum and coupled weight decay.
 
-While ORT evaluates one direction (ORT releases the GIL), another thread draws the next one's noise.
+The noise (and its mask) is regenerated from its key and never stored (as in MeZO), so a step replays from
+(key, g_1..g_AK) plus, for the delta-rule decoder, its dense gradient: `replay` gives bit-identical
+weights, because it runs the same float32 element-wise arithmetic in the same order (no BLAS anywhere in
+the update). While ORT evaluates one direction (ORT releases the GIL), another thread draws the next one's
+noise.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from soma_edge.config import SPSAConfig
+from soma_edge.errors import CheckpointError
 
 LossFn = Callable[[np.ndarray], float]
+CleanFn = Callable[[np.ndarray], tuple[float, np.ndarray]]
 
 _NOISE_DOMAIN = 0x5A0A  # separates SPSA noise streams from every other use of the seed
+_MASK_DOMAIN = 0x5A0B  # the sparse-probe mask: its own stream, so density never changes the signs
 # _SIGNS[b] = the 8 float32 bit patterns (+1.0 / -1.0) for the bits of byte b, most significant first.
 _SIGNS = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1) == 1,
@@ -43,89 +54,252 @@ def noise(seed: int, expert: int, step: int, k: int, n: int, kind: str = "radema
     raise ValueError(f"unknown noise kind {kind!r}")
 
 
-def _philox_key(seed: int, expert: int, step: int, k: int) -> np.ndarray:
+def probe_mask(seed: int, expert: int, step: int, k: int, n: int, density: float) -> np.ndarray:
+    """Which of n weights the sparse probe (seed, expert, step, k) touches: bool[n], each True with
+    probability `density` (to 1/65536), from its own keyed stream."""
+    bitgen = np.random.Philox(key=_philox_key(seed, expert, step, k, _MASK_DOMAIN))
+    draws = np.frombuffer(bitgen.random_raw((n + 3) // 4).tobytes(), dtype=np.uint16)[:n]
+    return draws < np.uint16(min(65535, round(density * 65536)))  # density 1/2 is exact: draws < 32768
+
+
+def _philox_key(seed: int, expert: int, step: int, k: int, domain: int = _NOISE_DOMAIN) -> np.ndarray:
     # A Philox key is 2 x 64 bits; pack the counter tuple into it directly (no hashing), so distinct
     # tuples give distinct streams as long as each field fits its bits.
     if not (0 <= seed < 2**32 and 0 <= expert < 2**16 and 0 <= step < 2**40 and 0 <= k < 2**24):
         raise ValueError(f"noise key out of range: seed={seed} expert={expert} step={step} k={k}")
-    hi = (seed << 32) | (_NOISE_DOMAIN << 16) | expert
+    hi = (seed << 32) | (domain << 16) | expert
     lo = (step << 24) | k
     return np.array([lo, hi], dtype=np.uint64)
 
 
-def schedule(cfg: SPSAConfig, step: int) -> tuple[float, float]:
-    """(lr, eps) at `step`: linear warmup, then cosine to lr*lr_min_frac over total_steps (if set)."""
-    lr = cfg.lr
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        lr = cfg.lr * (step + 1) / cfg.warmup_steps
-    elif cfg.total_steps > cfg.warmup_steps:
-        t = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
-        lr = cfg.lr * (cfg.lr_min_frac + (1 - cfg.lr_min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
-    eps = max(cfg.eps_min, lr) if cfg.tie_eps_to_lr else cfg.eps
+# --- schedule ------------------------------------------------------------------------------------------
+
+
+def _cosine(cfg: SPSAConfig, step: int) -> float:
+    if cfg.total_steps <= cfg.warmup_steps or step < cfg.warmup_steps:
+        return 1.0
+    t = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+    return cfg.lr_min_frac + (1 - cfg.lr_min_frac) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def schedule(cfg: SPSAConfig, step: int, scale: float = 1.0) -> tuple[float, float]:
+    """(body lr, eps) at `step`: linear warmup, then constant or cosine to lr*lr_min_frac over total_steps
+    (if set), times `scale`, the plateau rule's factor, which scales eps too (halved together)."""
+    warm = (step + 1) / cfg.warmup_steps if cfg.warmup_steps and step < cfg.warmup_steps else 1.0
+    lr = cfg.lr * warm * _cosine(cfg, step) * scale
+    eps = max(cfg.eps_min, lr) if cfg.tie_eps_to_lr else cfg.eps * scale
     return lr, eps
+
+
+def decoder_lr(cfg: SPSAConfig, step: int, scale: float = 1.0) -> float:
+    """The delta-rule decoder's Adam lr: no warmup (its gradient is exact), the same cosine and plateau."""
+    return cfg.decoder_lr * _cosine(cfg, step) * scale
+
+
+def evals_per_step(cfg: SPSAConfig) -> int:
+    """Forward passes one update costs: 2K probes, plus a clean forward for the delta rule, per batch."""
+    return cfg.accumulate * (2 * cfg.directions + (1 if cfg.decoder == "delta" else 0))
+
+
+# --- optimizer state -----------------------------------------------------------------------------------
+
+
+@dataclass
+class OptState:
+    """Everything besides the weights that an expert's next step depends on; it travels and checkpoints
+    with the weights. Arrays cover the whole flat vector (the body's part for the body update, the
+    decoder's part for the delta rule) and are created on first use."""
+
+    momentum: np.ndarray | None = None
+    adam_m: np.ndarray | None = None
+    adam_v: np.ndarray | None = None
+    lr_scale: float = 1.0  # the plateau rule's factor on lr and eps, constant within a federation round
+    best_val: float | None = None  # plateau counters: the best val loss so far and the step it was seen
+    best_step: int = 0
+
+    def to_record(self) -> dict[str, Any]:
+        return {"momentum": self.momentum, "adam_m": self.adam_m, "adam_v": self.adam_v,
+                "lr_scale": float(self.lr_scale), "best_val": self.best_val, "best_step": int(self.best_step)}  # fmt: skip
+
+    @classmethod
+    def from_record(cls, rec: Any, size: int, where: str = "optimizer state") -> "OptState":
+        """Check a record against the weights it belongs to (float32[size], finite); CheckpointError if not."""
+        if rec is None:
+            return cls()
+        if not isinstance(rec, dict):
+            raise CheckpointError(f"{where}: not a map")
+        unknown = set(rec) - {"momentum", "adam_m", "adam_v", "lr_scale", "best_val", "best_step"}
+        if unknown:
+            raise CheckpointError(f"{where}: unknown fields {sorted(unknown)}")
+        arrays = {}
+        for name in ("momentum", "adam_m", "adam_v"):
+            a = rec.get(name)
+            if a is not None and (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (size,)
+                                  or not np.isfinite(a).all()):  # fmt: skip
+                got = f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise CheckpointError(f"{where}: {name} is {got}, not a finite float32[{size}] like the weights")
+            arrays[name] = None if a is None else np.array(a, dtype=np.float32)
+        if (arrays["adam_m"] is None) != (arrays["adam_v"] is None) or (
+            arrays["adam_v"] is not None and (arrays["adam_v"] < 0).any()
+        ):
+            raise CheckpointError(f"{where}: Adam moments are incomplete or negative")
+        scale, best, best_step = rec.get("lr_scale", 1.0), rec.get("best_val"), rec.get("best_step", 0)
+        if not _finite_number(scale) or not 0 < scale <= 1:
+            raise CheckpointError(f"{where}: lr_scale {scale!r} is not in (0, 1]")
+        if best is not None and not _finite_number(best):
+            raise CheckpointError(f"{where}: best_val {best!r} is not a finite number")
+        if not isinstance(best_step, int) or isinstance(best_step, bool) or best_step < 0:
+            raise CheckpointError(f"{where}: best_step {best_step!r} is not a step count")
+        return cls(**arrays, lr_scale=float(scale), best_val=None if best is None else float(best),
+                   best_step=best_step)  # fmt: skip
+
+
+def _finite_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
 class State:
-    """What an expert carries between steps: its weights, step counter and (optional) momentum."""
+    """What an expert carries between steps: its weights, step counter and optimizer state."""
 
     weights: np.ndarray
     step: int = 0
-    momentum: np.ndarray | None = None
+    opt: OptState = field(default_factory=OptState)
+
+
+def plateau(cfg: SPSAConfig, opt: OptState, val: float, step: int) -> bool:
+    """Record the expert's val loss at `step`; halve lr and eps (opt.lr_scale) when it has not improved by
+    `plateau_min_delta` for `plateau_patience` steps, never below `lr_floor`. True when it decayed.
+
+    The caller decides when to look (the coordinator at round boundaries), so the scale is constant
+    between looks and a round's steps all use one lr."""
+    if not cfg.plateau:
+        return False
+    if opt.best_val is None or val < opt.best_val - cfg.plateau_min_delta:
+        opt.best_val, opt.best_step = float(val), step
+        return False
+    if step - opt.best_step < cfg.plateau_patience:
+        return False
+    floor = cfg.lr_floor / cfg.lr
+    new = max(floor, opt.lr_scale * cfg.plateau_factor)
+    opt.best_step = step  # patience counts afresh from the decay
+    if new >= opt.lr_scale:
+        return False
+    opt.lr_scale = new
+    return True
+
+
+# --- one step ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Objective:
+    """One minibatch: `loss(w)` for the probes and, for the delta rule, `clean(w)` -> (loss, decoder grad)."""
+
+    loss: LossFn
+    clean: CleanFn | None = None
 
 
 @dataclass
 class StepResult:
     step: int  # the step index this update used for its key and schedule
-    grads: np.ndarray  # float64[K] projected gradients g_k: with the key, all that is needed to replay
-    loss: float  # mean of L+ and L- over the K directions: a (slightly biased) minibatch loss
+    grads: np.ndarray  # float64[A*K] projected gradients g: with the key, all that replays the body
+    loss: float  # the clean minibatch loss where there was a clean forward, else the mean of L+ and L-
     lr: float
     eps: float
+    decoder_grad: np.ndarray | None = None  # float32, the delta rule's mean gradient (replays the decoder)
 
 
-def _accumulate(acc: np.ndarray, g: float, z: np.ndarray) -> None:
-    acc += np.float32(g) * z
+def _adam(g: np.ndarray, m: np.ndarray, v: np.ndarray, t: int, cfg: SPSAConfig) -> np.ndarray:
+    """Bias-corrected Adam direction for gradient g at update t >= 1; updates the moments in place."""
+    m *= np.float32(cfg.beta1)
+    m += np.float32(1 - cfg.beta1) * g
+    v *= np.float32(cfg.beta2)
+    v += np.float32(1 - cfg.beta2) * (g * g)
+    m_hat = m / np.float32(1 - cfg.beta1**t)
+    v_hat = v / np.float32(1 - cfg.beta2**t)
+    return m_hat / (np.sqrt(v_hat) + np.float32(cfg.adam_eps))
 
 
-def _apply(state: State, cfg: SPSAConfig, acc: np.ndarray, lr: float) -> None:
-    update = acc / np.float32(cfg.directions)
-    if cfg.normalize:
+def _moments(opt: OptState, n: int) -> tuple[np.ndarray, np.ndarray]:
+    if opt.adam_m is None or opt.adam_v is None:
+        opt.adam_m, opt.adam_v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    return opt.adam_m, opt.adam_v
+
+
+def _apply(state: State, cfg: SPSAConfig, body: int, acc: np.ndarray, dec: np.ndarray | None) -> None:
+    """w <- w - lr u(ĝ) on the body, and the decoder's Adam step on the delta-rule gradient."""
+    t, opt, w = state.step, state.opt, state.weights
+    lr, _ = schedule(cfg, t, opt.lr_scale)
+    update = acc / np.float32(cfg.directions * cfg.accumulate)
+    if cfg.weight_decay > 0:
+        update += np.float32(cfg.weight_decay) * w[:body]
+    if cfg.update == "adam":
+        m, v = _moments(opt, w.size)
+        update = _adam(update, m[:body], v[:body], t + 1, cfg)
+    elif cfg.update == "rms":
         rms = np.sqrt(np.mean(np.square(update, dtype=np.float64)))
         if rms > 0:
             update *= np.float32(1.0 / rms)
-    if cfg.momentum > 0:
-        if state.momentum is None:
-            state.momentum = np.zeros_like(state.weights)
-        state.momentum *= np.float32(cfg.momentum)
-        state.momentum += update
-        update = state.momentum
-    state.weights -= np.float32(lr) * update
+    if cfg.momentum > 0 and cfg.update != "adam":
+        if opt.momentum is None:
+            opt.momentum = np.zeros_like(w)
+        buf = opt.momentum[:body]
+        buf *= np.float32(cfg.momentum)
+        buf += update
+        update = buf
+    w[:body] -= np.float32(lr) * update
+    if dec is not None:
+        # No weight decay here: the decoder's exact gradient is tiny for rare bytes, so a coupled wd*w would
+        # dominate it and Adam would shrink those weights at its full lr (measured: +0.1 nats/byte).
+        m, v = _moments(opt, w.size)
+        w[body:] -= np.float32(decoder_lr(cfg, t, opt.lr_scale)) * _adam(dec, m[body:], v[body:], t + 1, cfg)
     state.step += 1
 
 
 @dataclass
 class Stepper:
-    """Runs SPSA steps for one expert. `loss_fn(w)` evaluates the current minibatch at weights w.
+    """Runs SPSA steps for one expert.
 
-    Directions are worked on by `parallel + 1` threads, while at most `parallel` loss evaluations run at
-    once (ORT releases the GIL): the spare thread draws the next direction's noise and builds its probe
-    while the others evaluate, so the cores never wait on numpy. On a 2-core CPU, parallel=2 (two
-    single-thread ORT runs side by side) beats one two-thread run by ~20-40% (docs/BENCHMARKS.md). The
-    main thread sums g_k z_k in the order k, so the result is bit-identical for any `parallel`.
+    `body` is how many leading weights SPSA perturbs (the layout's body); the rest is the decoder, which
+    the delta rule updates, SPSA perturbs as well (`decoder = "spsa"`), or nobody touches ("frozen").
+    0 means the whole vector is body (no decoder). `dense` marks body weights that sparse probes always
+    touch (norm gains).
+
+    Work runs on `parallel + 1` threads with at most `parallel` loss evaluations at once (ORT releases
+    the GIL): the spare thread draws the next direction's noise and builds its probe while the others
+    evaluate, so the cores never wait on numpy. On a 2-core CPU, parallel=2 (two single-thread ORT runs
+    side by side) beats one two-thread run by ~20-40% (docs/BENCHMARKS.md). The main thread sums g z
+    in index order, so the result is bit-identical for any `parallel`.
     """
 
     cfg: SPSAConfig
     seed: int
     expert: int = 0
     parallel: int = 1
+    body: int = 0
+    dense: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(self.parallel + 1, thread_name_prefix="spsa")
         self._gate = threading.BoundedSemaphore(self.parallel)
         self._buffers = threading.local()
 
-    def _z(self, step: int, k: int, n: int) -> np.ndarray:
-        return noise(self.seed, self.expert, step, k, n, self.cfg.noise)
+    def _split(self, n: int) -> tuple[int, bool]:
+        """(perturbed length, whether the delta rule trains the rest)."""
+        body = self.body or n
+        if self.cfg.decoder == "spsa":
+            return n, False
+        return body, self.cfg.decoder == "delta" and body < n
+
+    def _z(self, step: int, j: int, n: int) -> np.ndarray:
+        z = noise(self.seed, self.expert, step, j, n, self.cfg.noise)
+        if self.cfg.density < 1:
+            keep = probe_mask(self.seed, self.expert, step, j, n, self.cfg.density)
+            if self.dense is not None:
+                keep |= self.dense[:n]
+            z *= keep  # exact: multiplies by 1.0 or 0.0
+        return z
 
     def _probe(self, n: int) -> np.ndarray:
         buf = getattr(self._buffers, "probe", None)
@@ -133,49 +307,96 @@ class Stepper:
             buf = self._buffers.probe = np.empty(n, dtype=np.float32)
         return buf
 
-    def _direction(self, w: np.ndarray, loss_fn: LossFn, t: int, k: int, eps: float) -> tuple[float, float, np.ndarray]:
-        z = self._z(t, k, w.size)
+    def _direction(self, w: np.ndarray, loss_fn: LossFn, t: int, j: int, body: int,
+                   eps: float) -> tuple[float, float, np.ndarray]:  # fmt: skip
+        z = self._z(t, j, body)
         probe = self._probe(w.size)
-        np.multiply(z, np.float32(eps), out=probe)
-        probe += w
+        probe[body:] = w[body:]
+        head = probe[:body]
+        np.multiply(z, np.float32(eps), out=head)
+        head += w[:body]
         with self._gate:
             lp = loss_fn(probe)
-        np.multiply(z, np.float32(-eps), out=probe)
-        probe += w
+        np.multiply(z, np.float32(-eps), out=head)
+        head += w[:body]
         with self._gate:
             lm = loss_fn(probe)
         return lp, lm, z
 
-    def step(self, state: State, loss_fn: LossFn) -> StepResult:
-        cfg, n, t = self.cfg, state.weights.size, state.step
-        lr, eps = schedule(cfg, t)
-        acc = np.zeros(n, dtype=np.float32)
-        grads = np.empty(cfg.directions, dtype=np.float64)
-        losses = 0.0
-        window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
-        submit = lambda k: self._pool.submit(self._direction, state.weights, loss_fn, t, k, eps)  # noqa: E731
-        futures = {k: submit(k) for k in range(min(window, cfg.directions))}
-        for k in range(cfg.directions):
-            lp, lm, z = futures.pop(k).result()
-            if k + window < cfg.directions:
-                futures[k + window] = submit(k + window)
-            g = (lp - lm) / (2.0 * eps)
-            grads[k] = g
-            losses += lp + lm
-            _accumulate(acc, g, z)
-        _apply(state, cfg, acc, lr)
-        return StepResult(step=t, grads=grads, loss=losses / (2 * cfg.directions), lr=lr, eps=eps)
+    def _clean(self, w: np.ndarray, clean_fn: CleanFn) -> tuple[float, np.ndarray]:
+        with self._gate:
+            return clean_fn(w)
 
-    def replay(self, state: State, grads: np.ndarray) -> None:
-        """Apply a recorded step from its K scalars alone: no loss evaluation, bit-identical result."""
+    def step(self, state: State, objectives: Objective | Sequence[Objective] | LossFn) -> StepResult:
+        """One update from `accumulate` minibatches (one Objective each; a bare loss function is one
+        minibatch without a clean forward)."""
+        objs = _as_objectives(objectives)
+        cfg, w, t = self.cfg, state.weights, state.step
+        if len(objs) != cfg.accumulate:
+            raise ValueError(f"spsa.accumulate = {cfg.accumulate} needs that many minibatches, got {len(objs)}")
+        body, delta = self._split(w.size)
+        if delta and any(o.clean is None for o in objs):
+            raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
+        _, eps = schedule(cfg, t, state.opt.lr_scale)
+        K, total = cfg.directions, cfg.directions * cfg.accumulate
+        cleans = [self._pool.submit(self._clean, w, o.clean) for o in objs] if delta else []
+        window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
+        submit = lambda j: self._pool.submit(self._direction, w, objs[j // K].loss, t, j, body, eps)  # noqa: E731
+        futures: dict[int, Future] = {j: submit(j) for j in range(min(window, total))}
+        acc = np.zeros(body, dtype=np.float32)
+        grads = np.empty(total, dtype=np.float64)
+        probe_losses = 0.0
+        for j in range(total):
+            lp, lm, z = futures.pop(j).result()
+            if j + window < total:
+                futures[j + window] = submit(j + window)
+            grads[j] = (lp - lm) / (2.0 * eps)
+            probe_losses += lp + lm
+            _accumulate(acc, grads[j], z)
+        dec, loss = None, probe_losses / (2 * total)
+        if delta:
+            outs = [f.result() for f in cleans]
+            dec = _mean_decoder_grad([g for _, g in outs])
+            loss = sum(l for l, _ in outs) / len(outs)
+        lr, _ = schedule(cfg, t, state.opt.lr_scale)
+        _apply(state, cfg, body, acc, dec)
+        return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
+
+    def replay(self, state: State, grads: np.ndarray, decoder_grad: np.ndarray | None = None) -> None:
+        """Apply a recorded step from its scalars (and the delta rule's decoder gradient): no loss
+        evaluation, bit-identical result."""
         cfg, n, t = self.cfg, state.weights.size, state.step
-        if len(grads) != cfg.directions:
-            raise ValueError(f"replay needs {cfg.directions} scalars, got {len(grads)}")
-        lr, _ = schedule(cfg, t)
-        acc = np.zeros(n, dtype=np.float32)
-        for k, g in enumerate(grads):
-            _accumulate(acc, float(g), self._z(t, k, n))
-        _apply(state, cfg, acc, lr)
+        total = cfg.directions * cfg.accumulate
+        if len(grads) != total:
+            raise ValueError(f"replay needs {total} scalars, got {len(grads)}")
+        body, delta = self._split(n)
+        if delta and (decoder_grad is None or decoder_grad.shape != (n - body,)):
+            raise ValueError(f"replay of a delta-rule step needs the decoder gradient float32[{n - body}]")
+        acc = np.zeros(body, dtype=np.float32)
+        for j, g in enumerate(grads):
+            _accumulate(acc, float(g), self._z(t, j, body))
+        _apply(state, cfg, body, acc, decoder_grad if delta else None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _accumulate(acc: np.ndarray, g: float, z: np.ndarray) -> None:
+    acc += np.float32(g) * z
+
+
+def _mean_decoder_grad(grads: list[np.ndarray]) -> np.ndarray:
+    out = np.array(grads[0], dtype=np.float32)
+    for g in grads[1:]:
+        out += g
+    if len(grads) > 1:
+        out /= np.float32(len(grads))
+    return out
+
+
+def _as_objectives(objectives: Objective | Sequence[Objective] | LossFn) -> list[Objective]:
+    if isinstance(objectives, Objective):
+        return [objectives]
+    if callable(objectives):
+        return [Objective(loss=objectives)]
+    return list(objectives)

@@ -34,6 +34,15 @@ def _worker(tmp_path, toml: str, *extra: str):
         ("[spsa]\nlr = inf\n", "spsa.lr"),
         ("[federation]\nround_seconds = inf\n", "federation.round_seconds"),
         ("[spsa]\neps = nan\n", "spsa.eps"),
+        ('[spsa]\ndecoder = "backprop"\n', "spsa.decoder"),
+        ("[spsa]\ndensity = 0\n", "spsa.density"),
+        ("[spsa]\ndensity = 1.5\n", "spsa.density"),
+        ("[spsa]\nplateau_patience = 0\n", "spsa.plateau_patience"),
+        ("[spsa]\nlr_floor = 0\n", "spsa.lr_floor"),
+        ("[spsa]\nlr_floor = -1e-5\n", "spsa.lr_floor"),
+        ('[spsa]\nupdate = "lion"\n', "spsa.update"),
+        ("[spsa]\naccumulate = 0\n", "spsa.accumulate"),
+        ("[spsa]\nbeta2 = 1\n", "spsa.beta2"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, field):

@@ -36,20 +36,64 @@ def test_same_seed_same_bits_other_seed_differs(tmp_path):
 
 
 def test_concurrency_does_not_change_the_bits():
-    """parallel=1 and parallel=2 (two ORT runs at once) give the same weights: g_k z_k is summed in order k."""
-    from soma_edge.config import SPSAConfig
-    from soma_edge.runtime import LossEvaluator
-    from soma_edge.spsa import State, Stepper
+    """parallel=1 and parallel=2 (two ORT runs at once) give the same weights: g z is summed in index
+    order and the clean forwards are averaged in batch order, with the delta rule, Adam and accumulation."""
+    from soma_edge.config import Config
+    from soma_edge.runtime import evaluator_for
+    from soma_edge.spsa import Objective, State, Stepper
 
-    m = ModelConfig(embed=8, hidden=24)
-    x = np.random.default_rng(0).integers(0, 256, (4, 32)).astype(np.int64)
+    cfg = Config(model=ModelConfig(embed=8, hidden=24))
+    cfg.spsa.directions, cfg.spsa.update, cfg.spsa.accumulate, cfg.spsa.density = 3, "adam", 2, 0.5
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(0, 256, (4, 32)).astype(np.int64) for _ in range(2)]
     out = []
     for parallel in (1, 2):
-        ev = LossEvaluator(m, "cpu", threads=1, parallel=parallel)
-        stepper = Stepper(SPSAConfig(directions=6), seed=5, parallel=ev.parallel)
-        state = State(params.init(m, 0))
+        ev = evaluator_for(cfg, "cpu", threads=1, parallel=parallel)
+        objs = [Objective(lambda w, x=x: ev.loss(w, x, x), lambda w, x=x: ev.clean(w, x, x)) for x in xs]
+        stepper = Stepper(cfg.spsa, seed=5, parallel=ev.parallel, body=params.layout(cfg.model).body)
+        state = State(params.init(cfg.model, 0))
         for _ in range(5):
-            stepper.step(state, lambda w: ev.loss(w, x, x))
+            stepper.step(state, objs)
         stepper.close()
-        out.append(state.weights)
-    assert out[0].tobytes() == out[1].tobytes()
+        out.append(state)
+    assert out[0].weights.tobytes() == out[1].weights.tobytes()
+    assert out[0].opt.adam_v.tobytes() == out[1].opt.adam_v.tobytes()
+
+
+def _cli_train(tmp_path, *args: str):
+    cfg = tmp_path / "resume.toml"
+    cfg.write_text('device = "cpu"\n[model]\nembed = 8\nhidden = 24\n[data]\nbatch = 4\nseq_len = 32\n'
+                   '[spsa]\ndirections = 3\nupdate = "adam"\nlr = 1e-3\ndensity = 0.5\nweight_decay = 1e-4\n'
+                   'plateau = true\nplateau_patience = 4\n')  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "worker.cli", "train", "--config", str(cfg), "--eval-windows", "4",
+                        "--check-steps", "4", "--json", *args], capture_output=True, text=True, timeout=300)  # fmt: skip
+    return r
+
+
+def test_resume_restores_the_optimizer_state_bit_for_bit(tmp_path):
+    """12 steps straight equal 8 steps, a checkpoint, and 4 more: weights, both Adam moments, lr scale."""
+    from soma_edge.spsa import OptState
+
+    straight, first, resumed = tmp_path / "straight.msgpack", tmp_path / "first.msgpack", tmp_path / "resumed.msgpack"
+    for args in (["--steps", "12", "--out", str(straight)], ["--steps", "8", "--out", str(first)],
+                 ["--steps", "4", "--resume", str(first), "--out", str(resumed)]):  # fmt: skip
+        r = _cli_train(tmp_path, *args)
+        assert r.returncode == 0, r.stderr
+    a, b = checkpoint.load(straight, "expert"), checkpoint.load(resumed, "expert")
+    assert a["step"] == b["step"] == 12
+    assert a["weights"].tobytes() == b["weights"].tobytes()
+    oa, ob = (OptState.from_record(x["opt"], a["weights"].size) for x in (a, b))
+    assert oa.adam_m.tobytes() == ob.adam_m.tobytes() and oa.adam_v.tobytes() == ob.adam_v.tobytes()
+    assert (oa.lr_scale, oa.best_val, oa.best_step) == (ob.lr_scale, ob.best_val, ob.best_step)
+
+
+def test_resume_refuses_optimizer_state_that_does_not_fit(tmp_path):
+    ckpt = tmp_path / "first.msgpack"
+    assert _cli_train(tmp_path, "--steps", "2", "--out", str(ckpt)).returncode == 0
+    body = checkpoint.load(ckpt, "expert")
+    body["opt"]["adam_v"] = body["opt"]["adam_v"][:-3]
+    checkpoint.save(ckpt, body, "expert")
+    r = _cli_train(tmp_path, "--steps", "1", "--resume", str(ckpt))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: --resume")
+    assert "adam_v is float32[" in r.stderr

@@ -72,3 +72,21 @@ def test_flat_grad_roundtrip():
     h = 1e-2
     fd = (ev.loss(w + h * d, x, y) - ev.loss(w - h * d, x, y)) / (2 * h)
     assert abs(fd - np.linalg.norm(g)) / np.linalg.norm(g) < 0.05
+
+
+@pytest.mark.parametrize("m", SHAPES, ids=lambda m: f"E{m.embed}H{m.hidden}L{m.layers}")
+def test_delta_rule_equals_autograd_through_the_decoder(m):
+    """The train graph's decoder gradient is torch autograd's gradient w.r.t. the head alone (h detached)."""
+    from bench.torch_ref import decoder_path_grad
+
+    ev = LossEvaluator(m, device="cpu", threads=1, decoder_grad=True)
+    w = _wide_weights(m, 4)
+    x, y = _batch(5, b=4, t=23)
+    loss, g = ev.clean(w, x, y)
+    ref_loss, ref = decoder_path_grad(m, w, x, y)
+    assert g.dtype == np.float32 and g.shape == (params.count(m) - params.layout(m).body,)
+    assert abs(loss - ref_loss) <= 1e-5
+    diff = np.abs(g.astype(np.float64) - ref)
+    assert diff.max() <= 1e-5, diff.max()
+    assert np.linalg.norm(diff) / np.linalg.norm(ref) <= 1e-5
+    assert np.linalg.norm(ref) > 1e-2  # a real gradient, not zeros on both sides

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from soma_edge.config import SPSAConfig
-from soma_edge.spsa import State, Stepper, noise, schedule
+from soma_edge.spsa import Objective, OptState, State, Stepper, noise, plateau, probe_mask, schedule
 
 
 def test_noise_is_regenerated_from_its_key():
@@ -47,12 +47,12 @@ def _quadratic(target):
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
-@pytest.mark.parametrize("normalize,momentum", [(True, 0.0), (False, 0.0), (True, 0.5)])
-def test_spsa_descends_a_quadratic(kind, normalize, momentum):
+@pytest.mark.parametrize("update,momentum", [("rms", 0.0), ("sgd", 0.0), ("rms", 0.5), ("adam", 0.0)])
+def test_spsa_descends_a_quadratic(kind, update, momentum):
     rng = np.random.default_rng(0)
     target = rng.standard_normal(200)
-    lr = 0.02 if normalize else 0.005
-    cfg = SPSAConfig(directions=4, eps=1e-2, lr=lr, warmup_steps=0, noise=kind, normalize=normalize, momentum=momentum)
+    lr = {"rms": 0.02, "sgd": 0.005, "adam": 0.02}[update]
+    cfg = SPSAConfig(directions=4, eps=1e-2, lr=lr, warmup_steps=0, noise=kind, update=update, momentum=momentum)
     state = State(np.zeros(200, dtype=np.float32))
     f = _quadratic(target)
     start = f(state.weights)
@@ -91,3 +91,135 @@ def test_replay_is_bit_identical(momentum):
     assert not np.array_equal(live.weights, w0)
     with pytest.raises(ValueError):
         stepper.replay(replayed, scalars[0][:2])
+
+
+# --- the recipe: delta-rule decoder, Adam, sparse probes, weight decay, accumulation, plateau ----------
+
+BODY, DEC = 120, 40  # a toy "expert": the last DEC weights play the decoder
+
+
+def _toy(seed: int):
+    """A quadratic objective whose clean forward also returns the exact gradient of its decoder part."""
+    target = np.random.default_rng(seed).standard_normal(BODY + DEC)
+
+    def loss(w):
+        return float(np.sum((w.astype(np.float64) - target) ** 2))
+
+    def clean(w):
+        return loss(w), (2 * (w[BODY:].astype(np.float64) - target[BODY:])).astype(np.float32)
+
+    return loss, clean
+
+
+RECIPES = {
+    "adam": dict(update="adam", lr=1e-2),
+    "adam+sparse+wd": dict(update="adam", lr=1e-2, density=0.5, weight_decay=1e-3),
+    "rms+momentum+sparse": dict(update="rms", momentum=0.9, density=0.25),
+    "sgd+gaussian+wd": dict(update="sgd", lr=1e-3, noise="gaussian", weight_decay=1e-2),
+    "adam+accumulate": dict(update="adam", accumulate=3),
+}
+
+
+@pytest.mark.parametrize("decoder", ["delta", "spsa", "frozen"])
+@pytest.mark.parametrize("recipe", list(RECIPES), ids=list(RECIPES))
+def test_replay_is_bit_identical_for_every_option(recipe, decoder):
+    cfg = SPSAConfig(directions=4, warmup_steps=2, decoder=decoder, **RECIPES[recipe])
+    loss, clean = _toy(1)
+    w0 = np.random.default_rng(2).standard_normal(BODY + DEC).astype(np.float32)
+    live, replayed = State(w0.copy()), State(w0.copy())
+    live.opt.lr_scale = replayed.opt.lr_scale = 0.5
+    stepper = Stepper(cfg, seed=9, expert=3, body=BODY)
+    objs = [Objective(loss, clean)] * cfg.accumulate
+    results = [stepper.step(live, objs) for _ in range(12)]
+    for r in results:
+        assert r.grads.shape == (4 * cfg.accumulate,)
+        stepper.replay(replayed, r.grads, r.decoder_grad)
+    stepper.close()
+    assert replayed.weights.tobytes() == live.weights.tobytes()
+    for name in ("momentum", "adam_m", "adam_v"):
+        a, b = getattr(live.opt, name), getattr(replayed.opt, name)
+        assert (a is None and b is None) or a.tobytes() == b.tobytes(), name
+    decoder_moved = not np.array_equal(live.weights[BODY:], w0[BODY:])
+    assert decoder_moved == (decoder != "frozen")
+    assert not np.array_equal(live.weights[:BODY], w0[:BODY])
+    assert loss(live.weights) < loss(w0)
+
+
+def test_delta_decoder_is_never_perturbed_and_takes_adam_steps():
+    seen = []
+    loss, clean = _toy(3)
+
+    def spy(w):
+        seen.append(w.copy())
+        return loss(w)
+
+    w0 = np.zeros(BODY + DEC, dtype=np.float32)
+    cfg = SPSAConfig(directions=3, decoder="delta", decoder_lr=0.1, warmup_steps=0)
+    state = State(w0.copy())
+    r = Stepper(cfg, seed=0, body=BODY).step(state, Objective(spy, clean))
+    assert len(seen) == 6 and all(np.array_equal(p[BODY:], w0[BODY:]) for p in seen)
+    assert all(not np.array_equal(p[:BODY], w0[:BODY]) for p in seen)
+    # First Adam step (bias-corrected) moves each decoder weight by lr against the sign of its gradient.
+    g = r.decoder_grad
+    assert np.allclose(state.weights[BODY:], -0.1 * np.sign(g), atol=1e-6)
+    assert r.loss == loss(w0)  # the clean loss, not the probes' mean
+    with pytest.raises(ValueError, match="clean forward"):
+        Stepper(cfg, seed=0, body=BODY).step(State(w0.copy()), spy)
+
+
+def test_sparse_probes_touch_a_density_share_and_keep_gains_dense():
+    n = 200_000
+    for q in (0.5, 0.1):
+        m = probe_mask(5, 1, 7, 2, n, q)
+        assert m.dtype == bool and abs(m.mean() - q) < 0.01
+        assert np.array_equal(m, probe_mask(5, 1, 7, 2, n, q))
+        assert not np.array_equal(m, probe_mask(5, 1, 7, 3, n, q))
+    dense = np.zeros(BODY, dtype=bool)
+    dense[:10] = True  # "norm gains"
+    st = Stepper(SPSAConfig(directions=1, density=0.5), seed=1, body=BODY, dense=dense)
+    z = st._z(0, 0, BODY)
+    assert np.all(np.abs(z[:10]) == 1) and 0.3 < np.mean(z[10:] == 0) < 0.7
+    assert set(np.unique(np.abs(z))) == {0.0, 1.0}  # no rescaling
+    st.close()
+
+
+def test_accumulation_uses_fresh_directions_per_batch():
+    loss, clean = _toy(4)
+    cfg = SPSAConfig(directions=2, accumulate=3, decoder="spsa", warmup_steps=0)
+    calls = []
+    objs = [Objective(lambda w, a=a: calls.append(a) or loss(w)) for a in range(3)]
+    r = Stepper(cfg, seed=2).step(State(np.zeros(BODY + DEC, np.float32)), objs)
+    assert sorted(calls) == [0] * 4 + [1] * 4 + [2] * 4  # each batch: its own K directions, 2 probes each
+    assert len(set(r.grads.round(6))) == 6
+    with pytest.raises(ValueError, match="accumulate"):
+        Stepper(cfg, seed=2).step(State(np.zeros(BODY + DEC, np.float32)), objs[:1])
+
+
+def test_plateau_halves_lr_and_eps_together_down_to_the_floor():
+    cfg = SPSAConfig(lr=1e-3, eps=1e-3, plateau=True, plateau_patience=100, lr_floor=2e-4)
+    opt = OptState()
+    assert not plateau(cfg, opt, 2.0, 100) and opt.best_val == 2.0
+    assert not plateau(cfg, opt, 1.9, 150) and opt.best_step == 150
+    assert not plateau(cfg, opt, 1.9 - 1e-9, 240)  # below min_delta: no improvement, but patience not spent
+    assert plateau(cfg, opt, 1.95, 250) and opt.lr_scale == 0.5
+    assert schedule(cfg, 1000, opt.lr_scale) == pytest.approx((5e-4, 5e-4))
+    assert not plateau(cfg, opt, 1.95, 300)  # patience counts afresh from the decay
+    assert plateau(cfg, opt, 1.95, 350) and opt.lr_scale == 0.25
+    assert plateau(cfg, opt, 1.95, 450) and opt.lr_scale == pytest.approx(0.2)  # the floor: lr 2e-4
+    assert not plateau(cfg, opt, 1.95, 550) and opt.lr_scale == pytest.approx(0.2)
+    assert not plateau(SPSAConfig(), OptState(), 9.0, 10**6)  # off by default
+
+
+def test_optimizer_state_record_round_trips_and_refuses_mismatches():
+    from soma_edge.errors import CheckpointError
+
+    opt = OptState(adam_m=np.ones(5, np.float32), adam_v=np.full(5, 2, np.float32), lr_scale=0.25, best_val=1.5,
+                   best_step=40)  # fmt: skip
+    back = OptState.from_record(opt.to_record(), 5)
+    assert back.lr_scale == 0.25 and back.best_val == 1.5 and back.best_step == 40
+    assert back.adam_v.tobytes() == opt.adam_v.tobytes() and back.momentum is None
+    assert OptState.from_record(None, 5) == OptState()
+    for bad in [{**opt.to_record(), "adam_m": np.ones(6, np.float32)}, {**opt.to_record(), "adam_m": np.ones(5)},
+                {**opt.to_record(), "best_step": -1}, {**opt.to_record(), "lr_scale": 0.0}, [1, 2]]:  # fmt: skip
+        with pytest.raises(CheckpointError):
+            OptState.from_record(bad, 5)

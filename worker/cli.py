@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import typer
 
 from soma_edge import checkpoint, corpus, params
@@ -15,8 +17,8 @@ from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError
 from soma_edge.procs import die_with_parent, flower_bin, flower_env, free_port
 from soma_edge.protocol import weights_sha256
-from soma_edge.runtime import LossEvaluator, mean_loss
-from soma_edge.spsa import State
+from soma_edge.runtime import evaluator_for, mean_loss
+from soma_edge.spsa import OptState, State, plateau
 from worker.trainer import train as train_loop
 
 app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on ONNX Runtime.")
@@ -34,8 +36,10 @@ def train_cmd(
     seed: Optional[int] = typer.Option(None, min=0, max=MAX_SEED, help="Override the config's seed."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:i] | an ORT execution provider."),
     threads: Optional[int] = typer.Option(None, help="ORT intra-op threads (0 = ORT decides)."),
-    out: Optional[Path] = typer.Option(None, help="Write the trained weights here (checksummed msgpack)."),
+    out: Optional[Path] = typer.Option(None, help="Write the trained weights and optimizer state here (checksummed msgpack)."),
+    resume: Optional[Path] = typer.Option(None, help="Continue from a checkpoint that --out wrote (weights, step, optimizer state)."),
     eval_windows: int = typer.Option(128, min=1, help="Held-out windows for the before/after loss."),
+    check_steps: int = typer.Option(100, min=1, help="Steps between val checks of the plateau rule (spsa.plateau)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a summary."),
 ) -> None:
     """Train one expert on the default corpus on this box, and report held-out nats/byte before and after."""
@@ -49,24 +53,36 @@ def train_cmd(
     config_mod.validate(cfg)
     if out is not None and (out.is_dir() or not out.parent.is_dir()):
         raise CheckpointError(f"--out {out}: must be a file path in an existing folder")
+    state = _resume(resume, cfg) if resume else State(params.init(cfg.model, cfg.seed))
 
     splits = corpus.by_split(corpus.default_documents())
     train_data, test_data = corpus.to_stream(splits["train"]), corpus.to_stream(splits["test"])
     xt, yt = corpus.eval_windows(test_data, cfg.data.seq_len, eval_windows)
-    evaluator = LossEvaluator(cfg.model, cfg.device, cfg.threads, parallel=cfg.parallel)
-    state = State(params.init(cfg.model, cfg.seed))
+    xv, yv = corpus.eval_windows(corpus.to_stream(splits["val"]), cfg.data.seq_len, eval_windows)
+    evaluator = evaluator_for(cfg)
     before = mean_loss(evaluator, state.weights, xt, yt)
-    report = train_loop(state, train_data, cfg, evaluator, steps=steps)
+    t0, done, evals = time.perf_counter(), 0, 0
+    while done < steps:
+        # The plateau rule looks at the val loss between chunks, as the coordinator does between rounds.
+        chunk = min(steps - done, check_steps) if cfg.spsa.plateau else steps - done
+        rep = train_loop(state, train_data, cfg, evaluator, steps=chunk)
+        done, evals = done + rep.steps, evals + rep.forward_evals
+        if cfg.spsa.plateau:
+            plateau(cfg.spsa, state.opt, mean_loss(evaluator, state.weights, xv, yv), state.step)
+    seconds = time.perf_counter() - t0
     after = mean_loss(evaluator, state.weights, xt, yt)
     if out is not None:
-        checkpoint.save(out, {"config": cfg.to_dict(), "step": state.step, "weights": state.weights}, "expert")
+        checkpoint.save(out, {"config": cfg.to_dict(), "step": state.step, "weights": state.weights,
+                              "opt": state.opt.to_record()}, "expert")  # fmt: skip
     summary = {
         "params": int(state.weights.size),
-        "steps": report.steps,
-        "seconds": round(report.seconds, 3),
-        "steps_per_s": round(report.steps_per_s, 3),
-        "forward_evals_per_s": round(report.evals_per_s, 1),
+        "steps": done,
+        "step": state.step,
+        "seconds": round(seconds, 3),
+        "steps_per_s": round(done / seconds, 3),
+        "forward_evals_per_s": round(evals / seconds, 1),
         "providers": evaluator.providers,
+        "lr_scale": state.opt.lr_scale,
         "test_nats_per_byte_before": before,
         "test_nats_per_byte_after": after,
         "unigram_nats_per_byte": corpus.unigram_entropy(train_data, test_data),
@@ -77,6 +93,21 @@ def train_cmd(
     else:
         for k, v in summary.items():
             print(f"{k:>28}: {v}")
+
+
+def _resume(path: Path, cfg: config_mod.Config) -> State:
+    """The state a `train --out` checkpoint holds, checked against this config's model."""
+    body = checkpoint.load(path, "expert")
+    size = params.count(cfg.model)
+    w = body.get("weights") if isinstance(body, dict) else None
+    if not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.shape != (size,):
+        got = f"{w.dtype}{list(w.shape)}" if isinstance(w, np.ndarray) else type(w).__name__
+        raise CheckpointError(f"--resume {path}: weights are {got}, this config's model needs float32[{size}]")
+    step = body.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"--resume {path}: step {step!r} is not a step count")
+    opt = OptState.from_record(body.get("opt"), size, f"--resume {path}: optimizer state")
+    return State(np.array(w), step=step, opt=opt)
 
 
 @app.command("join")

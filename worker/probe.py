@@ -17,7 +17,7 @@ import numpy as np
 
 from soma_edge import __version__, params
 from soma_edge.config import Config
-from soma_edge.runtime import LossEvaluator
+from soma_edge.runtime import LossEvaluator, evaluator_for
 from worker.cache import Cache
 
 PROBE_SECONDS = 1.5
@@ -43,7 +43,7 @@ def cuda_memory_bytes() -> int | None:
 def make_evaluator(cfg: Config, device: str, threads: int, spin: bool, parallel: int = 0) -> LossEvaluator:
     """The worker's evaluator. Workers sharing a box pass parallel=1 and threads=cores/workers, so that
     together they use each core once; a worker alone lets ORT and SPSA choose (0 = auto)."""
-    return LossEvaluator(cfg.model, device, threads, spin, parallel=parallel)
+    return evaluator_for(cfg, device, threads, spin, parallel)
 
 
 def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> str:

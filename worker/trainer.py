@@ -12,17 +12,19 @@ import numpy as np
 
 from soma_edge.config import Config
 from soma_edge.corpus import batch_rng, sample_batch
+from soma_edge.params import layout
 from soma_edge.runtime import LossEvaluator
-from soma_edge.spsa import State, Stepper
+from soma_edge.spsa import Objective, State, Stepper, evals_per_step
 
 
 @dataclass
 class TrainReport:
     steps: int
     seconds: float
-    loss: float  # mean SPSA minibatch loss over the steps run
+    loss: float  # mean minibatch loss over the steps run (the clean loss with the delta rule)
     forward_evals: int
-    grads: list[np.ndarray] = field(default_factory=list)  # per step, the K scalars that replay it
+    grads: list[np.ndarray] = field(default_factory=list)  # per step, the scalars that replay its body update
+    decoder_grads: list[np.ndarray] = field(default_factory=list)  # per step, with keep_decoder_grads
 
     @property
     def steps_per_s(self) -> float:
@@ -31,6 +33,16 @@ class TrainReport:
     @property
     def evals_per_s(self) -> float:
         return self.forward_evals / self.seconds if self.seconds > 0 else 0.0
+
+
+def objectives(data: np.ndarray, cfg: Config, evaluator: LossEvaluator, expert: int, step: int) -> list[Objective]:
+    """The step's `accumulate` minibatches, each drawn from its own key, as SPSA objectives."""
+    out = []
+    for part in range(cfg.spsa.accumulate):
+        x, y = sample_batch(data, cfg.data.batch, cfg.data.seq_len, batch_rng(cfg.seed, expert, step, part))
+        clean = (lambda w, x=x, y=y: evaluator.clean(w, x, y)) if evaluator.train_session is not None else None
+        out.append(Objective(loss=lambda w, x=x, y=y: evaluator.loss(w, x, y), clean=clean))
+    return out
 
 
 def train(
@@ -42,21 +54,26 @@ def train(
     expert: int = 0,
     steps: int | None = None,
     seconds: float | None = None,
+    keep_decoder_grads: bool = False,
 ) -> TrainReport:
     """Run SPSA on `state` in place until `steps` are done or `seconds` have passed (whichever is set first)."""
     if steps is None and seconds is None:
         raise ValueError("give steps, seconds, or both")
-    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=evaluator.parallel)
+    if cfg.spsa.decoder == "delta" and evaluator.train_session is None:
+        raise ValueError("spsa.decoder = 'delta' needs an evaluator built with decoder_grad=True")
+    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=evaluator.parallel,
+                      body=layout(cfg.model).body)  # fmt: skip
     report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
     t0 = time.perf_counter()
     loss_sum = 0.0
     try:
         while (steps is None or report.steps < steps) and (seconds is None or time.perf_counter() - t0 < seconds):
-            x, y = sample_batch(data, cfg.data.batch, cfg.data.seq_len, batch_rng(cfg.seed, expert, state.step))
-            result = stepper.step(state, lambda w: evaluator.loss(w, x, y))
+            result = stepper.step(state, objectives(data, cfg, evaluator, expert, state.step))
             report.steps += 1
-            report.forward_evals += 2 * cfg.spsa.directions
+            report.forward_evals += evals_per_step(cfg.spsa)
             report.grads.append(result.grads)
+            if keep_decoder_grads and result.decoder_grad is not None:
+                report.decoder_grads.append(result.decoder_grad)
             loss_sum += result.loss
     finally:
         stepper.close()
