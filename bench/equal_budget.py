@@ -8,7 +8,8 @@ chosen to fit, as in bench/variance.py) and the same compute budget F in forward
 - `--minutes` becomes F once, at the start: this machine's measured SPSA forward throughput on the
   monolithic shape (evaluations/s, both cores) times the analytic FLOPs of one forward pass, times the
   minutes. Load from other processes afterwards changes wall time, never what an arm gets.
-- An SPSA step costs 2K forward passes of its expert; a backprop step costs 3x its forward pass.
+- An SPSA step costs 2K forward passes of its expert, plus one clean forward with the delta-rule decoder
+  (`soma_edge.spsa.evals_per_step`); a backprop step costs 3x its forward pass.
 - SOMA with N experts: each expert gets F/N, i.e. `federation.max_steps` SPSA steps, and trains through
   the real federation (`soma-coord start` with an embedded SuperLink and local workers). Its score is the
   routed top-2 mixture (soma_edge.mixture, the router fitted by `soma-coord prepare`).
@@ -42,8 +43,8 @@ from coordinator.run import RunDir  # noqa: E402
 from soma_edge import corpus, mixture, params  # noqa: E402
 from soma_edge import router as router_mod  # noqa: E402
 from soma_edge.config import Config, ModelConfig  # noqa: E402
-from soma_edge.runtime import LossEvaluator, cpu_count, mean_loss  # noqa: E402
-from soma_edge.spsa import State  # noqa: E402
+from soma_edge.runtime import cpu_count, evaluator_for, mean_loss  # noqa: E402
+from soma_edge.spsa import State, evals_per_step  # noqa: E402
 from worker.trainer import train as spsa_train  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,7 +151,7 @@ def sweep_spsa(rd: RunDir, m: ModelConfig, n: int, lrs: list[float], steps: int,
     """Val nats/byte of expert 0 after `steps` SPSA steps (cosine over them) at each lr."""
     train, val = shard_stream(rd, 0, "train"), sweep_val(rd)
     x, y = corpus.eval_windows(val, Config().data.seq_len, SWEEP_VAL_WINDOWS)
-    ev = LossEvaluator(m, "cpu")
+    ev = evaluator_for(base_config(m, n, lrs[0], steps, corpus_name, seed), "cpu")
     out = {}
     for lr in lrs:
         cfg = base_config(m, n, lr, steps, corpus_name, seed)
@@ -330,7 +331,7 @@ def run_adam_arm(prep: RunDir, m: ModelConfig, lr: float, steps: int, batch: int
 def measure_rate(prep: RunDir, m: ModelConfig, seconds: float, seed: int) -> float:
     """Forward evaluations/s of SPSA training on the monolithic shape, both cores (what a lone worker does)."""
     cfg = base_config(m, 1, 5e-3, 0, "default", seed)
-    ev = LossEvaluator(m, "cpu")
+    ev = evaluator_for(cfg, "cpu")
     data = shard_stream(prep, 0, "train")
     spsa_train(State(params.init(m, seed)), data, cfg, ev, steps=2)  # warm the session up
     rep = spsa_train(State(params.init(m, seed)), data, cfg, ev, seconds=seconds)
@@ -441,7 +442,8 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     else:
         rate = measure_rate(preps[1], shapes[1], args.rate_seconds, args.seed)
         budget = args.minutes * 60 * rate * f_mono
-    steps = {n: max(1, int(budget / (n * 2 * K * forward_flops(shapes[n], B, T)))) for n in [1, *ns]}
+    per_step = evals_per_step(Config().spsa)  # 2K probes, plus the delta rule's clean forward
+    steps = {n: max(1, int(budget / (n * per_step * forward_flops(shapes[n], B, T)))) for n in [1, *ns]}
     adam_steps = max(1, int(budget / (3 * f_mono)))
     how = "given" if rate is None else f"{args.minutes:g} min x {rate:.1f} forward evals/s x {f_mono / 1e9:.3f} GFLOP"
     say(f"budget: {how} = {budget / 1e12:.2f} TFLOPs; "

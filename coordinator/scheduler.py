@@ -67,20 +67,21 @@ def clamp_rate(rate: float) -> float:
     return min(float(rate), MAX_RATE)
 
 
-def steps_for(rate: float, count: int, round_seconds: float, directions: int) -> int:
-    """SPSA steps per expert so that `count` experts fill `round_seconds` on a node of `rate` evals/s."""
-    steps = round_seconds * clamp_rate(rate) / (2 * directions * max(count, 1))
+def steps_for(rate: float, count: int, round_seconds: float, evals_per_step: int) -> int:
+    """SPSA steps per expert so that `count` experts fill `round_seconds` on a node of `rate` evals/s
+    (`evals_per_step`: forward passes of one update, `soma_edge.spsa.evals_per_step`)."""
+    steps = round_seconds * clamp_rate(rate) / (evals_per_step * max(count, 1))
     return max(1, min(MAX_STEPS, math.floor(steps)))
 
 
 def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], round_seconds: float,
-         directions: int) -> Plan:  # fmt: skip
+         evals_per_step: int) -> Plan:  # fmt: skip
     assignment = assign(experts, rates, previous)
     counts: dict[int, int] = {}
     for n in assignment.values():
         counts[n] = counts.get(n, 0) + 1
-    predicted = {e: steps_for(rates[n], counts[n], round_seconds, directions) for e, n in assignment.items()}
-    span = max((sum(predicted[e] for e, m in assignment.items() if m == n) * 2 * directions / rates[n]
+    predicted = {e: steps_for(rates[n], counts[n], round_seconds, evals_per_step) for e, n in assignment.items()}
+    span = max((sum(predicted[e] for e, m in assignment.items() if m == n) * evals_per_step / rates[n]
                 for n in counts), default=0.0)  # fmt: skip
     steps = {e: min(MAX_STEPS, math.ceil(HEADROOM * s)) for e, s in predicted.items()}
     moved = sorted(e for e, n in assignment.items() if previous.get(e) != n)

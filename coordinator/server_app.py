@@ -29,6 +29,7 @@ from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CodecError, CorpusError, SomaError, ValidationError
 from soma_edge.logs import role_logger
+from soma_edge.spsa import OptState, evals_per_step, plateau
 from coordinator import scheduler
 from coordinator.run import RunDir, RunLockedError
 
@@ -130,10 +131,10 @@ class Coordinator:
         experts = {}
         for e in range(self.cfg.federation.experts):
             body = {"expert": e, "version": 0, "sha256": sha, "config": self.cfg.to_dict(), "step": 0,
-                    "weights": w, "momentum": None, "val_loss": None}  # fmt: skip
+                    "weights": w, "opt": None, "val_loss": None}  # fmt: skip
             rel = self.run.save_expert(body)
             experts[str(e)] = {"version": 0, "sha256": sha, "path": rel, "step": 0, "train_loss": None,
-                               "val_loss": None, "node": None}  # fmt: skip
+                               "val_loss": None, "node": None, **_plateau_fields(OptState())}  # fmt: skip
         state = {"round": 0, "rounds": self.cfg.federation.rounds, "run_id": uuid.uuid4().hex, "experts": experts,
                  "assignment": {}, "soma_version": __version__}  # fmt: skip
         self.run.save_state(state)
@@ -303,12 +304,14 @@ class Coordinator:
                     shards[h] = self.run.shard(h)
                     sent_shard_bytes += len(shards[h])
             w = body["weights"] if body else None
-            m = body.get("momentum") if body else None
+            opt = self._checked_opt(body, x["path"]).to_record() if body else None
+            scale = float(x.get("lr_scale", 1.0))
             tasks.append(protocol.task(expert=e, version=x["version"], base_sha256=x["sha256"], step=x["step"],
-                                       steps=steps[e], shards=hashes, weights=w, momentum=m))  # fmt: skip
-            exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e]}
-            per_expert[e] = {"weights": 0 if w is None else w.nbytes + (0 if m is None else m.nbytes),
-                             "shards": sent_shard_bytes}  # fmt: skip
+                                       steps=steps[e], shards=hashes, lr_scale=scale, weights=w, opt=opt))  # fmt: skip
+            exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e],
+                            "lr_scale": scale}  # fmt: skip
+            opt_bytes = sum(a.nbytes for a in (opt or {}).values() if isinstance(a, np.ndarray))
+            per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": sent_shard_bytes}
         fed = self.cfg.federation
         body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=self.cfg.to_dict(),
                                       reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
@@ -327,7 +330,7 @@ class Coordinator:
             active = self._wait_for_nodes(1)
         rates = {nid: n.rate for nid, n in active.items()}
         plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
-                              self.cfg.spsa.directions)  # fmt: skip
+                              evals_per_step(self.cfg.spsa))  # fmt: skip
         if fed.max_steps:  # a fixed budget: never past max_steps; experts that have it all sit the round out
             left = self._steps_left()
             plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
@@ -390,12 +393,12 @@ class Coordinator:
             try:
                 if e in seen:
                     raise ValidationError(f"expert {e} appears twice in one reply")
-                w = protocol.check_result(res, exp, self.current_sha())
+                w, opt = protocol.check_result(res, exp, self.current_sha())
             except ValidationError as err:
                 self._reject(ctx, node, [e], str(err))
                 continue
             seen.add(e)
-            self._accept(ctx, node, res, w, o.per_expert.get(e, {}), body)
+            self._accept(ctx, node, res, w, opt, o.per_expert.get(e, {}), body)
             evals += res["forward_evals"]
             secs += float(res["seconds"])
         if secs > 0:
@@ -437,16 +440,23 @@ class Coordinator:
             if isinstance(e, int) and e in ctx.plan.assignment:
                 ctx.failed.setdefault(e, f"rejected: {reason}")
 
-    def _accept(self, ctx: "_RoundCtx", node: Node, res: dict, w: np.ndarray, sent: dict[str, int],
+    def _accept(self, ctx: "_RoundCtx", node: Node, res: dict, w: np.ndarray, opt: OptState, sent: dict[str, int],
                 reply: dict) -> None:  # fmt: skip
         e = res["expert"]
         val = self._val_loss(e, protocol.decode_weights(w))
+        # The plateau counters are the coordinator's own (never the worker's): restore them, then decide the
+        # next round's lr scale from this version's val loss.
+        prev, trained_at = self.state["experts"][str(e)], opt.lr_scale
+        opt.lr_scale, opt.best_val, opt.best_step = prev.get("lr_scale", 1.0), prev.get("best_val"), prev.get("best_step", 0)
+        if plateau(self.cfg.spsa, opt, val, res["step"]):
+            log.info("round %d: expert %d plateaued (val %.4f, best %.4f): lr and eps now x%g", ctx.r, e, val,
+                     opt.best_val, opt.lr_scale)  # fmt: skip
         body = {"expert": e, "version": res["version"], "sha256": res["sha256"], "config": self.cfg.to_dict(),
-                "step": res["step"], "weights": w, "momentum": res.get("momentum"), "val_loss": val}  # fmt: skip
+                "step": res["step"], "weights": w, "opt": opt.to_record(), "val_loss": val}  # fmt: skip
         rel = self.run.save_expert(body)
         self.state["experts"][str(e)] = {"version": res["version"], "sha256": res["sha256"], "path": rel,
                                          "step": res["step"], "train_loss": float(res["train_loss"]),
-                                         "val_loss": val, "node": node.label}  # fmt: skip
+                                         "val_loss": val, "node": node.label, **_plateau_fields(opt)}  # fmt: skip
         node.weights.add(res["sha256"])
         node.shards |= set(self._train_shards(e))
         ctx.accepted[e] = {
@@ -456,12 +466,17 @@ class Coordinator:
             "seconds": float(res["seconds"]), "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
             "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
             "weights_bytes_up": int(w.nbytes), "torch_importable": reply.get("torch_importable"),
+            "lr_scale": trained_at, "next_lr_scale": opt.lr_scale,
         }  # fmt: skip
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
         log.info("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
                  ctx.r, e, res["version"], node.label, res["train_loss"], val, res["steps"], res["seconds"])  # fmt: skip
         self._status("round", round=ctx.r)
+
+    def _checked_opt(self, body: dict[str, Any], rel: str) -> OptState:
+        """The optimizer state of a stored version, checked against its weights (CheckpointError if not)."""
+        return OptState.from_record(body.get("opt"), self.size, f"{self.run.root / rel}: optimizer state")
 
     def _train_shards(self, e: int) -> list[str]:
         from coordinator.prepare import expert_shards
@@ -586,6 +601,11 @@ class _RoundCtx:
     pending_resend: set[int] = field(default_factory=set)
     bytes_down: int = 0
     bytes_up: int = 0
+
+
+def _plateau_fields(opt: OptState) -> dict[str, Any]:
+    """The plateau rule's state kept per expert in state.msgpack: the next round's task reads it."""
+    return {"lr_scale": opt.lr_scale, "best_val": opt.best_val, "best_step": opt.best_step}
 
 
 def _pid() -> int:

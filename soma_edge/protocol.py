@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from soma_edge import __version__, codec
-from soma_edge.errors import CodecError, ValidationError
+from soma_edge.errors import CheckpointError, CodecError, ValidationError
+from soma_edge.spsa import OptState
 
-PROTOCOL = 1  # bump on any incompatible change of the bodies below
+PROTOCOL = 2  # bump on any incompatible change of the bodies below (2: optimizer state and lr scale)
 STYPE = "soma/msgpack"
 RECORD = "soma"
 QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")
@@ -97,15 +98,16 @@ def train_request(
 
 def task(
     *, expert: int, version: int, base_sha256: str, step: int, steps: int, shards: list[str],
-    weights: np.ndarray | None = None, momentum: np.ndarray | None = None,
+    lr_scale: float = 1.0, weights: np.ndarray | None = None, opt: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
 
-    `weights` is None when the node already holds that version in its cache: an unchanged assignment
-    moves no weights."""
+    `weights` and `opt` (its optimizer state, `spsa.OptState.to_record`) are None when the node already
+    holds that version in its cache: an unchanged assignment moves no weights. `lr_scale` is the plateau
+    rule's factor for the whole round, decided by the coordinator; it overrides the cached one."""
     return {
         "expert": expert, "version": version, "base_sha256": base_sha256, "step": step, "steps": steps,
-        "shards": list(shards), "weights": weights, "momentum": momentum,
+        "shards": list(shards), "lr_scale": float(lr_scale), "weights": weights, "opt": opt,
     }  # fmt: skip
 
 
@@ -115,13 +117,14 @@ class Expected:
 
     node: int
     round: int
-    tasks: dict[int, dict[str, Any]]  # expert -> {"version", "base_sha256", "step", "steps"}
+    tasks: dict[int, dict[str, Any]]  # expert -> {"version", "base_sha256", "step", "steps", "lr_scale"}
     size: int  # parameters per expert
     reply_dtype: str
 
     def max_reply_bytes(self) -> int:
-        # weights (+ momentum) per task, plus generous room for metrics; bigger replies are refused unread
-        per = self.size * 4 * 2 + 64 * 1024
+        # weights and up to three optimizer vectors (momentum, Adam's two moments) per task, plus generous
+        # room for metrics; bigger replies are refused unread
+        per = self.size * 4 * 4 + 64 * 1024
         return len(self.tasks) * per + SMALL_BYTES
 
 
@@ -186,8 +189,9 @@ def check_caps(caps: dict[str, Any]) -> float:
     return float(rate)
 
 
-def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.ndarray:
-    """Validate one expert's result; returns its weights (exactly as received) or raises ValidationError.
+def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[np.ndarray, OptState]:
+    """Validate one expert's result; returns its weights (exactly as received) and optimizer state, or
+    raises ValidationError.
 
     `current_sha` is the coordinator's current accepted version hash per expert."""
     if not isinstance(res, dict):
@@ -220,10 +224,12 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.nda
         raise ValidationError(f"expert {e}: weights have shape {list(w.shape)}, expected [{exp.size}]")
     if not np.isfinite(w).all():
         raise ValidationError(f"expert {e}: weights contain NaN or infinity")
-    m = res.get("momentum")
-    if m is not None and (not isinstance(m, np.ndarray) or m.shape != (exp.size,) or m.dtype != np.float32
-                          or not np.isfinite(m).all()):  # fmt: skip
-        raise ValidationError(f"expert {e}: momentum is not a finite float32[{exp.size}]")
+    try:
+        opt = OptState.from_record(res.get("opt"), exp.size, f"expert {e}: optimizer state")
+    except CheckpointError as err:
+        raise ValidationError(str(err)) from None
+    if opt.lr_scale != sent["lr_scale"]:
+        raise ValidationError(f"expert {e}: trained at lr scale {opt.lr_scale:g}, the round's is {sent['lr_scale']:g}")
     loss = res.get("train_loss")
     if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
         raise ValidationError(f"expert {e}: train loss {loss!r} is not finite")
@@ -234,7 +240,7 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> np.nda
         raise ValidationError(f"expert {e}: seconds {seconds!r} is not a finite duration")
     if res.get("sha256") != weights_sha256(w):
         raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
-    return w
+    return w, opt
 
 
 def decode_weights(w: np.ndarray) -> np.ndarray:

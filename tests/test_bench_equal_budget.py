@@ -13,6 +13,8 @@ from pathlib import Path
 from test_federation_unit import FakeGrid
 
 from bench import equal_budget
+from soma_edge.config import Config
+from soma_edge.spsa import evals_per_step
 from tests.conftest import write_stdlib_corpus
 from coordinator.run import RunDir
 from coordinator.server_app import Coordinator
@@ -55,7 +57,7 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
         assert all(math.isfinite(p["loss"]) for p in a["curve"])
     soma = out["arms"][1]
     f1 = equal_budget.forward_flops(equal_budget.expert_shape(12000, 2), out["batch"], out["seq_len"])
-    assert soma["forward_evals"] == 2 * 2 * out["directions"] * soma["steps_per_expert"][0]
+    assert soma["forward_evals"] == 2 * evals_per_step(Config().spsa) * soma["steps_per_expert"][0]
     assert soma["flops"] == soma["forward_evals"] * f1
     # The federation stopped on the step cap, long before its nominal 100,000 rounds.
     assert soma["rounds"] < 100 and RunDir(tmp_path / "work" / "runs" / "soma-n2").load_state()["round"] == soma["rounds"]

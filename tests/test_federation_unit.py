@@ -25,6 +25,7 @@ from coordinator.server_app import Coordinator
 from soma_edge import checkpoint, protocol
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
+from soma_edge.spsa import OptState
 from worker import client_app
 from worker.cache import Cache
 
@@ -324,6 +325,54 @@ def test_resume_continues_without_repeating_rounds(run, tmp_path):
     assert sum(x["weights_bytes_down"] for x in r2) == 0  # the restarted nodes reported their caches
 
 
+def _train_tasks(grid: FakeGrid) -> list[dict]:
+    return [t for m in grid.sent if m.metadata.message_type == protocol.TRAIN
+            for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]]  # fmt: skip
+
+
+def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_path):
+    cfg = run.load_config()
+    cfg.spsa.update, cfg.spsa.plateau, cfg.spsa.plateau_patience = "adam", True, 1
+    cfg.federation.rounds = 1
+    run.save_config(config_mod.validate(cfg))
+    Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
+    state = run.load_state()
+    stored = {}
+    for e in range(4):
+        x = state["experts"][str(e)]
+        opt = OptState.from_record(checkpoint.load(run.root / x["path"], "expert")["opt"], state_size(run))
+        assert opt.adam_m is not None and np.any(opt.adam_v > 0) and opt.lr_scale == 1.0
+        assert x["best_val"] == x["val_loss"] and x["best_step"] == x["step"]  # the first val is the best
+        stored[e] = opt
+        x["best_val"] = 0.0  # unbeatable: round 2 must count as a plateau and halve lr and eps
+    run.save_state(state)
+    _set(run, rounds=3)
+    grid = FakeGrid(tmp_path / "n2", ["a", "b"])  # fresh caches: weights and optimizer state are sent again
+    state = Coordinator(grid, run).main()
+    tasks = _train_tasks(grid)
+    r2 = {t["expert"]: t for t in tasks[:4]}
+    for e, opt in stored.items():  # what resumed is exactly what was checkpointed
+        sent = OptState.from_record(r2[e]["opt"], state_size(run))
+        assert sent.adam_m.tobytes() == opt.adam_m.tobytes() and sent.adam_v.tobytes() == opt.adam_v.tobytes()
+        assert r2[e]["lr_scale"] == 1.0
+    assert {t["lr_scale"] for t in tasks[4:]} == {0.5}  # round 3 runs at the scale decided after round 2
+    assert all(x["lr_scale"] == 0.25 and x["version"] == 3 for x in state["experts"].values())  # and halves again
+    lines = [m for m in run.read_metrics() if m["type"] == "expert" and m["round"] == 3]
+    assert all(m["accepted"] and m["lr_scale"] == 0.5 and m["next_lr_scale"] == 0.25 for m in lines)
+
+
+def test_optimizer_state_that_does_not_fit_its_weights_stops_the_run(run, tmp_path):
+    _set(run, rounds=0)
+    Coordinator(FakeGrid(tmp_path / "idle", ["a", "b"]), run).main()
+    path = run.root / run.load_state()["experts"]["2"]["path"]
+    body = checkpoint.load(path, "expert")
+    body["opt"] = OptState(adam_m=np.zeros(7, np.float32), adam_v=np.zeros(7, np.float32)).to_record()
+    checkpoint.save(path, body, "expert")
+    _set(run, rounds=1)
+    with pytest.raises(CheckpointError, match=r"v0.msgpack: optimizer state: adam_m is float32\[7\]"):
+        Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+
+
 def test_run_lock_excludes_a_second_coordinator(run, tmp_path):
     with run.lock():
         assert run.is_locked()
@@ -444,12 +493,24 @@ def test_protocol_refuses_foreign_and_oversized_bodies():
 
 def test_check_result_accepts_a_good_result_and_float16():
     w = np.ones(10, dtype=np.float16)
-    exp = protocol.Expected(node=5, round=1, tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3}},
-                            size=10, reply_dtype="float16")  # fmt: skip
+    exp = protocol.Expected(node=5, round=1, tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3,
+                                                        "lr_scale": 0.5}}, size=10, reply_dtype="float16")  # fmt: skip
+    opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), lr_scale=0.5).to_record()
     res = {"expert": 0, "base_sha256": "a" * 64, "version": 1, "step": 3, "steps": 3, "weights": w,
-           "momentum": None, "train_loss": 1.0, "sha256": protocol.weights_sha256(w), "forward_evals": 12,
+           "opt": opt, "train_loss": 1.0, "sha256": protocol.weights_sha256(w), "forward_evals": 12,
            "seconds": 0.5}  # fmt: skip
-    assert protocol.check_result(res, exp, {0: "a" * 64}) is w
+    got, got_opt = protocol.check_result(res, exp, {0: "a" * 64})
+    assert got is w and got_opt.lr_scale == 0.5 and np.array_equal(got_opt.adam_v, opt["adam_v"])
+    # Optimizer state that does not fit the weights, is not finite, or ignores the round's lr scale.
+    for bad_opt, match in [({**opt, "adam_m": np.zeros(9, np.float32)}, "adam_m"),
+                           ({**opt, "adam_v": np.full(10, np.nan, np.float32)}, "adam_v"),
+                           ({**opt, "adam_v": -np.ones(10, np.float32)}, "negative"),
+                           ({**opt, "adam_m": None}, "incomplete"),
+                           ({**opt, "lr_scale": 1.0}, "lr scale"),
+                           ({**opt, "lr_scale": 3.0}, "lr_scale"),
+                           ({**opt, "extra": 1}, "unknown"), ("x", "not a map")]:  # fmt: skip
+        with pytest.raises(ValidationError, match=match):
+            protocol.check_result({**res, "opt": bad_opt}, exp, {0: "a" * 64})
     for key, bad in [("forward_evals", True), ("forward_evals", 1.5), ("seconds", float("nan")), ("seconds", -1.0),
                      ("seconds", None), ("steps", True), ("version", True), ("expert", [0])]:  # fmt: skip
         with pytest.raises(ValidationError):
@@ -471,11 +532,12 @@ def test_scheduler_quotas_follow_throughput_and_stay_sticky():
     a = scheduler.assign([0, 1, 2, 3], {1: 100.0, 2: 100.0}, prev)
     assert a == prev  # nothing moves when quotas allow it
     # node 2 dies: all four go to node 1; only its two experts move
-    p = scheduler.plan([0, 1, 2, 3], {1: 100.0}, prev, 10.0, 8)
+    p = scheduler.plan([0, 1, 2, 3], {1: 100.0}, prev, 10.0, 16)  # 16 forward passes per step (K = 8)
     assert p.assignment == {0: 1, 1: 1, 2: 1, 3: 1} and p.moved == [0, 1]
-    assert scheduler.steps_for(100.0, 4, 10.0, 8) == 15 and p.steps[0] == math.ceil(scheduler.HEADROOM * 15)
+    assert scheduler.steps_for(100.0, 4, 10.0, 16) == 15 and p.steps[0] == math.ceil(scheduler.HEADROOM * 15)
+    assert scheduler.steps_for(100.0, 4, 10.0, 17) == 14  # a delta-rule step adds its clean forward
     # a faster node joins: it takes the surplus, the others keep theirs
-    p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 100.0, 3: 400.0}, {e: 1 for e in range(4)}, 10.0, 8)
+    p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 100.0, 3: 400.0}, {e: 1 for e in range(4)}, 10.0, 16)
     assert sorted(p.assignment.values()).count(3) >= 2 and all(p.assignment[e] in (1, 3) for e in range(4))
     assert p.makespan <= 10.0 + 1e-9
 
@@ -510,11 +572,11 @@ def test_cache_verifies_prunes_and_evicts(tmp_path):
     for v in range(4):
         w = np.full(100, v, dtype=np.float32)
         shas.append(protocol.weights_sha256(w))
-        c.put_weights(shas[-1], expert=0, version=v, step=v, weights=w, momentum=None)
+        c.put_weights(shas[-1], expert=0, version=v, step=v, weights=w, opt=None)
     assert sorted(c.weights()) == sorted(shas[2:])  # only the newest keep_versions=2
     assert c.get_weights(shas[3])["version"] == 3
     big = np.zeros(3000, dtype=np.float32)  # 12 KB > max_bytes
-    c.put_weights(protocol.weights_sha256(big), expert=1, version=0, step=0, weights=big, momentum=None)
+    c.put_weights(protocol.weights_sha256(big), expert=1, version=0, step=0, weights=big, opt=None)
     dropped = c.evict(protect={protocol.weights_sha256(big)})
     assert set(dropped) == set(shas[2:]) and c.weights() == [protocol.weights_sha256(big)]
 
@@ -526,7 +588,7 @@ def test_cache_prunes_per_run_so_an_old_run_cannot_evict_a_new_one(tmp_path):
     def put(run_id, v):
         w = np.full(10, v, dtype=np.float32) + (0.5 if run_id == "new" else 0.0)
         sha = protocol.weights_sha256(w)
-        c.put_weights(sha, expert=0, version=v, step=v, weights=w, momentum=None, run_id=run_id)
+        c.put_weights(sha, expert=0, version=v, step=v, weights=w, opt=None, run_id=run_id)
         return sha
 
     old = [put("old", v) for v in (48, 49, 50)]

@@ -75,11 +75,11 @@ class Cache:
         return self.root / "weights" / f"{sha}.msgpack"
 
     def put_weights(self, sha: str, *, expert: int, version: int, step: int, weights: np.ndarray,
-                    momentum: np.ndarray | None, run_id: str | None = None) -> None:  # fmt: skip
+                    opt: dict[str, Any] | None, run_id: str | None = None) -> None:  # fmt: skip
+        """Store a version with its optimizer state (`spsa.OptState.to_record`, or None for a fresh one)."""
         if weights_sha256(weights) != sha:
             raise CheckpointError(f"weights {sha[:12]}: the array does not hash to its name")
-        body = {"expert": expert, "version": version, "step": step, "sha256": sha, "weights": weights,
-                "momentum": momentum}  # fmt: skip
+        body = {"expert": expert, "version": version, "step": step, "sha256": sha, "weights": weights, "opt": opt}
         path = self._weights_path(sha)
         # The side index (run, expert, version) is written first, so the newest version always counts in pruning.
         meta = {"run_id": run_id, "expert": expert, "version": version}

@@ -30,8 +30,8 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from soma_edge import __version__, codec, protocol  # noqa: E402
 from soma_edge import config as config_mod  # noqa: E402
 from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
-from soma_edge.errors import SomaError  # noqa: E402
-from soma_edge.spsa import State  # noqa: E402
+from soma_edge.errors import CheckpointError, SomaError  # noqa: E402
+from soma_edge.spsa import OptState, State  # noqa: E402
 from soma_edge.logs import role_logger  # noqa: E402
 from worker import probe  # noqa: E402
 from worker.cache import Cache  # noqa: E402
@@ -117,47 +117,52 @@ def train(msg: Message, context: Context) -> Message:
     for t in body["tasks"]:
         base = t["base_sha256"]
         if t.get("weights") is not None:
-            w, m = t["weights"], t.get("momentum")
+            w, opt = t["weights"], t.get("opt")
             if protocol.weights_sha256(w) != base:
                 errors.append(f"expert {t['expert']}: sent weights do not hash to {base[:12]}")
                 continue
-            cache.put_weights(base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, momentum=m,
+            cache.put_weights(base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, opt=opt,
                               run_id=run_id)  # fmt: skip
         else:
             hit = cache.get_weights(base)
             if hit is None:
                 missing_w.append(base)
                 continue
-            w, m = hit["weights"], hit.get("momentum")
+            w, opt = hit["weights"], hit.get("opt")
         shards = [cache.get_shard(h) for h in t["shards"]]
         if any(x is None for x in shards):
             missing_s += [h for h, x in zip(t["shards"], shards) if x is None]
             continue
-        runnable.append((t, w, m, shards))
+        try:
+            state = State(protocol.decode_weights(w), step=t["step"],
+                          opt=OptState.from_record(opt, w.size, f"expert {t['expert']}: optimizer state"))  # fmt: skip
+        except CheckpointError as err:
+            errors.append(str(err))
+            continue
+        state.opt.lr_scale = float(t["lr_scale"])  # the coordinator's plateau decision for this round
+        runnable.append((t, state, shards))
     if missing_w or missing_s:
         log.info("round %s: cache misses: %d weight versions, %d shards", body["round"], len(missing_w), len(missing_s))
 
     results = []
     evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel) if runnable else None
     budget = float(body["max_seconds"])
-    for i, (t, w, m, shards) in enumerate(runnable):
+    for i, (t, state, shards) in enumerate(runnable):
         e = t["expert"]
         remaining = budget - (time.perf_counter() - t_start)
         cap = max(0.01, remaining / (len(runnable) - i))  # at least one step per expert
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
-        state = State(protocol.decode_weights(w), step=t["step"],
-                      momentum=None if m is None else np.array(m, dtype=np.float32))  # fmt: skip
         rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
         out = state.weights.astype(reply_dtype)
         sha = protocol.weights_sha256(out)
-        cache.put_weights(sha, expert=e, version=t["version"] + 1, step=state.step, weights=out, momentum=state.momentum,
-                          run_id=run_id)  # fmt: skip
+        cache.put_weights(sha, expert=e, version=t["version"] + 1, step=state.step, weights=out,
+                          opt=state.opt.to_record(), run_id=run_id)  # fmt: skip
         log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", e, t["version"] + 1, sha,
                  rep.steps, rep.seconds, rep.loss)  # fmt: skip
         results.append({
             "expert": e, "base_sha256": t["base_sha256"], "version": t["version"] + 1, "step": state.step,
             "steps": rep.steps, "forward_evals": rep.forward_evals, "seconds": rep.seconds,
-            "train_loss": rep.loss, "sha256": sha, "weights": out, "momentum": state.momentum,
+            "train_loss": rep.loss, "sha256": sha, "weights": out, "opt": state.opt.to_record(),
         })  # fmt: skip
     protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
     cache.evict(protect)
