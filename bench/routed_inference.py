@@ -38,7 +38,7 @@ PER_EXPERT = ModelConfig(embed=32, hidden=128, layers=1)  # 124K params
 # With one intra-op thread ORT runs in the calling thread, so that thread's CPU time is all the work and
 # leaves out time lost to the neighbours on a shared box; with more threads only wall time is honest.
 CLOCKS = {time.thread_time: "CPU time of the calling thread", time.perf_counter: "wall time"}
-STREAM_S = ModelConfig(embed=64, hidden=416, layers=1)  # DESIGN.md §4 "S", 0.92M params
+STREAM_S = ModelConfig(embed=64, hidden=416, layers=1)  # the "S" expert of docs/BENCHMARKS.md, 0.92M params
 
 
 def hidden_for(n_params: int, embed: int) -> int:
@@ -184,7 +184,7 @@ def main() -> int:
         stream_ks = [k for k in ks if k <= n_stream][:2]
         dep = Deployment(tmp / f"fixed-{n_stream}.deploy", device="cpu", threads=1)
         streaming(dep, args.stream_bytes, stream_ks, args.repeats)
-        # DESIGN.md's "S" expert (0.92M params): the same fixed per-byte overhead weighs less
+        # The "S" expert (0.92M params): the same fixed per-byte overhead weighs less
         r = routers.get(n_stream) or router.fit(train, n_stream, seed=0)[0]
         dep = deploy_for(tmp, "stream-S", STREAM_S, r, 1, data)
         streaming(dep, args.stream_bytes, stream_ks, args.repeats)

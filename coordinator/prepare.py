@@ -1,6 +1,6 @@
 """`prepare`: fit the router on a corpus and cut it into per-cluster, content-addressed shards.
 
-Output (into a run directory, DESIGN.md §2):
+Output (into a run directory, see coordinator/run.py):
 - `router.msgpack`: the fitted router (soma_edge.router);
 - `shards/<sha256>.bin`: for each cluster and split, its documents' bytes joined by corpus.SEPARATOR,
   named by the sha256 of those bytes (workers cache shards by that name);

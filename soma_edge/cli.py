@@ -1,4 +1,4 @@
-"""What every soma-edge CLI shares: the exit-code contract (DESIGN.md §2).
+"""What every soma-edge CLI shares: the exit-code contract (0 ok, 2 bad input, 1 internal failure).
 
 0 success; 2 and one `error: ...` line on stderr when the user's input is wrong (any SomaError, or a
 usage error from typer/click); 1 for an internal failure.

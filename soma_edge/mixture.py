@@ -3,7 +3,7 @@
 The stream is cut into windows of `seq_len` predictions, each scored from a fresh LSTM state, exactly as the
 experts were trained. Window i is routed on the bytes of window i-1 (window 0 on the router's prior), so the
 router never sees the bytes it helps predict. The chosen experts are mixed in probability space,
-p(y) = sum_e w_e p_e(y), with w = softmax(-d^2/T) over the top-k (DESIGN.md §1).
+p(y) = sum_e w_e p_e(y), with w = softmax(-d^2/T) over the top-k.
 
 Only experts selected for some window are run, and each only on its windows: that is where routed inference
 gains its throughput. Export's eval and the coordinator's per-round routed val loss both call `evaluate`;
