@@ -19,6 +19,7 @@ class ModelConfig:
     embed: int = 32
     hidden: int = 128
     layers: int = 1
+    input_gain: float = 4.0  # init scale of the first layer's input weights, uniform ±input_gain/√hidden
 
 
 @dataclass
@@ -28,17 +29,17 @@ class SPSAConfig:
     Defaults are the setting that learned best on 2 CPU cores (docs/RESULTS.md, `bench/recipe.py`).
     """
 
-    directions: int = 8  # K perturbations per step; each costs two forward passes
+    directions: int = 1  # K perturbations per step; each costs two forward passes
     eps: float = 1e-3
     eps_min: float = 1e-4  # floor for eps when tie_eps_to_lr, so warmup never makes eps zero
     tie_eps_to_lr: bool = False
-    lr: float = 5e-3
+    lr: float = 1e-3
     lr_min_frac: float = 0.1  # cosine decays to lr * lr_min_frac
     warmup_steps: int = 20
     total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup (the plateau rule decays it)
     noise: str = "rademacher"  # or "gaussian"
-    density: float = 1.0  # share of ordinary weights a probe touches (sparse probes); norm gains stay dense
-    update: str = "rms"  # body update from the estimate: rms (unit-RMS step) | adam | sgd
+    density: float = 0.5  # share of ordinary weights a probe touches (sparse probes); norm gains stay dense
+    update: str = "adam"  # body update from the estimate: rms (unit-RMS step) | adam | sgd
     momentum: float = 0.0  # heavy-ball momentum for update = rms | sgd
     beta1: float = 0.9  # Adam moments, for update = adam and for the delta-rule decoder
     beta2: float = 0.999
@@ -47,7 +48,7 @@ class SPSAConfig:
     accumulate: int = 1  # A batches per update, each with its own K fresh directions
     decoder: str = "delta"  # delta: exact decoder-path gradient + Adam | spsa: perturbed with the body | frozen
     decoder_lr: float = 3e-2
-    plateau: bool = False  # halve lr and eps together when the val loss stops improving
+    plateau: bool = True  # halve lr and eps together when the val loss stops improving
     plateau_patience: int = 1000  # ... for this many steps
     plateau_factor: float = 0.5
     plateau_min_delta: float = 1e-8  # an improvement smaller than this does not count
@@ -181,6 +182,7 @@ def validate(cfg: Config) -> Config:
     _check(m.embed >= 1, "model.embed", ">= 1", m.embed)
     _check(m.hidden >= 1, "model.hidden", ">= 1", m.hidden)
     _check(1 <= m.layers <= 8, "model.layers", "between 1 and 8", m.layers)
+    _check(0 < m.input_gain <= 100, "model.input_gain", "> 0 and <= 100", m.input_gain)
     _check(1 <= s.directions <= 65536, "spsa.directions", "between 1 and 65536", s.directions)
     _check(s.eps > 0 and s.eps < 1, "spsa.eps", "> 0 and < 1", s.eps)
     _check(0 < s.eps_min <= 1, "spsa.eps_min", "> 0 and <= 1", s.eps_min)

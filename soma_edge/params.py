@@ -83,6 +83,9 @@ def init(m: ModelConfig, seed: int) -> np.ndarray:
             arr[...] = rng.standard_normal(arr.shape, dtype=np.float32)
         else:
             arr[...] = rng.uniform(-bound, bound, arr.shape).astype(np.float32)
+    # A stronger input drive makes the untrained LSTM a richer feature map for the delta-rule decoder
+    # (docs/ARCHITECTURE.md); the factor applies after drawing, so the random stream is the same for any gain.
+    v["lstm0.W"][...] *= np.float32(m.input_gain)
     for layer in range(m.layers):
         # Forget-gate bias of 1 keeps early gradients (and SPSA signal) flowing through time.
         H = m.hidden
