@@ -98,7 +98,12 @@ def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> D
 
     def stream(split: str) -> np.ndarray:
         shards = [rd.shard(h) for h in expert_shards(prep, cluster, split)]
-        return np.frombuffer(corpus.SEPARATOR.join(shards), dtype=np.uint8)
+        data = np.frombuffer(corpus.SEPARATOR.join(shards), dtype=np.uint8)
+        if data.size <= 4 * Config().data.seq_len:  # a tiny corpus: the split of every cluster
+            say(f"cluster {cluster} has {data.size} {split} bytes: using the {split} split of all clusters")
+            shards = [rd.shard(h) for e in range(4) for h in expert_shards(prep, e, split)]
+            data = np.frombuffer(corpus.SEPARATOR.join(shards), dtype=np.uint8)
+        return data
 
     train, val, test = stream("train"), stream("val"), stream("test")
     seq = Config().data.seq_len

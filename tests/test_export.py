@@ -143,7 +143,7 @@ def test_bundle_lists_and_checks_every_file(exported):
     for e in manifest["experts"]:
         i = e["id"]
         assert (e["version"], e["step"], e["val_loss"]) == (i + 1, 10 * (i + 1), 2.5 + i if i else None)
-        assert e["config"]["model"] == {"embed": 8, "hidden": 16, "layers": 1}
+        assert e["config"]["model"] == {"embed": 8, "hidden": 16, "layers": 1, "input_gain": 4.0}
         assert e["params"] == weights[i].size
     assert not [p for p in deploy.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
 
