@@ -113,12 +113,13 @@ class OptState:
     momentum: np.ndarray | None = None
     adam_m: np.ndarray | None = None
     adam_v: np.ndarray | None = None
+    adam_t: int = 0  # Adam updates behind the moments (bias correction), which need not equal the step
     lr_scale: float = 1.0  # the plateau rule's factor on lr and eps, constant within a federation round
     best_val: float | None = None  # plateau counters: the best val loss so far and the step it was seen
     best_step: int = 0
 
     def to_record(self) -> dict[str, Any]:
-        return {"momentum": self.momentum, "adam_m": self.adam_m, "adam_v": self.adam_v,
+        return {"momentum": self.momentum, "adam_m": self.adam_m, "adam_v": self.adam_v, "adam_t": int(self.adam_t),
                 "lr_scale": float(self.lr_scale), "best_val": self.best_val, "best_step": int(self.best_step)}  # fmt: skip
 
     @classmethod
@@ -128,7 +129,7 @@ class OptState:
             return cls()
         if not isinstance(rec, dict):
             raise CheckpointError(f"{where}: not a map")
-        unknown = set(rec) - {"momentum", "adam_m", "adam_v", "lr_scale", "best_val", "best_step"}
+        unknown = set(rec) - {"momentum", "adam_m", "adam_v", "adam_t", "lr_scale", "best_val", "best_step"}
         if unknown:
             raise CheckpointError(f"{where}: unknown fields {sorted(unknown)}")
         arrays = {}
@@ -144,18 +145,25 @@ class OptState:
         ):
             raise CheckpointError(f"{where}: Adam moments are incomplete or negative")
         scale, best, best_step = rec.get("lr_scale", 1.0), rec.get("best_val"), rec.get("best_step", 0)
+        adam_t = rec.get("adam_t", 0)
+        if not _count(adam_t) or (adam_t > 0) != (arrays["adam_m"] is not None):
+            raise CheckpointError(f"{where}: adam_t {adam_t!r} does not fit the Adam moments")
         if not _finite_number(scale) or not 0 < scale <= 1:
             raise CheckpointError(f"{where}: lr_scale {scale!r} is not in (0, 1]")
         if best is not None and not _finite_number(best):
             raise CheckpointError(f"{where}: best_val {best!r} is not a finite number")
-        if not isinstance(best_step, int) or isinstance(best_step, bool) or best_step < 0:
+        if not _count(best_step):
             raise CheckpointError(f"{where}: best_step {best_step!r} is not a step count")
-        return cls(**arrays, lr_scale=float(scale), best_val=None if best is None else float(best),
+        return cls(**arrays, adam_t=adam_t, lr_scale=float(scale), best_val=None if best is None else float(best),
                    best_step=best_step)  # fmt: skip
 
 
 def _finite_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**62
 
 
 @dataclass
@@ -231,12 +239,14 @@ def _apply(state: State, cfg: SPSAConfig, body: int, acc: np.ndarray, dec: np.nd
     """w <- w - lr u(ĝ) on the body, and the decoder's Adam step on the delta-rule gradient."""
     t, opt, w = state.step, state.opt, state.weights
     lr, _ = schedule(cfg, t, opt.lr_scale)
+    adam = cfg.update == "adam" or dec is not None
+    n_adam = opt.adam_t + 1
     update = acc / np.float32(cfg.directions * cfg.accumulate)
     if cfg.weight_decay > 0:
         update += np.float32(cfg.weight_decay) * w[:body]
     if cfg.update == "adam":
         m, v = _moments(opt, w.size)
-        update = _adam(update, m[:body], v[:body], t + 1, cfg)
+        update = _adam(update, m[:body], v[:body], n_adam, cfg)
     elif cfg.update == "rms":
         rms = np.sqrt(np.mean(np.square(update, dtype=np.float64)))
         if rms > 0:
@@ -253,7 +263,9 @@ def _apply(state: State, cfg: SPSAConfig, body: int, acc: np.ndarray, dec: np.nd
         # No weight decay here: the decoder's exact gradient is tiny for rare bytes, so a coupled wd*w would
         # dominate it and Adam would shrink those weights at its full lr (measured: +0.1 nats/byte).
         m, v = _moments(opt, w.size)
-        w[body:] -= np.float32(decoder_lr(cfg, t, opt.lr_scale)) * _adam(dec, m[body:], v[body:], t + 1, cfg)
+        w[body:] -= np.float32(decoder_lr(cfg, t, opt.lr_scale)) * _adam(dec, m[body:], v[body:], n_adam, cfg)
+    if adam:
+        opt.adam_t = n_adam
     state.step += 1
 
 

@@ -495,7 +495,7 @@ def test_check_result_accepts_a_good_result_and_float16():
     w = np.ones(10, dtype=np.float16)
     exp = protocol.Expected(node=5, round=1, tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3,
                                                         "lr_scale": 0.5}}, size=10, reply_dtype="float16")  # fmt: skip
-    opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), lr_scale=0.5).to_record()
+    opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), adam_t=3, lr_scale=0.5).to_record()
     res = {"expert": 0, "base_sha256": "a" * 64, "version": 1, "step": 3, "steps": 3, "weights": w,
            "opt": opt, "train_loss": 1.0, "sha256": protocol.weights_sha256(w), "forward_evals": 12,
            "seconds": 0.5}  # fmt: skip
@@ -506,6 +506,7 @@ def test_check_result_accepts_a_good_result_and_float16():
                            ({**opt, "adam_v": np.full(10, np.nan, np.float32)}, "adam_v"),
                            ({**opt, "adam_v": -np.ones(10, np.float32)}, "negative"),
                            ({**opt, "adam_m": None}, "incomplete"),
+                           ({**opt, "adam_t": 0}, "adam_t"), ({**opt, "adam_t": True}, "adam_t"),
                            ({**opt, "lr_scale": 1.0}, "lr scale"),
                            ({**opt, "lr_scale": 3.0}, "lr_scale"),
                            ({**opt, "extra": 1}, "unknown"), ("x", "not a map")]:  # fmt: skip

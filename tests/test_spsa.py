@@ -66,14 +66,16 @@ def test_spsa_descends_a_quadratic(kind, update, momentum):
 
 def test_step_estimates_the_gradient():
     """K=1 Rademacher: g_1 is the directional derivative of the loss along z_1."""
-    cfg = SPSAConfig(directions=3, eps=1e-3, warmup_steps=0)
     target = np.linspace(-1, 1, 50)
-    state = State(np.zeros(50, dtype=np.float32))
-    result = Stepper(cfg, seed=3, expert=2).step(state, _quadratic(target))
     grad = 2 * (0 - target)
-    for k in range(3):
-        z = noise(3, 2, 0, k, 50).astype(np.float64)
-        assert result.grads[k] == pytest.approx(grad @ z, rel=1e-3, abs=1e-3)
+    for density in (1.0, 0.5):
+        cfg = SPSAConfig(directions=3, eps=1e-3, warmup_steps=0, density=density)
+        result = Stepper(cfg, seed=3, expert=2).step(State(np.zeros(50, dtype=np.float32)), _quadratic(target))
+        for k in range(3):
+            z = noise(3, 2, 0, k, 50).astype(np.float64)
+            if density < 1:
+                z *= probe_mask(3, 2, 0, k, 50, density)
+            assert result.grads[k] == pytest.approx(grad @ z, rel=1e-3, abs=1e-3)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -213,13 +215,25 @@ def test_plateau_halves_lr_and_eps_together_down_to_the_floor():
 def test_optimizer_state_record_round_trips_and_refuses_mismatches():
     from soma_edge.errors import CheckpointError
 
-    opt = OptState(adam_m=np.ones(5, np.float32), adam_v=np.full(5, 2, np.float32), lr_scale=0.25, best_val=1.5,
-                   best_step=40)  # fmt: skip
+    opt = OptState(adam_m=np.ones(5, np.float32), adam_v=np.full(5, 2, np.float32), adam_t=7, lr_scale=0.25,
+                   best_val=1.5, best_step=40)  # fmt: skip
     back = OptState.from_record(opt.to_record(), 5)
-    assert back.lr_scale == 0.25 and back.best_val == 1.5 and back.best_step == 40
+    assert back.lr_scale == 0.25 and back.best_val == 1.5 and back.best_step == 40 and back.adam_t == 7
     assert back.adam_v.tobytes() == opt.adam_v.tobytes() and back.momentum is None
     assert OptState.from_record(None, 5) == OptState()
     for bad in [{**opt.to_record(), "adam_m": np.ones(6, np.float32)}, {**opt.to_record(), "adam_m": np.ones(5)},
-                {**opt.to_record(), "best_step": -1}, {**opt.to_record(), "lr_scale": 0.0}, [1, 2]]:  # fmt: skip
+                {**opt.to_record(), "best_step": -1}, {**opt.to_record(), "lr_scale": 0.0}, [1, 2],
+                {**opt.to_record(), "adam_t": 0}, {**OptState().to_record(), "adam_t": 2}]:  # fmt: skip
         with pytest.raises(CheckpointError):
             OptState.from_record(bad, 5)
+
+
+def test_adam_bias_correction_counts_its_own_updates_not_the_step():
+    """A version resumed at step 5000 with fresh moments takes a first Adam step of size lr, not 3x lr."""
+    loss, _ = _toy(6)
+    cfg = SPSAConfig(directions=2, update="adam", lr=1e-2, warmup_steps=0, decoder="spsa", density=1.0)
+    w0 = np.zeros(BODY + DEC, np.float32)
+    late = State(w0.copy(), step=5000)
+    Stepper(cfg, seed=0).step(late, loss)
+    assert late.opt.adam_t == 1
+    assert np.allclose(np.abs(late.weights), 1e-2, rtol=1e-3)  # |m_hat / sqrt(v_hat)| = 1 on the first update
