@@ -13,9 +13,10 @@ STEPS = 300
 GAIN = 0.15  # nats/byte the default must beat the old recipe by on held-out text
 
 
-def _today() -> SPSAConfig:
-    """The recipe before the delta rule: every weight by SPSA, unit-RMS update (the old defaults)."""
-    return SPSAConfig(decoder="spsa", update="rms", lr=5e-3, directions=8, density=1.0, weight_decay=0.0)
+def _today() -> tuple[SPSAConfig, float]:
+    """The recipe before the delta rule (the old defaults): every weight by SPSA, unit-RMS update, K = 8,
+    dense probes, no plateau rule, torch's input-weight init; and its input gain."""
+    return SPSAConfig(decoder="spsa", update="rms", lr=5e-3, directions=8, density=1.0, plateau=False), 1.0
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +27,9 @@ def data(default_docs):
     return train_data, corpus.eval_windows(test_data, seq, max_windows=256), corpus.unigram_entropy(train_data, test_data)
 
 
-def _run(spsa: SPSAConfig, data) -> tuple[float, float]:
+def _run(spsa: SPSAConfig, data, input_gain: float = ModelConfig().input_gain) -> tuple[float, float]:
     train_data, (x, y), _ = data
-    cfg = Config(model=ModelConfig(embed=32, hidden=128, layers=1), spsa=spsa, device="cpu")
+    cfg = Config(model=ModelConfig(embed=32, hidden=128, layers=1, input_gain=input_gain), spsa=spsa, device="cpu")
     assert 100_000 <= params.count(cfg.model) <= 300_000
     evaluator = evaluator_for(cfg)
     state = State(params.init(cfg.model, cfg.seed))
@@ -39,10 +40,12 @@ def _run(spsa: SPSAConfig, data) -> tuple[float, float]:
 
 def test_default_recipe_beats_the_old_one_on_the_test_split(data):
     unigram = data[2]
-    before, old = _run(_today(), data)
+    spsa, gain = _today()
+    before, old = _run(spsa, data, gain)
     before_new, new = _run(SPSAConfig(), data)
-    print(f"unigram {unigram:.3f}  init {before:.3f}  old recipe {old:.3f}  default {new:.3f} after {STEPS} steps")
-    assert before == before_new and before > unigram + 1.0  # same start, far above a byte histogram
+    print(f"unigram {unigram:.3f}  init {before:.3f}/{before_new:.3f}  old recipe {old:.3f}  default {new:.3f} "
+          f"after {STEPS} steps")  # fmt: skip
+    assert min(before, before_new) > unigram + 1.0  # both start far above a byte histogram
     assert new < old - GAIN, (old, new)
     assert new < unigram - GAIN  # a model of context, not a byte histogram
 
