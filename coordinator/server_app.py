@@ -304,13 +304,14 @@ class Coordinator:
                     shards[h] = self.run.shard(h)
                     sent_shard_bytes += len(shards[h])
             w = body["weights"] if body else None
-            opt = self._checked_opt(body, x["path"]).to_record() if body else None
+            stored = self._checked_opt(body, x["path"]) if body else None
+            opt = stored.to_record() if stored is not None else None
             scale = float(x.get("lr_scale", 1.0))
             tasks.append(protocol.task(expert=e, version=x["version"], base_sha256=x["sha256"], step=x["step"],
                                        steps=steps[e], shards=hashes, lr_scale=scale, weights=w, opt=opt))  # fmt: skip
             exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e],
                             "lr_scale": scale}  # fmt: skip
-            opt_bytes = sum(a.nbytes for a in (opt or {}).values() if isinstance(a, np.ndarray))
+            opt_bytes = stored.nbytes() if stored is not None else 0
             per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": sent_shard_bytes}
         fed = self.cfg.federation
         body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=self.cfg.to_dict(),
@@ -465,7 +466,8 @@ class Coordinator:
             "val_loss": val, "steps": res["steps"], "forward_evals": res["forward_evals"],
             "seconds": float(res["seconds"]), "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
             "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
-            "weights_bytes_up": int(w.nbytes), "torch_importable": reply.get("torch_importable"),
+            "weights_bytes_up": int(w.nbytes), "opt_bytes_up": opt.nbytes(),
+            "torch_importable": reply.get("torch_importable"),
             "lr_scale": trained_at, "next_lr_scale": opt.lr_scale,
         }  # fmt: skip
         ctx.failed.pop(e, None)

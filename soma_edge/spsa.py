@@ -118,6 +118,10 @@ class OptState:
     best_val: float | None = None  # plateau counters: the best val loss so far and the step it was seen
     best_step: int = 0
 
+    def nbytes(self) -> int:
+        """Bytes of its vectors (what the state adds to a message or checkpoint beyond the weights)."""
+        return sum(a.nbytes for a in (self.momentum, self.adam_m, self.adam_v) if a is not None)
+
     def to_record(self) -> dict[str, Any]:
         return {"momentum": self.momentum, "adam_m": self.adam_m, "adam_v": self.adam_v, "adam_t": int(self.adam_t),
                 "lr_scale": float(self.lr_scale), "best_val": self.best_val, "best_step": int(self.best_step)}  # fmt: skip

@@ -359,6 +359,7 @@ def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_pa
     assert all(x["lr_scale"] == 0.25 and x["version"] == 3 for x in state["experts"].values())  # and halves again
     lines = [m for m in run.read_metrics() if m["type"] == "expert" and m["round"] == 3]
     assert all(m["accepted"] and m["lr_scale"] == 0.5 and m["next_lr_scale"] == 0.25 for m in lines)
+    assert all(m["opt_bytes_up"] == 2 * 4 * state_size(run) for m in lines)  # Adam's two float32 moments
 
 
 def test_optimizer_state_that_does_not_fit_its_weights_stops_the_run(run, tmp_path):
