@@ -448,7 +448,8 @@ class Coordinator:
         # The plateau counters are the coordinator's own (never the worker's): restore them, then decide the
         # next round's lr scale from this version's val loss.
         prev, trained_at = self.state["experts"][str(e)], opt.lr_scale
-        opt.lr_scale, opt.best_val, opt.best_step = prev.get("lr_scale", 1.0), prev.get("best_val"), prev.get("best_step", 0)
+        opt.lr_scale, opt.best_val = prev.get("lr_scale", 1.0), prev.get("best_val")
+        opt.best_step = prev.get("best_step", 0)
         if plateau(self.cfg.spsa, opt, val, res["step"]):
             log.info("round %d: expert %d plateaued (val %.4f, best %.4f): lr and eps now x%g", ctx.r, e, val,
                      opt.best_val, opt.lr_scale)  # fmt: skip

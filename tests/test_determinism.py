@@ -97,6 +97,12 @@ def test_resume_refuses_optimizer_state_that_does_not_fit(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: --resume")
     assert "adam_v is float32[" in r.stderr
+    body["opt"] = None
+    body["weights"] = body["weights"].copy()
+    body["weights"][5] = np.inf
+    checkpoint.save(ckpt, body, "expert")
+    r = _cli_train(tmp_path, "--steps", "1", "--resume", str(ckpt))
+    assert r.returncode == 2 and "NaN or infinity" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_replay_of_a_real_training_run_is_bit_identical():

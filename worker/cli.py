@@ -103,6 +103,8 @@ def _resume(path: Path, cfg: config_mod.Config) -> State:
     if not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.shape != (size,):
         got = f"{w.dtype}{list(w.shape)}" if isinstance(w, np.ndarray) else type(w).__name__
         raise CheckpointError(f"--resume {path}: weights are {got}, this config's model needs float32[{size}]")
+    if not np.isfinite(w).all():
+        raise CheckpointError(f"--resume {path}: weights contain NaN or infinity")
     step = body.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"--resume {path}: step {step!r} is not a step count")
