@@ -91,7 +91,9 @@ def ort_rates(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> d
 
 def spsa_step_time(m: ModelConfig, w: np.ndarray, x: np.ndarray, noise: str, seconds: float) -> tuple[float, int]:
     ev = LossEvaluator(m, "cpu")  # the auto plan the trainer uses
-    stepper = Stepper(SPSAConfig(directions=K, noise=noise), seed=0, parallel=ev.parallel)
+    # Dense probes and the unit-RMS update over every weight: the setting docs/BENCHMARKS.md measured.
+    cfg = SPSAConfig(directions=K, noise=noise, density=1.0, update="rms", decoder="spsa")
+    stepper = Stepper(cfg, seed=0, parallel=ev.parallel)
     state = State(w.copy())
     per_s = rate(lambda: stepper.step(state, lambda v: ev.loss(v, x, x)), seconds)
     stepper.close()
