@@ -47,6 +47,7 @@ from soma_edge.spsa import State, evals_per_step, plateau  # noqa: E402
 from worker.trainer import train as spsa_train  # noqa: E402
 
 MODEL = ModelConfig(embed=32, hidden=128, layers=1, input_gain=1.0)
+N_CLUSTERS = 4  # the demo's split
 TEST_WINDOWS = 256
 VAL_WINDOWS = 32
 
@@ -83,30 +84,27 @@ class Result:
     evals: int
     seconds: float
     curve: list[tuple[float, float]] = field(default_factory=list)  # (train seconds, val nats/byte)
-    lr_scale: float = 1.0
 
 
 def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> Data:
-    from coordinator.prepare import expert_shards, prepare
+    from bench.equal_budget import shard_stream
+    from coordinator.prepare import prepare
     from coordinator.run import RunDir
 
-    d = work / f"prepared-{corpus_name}-n4-s{seed}"
+    d = work / f"prepared-{corpus_name}-n{N_CLUSTERS}-s{seed}"
     if not (d / "prepare.json").exists():
-        prepare(corpus_name, 4, d, seed=seed, progress=False)
+        prepare(corpus_name, N_CLUSTERS, d, seed=seed, progress=False)
     rd = RunDir(d)
-    prep = rd.load_prepare()
+    seq = Config().data.seq_len
 
     def stream(split: str) -> np.ndarray:
-        shards = [rd.shard(h) for h in expert_shards(prep, cluster, split)]
-        data = np.frombuffer(corpus.SEPARATOR.join(shards), dtype=np.uint8)
-        if data.size <= 4 * Config().data.seq_len:  # a tiny corpus: the split of every cluster
+        data = shard_stream(rd, cluster, split)
+        if data.size <= 4 * seq:  # a tiny corpus: the split of every cluster
             say(f"cluster {cluster} has {data.size} {split} bytes: using the {split} split of all clusters")
-            shards = [rd.shard(h) for e in range(4) for h in expert_shards(prep, e, split)]
-            data = np.frombuffer(corpus.SEPARATOR.join(shards), dtype=np.uint8)
+            data = np.concatenate([shard_stream(rd, e, split) for e in range(N_CLUSTERS)])
         return data
 
     train, val, test = stream("train"), stream("val"), stream("test")
-    seq = Config().data.seq_len
     return Data(train=train, val=corpus.eval_windows(val, seq, VAL_WINDOWS),
                 test=corpus.eval_windows(test, seq, TEST_WINDOWS), unigram=corpus.unigram_entropy(train, test))  # fmt: skip
 
@@ -142,7 +140,6 @@ def run_spsa(name: str, cfg: Config, data: Data, seconds: float | None, evals: i
         if plateau(cfg.spsa, state.opt, val, state.step):
             say(f"  {name}: plateau at step {state.step}, lr scale now {state.opt.lr_scale:g}")
     res.test = mean_loss(ev, state.weights, *data.test)
-    res.lr_scale = state.opt.lr_scale
     return res
 
 

@@ -353,7 +353,7 @@ class Stepper:
         body, delta = self._split(w.size)
         if delta and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
-        _, eps = schedule(cfg, t, state.opt.lr_scale)
+        lr, eps = schedule(cfg, t, state.opt.lr_scale)
         K, total = cfg.directions, cfg.directions * cfg.accumulate
         cleans = [self._pool.submit(self._clean, w, o.clean) for o in objs] if delta else []
         window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
@@ -374,7 +374,6 @@ class Stepper:
             outs = [f.result() for f in cleans]
             dec = _mean_decoder_grad([g for _, g in outs])
             loss = sum(l for l, _ in outs) / len(outs)
-        lr, _ = schedule(cfg, t, state.opt.lr_scale)
         _apply(state, cfg, body, acc, dec)
         return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
 
