@@ -161,10 +161,7 @@ def read(root: str | Path) -> Bundle:
         )
         if entry.id != i:
             raise BundleError(f"{w}: id {entry.id}, expected {i} (experts are listed in id order)")
-        model = _field(entry.config, "model", dict, f"{w}: config")
-        for key in ("embed", "hidden", "layers"):
-            if _field(model, key, int, f"{w}: config.model") < 1:
-                raise BundleError(f"{w}: config.model.{key} must be >= 1, got {model[key]}")
+        _check_model(entry, w)
         for rel in (entry.score, entry.stream):
             if rel not in files:
                 raise BundleError(f"{w}: {rel} is not listed under files")
@@ -177,6 +174,22 @@ def read(root: str | Path) -> Bundle:
     if seq_len < 1:
         raise BundleError(f"{where}: seq_len must be >= 1, got {seq_len}")
     return Bundle(root, manifest, tuple(experts), seq_len, temperature, manifest.get("quantize"))
+
+
+def _check_model(entry: ExpertEntry, where: str) -> None:
+    """The entry's config is a valid soma-edge config whose model has exactly `params` weights."""
+    from soma_edge import config as config_mod
+    from soma_edge import params
+    from soma_edge.errors import ConfigError
+
+    _field(entry.config, "model", dict, f"{where}: config")
+    try:
+        m = config_mod.from_dict(entry.config).model
+    except ConfigError as e:
+        raise BundleError(f"{where}: config: {e}") from None
+    if params.count(m) != entry.params:
+        raise BundleError(f"{where}: a model.kind = {m.kind!r} expert of embed {m.embed}, hidden {m.hidden}, layers "
+                          f"{m.layers} has {params.count(m)} weights, but the entry lists {entry.params}")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -36,21 +36,37 @@ class Expert:
     def __init__(self, bundle: Bundle, entry: ExpertEntry, device: str, threads: int):
         self.bundle, self.entry, self.device, self.threads = bundle, entry, device, threads
         self.hidden, self.layers = int(entry.model["hidden"]), int(entry.model["layers"])
+        self.kind = str(entry.model.get("kind", "lstm"))
         self._score = self._stream = None
 
-    def _session(self, rel: str):
+    def _session(self, rel: str, states: bool):
         data = self.bundle.read_verified(rel)
         try:
-            return make_session(data, self.device, self.threads)
+            sess = make_session(data, self.device, self.threads)
         except DeviceError as e:
             if "INVALID_PROTOBUF" in str(e) or "INVALID_GRAPH" in str(e) or "NO_MODEL" in str(e):
                 raise BundleError(f"{self.bundle.path(rel)}: not a loadable ONNX model (truncated or corrupt)") from None
             raise
+        self._check_graph(sess, rel, states)
+        return sess
+
+    def _check_graph(self, sess, rel: str, states: bool) -> None:
+        """The graph is the expert the manifest describes: its kind, and (streaming) one [1, B, hidden] state
+        pair per layer."""
+        desc = sess.get_modelmeta().graph_description
+        kind = desc.partition("model.kind = ")[2].strip("'") or "lstm"  # graphs from before the soma kind: lstm
+        want = [("x", ["B", "T"])]
+        if states:
+            want += [(f"{s}{layer}", [1, "B", self.hidden]) for layer in range(self.layers) for s in ("h", "c")]
+        got = [(i.name, list(i.shape)) for i in sess.get_inputs()]
+        if kind != self.kind or got != want:
+            raise BundleError(f"{self.bundle.path(rel)}: the graph (model.kind {kind!r}, inputs {got}) does not match "
+                              f"the manifest's expert (model.kind {self.kind!r}, inputs {want})")  # fmt: skip
 
     def logprobs(self, x: np.ndarray) -> np.ndarray:
         """x int64[B, T] -> log-probs float32[B, T, 256] (the scoring graph)."""
         if self._score is None:
-            self._score = self._session(self.entry.score)
+            self._score = self._session(self.entry.score, states=False)
         return self._score.run(None, {"x": x})[0]
 
     def zero_state(self, batch: int = 1) -> list[np.ndarray]:
@@ -60,7 +76,7 @@ class Expert:
     def step(self, x: np.ndarray, state: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Feed x int64[B, T] from `state`; returns logits float32[B, T, 256] and the state after x."""
         if self._stream is None:
-            self._stream = self._session(self.entry.stream)
+            self._stream = self._session(self.entry.stream, states=True)
             self._inputs = ["x"] + [f"{s}{layer}" for layer in range(self.layers) for s in ("h", "c")]
         logits, *state = self._stream.run(None, dict(zip(self._inputs, [x, *state])))
         return logits, state

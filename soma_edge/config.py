@@ -14,12 +14,20 @@ from soma_edge.errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    """One expert: byte embedding [256, embed] -> `layers` LSTM layers of `hidden` -> linear to 256 logits."""
+    """One expert, of one of two kinds.
 
+    - "lstm": byte embedding [256, embed] -> `layers` LSTM layers of `hidden` -> linear to 256 logits.
+    - "soma" (the paper's expert): `layers` pre-norm residual blocks of width d = `hidden`, each
+      x += LSTM(LN(x)) then x += MLP(LN(x)) (bias-free, d -> 4d -> d, exact GELU), a final LN, and one byte
+      matrix E [256, d] tied as embedding and decoder (logits = h E^T); `embed` must equal `hidden`.
+    """
+
+    kind: str = "lstm"
     embed: int = 32
     hidden: int = 128
     layers: int = 1
-    input_gain: float = 4.0  # init scale of the first layer's input weights, uniform ±input_gain/√hidden
+    input_gain: float = 4.0  # lstm kind: init scale of the first layer's input weights, uniform ±gain/√hidden
+    seed_decoder: str = "frozen"  # after a seed run (federation.seed_steps): frozen | delta (keeps learning)
 
 
 @dataclass
@@ -82,6 +90,7 @@ class FederationConfig:
     val_windows: int = 64  # held-out windows per expert for the per-round val loss
     corpus: str = "default"
     max_steps: int = 0  # SPSA steps per expert over the whole run (a fixed compute budget); 0 = no cap
+    seed_steps: int = 0  # > 0: first train one seed expert on all shards; its weights start every expert
 
 
 @dataclass
@@ -162,9 +171,11 @@ def _check(ok: bool, path: str, rule: str, value: Any) -> None:
         raise ConfigError(f"{path} must be {rule}, got {value!r}")
 
 
-MAX_SEED = 2**32 - 1
+MAX_SEED = 2**32 - 1  # the SPSA noise key holds the seed in 32 bits
 UPDATES = ("rms", "adam", "sgd")
-DECODERS = ("delta", "spsa", "frozen")  # the SPSA noise key holds the seed in 32 bits
+DECODERS = ("delta", "spsa", "frozen")
+KINDS = ("lstm", "soma")
+SEED_DECODERS = ("frozen", "delta")
 
 
 def _check_finite(obj: Any, prefix: str) -> None:
@@ -179,7 +190,13 @@ def _check_finite(obj: Any, prefix: str) -> None:
 def validate(cfg: Config) -> Config:
     _check_finite(cfg, "")
     m, s, d = cfg.model, cfg.spsa, cfg.data
+    _check(m.kind in KINDS, "model.kind", " | ".join(map(repr, KINDS)), m.kind)
     _check(m.embed >= 1, "model.embed", ">= 1", m.embed)
+    if m.kind == "soma" and m.embed != m.hidden:
+        raise ConfigError(f"model.embed must equal model.hidden for model.kind = 'soma' (E [256, d] is both the "
+                          f"embedding and the decoder), got embed = {m.embed}, hidden = {m.hidden}")  # fmt: skip
+    _check(m.seed_decoder in SEED_DECODERS, "model.seed_decoder", " | ".join(map(repr, SEED_DECODERS)),
+           m.seed_decoder)  # fmt: skip
     _check(m.hidden >= 1, "model.hidden", ">= 1", m.hidden)
     _check(1 <= m.layers <= 8, "model.layers", "between 1 and 8", m.layers)
     _check(0 < m.input_gain <= 100, "model.input_gain", "> 0 and <= 100", m.input_gain)
@@ -223,6 +240,7 @@ def validate(cfg: Config) -> Config:
     _check(f.val_windows >= 1, "federation.val_windows", ">= 1", f.val_windows)
     _check(bool(f.corpus), "federation.corpus", "a corpus name or path", f.corpus)
     _check(f.max_steps >= 0, "federation.max_steps", ">= 0", f.max_steps)
+    _check(0 <= f.seed_steps < 2**40, "federation.seed_steps", ">= 0", f.seed_steps)
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
     _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)

@@ -1,11 +1,12 @@
-"""ONNX graph builders for one expert, with the ONNX `LSTM` op.
+"""ONNX graph builders for one expert, with the ONNX `LSTM` op, for both model kinds (config.ModelConfig).
 
-Four heads over one body:
+Four heads over one body (the lstm kind's stacked LSTMs, or the soma kind's residual blocks):
 - "loss":     (x[B,T], y[B,T]) -> mean cross-entropy in nats/byte. Training feeds the weights as
               graph inputs, so one ORT session evaluates every perturbed weight set.
 - "train":    "loss" plus the exact gradient of that loss with respect to the decoder alone (the
               decoder-path delta rule): with h the top layer's output rows and d = (softmax - onehot(y))
-              / (B*T), grad.head.W = h^T d and grad.head.b = sum over rows of d. One MatMul and a
+              / (B*T), grad.head.W = h^T d and grad.head.b = sum over rows of d; for the tied kind
+              grad.E = d^T h (E's role as the embedding is not differentiated). One MatMul and a
               reduction on top of the forward, so a worker needs nothing but ONNX Runtime.
 - "logprobs": x[B,T] -> log-probs [B,T,256] (scoring).
 - "stream":   (x[B,T], h*/c* [1,B,H] per layer) -> logits [B,T,256] and the new states (generation).
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from soma_edge.router import Router
 
 OPSET = 17
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default, so the torch reference matches
 MODES = ("loss", "train", "logprobs", "stream")
 
 
@@ -49,37 +51,20 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
         initializers += [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in lay.views(weights).items()]
     initializers.append(numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"))
 
-    nodes = [
-        # Time-major for the LSTM op; transposing the int ids is cheaper than the embeddings.
-        helper.make_node("Transpose", ["x"], ["x_tb"], perm=[1, 0]),
-        helper.make_node("Gather", ["embed", "x_tb"], ["h_in0"]),
-    ]
+    body = _soma_body if m.kind == "soma" else _lstm_body
+    nodes, top, consts = body(m, stream=mode == "stream")
+    initializers += consts
     outputs = []
-    for layer in range(m.layers):
-        lstm_inputs = [f"h_in{layer}", f"lstm{layer}.W", f"lstm{layer}.R", f"lstm{layer}.B"]
-        lstm_outputs = [f"y{layer}"]
-        if mode == "stream":
-            inputs += [
-                helper.make_tensor_value_info(f"h{layer}", TensorProto.FLOAT, [1, "B", H]),
-                helper.make_tensor_value_info(f"c{layer}", TensorProto.FLOAT, [1, "B", H]),
-            ]
-            lstm_inputs += ["", f"h{layer}", f"c{layer}"]
-            lstm_outputs += [f"h{layer}_out", f"c{layer}_out"]
-            outputs += [
-                helper.make_tensor_value_info(f"h{layer}_out", TensorProto.FLOAT, [1, "B", H]),
-                helper.make_tensor_value_info(f"c{layer}_out", TensorProto.FLOAT, [1, "B", H]),
-            ]
-        nodes += [
-            helper.make_node("LSTM", lstm_inputs, lstm_outputs, hidden_size=H),
-            helper.make_node("Squeeze", [f"y{layer}", "axis1"], [f"h_in{layer + 1}"]),  # [T,1,B,H] -> [T,B,H]
-        ]
-    top = f"h_in{m.layers}"
+    if mode == "stream":
+        for layer in range(m.layers):
+            for s in ("h", "c"):
+                inputs.append(helper.make_tensor_value_info(f"{s}{layer}", TensorProto.FLOAT, [1, "B", H]))
+                outputs.append(helper.make_tensor_value_info(f"{s}{layer}_out", TensorProto.FLOAT, [1, "B", H]))
 
     if mode in ("loss", "train"):
+        nodes += [helper.make_node("Reshape", [top, "rows_h"], ["rows"])]
+        nodes += _head(m, "rows")
         nodes += [
-            helper.make_node("Reshape", [top, "rows_h"], ["rows"]),
-            helper.make_node("MatMul", ["rows", "head.W"], ["logits_mm"]),
-            helper.make_node("Add", ["logits_mm", "head.b"], ["logits"]),
             helper.make_node("Transpose", ["y"], ["y_tb"], perm=[1, 0]),
             helper.make_node("Reshape", ["y_tb", "flat1"], ["y_flat"]),
             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y_flat"], ["loss"], reduction="mean"),
@@ -88,19 +73,16 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
         initializers.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat1"))
         outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
         if mode == "train":
-            nodes += _decoder_grad_nodes()
-            initializers += _decoder_grad_constants()
+            nodes += _decoder_grad_nodes(m)
+            initializers += _decoder_grad_constants(m)
             outputs += [
-                helper.make_tensor_value_info("grad.head.W", TensorProto.FLOAT, [H, VOCAB]),
-                helper.make_tensor_value_info("grad.head.b", TensorProto.FLOAT, [VOCAB]),
+                helper.make_tensor_value_info(f"grad.{n}", TensorProto.FLOAT, list(lay.shapes[lay.names.index(n)]))
+                for n in lay.decoder
             ]
     else:
         # Batch-major out: [T,B,H] -> [B,T,H] before the head, so callers index [b, t].
-        nodes += [
-            helper.make_node("Transpose", [top], ["top_bt"], perm=[1, 0, 2]),
-            helper.make_node("MatMul", ["top_bt", "head.W"], ["logits_mm"]),
-            helper.make_node("Add", ["logits_mm", "head.b"], ["logits"]),
-        ]
+        nodes += [helper.make_node("Transpose", [top], ["top_bt"], perm=[1, 0, 2])]
+        nodes += _head(m, "top_bt")
         if mode == "logprobs":
             nodes.append(helper.make_node("LogSoftmax", ["logits"], ["logprobs"], axis=-1))
             outputs = [helper.make_tensor_value_info("logprobs", TensorProto.FLOAT, ["B", "T", VOCAB])]
@@ -108,34 +90,109 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
             outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "T", VOCAB])] + outputs
 
     graph = helper.make_graph(nodes, f"soma_expert_{mode}", inputs, outputs, initializers)
+    graph.doc_string = f"soma-edge expert, model.kind = {m.kind!r}"
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="soma-edge")
     model.ir_version = 8  # readable by every ORT >= 1.10
     onnx.checker.check_model(model)
     return model
 
 
-def _decoder_grad_nodes() -> list[onnx.NodeProto]:
-    """d(mean CE)/d(head) with the hidden rows held fixed: (softmax(logits) - onehot(y)) / rows, then h^T d."""
-    node = helper.make_node
+def _lstm(layer: int, src: str, W: str, R: str, B: str, out: str, stream: bool, hidden: int) -> list[onnx.NodeProto]:
+    """One ONNX LSTM over [T,B,in] -> `out` [T,B,H]; in stream mode it reads and returns h<layer>/c<layer>."""
+    ins, outs = [src, W, R, B], [f"y{layer}"]
+    if stream:
+        ins += ["", f"h{layer}", f"c{layer}"]
+        outs += [f"h{layer}_out", f"c{layer}_out"]
     return [
+        helper.make_node("LSTM", ins, outs, hidden_size=hidden),
+        helper.make_node("Squeeze", [f"y{layer}", "axis1"], [out]),  # [T,1,B,H] -> [T,B,H]
+    ]
+
+
+def _lstm_body(m: ModelConfig, stream: bool) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
+    nodes = [
+        # Time-major for the LSTM op; transposing the int ids is cheaper than the embeddings.
+        helper.make_node("Transpose", ["x"], ["x_tb"], perm=[1, 0]),
+        helper.make_node("Gather", ["embed", "x_tb"], ["h_in0"]),
+    ]
+    for layer in range(m.layers):
+        nodes += _lstm(layer, f"h_in{layer}", f"lstm{layer}.W", f"lstm{layer}.R", f"lstm{layer}.B",
+                       f"h_in{layer + 1}", stream, m.hidden)  # fmt: skip
+    return nodes, f"h_in{m.layers}", []
+
+
+def _soma_body(m: ModelConfig, stream: bool) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
+    """Pre-norm residual blocks x += LSTM(LN(x)); x += W2 gelu(LN(x) W1), then the final LN."""
+    node = helper.make_node
+    ln = lambda src, g, out: node("LayerNormalization", [src, g], [out], axis=-1, epsilon=LN_EPS)  # noqa: E731
+    nodes = [node("Transpose", ["x"], ["x_tb"], perm=[1, 0]), node("Gather", ["E", "x_tb"], ["r0"])]
+    for b in range(m.layers):
+        p, r = f"block{b}.", f"r{b}"
+        nodes += [ln(r, p + "ln1.g", f"a{b}")]
+        nodes += _lstm(b, f"a{b}", p + "lstm.W", p + "lstm.R", "", f"l{b}", stream, m.hidden)  # bias-free
+        nodes += [
+            node("Add", [r, f"l{b}"], [f"s{b}"]),
+            ln(f"s{b}", p + "ln2.g", f"n{b}"),
+            node("MatMul", [f"n{b}", p + "mlp.W1"], [f"u{b}"]),
+            # exact GELU, 0.5 u (1 + erf(u / sqrt 2)): opset 17 has no Gelu op (ORT fuses this pattern)
+            node("Div", [f"u{b}", "sqrt2"], [f"us{b}"]),
+            node("Erf", [f"us{b}"], [f"ue{b}"]),
+            node("Add", [f"ue{b}", "one"], [f"ua{b}"]),
+            node("Mul", [f"u{b}", f"ua{b}"], [f"um{b}"]),
+            node("Mul", [f"um{b}", "half"], [f"g{b}"]),
+            node("MatMul", [f"g{b}", p + "mlp.W2"], [f"o{b}"]),
+            node("Add", [f"s{b}", f"o{b}"], [f"r{b + 1}"]),
+        ]
+    nodes.append(ln(f"r{m.layers}", "ln_f.g", "top"))
+    f32 = lambda name, v: numpy_helper.from_array(np.array(v, dtype=np.float32), name)  # noqa: E731
+    return nodes, "top", [f32("sqrt2", np.sqrt(2.0)), f32("one", 1.0), f32("half", 0.5)]
+
+
+def _head(m: ModelConfig, src: str) -> list[onnx.NodeProto]:
+    """`src` [..., H] -> "logits" [..., 256]: the linear head, or the tied h E^T."""
+    if m.kind == "soma":
+        return [
+            helper.make_node("Transpose", ["E"], ["E_t"], perm=[1, 0]),
+            helper.make_node("MatMul", [src, "E_t"], ["logits"]),
+        ]
+    return [
+        helper.make_node("MatMul", [src, "head.W"], ["logits_mm"]),
+        helper.make_node("Add", ["logits_mm", "head.b"], ["logits"]),
+    ]
+
+
+def _decoder_grad_nodes(m: ModelConfig) -> list[onnx.NodeProto]:
+    """d(mean CE)/d(decoder) with the hidden rows held fixed: d = (softmax(logits) - onehot(y)) / rows, then
+    grad.head.W = h^T d and grad.head.b = sum d (lstm kind), or grad.E = d^T h (the tied kind)."""
+    node = helper.make_node
+    nodes = [
         node("Softmax", ["logits"], ["probs"], axis=-1),
         node("OneHot", ["y_flat", "vocab", "onehot_values"], ["onehot"], axis=-1),
         node("Sub", ["probs", "onehot"], ["delta_sum"]),
         node("Shape", ["y_flat"], ["n_rows_i"]),
         node("Cast", ["n_rows_i"], ["n_rows"], to=TensorProto.FLOAT),
         node("Div", ["delta_sum", "n_rows"], ["delta"]),
+    ]
+    if m.kind == "soma":
+        return nodes + [
+            node("Transpose", ["delta"], ["delta_t"], perm=[1, 0]),
+            node("MatMul", ["delta_t", "rows"], ["grad.E"]),
+        ]
+    return nodes + [
         node("Transpose", ["rows"], ["rows_t"], perm=[1, 0]),
         node("MatMul", ["rows_t", "delta"], ["grad.head.W"]),
         node("ReduceSum", ["delta", "axis0"], ["grad.head.b"], keepdims=0),
     ]
 
 
-def _decoder_grad_constants() -> list[onnx.TensorProto]:
-    return [
+def _decoder_grad_constants(m: ModelConfig) -> list[onnx.TensorProto]:
+    out = [
         numpy_helper.from_array(np.array(VOCAB, dtype=np.int64), "vocab"),
         numpy_helper.from_array(np.array([0.0, 1.0], dtype=np.float32), "onehot_values"),
-        numpy_helper.from_array(np.array([0], dtype=np.int64), "axis0"),
     ]
+    if m.kind == "lstm":  # the bias gradient's reduction axis
+        out.append(numpy_helper.from_array(np.array([0], dtype=np.int64), "axis0"))
+    return out
 
 
 def router_features(r: "Router") -> onnx.ModelProto:

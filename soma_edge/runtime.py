@@ -172,8 +172,9 @@ class LossEvaluator:
         the layout's order, the length of flat[layout.body:]."""
         if self.train_session is None:
             raise RuntimeError("this evaluator was built without decoder_grad")
-        loss, g_w, g_b = self.train_session.run(["loss", "grad.head.W", "grad.head.b"], self._feeds(flat, x, y))
-        return float(loss), np.concatenate([g_w.reshape(-1), g_b.reshape(-1)])
+        names = ["loss"] + [f"grad.{n}" for n in self.layout.decoder]
+        loss, *grads = self.train_session.run(names, self._feeds(flat, x, y))
+        return float(loss), np.concatenate([g.reshape(-1) for g in grads])
 
 
 def evaluator_for(cfg: "Config", device: str | None = None, threads: int | None = None, spin: bool = True,

@@ -43,6 +43,10 @@ def _worker(tmp_path, toml: str, *extra: str):
         ('[spsa]\nupdate = "lion"\n', "spsa.update"),
         ("[spsa]\naccumulate = 0\n", "spsa.accumulate"),
         ("[spsa]\nbeta2 = 1\n", "spsa.beta2"),
+        ('[model]\nkind = "transformer"\n', "model.kind"),
+        ('[model]\nkind = "soma"\nembed = 16\nhidden = 32\n', "model.embed must equal model.hidden"),
+        ('[model]\nseed_decoder = "spsa"\n', "model.seed_decoder"),
+        ("[federation]\nseed_steps = -1\n", "federation.seed_steps"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, field):

@@ -90,9 +90,27 @@ def exported(tmp_path_factory, docs):
     return base / "run", base / "deploy", weights
 
 
+SOMA = ModelConfig(kind="soma", embed=12, hidden=12, layers=2)
+
+
+@pytest.fixture(scope="module")
+def soma_exported(tmp_path_factory, docs):
+    """The same, for the paper's expert kind (tied E, residual blocks)."""
+    base = tmp_path_factory.mktemp("export-soma")
+    weights = make_run(base / "run", SOMA, N, docs)
+    bundle.write(base / "run", base / "deploy")
+    return base / "run", base / "deploy", weights
+
+
 @pytest.fixture(scope="module")
 def dep(exported):
     return Deployment(exported[1], device="cpu", threads=1)
+
+
+@pytest.fixture(scope="module", params=["lstm", "soma"])
+def any_dep(request, exported, soma_exported):
+    """A deployment of each model kind."""
+    return Deployment((exported if request.param == "lstm" else soma_exported)[1], device="cpu", threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -143,15 +161,18 @@ def test_bundle_lists_and_checks_every_file(exported):
     for e in manifest["experts"]:
         i = e["id"]
         assert (e["version"], e["step"], e["val_loss"]) == (i + 1, 10 * (i + 1), 2.5 + i if i else None)
-        assert e["config"]["model"] == {"embed": 8, "hidden": 16, "layers": 1, "input_gain": 4.0}
+        assert e["config"]["model"] == {"kind": "lstm", "embed": 8, "hidden": 16, "layers": 1, "input_gain": 4.0,
+                                        "seed_decoder": "frozen"}
         assert e["params"] == weights[i].size
     assert not [p for p in deploy.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_exported_loss_equals_training_loss(tmp_path, docs, exported, layers):
+@pytest.mark.parametrize("layers", [1, 2, "soma"])
+def test_exported_loss_equals_training_loss(tmp_path, docs, exported, soma_exported, layers):
     if layers == 1:
         deploy, weights, m = exported[1], exported[2], ModelConfig(embed=8, hidden=16, layers=1)
+    elif layers == "soma":
+        deploy, weights, m = soma_exported[1], soma_exported[2], SOMA
     else:
         m = ModelConfig(embed=8, hidden=12, layers=2)
         weights = make_run(tmp_path / "run", m, 2, docs[::3])
@@ -172,9 +193,9 @@ def test_exported_loss_equals_training_loss(tmp_path, docs, exported, layers):
     assert abs(losses[0] - np.log(256)) > 0.1 and abs(losses[0] - losses[1]) > 1e-2  # the weights matter
 
 
-def test_streaming_graph_reproduces_scoring(dep):
+def test_streaming_graph_reproduces_scoring(any_dep):
     x = np.frombuffer(b"def stream(self):\n    return 'bytes one at a time'\n", dtype=np.uint8).astype(np.int64)[None]
-    for expert in dep.experts:
+    for expert in any_dep.experts:
         want = expert.logprobs(x)[0]
         for chunks in ([1] * x.shape[1], [5, 1, 17, 2, x.shape[1] - 25]):  # byte by byte, and uneven pieces
             state, got, i = expert.zero_state(), [], 0
@@ -191,8 +212,9 @@ def test_streaming_graph_reproduces_scoring(dep):
 # ---------------------------------------------------------------------------------------------- routed eval
 
 
-def test_generation_mixture_equals_eval_mixture(dep):
+def test_generation_mixture_equals_eval_mixture(any_dep):
     """Every sampled byte's log-prob under the streaming mixture equals eval's on the same text."""
+    dep = any_dep
     prompt = b"import json\nfrom textwrap import dedent\n"  # crosses a window boundary (T = 32)
     for k, temp in ((1, 1.0), (2, 1.0), (N, 0.5)):
         out = list(generate(dep, prompt, 3 * T + 7, k, temperature=temp, seed=k))
@@ -387,6 +409,40 @@ def test_malformed_manifest(deploy_copy, eval_file, capsys):
     (deploy_copy / "manifest.json").write_text("{not json")
     rc, _, err = cli(["eval", deploy_copy, "--data", eval_file], capsys)
     assert_user_error(rc, err, "manifest.json", "not valid JSON")
+
+
+def test_kind_or_shapes_that_do_not_match_the_weights(deploy_copy, soma_exported, eval_file, capsys):
+    manifest = json.loads((deploy_copy / "manifest.json").read_text())
+    good = json.dumps(manifest)
+    manifest["experts"][0]["config"]["model"]["kind"] = "transformer"
+    (deploy_copy / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = cli(["eval", deploy_copy, "--data", eval_file], capsys)
+    assert_user_error(rc, err, "experts[0]", "model.kind", "'transformer'")
+    manifest = json.loads(good)
+    manifest["experts"][0]["config"]["model"].update(kind="soma", embed=16)  # valid, but not these weights
+    (deploy_copy / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = cli(["eval", deploy_copy, "--data", eval_file], capsys)
+    assert_user_error(rc, err, "experts[0]", "'soma'", "weights")
+    # a graph of the other kind, re-hashed into the manifest: the manifest no longer describes it
+    (deploy_copy / "manifest.json").write_text(good)
+    shutil.copy(soma_exported[1] / "experts/0/score.onnx", deploy_copy / "experts/0/score.onnx")
+    _rehash(deploy_copy, "experts/0/score.onnx")
+    rc, _, err = cli(["eval", deploy_copy, "--data", eval_file, "--top-k", N], capsys)
+    assert_user_error(rc, err, "score.onnx", "does not match the manifest")
+
+
+def test_export_refuses_a_checkpoint_whose_kind_does_not_fit_its_weights(tmp_path, docs, capsys):
+    make_run(tmp_path / "run", ModelConfig(embed=8, hidden=8, layers=1), 2, docs[::3])
+    body = checkpoint.load(tmp_path / "run/experts/1/v2.msgpack", "expert")
+    body["config"]["model"]["kind"] = "soma"
+    checkpoint.save(tmp_path / "run/experts/1/v2.msgpack", body, "expert")
+    rc, _, err = cli(["onnx", tmp_path / "run", "--out", tmp_path / "deploy"], capsys)
+    assert_user_error(rc, err, "v2.msgpack", "weights")
+    cfg = body["config"]
+    cfg["model"]["embed"] = 4
+    checkpoint.save(tmp_path / "run/experts/1/v2.msgpack", body, "expert")
+    rc, _, err = cli(["onnx", tmp_path / "run", "--out", tmp_path / "deploy"], capsys)
+    assert_user_error(rc, err, "v2.msgpack", "model.embed must equal model.hidden")
 
 
 def test_truncated_onnx(deploy_copy, eval_file, capsys):

@@ -1,4 +1,4 @@
-"""The ORT loss graph equals torch.nn.LSTM on the same weights."""
+"""Every ORT graph mode equals the torch reference on the same weights, for both model kinds."""
 
 import numpy as np
 import pytest
@@ -11,6 +11,12 @@ from soma_edge.config import ModelConfig  # noqa: E402
 from soma_edge.runtime import LossEvaluator  # noqa: E402
 
 SHAPES = [ModelConfig(embed=16, hidden=24, layers=1), ModelConfig(embed=8, hidden=20, layers=2)]
+SOMA = [ModelConfig(kind="soma", embed=16, hidden=16, layers=1), ModelConfig(kind="soma", embed=12, hidden=12, layers=2)]
+BOTH = SHAPES + SOMA
+
+
+def _id(m: ModelConfig) -> str:
+    return f"{m.kind}-E{m.embed}H{m.hidden}L{m.layers}"
 
 
 def _wide_weights(m: ModelConfig, seed: int) -> np.ndarray:
@@ -26,7 +32,7 @@ def _batch(seed: int, b: int = 3, t: int = 17):
     return data[:, :-1].astype(np.int64), data[:, 1:].astype(np.int64)
 
 
-@pytest.mark.parametrize("m", SHAPES, ids=lambda m: f"E{m.embed}H{m.hidden}L{m.layers}")
+@pytest.mark.parametrize("m", BOTH, ids=_id)
 def test_ort_loss_matches_torch(m):
     ev = LossEvaluator(m, device="cpu", threads=1)
     w = _wide_weights(m, 1)
@@ -58,12 +64,14 @@ def test_gate_order_matters():
     assert abs(bad - good) > 1e-3
 
 
-def test_flat_grad_roundtrip():
+@pytest.mark.parametrize("m", [SHAPES[1], SOMA[1]], ids=_id)
+def test_flat_grad_roundtrip(m):
     """The torch gradient maps back into the flat layout: a finite difference along it agrees."""
-    m = SHAPES[1]
+    from bench.torch_ref import reference
+
     w = _wide_weights(m, 6) * 0.5
     x, y = _batch(7)
-    model = TorchExpert(m).load_flat(w)
+    model = reference(m, w)
     loss = model(torch.from_numpy(x), torch.from_numpy(y))
     loss.backward()
     g = model.flat_grad()
@@ -74,7 +82,7 @@ def test_flat_grad_roundtrip():
     assert abs(fd - np.linalg.norm(g)) / np.linalg.norm(g) < 0.05
 
 
-@pytest.mark.parametrize("m", SHAPES, ids=lambda m: f"E{m.embed}H{m.hidden}L{m.layers}")
+@pytest.mark.parametrize("m", BOTH, ids=_id)
 def test_delta_rule_equals_autograd_through_the_decoder(m):
     """The train graph's decoder gradient is torch autograd's gradient w.r.t. the head alone (h detached)."""
     from bench.torch_ref import decoder_path_grad
@@ -90,3 +98,44 @@ def test_delta_rule_equals_autograd_through_the_decoder(m):
     assert diff.max() <= 1e-5, diff.max()
     assert np.linalg.norm(diff) / np.linalg.norm(ref) <= 1e-5
     assert np.linalg.norm(ref) > 1e-2  # a real gradient, not zeros on both sides
+
+
+@pytest.mark.parametrize("m", BOTH, ids=_id)
+def test_logprobs_and_stream_graphs_match_torch(m):
+    """The deploy graphs (weights as initializers): log-probs, and streaming from a non-zero state."""
+    from bench.torch_ref import stream_logits
+    from soma_edge.graph import build
+    from soma_edge.runtime import make_session
+
+    w = _wide_weights(m, 8)
+    x, _ = _batch(9)
+    ref, _ = stream_logits(m, w, x)
+    ref_lp = ref - np.log(np.exp(ref.astype(np.float64)).sum(-1, keepdims=True))
+    (lp,) = make_session(build(m, "logprobs", w), "cpu", 1).run(None, {"x": x})
+    assert np.abs(lp - ref_lp).max() <= 1e-5
+
+    rng = np.random.default_rng(10)
+    state = [rng.standard_normal((1, x.shape[0], m.hidden)).astype(np.float32) * 0.5 for _ in range(2 * m.layers)]
+    names = [f"{s}{layer}" for layer in range(m.layers) for s in ("h", "c")]
+    logits, *after = make_session(build(m, "stream", w), "cpu", 1).run(None, {"x": x, **dict(zip(names, state))})
+    ref_logits, ref_after = stream_logits(m, w, x, state)
+    assert np.abs(logits - ref_logits).max() <= 1e-5
+    for a, b in zip(after, ref_after, strict=True):
+        assert np.abs(a - b).max() <= 1e-5
+    # the state matters: from zeros the logits differ
+    zero, _ = stream_logits(m, w, x)
+    assert np.abs(zero - ref_logits).max() > 1e-3
+
+
+def test_tied_delta_rule_is_the_decoder_path_only():
+    """Guard the guard: the tied kind's full gradient w.r.t. E (both roles) differs from the delta rule."""
+    from bench.torch_ref import decoder_path_grad, reference
+
+    m = SOMA[1]
+    w = _wide_weights(m, 11)
+    x, y = _batch(12)
+    model = reference(m, w)
+    model(torch.from_numpy(x), torch.from_numpy(y)).backward()
+    full = model.E.grad.numpy().reshape(-1)
+    _, path = decoder_path_grad(m, w, x, y)
+    assert np.linalg.norm(full - path) > 1e-3 * np.linalg.norm(path)

@@ -61,8 +61,9 @@ def train(
         raise ValueError("give steps, seconds, or both")
     if cfg.spsa.decoder == "delta" and evaluator.train_session is None:
         raise ValueError("spsa.decoder = 'delta' needs an evaluator built with decoder_grad=True")
-    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=evaluator.parallel,
-                      body=layout(cfg.model).body)  # fmt: skip
+    lay = layout(cfg.model)
+    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=evaluator.parallel, body=lay.body,
+                      dense=lay.dense())  # fmt: skip
     report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
     t0 = time.perf_counter()
     loss_sum = 0.0
