@@ -62,8 +62,8 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _top_k(dep, top_k: Optional[int]) -> int:
-    k = min(2, dep.n_experts) if top_k is None else top_k
+def _top_k(dep, top_k: Optional[int], protocol: str = "stream") -> int:
+    k = dep.default_top_k(protocol) if top_k is None else top_k
     dep.check_top_k(k)
     return k
 
@@ -72,19 +72,28 @@ def _top_k(dep, top_k: Optional[int]) -> int:
 def eval_cmd(
     deploy: Path = typer.Argument(..., help="Deploy bundle written by `soma-export onnx`."),
     data: List[Path] = typer.Option(..., "--data", help="Text or binary file, or a directory of them (repeatable)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts mixed per window (default: min(2, N))."),
+    protocol: str = typer.Option("stream", help="stream: every byte, each seq_len window routed on the one before | "
+                                 "paper: 1,025-byte windows routed on their first 256 bytes, last 768 targets scored."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts mixed per window (default: min(2, N); paper: min(4, N))."),
     router_temperature: Optional[float] = typer.Option(None, help="Router softmax temperature (default: the bundle's)."),
-    uniform: bool = typer.Option(False, help="Diagnostic: weight the top-k experts equally instead of by distance."),
+    uniform: Optional[bool] = typer.Option(None, "--uniform/--weighted", help="Weight the top-k experts equally, or by "
+                                           "router distance (default: weighted; paper: uniform)."),
+    compare: bool = typer.Option(False, help="With --protocol paper: also score the stream protocol on the same bytes."),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
     threads: int = typer.Option(1, min=0, help="ORT intra-op threads per session (0 = ORT decides; 1 was fastest here)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Held-out nats/byte of the routed top-k mixture. Each window is routed on the bytes before it."""
+    """Held-out nats/byte of the routed top-k mixture. The router never sees a byte it helps score."""
     from export.infer import Deployment, evaluate
+    from soma_edge.errors import ConfigError
+    from soma_edge.mixture import PROTOCOLS
 
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     dep = Deployment(deploy, device=device, threads=threads)
-    k = _top_k(dep, top_k)
-    report = evaluate(dep, data, k, router_temperature, uniform)
+    k = _top_k(dep, top_k, protocol)
+    uniform = protocol == "paper" if uniform is None else uniform
+    report = evaluate(dep, data, k, router_temperature, uniform, protocol, compare)
     experts = [
         {
             "id": e.id,
@@ -106,6 +115,8 @@ def eval_cmd(
             "bytes": report.bytes,
             "top_k": k,
             "uniform": uniform,
+            "protocol": protocol,
+            "stream_same_bytes": report.compared,
             "n_experts": dep.n_experts,
             "seq_len": dep.seq_len,
             "seconds": report.seconds,
@@ -127,8 +138,11 @@ def eval_cmd(
     for f in report.files:
         rate = f.bytes / f.seconds if f.seconds > 0 else float("inf")
         print(f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / math.log(2):>10.4f} {rate:>10.0f}")
+    if report.compared is not None:
+        print(f"stream protocol (top-{dep.default_top_k()} weighted) on the same bytes: {report.compared:.4f} nats/byte")
     mode = "uniform" if uniform else "routed"
-    print(f"top-{k} {mode} mixture of {dep.n_experts} experts, held-out nats/byte: {report.nats_per_byte:.4f} over {report.bytes} bytes")
+    print(f"top-{k} {mode} mixture of {dep.n_experts} experts, {protocol} protocol, held-out nats/byte: "
+          f"{report.nats_per_byte:.4f} over {report.bytes} bytes")
 
 
 @app.command("generate")

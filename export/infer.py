@@ -111,19 +111,24 @@ class Deployment:
     def check_top_k(self, top_k: int) -> None:
         mixture.check_top_k(top_k, self.n_experts)
 
+    def default_top_k(self, protocol: str = "stream") -> int:
+        """Experts mixed per window: min(2, N) for the stream protocol, the paper's min(4, N) for its own."""
+        return min(4 if protocol == "paper" else 2, self.n_experts)
+
     def score(
-        self, data: np.ndarray, top_k: int, temperature: float | None = None, uniform: bool = False, keep_logprobs: bool = False
-    ) -> mixture.MixtureResult:
-        return mixture.evaluate(
-            self.router,
-            [e.logprobs for e in self.experts],
-            data,
-            self.seq_len,
-            top_k,
-            self.bundle.temperature if temperature is None else temperature,
-            uniform=uniform,
-            keep_logprobs=keep_logprobs,
-        )
+        self, data: np.ndarray, top_k: int, temperature: float | None = None, uniform: bool = False,
+        keep_logprobs: bool = False, protocol: str = "stream",
+    ) -> mixture.MixtureResult:  # fmt: skip
+        """The routed mixture's score of `data` under `protocol` (soma_edge.mixture.PROTOCOLS)."""
+        fns = [e.logprobs for e in self.experts]
+        temperature = self.bundle.temperature if temperature is None else temperature
+        if protocol == "paper":
+            return mixture.evaluate_paper(self.router, fns, data, top_k, temperature, uniform,
+                                          keep_logprobs=keep_logprobs)  # fmt: skip
+        if protocol != "stream":
+            raise ConfigError(f"--protocol must be one of {', '.join(mixture.PROTOCOLS)}, got {protocol!r}")
+        return mixture.evaluate(self.router, fns, data, self.seq_len, top_k, temperature, uniform=uniform,
+                                keep_logprobs=keep_logprobs)  # fmt: skip
 
     # -- generation ------------------------------------------------------------------------------------------
 
@@ -294,15 +299,17 @@ def read_data(path: Path) -> np.ndarray:
 @dataclass
 class FileScore:
     path: str
-    bytes: int
+    bytes: int  # bytes scored
     nats_per_byte: float
     seconds: float
+    compared: float | None = None  # with `compare`: the stream protocol's nats/byte on the same bytes
 
 
 @dataclass
 class EvalReport:
     top_k: int
     uniform: bool
+    protocol: str = "stream"
     files: list[FileScore] = field(default_factory=list)
     expert_windows: dict[int, int] = field(default_factory=dict)
     expert_weight: dict[int, float] = field(default_factory=dict)
@@ -318,27 +325,49 @@ class EvalReport:
         return sum(f.nats_per_byte * f.bytes for f in self.files) / self.bytes
 
     @property
+    def compared(self) -> float | None:
+        if any(f.compared is None for f in self.files if f.bytes):
+            return None
+        return sum(f.compared * f.bytes for f in self.files if f.bytes) / self.bytes
+
+    @property
     def seconds(self) -> float:
         return sum(f.seconds for f in self.files)
 
 
 def evaluate(
-    dep: Deployment, paths: list[Path], top_k: int, temperature: float | None = None, uniform: bool = False
-) -> EvalReport:
-    """Routed mixture nats/byte of each file (each its own stream, routed from its own prior)."""
+    dep: Deployment, paths: list[Path], top_k: int, temperature: float | None = None, uniform: bool = False,
+    protocol: str = "stream", compare: bool = False,
+) -> EvalReport:  # fmt: skip
+    """Routed mixture nats/byte of each file (each its own stream) under `protocol`. With `compare` (paper
+    protocol), each file is also scored by the stream protocol at its defaults, on the paper's scored bytes."""
     dep.check_top_k(top_k)
+    if protocol not in mixture.PROTOCOLS:
+        raise ConfigError(f"--protocol must be one of {', '.join(mixture.PROTOCOLS)}, got {protocol!r}")
+    if compare and protocol != "paper":
+        raise ConfigError("--compare scores the stream protocol on the paper protocol's bytes: use it with --protocol paper")
     files = data_files(paths)
     for f in files:  # every file is checked before any scoring starts; each is read when its turn comes
         check_data(f)
-    report = EvalReport(top_k, uniform)
+    report = EvalReport(top_k, uniform, protocol)
     for f in files:
         data = read_data(f)
+        if protocol == "paper" and data.size < mixture.PAPER_WINDOW:
+            report.files.append(FileScore(str(f), 0, 0.0, 0.0))  # no full window: nothing to score
+            continue
         t0 = time.perf_counter()
-        r = dep.score(data, top_k, temperature, uniform)
-        report.files.append(FileScore(str(f), r.bytes, r.nats_per_byte, time.perf_counter() - t0))
+        r = dep.score(data, top_k, temperature, uniform, protocol=protocol)
+        seconds = time.perf_counter() - t0
+        compared = None
+        if compare:
+            other = dep.score(data, dep.default_top_k(), keep_logprobs=True)
+            compared = float(-other.logprobs[r.positions].sum() / r.bytes)
+        report.files.append(FileScore(str(f), r.bytes, r.nats_per_byte, seconds, compared))
         for e, n in r.expert_windows.items():
             report.expert_windows[e] = report.expert_windows.get(e, 0) + n
             report.expert_weight[e] = report.expert_weight.get(e, 0.0) + r.expert_weight[e]
             report.expert_bytes[e] = report.expert_bytes.get(e, 0) + r.expert_bytes[e]
             report.expert_nats_sum[e] = report.expert_nats_sum.get(e, 0.0) + r.expert_nats[e] * r.expert_bytes[e]
+    if not report.bytes:
+        raise CorpusError(f"no data file holds a full {mixture.PAPER_WINDOW}-byte window for the paper protocol")
     return report

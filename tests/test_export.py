@@ -269,6 +269,90 @@ def test_routed_eval_uses_only_preceding_bytes(dep, eval_file):
     np.testing.assert_array_equal(other.logprobs[: i * T - 1], base.logprobs[: i * T - 1])
 
 
+# ---------------------------------------------------------------------------------------------- paper protocol
+
+
+@pytest.fixture(scope="module")
+def paper_file(tmp_path_factory, docs):
+    """Six 1,025-byte windows from alternating domains, plus a tail shorter than a window."""
+    path = tmp_path_factory.mktemp("paper") / "paper.txt"
+    parts = [docs[i][:1025] for i in (3, 15, 30, 4, 16, 31)]
+    assert all(len(p) == 1025 for p in parts)
+    path.write_bytes(b"".join(parts) + docs[5][:400])
+    return path
+
+
+def test_paper_protocol_equals_an_independent_uniform_mixture(soma_exported, paper_file, capsys):
+    """Plain ORT sessions: each 1,025-byte window from a reset state, routed on its first 256 bytes, the
+    uniform top-min(4, N) average, only its last 768 targets scored."""
+    _, deploy, _ = soma_exported
+    rc, out, err = cli(["eval", deploy, "--data", paper_file, "--protocol", "paper", "--json"], capsys)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert (got["protocol"], got["top_k"], got["uniform"], got["bytes"]) == ("paper", N, True, 6 * 768)
+    data = np.frombuffer(paper_file.read_bytes(), np.uint8)
+    manifest = json.loads((deploy / "manifest.json").read_text())
+    sessions = [ort.InferenceSession(str(deploy / e["score"]), providers=["CPUExecutionProvider"])
+                for e in manifest["experts"]]  # fmt: skip
+    r = router.load(deploy / "router.msgpack")
+    nll = []
+    for s in range(0, 6 * 1025, 1025):
+        w = data[s : s + 1025].astype(np.int64)
+        chosen, _ = r.route(r.distances([data[s : s + 256]]), N, r.temperature)
+        p = np.mean([np.exp(sessions[e].run(None, {"x": w[None, :-1]})[0][0, np.arange(1024), w[1:]])
+                     for e in chosen[0]], axis=0)  # fmt: skip
+        nll.append(-np.log(p[256:].astype(np.float64)))
+    assert got["nats_per_byte"] == pytest.approx(np.concatenate(nll).mean(), abs=1e-6)
+    rc, out, _ = cli(["eval", deploy, "--data", paper_file, "--protocol", "paper"], capsys)
+    assert out.strip().splitlines()[-1].startswith(f"top-{N} uniform mixture of {N} experts, paper protocol, ")
+
+
+def test_paper_protocol_routes_only_on_the_prefix(soma_exported, paper_file):
+    dep = Deployment(soma_exported[1], device="cpu", threads=1)
+    data = np.frombuffer(paper_file.read_bytes(), np.uint8)
+    base = dep.score(data, 2, uniform=False, keep_logprobs=True, protocol="paper")
+    assert base.positions.size == base.logprobs.size == 6 * 768 and base.positions[0] == 256
+    assert len(set(base.experts[:, 0].tolist())) > 1  # the windows come from different domains
+    # Every byte after each window's prefix replaced by one domain's text: routing must not move at all.
+    changed = data.copy()
+    for s in range(0, 6 * 1025, 1025):
+        changed[s + 256 : s + 1025] = np.frombuffer(_domains()[0][: 1025 - 256], np.uint8)
+    other = dep.score(changed, 2, uniform=False, keep_logprobs=True, protocol="paper")
+    np.testing.assert_array_equal(other.experts, base.experts)
+    np.testing.assert_array_equal(other.weights, base.weights)
+    assert not np.allclose(other.logprobs, base.logprobs)  # the scored bytes did change
+    # A window's prefix drives its routing: window 0 given window 1's prefix is routed like window 1.
+    swapped = data.copy()
+    swapped[:256] = data[1025 : 1025 + 256]
+    moved = dep.score(swapped, 2, uniform=False, protocol="paper")
+    np.testing.assert_array_equal(moved.experts[0], base.experts[1])
+    np.testing.assert_array_equal(moved.experts[1:], base.experts[1:])
+
+
+def test_paper_protocol_compared_on_the_same_bytes(dep, paper_file, capsys):
+    rc, out, err = cli(["eval", dep.bundle.root, "--data", paper_file, "--protocol", "paper", "--compare", "--json"], capsys)
+    assert rc == 0, err
+    got = json.loads(out)
+    data = np.frombuffer(paper_file.read_bytes(), np.uint8)
+    stream = dep.score(data, 2, keep_logprobs=True)
+    positions = mixture.paper_positions(data.size)
+    assert got["stream_same_bytes"] == pytest.approx(-stream.logprobs[positions].mean(), abs=1e-9)
+    assert got["stream_same_bytes"] != pytest.approx(stream.nats_per_byte, abs=1e-6)  # a subset, not all bytes
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--protocol", "sliding"], ["--protocol", "stream, paper", "sliding"]),
+    (["--compare"], ["--compare", "--protocol paper"]),
+    (["--protocol", "paper", "--data", "{short}"], ["1025-byte window"]),
+])  # fmt: skip
+def test_paper_protocol_bad_input(argv, fragments, exported, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x" * 1024)
+    data = [] if "--data" in argv else ["--data", str(short)]
+    rc, _, err = cli(["eval", exported[1], *data, *[a.format(short=short) for a in argv]], capsys)
+    assert_user_error(rc, err, *fragments)
+
+
 def test_router_runs_from_onnx_and_manifest_alone(exported, dep, eval_file):
     """Routing with plain ORT + the manifest (no soma-edge router code) picks what eval picked."""
     _, deploy, _ = exported
@@ -312,7 +396,7 @@ def test_eval_cli_tables_and_json(exported, eval_file, tmp_path, capsys):
     assert "expert" in out and "nats/byte alone" in out
     assert str(folder / "sub" / "b.bin") in out and ".hidden" not in out
     last = out.strip().splitlines()[-1]
-    assert last.startswith("top-2 routed mixture of 3 experts, held-out nats/byte: ")
+    assert last.startswith("top-2 routed mixture of 3 experts, stream protocol, held-out nats/byte: ")
     rc, out, err = cli(["eval", deploy, "--data", folder, "--data", eval_file, "--top-k", 2, "--json"], capsys)
     got = json.loads(out)
     size = eval_file.stat().st_size
