@@ -36,7 +36,7 @@ EMBED = 16
 def expert_shape(total: int, n: int) -> ModelConfig:
     """The hidden size whose expert has closest to total/n parameters (embed fixed)."""
     target = total / n
-    best = min(range(2, 2048), key=lambda h: abs(params.count(ModelConfig(EMBED, h, 1)) - target))
+    best = min(range(2, 2048), key=lambda h: abs(params.count(ModelConfig(embed=EMBED, hidden=h, layers=1)) - target))
     return ModelConfig(embed=EMBED, hidden=best, layers=1)
 
 

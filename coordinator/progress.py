@@ -51,6 +51,8 @@ def summary(run: RunDir) -> dict[str, Any]:
         "val_loss_mean": lr.get("val_loss_mean") if lr else None,
         "compute_share": lr.get("compute_share") if lr else None,
         "running": run.is_locked(),
+        "phase": (state or {}).get("phase", "experts"),  # "seed" while the seed run trains
+        "seed": (state or {}).get("seed"),  # the finished seed's version, once the experts started from it
     }
 
 
@@ -60,7 +62,9 @@ def _f(v: Any, digits: int = 4) -> str:
 
 def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Table:
     title = f"{s['run']}: round {s['round']}/{s['rounds'] or '?'}"
-    if s.get("mixture_val_loss") is not None:
+    if s.get("phase") == "seed":
+        title += ", seed run (the experts start from it)"
+    elif s.get("mixture_val_loss") is not None:
         title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
     t = Table(title=title, title_justify="left")
     for col in ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s"):
@@ -68,7 +72,7 @@ def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Ta
     live_nodes = (status or {}).get("assignment") or {}
     for e, x in s["experts"].items():
         node = live_nodes.get(e) or x.get("node") or "-"
-        t.add_row(e, str(x["version"]), x["sha256"][:12], str(x.get("step", "-")), _f(x.get("train_loss")),
+        t.add_row(f"{e} (seed)" if s.get("phase") == "seed" else e, str(x["version"]), x["sha256"][:12], str(x.get("step", "-")), _f(x.get("train_loss")),
                   _f(x.get("val_loss")), node, _f(x.get("steps_per_s"), 2))  # fmt: skip
     return t
 
@@ -117,8 +121,10 @@ class Follower:
             if m.get("type") == "round" and r not in self.seen_rounds:
                 self.seen_rounds.add(r)
                 mix = m.get("mixture_val_loss")
+                what = "seed run" if m.get("phase") == "seed" else f"{m.get('accepted')} experts advanced"
+                what += ", seed done: the experts start from it" if m.get("seed_done") else ""
                 self.console.print(
-                    f"round {r}/{m.get('rounds')}: {m.get('accepted')} experts advanced, mean val "
+                    f"round {r}/{m.get('rounds')}: {what}, mean val "
                     f"{_f(m.get('val_loss_mean'))}, routed val {_f(mix)} nats/byte, "
                     f"{m.get('round_seconds_total', 0):.1f} s, compute {100 * (m.get('compute_share') or 0):.0f}%"
                 )

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from soma_edge import __version__, params, protocol
+from soma_edge import seed as seed_mod
 from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CodecError, CorpusError, SomaError, ValidationError
@@ -111,11 +112,14 @@ class Coordinator:
             return state
         log.info("run %s: resuming after round %d of %d" if state["round"] else "run %s: starting, round %d of %d",
                  run.root, state["round"], fed.rounds)  # fmt: skip
+        if self._fan_out():  # a seed that finished in a round whose commit never happened
+            self.state["assignment"] = {}
+            self.run.save_state(self.state)
         self._wait_for_nodes(fed.min_nodes)
         for r in range(state["round"] + 1, fed.rounds + 1):
-            if fed.max_steps and not self._steps_left():
+            if self._capped() and not self._steps_left():
                 log.info("every expert has its %d steps (federation.max_steps): stopping before round %d",
-                         fed.max_steps, r)  # fmt: skip
+                         seed_mod.expert_steps(self.cfg), r)  # fmt: skip
                 break
             self._round(r)
         self._status("done")
@@ -125,24 +129,59 @@ class Coordinator:
     # --- state ----------------------------------------------------------------------------------------
 
     def _init_state(self) -> dict[str, Any]:
-        """Version 0 of every expert: the same seeded initialization (a common start, as in c-BTM)."""
+        """Version 0 of every expert: the same seeded initialization (a common start, as in c-BTM). With a
+        seed run, only the seed starts from it; the experts start from the seed (`_fan_out`)."""
         w = params.init(self.cfg.model, self.cfg.seed)
-        sha = protocol.weights_sha256(w)
-        experts = {}
-        for e in range(self.cfg.federation.experts):
-            body = {"expert": e, "version": 0, "sha256": sha, "config": self.cfg.to_dict(), "step": 0,
-                    "weights": w, "opt": None, "val_loss": None}  # fmt: skip
-            rel = self.run.save_expert(body)
-            experts[str(e)] = {"version": 0, "sha256": sha, "path": rel, "step": 0, "train_loss": None,
-                               "val_loss": None, "node": None, **_plateau_fields(OptState())}  # fmt: skip
+        seeded = seed_mod.enabled(self.cfg)
+        ids = [seed_mod.seed_expert(self.cfg)] if seeded else range(self.cfg.federation.experts)
+        experts = {str(e): self._version0(e, w) for e in ids}
         state = {"round": 0, "rounds": self.cfg.federation.rounds, "run_id": uuid.uuid4().hex, "experts": experts,
-                 "assignment": {}, "soma_version": __version__}  # fmt: skip
+                 "assignment": {}, "phase": "seed" if seeded else "experts", "soma_version": __version__}  # fmt: skip
         self.run.save_state(state)
         return state
 
+    def _version0(self, e: int, w: np.ndarray, val: float | None = None) -> dict[str, Any]:
+        """Write version 0 of expert `e` with weights `w`, fresh optimizer state and step 0; its state entry."""
+        sha = protocol.weights_sha256(w)
+        body = {"expert": e, "version": 0, "sha256": sha, "config": self.cfg.to_dict(), "step": 0,
+                "weights": w, "opt": None, "val_loss": val}  # fmt: skip
+        rel = self.run.save_expert(body)
+        return {"version": 0, "sha256": sha, "path": rel, "step": 0, "train_loss": None, "val_loss": val,
+                "node": None, **_plateau_fields(OptState())}  # fmt: skip
+
+    def _seeding(self) -> bool:
+        return self.state.get("phase") == "seed"
+
+    def _fan_out(self) -> bool:
+        """When the seed has its steps: every expert's version 0 is the seed's weights, bit for bit (not yet
+        committed: the caller's save_state is the commit point). True if it fanned out."""
+        sid = str(seed_mod.seed_expert(self.cfg))
+        seed = self.state["experts"].get(sid)
+        if not self._seeding() or seed is None or seed["step"] < self.cfg.federation.seed_steps:
+            return False
+        w = self.run.load_expert(seed["path"])["weights"]
+        if protocol.weights_sha256(w) != seed["sha256"]:
+            raise SomaError(f"{self.run.root / seed['path']}: the seed's weights do not match state.msgpack")
+        experts = {}
+        for e in range(self.cfg.federation.experts):
+            experts[str(e)] = self._version0(e, w, self._val_loss(e, protocol.decode_weights(w)))
+        self.state["seed"] = {**seed, "expert": int(sid)}
+        self.state["experts"], self.state["phase"] = experts, "experts"
+        log.info("seed expert %s done at step %d (val %.4f): version 0 of all %d experts is its weights %s",
+                 sid, seed["step"], seed.get("val_loss") or float("nan"), len(experts), seed["sha256"][:12])  # fmt: skip
+        return True
+
+    def _phase_config(self) -> Config:
+        """What the current phase trains with: the run's config for the seed (or no seed), else the experts'."""
+        return self.cfg if self._seeding() else seed_mod.expert_config(self.cfg)
+
+    def _capped(self) -> bool:
+        return self._seeding() or bool(self.cfg.federation.max_steps)
+
     def _steps_left(self) -> dict[int, int]:
-        """Steps each expert may still take under federation.max_steps (experts with none left omitted)."""
-        cap = self.cfg.federation.max_steps
+        """Steps each expert may still take (experts with none left omitted): the seed's seed_steps, else
+        federation.max_steps less the seed's share."""
+        cap = self.cfg.federation.seed_steps if self._seeding() else seed_mod.expert_steps(self.cfg)
         left = {e: cap - int(self.state["experts"][str(e)]["step"]) for e in self.expert_ids()}
         return {e: n for e, n in left.items() if n > 0}
 
@@ -288,14 +327,12 @@ class Coordinator:
     def _tasks_for(self, r: int, nid: int, experts: list[int], steps: dict[int, int],
                    max_seconds: float | None = None) -> tuple[Any, Outgoing]:  # fmt: skip
         node = self.nodes[nid]
-        from coordinator.prepare import expert_shards
-
         tasks, shards, per_expert, exp_tasks = [], {}, {}, {}
         for e in experts:
             x = self.state["experts"][str(e)]
             send_w = x["sha256"] not in node.weights
             body = self.run.load_expert(x["path"]) if send_w else None
-            hashes = list(expert_shards(self.prep, e, "train"))
+            hashes = self._train_shards(e)
             if not hashes:
                 raise CorpusError(f"expert {e} has no train shards in {self.run.prepare_json}")
             sent_shard_bytes = 0
@@ -314,7 +351,7 @@ class Coordinator:
             opt_bytes = stored.nbytes() if stored is not None else 0
             per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": sent_shard_bytes}
         fed = self.cfg.federation
-        body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=self.cfg.to_dict(),
+        body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=self._phase_config().to_dict(),
                                       reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
                                       tasks=tasks, shards=shards)  # fmt: skip
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=self.size, reply_dtype=fed.reply_dtype)
@@ -331,8 +368,8 @@ class Coordinator:
             active = self._wait_for_nodes(1)
         rates = {nid: n.rate for nid, n in active.items()}
         plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
-                              evals_per_step(self.cfg.spsa))  # fmt: skip
-        if fed.max_steps:  # a fixed budget: never past max_steps; experts that have it all sit the round out
+                              evals_per_step(self._phase_config().spsa))  # fmt: skip
+        if self._capped():  # a fixed budget: never past it; experts that have it all sit the round out
             left = self._steps_left()
             plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
         by_node: dict[int, list[int]] = {}
@@ -481,20 +518,25 @@ class Coordinator:
         """The optimizer state of a stored version, checked against its weights (CheckpointError if not)."""
         return OptState.from_record(body.get("opt"), self.size, f"{self.run.root / rel}: optimizer state")
 
-    def _train_shards(self, e: int) -> list[str]:
+    def _shards(self, e: int, split: str) -> list[str]:
+        """Expert e's shards of `split`; the seed's are every cluster's."""
         from coordinator.prepare import expert_shards
 
-        return list(expert_shards(self.prep, e, "train"))
+        if seed_mod.enabled(self.cfg) and e == seed_mod.seed_expert(self.cfg):
+            return [h for x in range(self.cfg.federation.experts) for h in expert_shards(self.prep, x, split)]
+        return list(expert_shards(self.prep, e, split))
+
+    def _train_shards(self, e: int) -> list[str]:
+        return self._shards(e, "train")
 
     # --- evaluation -----------------------------------------------------------------------------------
 
     def _val_stream(self, e: int) -> np.ndarray:
-        from coordinator.prepare import expert_shards
-
-        data = [self.run.shard(h) for h in expert_shards(self.prep, e, "val")]
+        data = [self.run.shard(h) for h in self._shards(e, "val")]
         stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
         if stream.size <= self.cfg.data.seq_len + 1:  # a cluster with almost no held-out text: use all of it
-            data = [self.run.shard(h) for x in self.expert_ids() for h in expert_shards(self.prep, x, "val")]
+            fed = self.cfg.federation
+            data = [self.run.shard(h) for x in range(fed.experts) for h in self._shards(x, "val")]
             stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
         return stream
 
@@ -517,6 +559,8 @@ class Coordinator:
         from soma_edge.graph import build
         from soma_edge.runtime import make_session
 
+        if self._seeding():  # one seed, no experts to route between yet
+            return None
         try:
             router = self._router = getattr(self, "_router", None) or router_mod.load(self.run.router)
             seq = self.cfg.data.seq_len
@@ -556,7 +600,8 @@ class Coordinator:
         planned = set(ctx.plan.assignment.values())  # by id: two workers may share a name
         nodes = sorted(self.nodes[n].label for n in planned)
         lines.append({
-            "type": "round", "round": r, "rounds": fed.rounds, "accepted": len(ctx.accepted),
+            "type": "round", "round": r, "rounds": fed.rounds, "phase": self.state.get("phase", "experts"),
+            "accepted": len(ctx.accepted),
             "rejected": ctx.rejected, "missed": sorted(ctx.failed), "val_loss_mean": float(np.mean(vals)) if vals else None,
             "mixture_val_loss": mix, "wall_seconds": wall, "round_seconds_total": round_total,
             "compute_seconds": {self.nodes[n].label: s for n, s in sorted(ctx.compute.items())},
@@ -564,10 +609,17 @@ class Coordinator:
             if nodes else 0.0, "predicted_makespan": ctx.plan.makespan, "moved": ctx.plan.moved,
             "bytes_down": ctx.bytes_down, "bytes_up": ctx.bytes_up, "nodes": nodes, "time": time.time(),
         })  # fmt: skip
+        seed = self.state["experts"].get(str(seed_mod.seed_expert(self.cfg))) if self._seeding() else None
+        fanned = self._fan_out()
+        if fanned:
+            lines[-1]["seed_done"] = {"expert": seed_mod.seed_expert(self.cfg), "step": seed["step"],
+                                      "version": seed["version"], "sha256": seed["sha256"]}  # fmt: skip
         self.metrics = [m for m in self.metrics if int(m.get("round", 0)) < r] + lines
         self.run.write_metrics(self.metrics)
         self.state["round"] = r
         self.state["assignment"] = {str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()}
+        if fanned:
+            self.state["assignment"] = {}  # the experts' versions 0 are on no node yet
         self.run.save_state(self.state)  # the commit point
         for e in self.expert_ids():
             self.run.prune(e, fed.keep_versions, self.state["experts"][str(e)]["version"])

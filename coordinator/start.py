@@ -26,7 +26,7 @@ from coordinator import launcher
 from coordinator.progress import Follower
 from coordinator.run import RunDir, RunLockedError
 
-IMMUTABLE = ("model", "data", "seed", "federation.experts", "federation.corpus")
+IMMUTABLE = ("model", "data", "seed", "federation.experts", "federation.corpus", "federation.seed_steps")
 STATUS_GRACE = 240.0  # seconds for the ServerApp to appear (Flower starts it, it waits for the run lock)
 
 
@@ -61,7 +61,7 @@ def resolve_config(run: RunDir, config_path: Path | None, overrides: dict[str, A
     """The run's config: run.toml when resuming, else --config or the defaults; then the CLI overrides.
 
     A resumed run may change rounds, round length, workers and SPSA settings, but not what its
-    checkpoints depend on (model, data, seed, experts, corpus)."""
+    checkpoints depend on (model, data, seed, experts, corpus, the seed run's length)."""
     given = config_mod.load(config_path) if config_path else None
     if run.has_config():
         cfg = run.load_config()
@@ -73,9 +73,9 @@ def resolve_config(run: RunDir, config_path: Path | None, overrides: dict[str, A
             raise ConfigError(f"{run.root} was started with {key} = {_get(cfg, key)!r}; it cannot change to {new!r} "
                               "on resume (use a new --run directory)")  # fmt: skip
         if given is not None:  # a resumed run takes the file's SPSA and federation settings, not its identity
-            keep = (cfg.federation.experts, cfg.federation.corpus)
+            keep = (cfg.federation.experts, cfg.federation.corpus, cfg.federation.seed_steps)
             cfg.spsa, cfg.federation = given.spsa, given.federation
-            cfg.federation.experts, cfg.federation.corpus = keep
+            cfg.federation.experts, cfg.federation.corpus, cfg.federation.seed_steps = keep
     else:
         cfg = given or Config()
     for k, v in overrides.items():
@@ -93,7 +93,7 @@ def _explicit_keys(path: Path) -> set[str]:
     raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     out = {k for k in ("model", "data", "seed") if k in raw}
     fed = raw.get("federation") or {}
-    return out | {f"federation.{k}" for k in ("experts", "corpus") if k in fed}
+    return out | {f"federation.{k}" for k in ("experts", "corpus", "seed_steps") if k in fed}
 
 
 def _same_corpus(a: str, b: str) -> bool:

@@ -216,6 +216,9 @@ def _load_run(run: Path) -> tuple[dict[str, Any], list[_Expert], bytes]:
     if not run.is_dir():
         raise CheckpointError(f"{run}: not a run directory")
     state = checkpoint.load(run / "state.msgpack", "run_state")
+    if isinstance(state, dict) and state.get("phase") == "seed":
+        raise CheckpointError(f"{run}: the run is still in its seed run (federation.seed_steps); its experts have not "
+                              "started yet: export after a round of the experts")  # fmt: skip
     entries = state.get("experts") if isinstance(state, dict) else None
     if not isinstance(entries, dict) or not entries:
         raise CheckpointError(f"{run / 'state.msgpack'}: no experts recorded; has the run trained a round?")

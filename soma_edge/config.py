@@ -22,11 +22,11 @@ class ModelConfig:
       matrix E [256, d] tied as embedding and decoder (logits = h E^T); `embed` must equal `hidden`.
     """
 
-    kind: str = "lstm"
     embed: int = 32
     hidden: int = 128
     layers: int = 1
     input_gain: float = 4.0  # lstm kind: init scale of the first layer's input weights, uniform ±gain/√hidden
+    kind: str = "lstm"  # after the sizes, so ModelConfig(embed, hidden, layers) still reads as it always did
     seed_decoder: str = "frozen"  # after a seed run (federation.seed_steps): frozen | delta (keeps learning)
 
 
@@ -241,6 +241,13 @@ def validate(cfg: Config) -> Config:
     _check(bool(f.corpus), "federation.corpus", "a corpus name or path", f.corpus)
     _check(f.max_steps >= 0, "federation.max_steps", ">= 0", f.max_steps)
     _check(0 <= f.seed_steps < 2**40, "federation.seed_steps", ">= 0", f.seed_steps)
+    if f.max_steps and f.seed_steps:
+        from soma_edge.seed import expert_steps  # lazy: seed imports spsa, which imports this module
+
+        left = expert_steps(cfg)
+        _check(left >= 1, "federation.seed_steps", f"small enough to leave the experts steps of their "
+               f"federation.max_steps = {f.max_steps} (the seed's compute is paid out of it; {left} left)",
+               f.seed_steps)  # fmt: skip
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
     _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)

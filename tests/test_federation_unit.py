@@ -692,3 +692,95 @@ def test_prepare_refuses_a_trained_or_running_run_and_start_refuses_another_corp
     cfg.federation.corpus, cfg.seed = prep["corpus"], prep["seed"] + 1
     with pytest.raises(ConfigError, match="prepared with seed 0"):
         ensure_prepared(run, cfg, {"seed"})
+
+
+# ---------------------------------------------------------------------------------------------- seed run
+
+
+def _seeded(rd: RunDir, **fed) -> None:
+    cfg = rd.load_config()
+    cfg.model.kind, cfg.model.embed, cfg.model.hidden = "soma", 8, 8  # the paper's expert, with its tied E
+    for k, v in fed.items():
+        setattr(cfg.federation, k, v)
+    rd.save_config(config_mod.validate(cfg))
+
+
+def _weights_of(rd: RunDir, rel: str) -> np.ndarray:
+    return checkpoint.load(rd.root / rel, "expert")["weights"]
+
+
+def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, monkeypatch):
+    from coordinator.prepare import expert_shards
+    from soma_edge import params
+    from soma_edge.seed import expert_steps
+
+    _equal_rates(monkeypatch)
+    _seeded(run, seed_steps=12, rounds=3, max_steps=40, keep_versions=5)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    state = Coordinator(grid, run).main()
+    cfg = run.load_config()
+    seed = state["seed"]
+    assert (state["phase"], seed["expert"], seed["step"]) == ("experts", 4, 12)
+    tasks = _train_tasks(grid)
+    seed_tasks = [t for t in tasks if t["expert"] == 4]
+    all_train = sorted(h for e in range(4) for h in expert_shards(run.load_prepare(), e, "train"))
+    assert seed_tasks and all(sorted(t["shards"]) == all_train for t in seed_tasks)  # every cluster's data
+    requests = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN]
+    assert [r["config"]["spsa"]["decoder"] for r in requests] == ["delta"] * len(seed_tasks) + ["frozen"] * (len(requests) - len(seed_tasks))
+
+    sw = _weights_of(run, seed["path"])
+    body = params.layout(cfg.model).body
+    for e in range(4):
+        v0 = checkpoint.load(run.root / f"experts/{e}/v0.msgpack", "expert")
+        assert v0["weights"].tobytes() == sw.tobytes() and v0["step"] == 0 and v0["opt"] is None  # bit for bit
+        x = state["experts"][str(e)]
+        # 12 seed steps of 5 forward passes paid by 4 experts at 4 per step: 36 of the 40 steps are left
+        assert (x["version"], x["step"], expert_steps(cfg)) == (1, 36, 36)
+        w = _weights_of(run, x["path"])
+        assert w[body:].tobytes() == sw[body:].tobytes()  # E frozen after the seed
+        assert not np.array_equal(w[:body], sw[:body])  # while the body trained
+        first = next(t for t in tasks if t["expert"] == e)
+        fresh = OptState.from_record(first["opt"], sw.size)  # fresh optimizer state
+        assert (first["step"], first["version"], fresh.adam_m, fresh.adam_t, fresh.best_val) == (0, 0, None, 0, None)
+    rounds = [m for m in run.read_metrics() if m["type"] == "round"]
+    assert [m["phase"] for m in rounds] == ["seed", "experts"] and rounds[0]["seed_done"]["step"] == 12
+    assert rounds[0]["mixture_val_loss"] is None and np.isfinite(rounds[1]["mixture_val_loss"])
+
+
+def test_seed_decoder_delta_keeps_training_the_decoder(run, tmp_path, monkeypatch):
+    from soma_edge import params
+
+    _equal_rates(monkeypatch)
+    _seeded(run, seed_steps=4, rounds=2)
+    cfg = run.load_config()
+    cfg.model.seed_decoder = "delta"
+    run.save_config(config_mod.validate(cfg))
+    state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    body = params.layout(cfg.model).body
+    sw = _weights_of(run, state["seed"]["path"])
+    for e in range(4):
+        assert not np.array_equal(_weights_of(run, state["experts"][str(e)]["path"])[body:], sw[body:])
+
+
+def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
+    _equal_rates(monkeypatch)
+    _seeded(run, seed_steps=150, rounds=1)
+    Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    s1 = run.load_state()
+    seed1 = s1["experts"]["4"]
+    assert s1["phase"] == "seed" and list(s1["experts"]) == ["4"] and 0 < seed1["step"] < 150
+    with pytest.raises(CheckpointError, match="seed run"):  # nothing to export yet, and it says why
+        from export.bundle import write
+
+        write(run.root, tmp_path / "deploy")
+    # Debris of a crashed round 2, then a restart with more rounds.
+    run.write_metrics(run.read_metrics() + [{"type": "round", "round": 2, "debris": True}])
+    _set(run, rounds=6)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    state = Coordinator(grid, run).main()
+    first = _train_tasks(grid)[0]
+    assert (first["expert"], first["step"], first["base_sha256"]) == (4, seed1["step"], seed1["sha256"])
+    assert state["phase"] == "experts" and state["seed"]["step"] == 150
+    assert all(x["version"] >= 1 for x in state["experts"].values())
+    rounds = [m["round"] for m in run.read_metrics() if m["type"] == "round"]
+    assert rounds == list(range(1, 7))
