@@ -13,6 +13,11 @@ demo's shape), one ORT thread. The arms are cumulative:
     +wd+plat  coupled weight decay 1e-4 and the plateau rule (lr and eps halved together)
     default   the shipped defaults: the above with K = 1 (and patience 1,000), and model.input_gain 4
 
+and, on top of `default` (not cumulative), the paper's expert (`model.kind = "soma"`):
+
+    soma      d = 32, D = 2 residual blocks, tied E by the delta rule (the paper's shape, 41K parameters)
+    soma-d64  the same at d = 64 (147K parameters, the demo expert's size)
+
 plus `bptt`, the reference: the same model trained by torch backprop through time with Adam, on the same
 batches, under the same limits (one thread). Table 1 holds wall time equal (`--seconds` of training, the
 periodic val checks not counted); table 2 holds forward passes equal (`--evals`, default: what `today`
@@ -21,6 +26,13 @@ split and the share of backprop's gain over a byte unigram (fitted on the cluste
 arm captures: (unigram - arm) / (unigram - bptt). The plateau rule looks at the val split every
 `--check-steps` steps, as the coordinator does at round boundaries. `--jobs 2` runs two arms at a time,
 one per core: compare ratios from one run only.
+
+Table 3 (`--seed-evals`, 0 to skip) is what one cluster cannot show: N = 4 experts, one per cluster, at
+equal forward passes per expert, the seed's included (`federation.seed_steps` semantics: the seed's
+passes are paid out of the experts' steps), scored as the routed mixture on every cluster's test split
+under both evaluation protocols (the stream protocol's top-2 routed mixture, as `make demo` reports it,
+and the paper's top-4 uniform one on its scored bytes, with the stream protocol on those same bytes).
+The seed trains on every cluster's train split for `--seed-share` of the total passes.
 """
 
 from __future__ import annotations
@@ -62,6 +74,12 @@ ARMS: list[tuple[str, dict[str, Any]]] = [
     ("+wd+plat", {"weight_decay": 1e-4, "plateau": True, "plateau_patience": 300}),
     ("default", {}),  # filled in by arm_config: Config()'s [spsa] and model.input_gain
 ]
+# On top of `default`, not cumulative: the paper's expert.
+SOMA_ARMS: dict[str, dict[str, Any]] = {
+    "soma": {"kind": "soma", "embed": 32, "hidden": 32, "layers": 2},
+    "soma-d64": {"kind": "soma", "embed": 64, "hidden": 64, "layers": 2},
+}
+ARM_NAMES = [n for n, _ in ARMS] + list(SOMA_ARMS)
 
 
 def say(*a: Any) -> None:
@@ -84,17 +102,24 @@ class Result:
     evals: int
     seconds: float
     curve: list[tuple[float, float]] = field(default_factory=list)  # (train seconds, val nats/byte)
+    weights: np.ndarray | None = None  # the trained weights (SPSA arms)
 
 
-def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> Data:
-    from bench.equal_budget import shard_stream
+def prepared(corpus_name: str, work: Path, seed: int = 0):
+    """The demo's split of `corpus_name` (prepared once under `work`), as a RunDir."""
     from coordinator.prepare import prepare
     from coordinator.run import RunDir
 
     d = work / f"prepared-{corpus_name}-n{N_CLUSTERS}-s{seed}"
     if not (d / "prepare.json").exists():
         prepare(corpus_name, N_CLUSTERS, d, seed=seed, progress=False)
-    rd = RunDir(d)
+    return RunDir(d)
+
+
+def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> Data:
+    from bench.equal_budget import shard_stream
+
+    rd = prepared(corpus_name, work, seed)
     seq = Config().data.seq_len
 
     def stream(split: str) -> np.ndarray:
@@ -109,11 +134,15 @@ def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> D
                 test=corpus.eval_windows(test, seq, TEST_WINDOWS), unigram=corpus.unigram_entropy(train, test))  # fmt: skip
 
 
-def arm_config(upto: int, seed: int = 0) -> Config:
+def arm_config(name: str, seed: int = 0) -> Config:
     cfg = Config(model=MODEL, seed=seed, device="cpu", threads=1, parallel=1)
-    if ARMS[upto][0] == "default":
+    if name in SOMA_ARMS:
+        cfg.model = ModelConfig(**SOMA_ARMS[name])
+        return cfg
+    if name == "default":
         cfg.model = ModelConfig(embed=MODEL.embed, hidden=MODEL.hidden, layers=MODEL.layers)
         return cfg
+    upto = [n for n, _ in ARMS].index(name)
     for _, overrides in ARMS[: upto + 1]:
         for k, v in overrides.items():
             if k.startswith("model."):
@@ -124,22 +153,24 @@ def arm_config(upto: int, seed: int = 0) -> Config:
 
 
 def run_spsa(name: str, cfg: Config, data: Data, seconds: float | None, evals: int | None,
-             check_steps: int) -> Result:  # fmt: skip
+             check_steps: int, state: State | None = None, expert: int = 0, steps: int | None = None) -> Result:  # fmt: skip
+    """Train `state` (default: a fresh init) for `seconds`, `evals` forward passes or `steps` steps."""
     ev = evaluator_for(cfg, "cpu", threads=1, parallel=1)
-    state = State(params.init(cfg.model, cfg.seed))
+    state = state if state is not None else State(params.init(cfg.model, cfg.seed))
     per = evals_per_step(cfg.spsa)
-    budget_steps = None if evals is None else max(1, evals // per)
+    budget_steps = steps if evals is None else max(1, evals // per)
     res = Result(name=name, test=0.0, steps=0, evals=0, seconds=0.0)
     while (seconds is None or res.seconds < seconds) and (budget_steps is None or res.steps < budget_steps):
         chunk = check_steps if budget_steps is None else min(check_steps, budget_steps - res.steps)
         left = None if seconds is None else seconds - res.seconds
-        rep = spsa_train(state, data.train, cfg, ev, steps=chunk, seconds=left)
+        rep = spsa_train(state, data.train, cfg, ev, expert=expert, steps=chunk, seconds=left)
         res.steps, res.evals, res.seconds = res.steps + rep.steps, res.evals + rep.forward_evals, res.seconds + rep.seconds
         val = mean_loss(ev, state.weights, *data.val)
         res.curve.append((res.seconds, val))
         if plateau(cfg.spsa, state.opt, val, state.step):
             say(f"  {name}: plateau at step {state.step}, lr scale now {state.opt.lr_scale:g}")
     res.test = mean_loss(ev, state.weights, *data.test)
+    res.weights = state.weights
     return res
 
 
@@ -179,24 +210,26 @@ def run_bptt(data: Data, seconds: float | None, steps_cap: int | None, check_ste
 
 
 def _job(args: tuple) -> Result:
-    kind, name, upto, data, seconds, evals, check = args
+    kind, name, data, seconds, evals, check = args
     os.environ["OMP_NUM_THREADS"] = "1"
     if kind == "bptt":
         return run_bptt(data, seconds, evals, check)
-    return run_spsa(name, arm_config(upto), data, seconds, evals, check)
+    return run_spsa(name, arm_config(name), data, seconds, evals, check)
+
+
+def _map(fn, work: list, jobs: int) -> list:
+    if jobs <= 1:
+        return [fn(w) for w in work]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        return pool.map(fn, work, chunksize=1)
 
 
 def run_table(names: list[str], data: Data, seconds: float | None, evals: int | None, check: int,
               jobs: int, bptt: bool) -> list[Result]:  # fmt: skip
-    index = {n: i for i, (n, _) in enumerate(ARMS)}
-    work = [("spsa", n, index[n], data, seconds, evals, check) for n in names]
+    work = [("spsa", n, data, seconds, evals, check) for n in names]
     if bptt:
-        work.append(("bptt", "bptt", -1, data, seconds, None, max(10, check // 4)))
-    if jobs <= 1:
-        out = [_job(w) for w in work]
-    else:
-        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            out = pool.map(_job, work, chunksize=1)
+        work.append(("bptt", "bptt", data, seconds, None, max(10, check // 4)))
+    out = _map(_job, work, jobs)
     for r in out:
         say(f"  {r.name}: test {r.test:.4f} nats/byte, {r.steps} steps, {r.evals} forward passes, {r.seconds:.0f} s")
     return out
@@ -242,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--evals", type=int, default=0, help="forward passes per arm in table 2 (0: today's count from table 1; -1: skip)")
     ap.add_argument("--cluster", type=int, default=0)
     ap.add_argument("--corpus", default="default")
-    ap.add_argument("--arms", default=",".join(n for n, _ in ARMS))
+    ap.add_argument("--arms", default=",".join(ARM_NAMES))
+    ap.add_argument("--seed-evals", type=int, default=11000, help="table 3: forward passes per expert (0: skip)")
+    ap.add_argument("--seed-share", type=float, default=0.25, help="table 3: the seed's share of all passes")
     ap.add_argument("--check-steps", type=int, default=50, help="steps between val checks (plateau rule, curves)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("runs/bench-recipe"))
@@ -251,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     names = [n.strip() for n in a.arms.split(",") if n.strip()]
-    unknown = [n for n in names if n not in dict(ARMS)]
+    unknown = [n for n in names if n not in ARM_NAMES]
     if unknown:
-        ap.error(f"unknown arms {unknown} (known: {', '.join(n for n, _ in ARMS)})")
+        ap.error(f"unknown arms {unknown} (known: {', '.join(ARM_NAMES)})")
     data = cluster_data(a.corpus, a.cluster, a.work)
     say(f"cluster {a.cluster} of {a.corpus}: {data.train.size} train bytes, unigram {data.unigram:.4f} nats/byte")
     t1 = run_table(names, data, a.seconds, None, a.check_steps, a.jobs, not a.no_bptt)
@@ -268,12 +303,22 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(table(f"Table 2: equal forward passes ({evals} each; a delta-rule step counts 2K + 1)", t2,
                         data.unigram, ref))  # fmt: skip
+    t3 = None
+    if a.seed_evals > 0:
+        from bench.recipe_seed import run_seed_table, seed_table
+
+        t3 = run_seed_table(a.corpus, a.work, a.seed_evals, a.seed_share, a.check_steps, a.jobs)
+        print()
+        print(seed_table(t3, a.seed_evals, a.seed_share))
     if a.plot:
         plot(t1, data.unigram, a.plot)
         say(f"plot: {a.plot}")
     if a.json:
-        print(json.dumps({"arms": [{"name": r.name, "test_nats_per_byte": r.test,
-                                    "captured": captured(data.unigram, r.test, ref)} for r in t1]}))  # fmt: skip
+        out: dict[str, Any] = {"arms": [{"name": r.name, "test_nats_per_byte": r.test,
+                                         "captured": captured(data.unigram, r.test, ref)} for r in t1]}  # fmt: skip
+        if t3 is not None:
+            out["seed_table"] = [vars(r) for r in t3]
+        print(json.dumps(out))
     return 0
 
 

@@ -259,3 +259,77 @@ def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
         assert protocol.weights_sha256(body["weights"]) == x["sha256"]
     # The finished ServerApp exits on its own shortly after `start` returns.
     _wait(lambda: not _leftovers(fed["run"]), 30, "no processes of the run left")
+
+
+SEED_CONFIG = """
+seed = 5
+[model]
+kind = "soma"
+embed = 16
+hidden = 16
+layers = 1
+[data]
+batch = 8
+seq_len = 64
+[spsa]
+warmup_steps = 0
+[federation]
+experts = 4
+rounds = 3
+round_seconds = 4.0
+seed_steps = 40
+keep_versions = 5
+deadline_factor = 1.5
+deadline_slack = 12.0
+val_windows = 16
+local_workers = 2
+"""
+
+
+def test_seed_run_of_the_paper_expert_starts_every_expert(tmp_path):
+    """The paper's setting through real processes: a soma-kind seed expert trains on every shard, becomes
+    version 0 of every expert bit for bit, and its tied E stays frozen while the experts train; the run
+    exports and evaluates under both protocols."""
+    src = write_stdlib_corpus(tmp_path / "corpus")
+    (tmp_path / "seed.toml").write_text(SEED_CONFIG)
+    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "seed.toml",
+           "env": dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))}  # fmt: skip
+    _finish(fed, _start(fed))
+    rd = RunDir(fed["run"])
+    state = rd.load_state()
+    seed = state["seed"]
+    assert (state["round"], state["phase"], seed["expert"], seed["step"]) == (3, "experts", 4, 40)
+    sent = _sent(fed["run"])
+    assert sent[(4, seed["version"])] == seed["sha256"]  # the seed's weights are what a worker sent
+    seed_w = checkpoint.load(rd.root / seed["path"], "expert")["weights"]
+    from soma_edge import params
+
+    body = params.layout(rd.load_config().model).body
+    for e in range(4):
+        v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")
+        assert v0["weights"].tobytes() == seed_w.tobytes() and v0["step"] == 0
+        x = state["experts"][str(e)]
+        assert x["version"] >= 1 and x["sha256"] == sent[(e, x["version"])]
+        w = checkpoint.load(rd.root / x["path"], "expert")["weights"]
+        assert w[body:].tobytes() == seed_w[body:].tobytes()  # E frozen
+        assert not np.array_equal(w[:body], seed_w[:body])
+    phases = [m["phase"] for m in _metrics(rd, "round")]
+    assert phases[0] == "seed" and phases[-1] == "experts"
+
+    deploy = tmp_path / "deploy"
+    subprocess.run([sys.executable, "-m", "export.cli", "onnx", str(fed["run"]), "--out", str(deploy)], check=True,
+                   capture_output=True, env=fed["env"])  # fmt: skip
+    text = tmp_path / "heldout.txt"
+    text.write_bytes(b"".join(rd.shard(h) for h in _test_shards(rd))[:6000])
+    for protocol_name in ("stream", "paper"):
+        r = subprocess.run([sys.executable, "-m", "export.cli", "eval", str(deploy), "--data", str(text), "--protocol",
+                            protocol_name], capture_output=True, text=True, env=fed["env"])  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        nats = float(r.stdout.strip().splitlines()[-1].split("nats/byte: ")[1].split()[0])
+        assert f"{protocol_name} protocol" in r.stdout and 0.5 < nats < np.log(256)
+
+
+def _test_shards(rd: RunDir) -> list[str]:
+    from coordinator.prepare import expert_shards
+
+    return [h for e in range(4) for h in expert_shards(rd.load_prepare(), e, "test")]
