@@ -117,6 +117,14 @@ def mixture_loss(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -
     return float(mixture.evaluate(router, fns, data, seq, k, router.temperature).nats_per_byte)
 
 
+def protocol_scores(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -> dict[str, float]:
+    """The paper protocol's score (top-min(4, N) uniform, on its scored bytes), and the stream protocol's
+    (`mixture_loss`'s top-k) on those same bytes."""
+    stream = mixture.evaluate(router, fns, data, seq, min(TOP_K, len(fns)), router.temperature, keep_logprobs=True)
+    paper = mixture.evaluate_paper(router, fns, data, min(4, len(fns)), router.temperature, uniform=True)
+    return {"test_paper": paper.nats_per_byte, "test_stream_paper_bytes": float(-stream.logprobs[paper.positions].mean())}
+
+
 def prepared(work: Path, corpus_name: str, n: int, seed: int) -> RunDir:
     """A prepared directory per N (router + shards), reused across reruns; arms copy it."""
     from coordinator.prepare import prepare
@@ -290,6 +298,7 @@ def run_spsa_arm(work: Path, prep: RunDir, cfg: Config, federate: Federate, curv
         "params_per_expert": params.count(m), "params_total": n * params.count(m), "lr": cfg.spsa.lr,
         "directions": cfg.spsa.directions, "steps_per_expert": steps, "forward_evals": evals, "flops": evals * f1,
         "test_nats_per_byte": mixture_loss(router, final, test_data, seq), "top_k": min(TOP_K, n),
+        **protocol_scores(router, final, test_data, seq),
         "wall_seconds": wall, "compute_seconds": compute, "rounds": len(rounds), "curve": points,
     }  # fmt: skip
 
@@ -321,6 +330,7 @@ def run_adam_arm(prep: RunDir, m: ModelConfig, lr: float, steps: int, batch: int
         "params_per_expert": params.count(m), "params_total": params.count(m), "lr": lr, "directions": None,
         "steps_per_expert": [steps], "forward_evals": 3 * steps, "flops": steps * f3,
         "test_nats_per_byte": mixture_loss(router, {0: torch_logprobs(model)}, test_data, seq), "top_k": 1,
+        **protocol_scores(router, {0: torch_logprobs(model)}, test_data, seq),
         "wall_seconds": wall, "compute_seconds": wall, "rounds": None, "curve": points,
     }  # fmt: skip
 
@@ -344,13 +354,14 @@ def measure_rate(prep: RunDir, m: ModelConfig, seconds: float, seed: int) -> flo
 def table(out: dict[str, Any]) -> str:
     monos = [a for a in out["arms"] if a["kind"] == "monolithic-spsa"]
     mono = min(monos, key=lambda a: a["test_nats_per_byte"]) if monos else None
-    lines = ["| arm | N | params | lr | steps/expert | forward evals | FLOPs / budget | test nats/byte | vs mono SPSA | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| arm | N | params | lr | steps/expert | forward evals | FLOPs / budget | test nats/byte | vs mono SPSA "
+             "| paper protocol | stream, paper's bytes | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for a in out["arms"]:
         rel = f"{(a['test_nats_per_byte'] / mono['test_nats_per_byte'] - 1) * 100:+.1f}%" if mono else "n/a"
+        paper = " | ".join(f"{a[k]:.4f}" if k in a else "-" for k in ("test_paper", "test_stream_paper_bytes"))
         lines.append(f"| {a['arm']} | {a['experts']} | {a['params_total']:,} | {a['lr']:g} | {a['steps_per_expert'][0]:,} | "
                      f"{a['forward_evals']:,} | {a['flops'] / out['budget_flops']:.3f} | {a['test_nats_per_byte']:.4f} | "
-                     f"{rel} | {a['wall_seconds']:.0f} |")  # fmt: skip
+                     f"{rel} | {paper} | {a['wall_seconds']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 

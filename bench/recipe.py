@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARM_NAMES))
     ap.add_argument("--seed-evals", type=int, default=11000, help="table 3: forward passes per expert (0: skip)")
     ap.add_argument("--seed-share", type=float, default=0.25, help="table 3: the seed's share of all passes")
+    ap.add_argument("--seed-arms", default="", help="table 3: comma-separated arm names (default: all)")
     ap.add_argument("--check-steps", type=int, default=50, help="steps between val checks (plateau rule, curves)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("runs/bench-recipe"))
@@ -307,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.seed_evals > 0:
         from bench.recipe_seed import run_seed_table, seed_table
 
-        t3 = run_seed_table(a.corpus, a.work, a.seed_evals, a.seed_share, a.check_steps, a.jobs)
+        picked = [n.strip() for n in a.seed_arms.split(",") if n.strip()] or None
+        t3 = run_seed_table(a.corpus, a.work, a.seed_evals, a.seed_share, a.check_steps, a.jobs, picked)
         print()
         print(seed_table(t3, a.seed_evals, a.seed_share))
     if a.plot:

@@ -28,6 +28,8 @@ SEED_ARMS: list[tuple[str, dict[str, Any], str | None]] = [
     ("soma", SOMA_ARMS["soma"], None),
     ("soma + seed, E frozen", SOMA_ARMS["soma"], "frozen"),
     ("soma + seed, E by delta", SOMA_ARMS["soma"], "delta"),
+    ("lstm + seed, head frozen", {}, "frozen"),
+    ("lstm + seed, head by delta", {}, "delta"),
 ]
 
 
@@ -86,7 +88,8 @@ def score(router, m: ModelConfig, weights: list[np.ndarray], tests: list[np.ndar
     return tuple(float(x) for x in sums / counts)  # type: ignore[return-value]
 
 
-def run_seed_table(corpus_name: str, work: Path, evals: int, share: float, check: int, jobs: int) -> list[SeedRow]:
+def run_seed_table(corpus_name: str, work: Path, evals: int, share: float, check: int, jobs: int,
+                   names: list[str] | None = None) -> list[SeedRow]:  # fmt: skip
     from bench.equal_budget import shard_stream
     from soma_edge.router import load as load_router
 
@@ -96,6 +99,8 @@ def run_seed_table(corpus_name: str, work: Path, evals: int, share: float, check
     tests = [t for t in (shard_stream(rd, c, "test") for c in range(N_CLUSTERS)) if t.size >= 2]
     rows = []
     for name, model, seed_decoder in SEED_ARMS:
+        if names is not None and name not in names:
+            continue
         cfg = arm_cfg(model, seed_decoder, evals, share)
         t0 = time.perf_counter()
         start, seed_steps = None, cfg.federation.seed_steps

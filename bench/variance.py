@@ -1,6 +1,6 @@
 """Gradient-estimator variance: one shared loss vs separable per-expert losses, against backprop.
 
-    .venv/bin/python bench/variance.py [--params 120000] [--trials 100] [--plot docs/img/variance.png] [--json]
+    .venv/bin/python bench/variance.py [--params 120000] [--trials 100] [--kind lstm|soma] [--plot PNG] [--json]
 
 At a fixed checkpoint and a fixed batch of real text per expert, the true gradient g comes from torch
 autograd (the reference whose loss matches the ORT graph, see tests/test_parity.py). SPSA then probes the
@@ -10,6 +10,10 @@ ORT loss along Rademacher directions. From the same probes (the same z, the same
 - separable: each expert's own loss difference times its own slice of z_k (SOMA).
 It reports E‖ĝ-g‖²/‖g‖² and cos(ĝ, g) over `trials`, against the Rademacher theory (M-1)/K (shared) and
 (M/N-1)/K (separable, experts of M/N parameters). Total parameter count M is held fixed across N.
+
+With `--kind soma` the experts are the paper's (two residual blocks of width d, d chosen to fit) and M
+counts what SPSA perturbs in that recipe: the body, every weight but the tied byte matrix E, which the
+delta rule trains instead. The true gradient is still the full one, through both of E's roles.
 """
 
 from __future__ import annotations
@@ -33,29 +37,44 @@ from soma_edge.spsa import noise  # noqa: E402
 EMBED = 16
 
 
-def expert_shape(total: int, n: int) -> ModelConfig:
-    """The hidden size whose expert has closest to total/n parameters (embed fixed)."""
+SOMA_BLOCKS = 2  # the paper's depth
+
+
+def _model(kind: str, h: int) -> ModelConfig:
+    if kind == "soma":
+        return ModelConfig(kind="soma", embed=h, hidden=h, layers=SOMA_BLOCKS)
+    return ModelConfig(embed=EMBED, hidden=h, layers=1)
+
+
+def perturbed(m: ModelConfig) -> int:
+    """How many leading weights the estimators cover: all of an lstm expert, the soma kind's body."""
+    lay = params.layout(m)
+    return lay.body if m.kind == "soma" else lay.size
+
+
+def expert_shape(total: int, n: int, kind: str = "lstm") -> ModelConfig:
+    """The width whose expert has closest to total/n perturbed parameters (lstm: embed fixed)."""
     target = total / n
-    best = min(range(2, 2048), key=lambda h: abs(params.count(ModelConfig(embed=EMBED, hidden=h, layers=1)) - target))
-    return ModelConfig(embed=EMBED, hidden=best, layers=1)
+    best = min(range(2, 2048), key=lambda h: abs(perturbed(_model(kind, h)) - target))
+    return _model(kind, best)
 
 
 def true_grads(m: ModelConfig, weights: list[np.ndarray], batches) -> list[np.ndarray]:
     import torch
 
-    from bench.torch_ref import TorchExpert
+    from bench.torch_ref import reference
 
     out = []
     for w, (x, y) in zip(weights, batches):
-        model = TorchExpert(m).load_flat(w)
+        model = reference(m, w)
         model(torch.from_numpy(x), torch.from_numpy(y)).backward()
-        out.append(model.flat_grad().astype(np.float64))
+        out.append(model.flat_grad().astype(np.float64)[: perturbed(m)])
     return out
 
 
 def measure(total: int, n: int, ks: list[int], trials: int, eps: float, batch: int, seq: int, data: np.ndarray,
-            seed: int) -> dict:  # fmt: skip
-    m = expert_shape(total, n)
+            seed: int, kind: str = "lstm") -> dict:  # fmt: skip
+    m = expert_shape(total, n, kind)
     ev = LossEvaluator(m, "cpu", threads=cpu_count(), parallel=1)
     weights = [params.init(m, seed + e) for e in range(n)]
     batches = [corpus.sample_batch(data, batch, seq, corpus.batch_rng(seed, e, 0)) for e in range(n)]
@@ -67,7 +86,7 @@ def measure(total: int, n: int, ks: list[int], trials: int, eps: float, batch: i
     for w, (x, y) in zip(weights, batches[:1]):
         assert abs(ev.loss(w, x, y) - torch_loss(m, w, x, y)) < 1e-4
 
-    kmax, sizes = max(ks), params.count(m)
+    kmax, sizes = max(ks), perturbed(m)
     err = {est: {k: [] for k in ks} for est in ("shared", "separable")}
     cos = {est: {k: [] for k in ks} for est in ("shared", "separable")}
     for t in range(trials):
@@ -77,7 +96,8 @@ def measure(total: int, n: int, ks: list[int], trials: int, eps: float, batch: i
             d = []
             for e in range(n):
                 x, y = batches[e]
-                zp = (eps * zs[e]).astype(np.float32)
+                zp = np.zeros(params.count(m), dtype=np.float32)
+                zp[:sizes] = eps * zs[e]
                 lp = ev.loss(weights[e] + zp, x, y)
                 lm = ev.loss(weights[e] - zp, x, y)
                 d.append((lp - lm) / (2 * eps))
@@ -156,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kind", default="lstm", choices=["lstm", "soma"], help="model.kind of the experts")
     ap.add_argument("--plot", default=None, help="write a PNG plot here")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
@@ -165,18 +186,19 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for n in ns:
         print(f"N={n} ...", file=sys.stderr, flush=True)
-        rows += measure(args.params, n, ks, args.trials, args.eps, args.batch, args.seq, data, args.seed)["rows"]
+        rows += measure(args.params, n, ks, args.trials, args.eps, args.batch, args.seq, data, args.seed,
+                        args.kind)["rows"]  # fmt: skip
     for r in rows:
         if r["N"] == 1:  # one expert: the shared and separable estimators are the same numbers
             assert abs(r["shared"] - r["separable"]) <= 1e-9 * max(1.0, r["shared"]), r
     out = {"machine": f"{platform.machine()} {cpu_count()} cores", "seconds": time.perf_counter() - t0,
-           "trials": args.trials, "eps": args.eps, "rows": rows}  # fmt: skip
+           "trials": args.trials, "eps": args.eps, "kind": args.kind, "rows": rows}  # fmt: skip
     if args.plot:
         plot(rows, args.plot)
     if args.json:
         print(json.dumps(out))
         return out
-    print(f"trials={args.trials} eps={args.eps} batch={args.batch}x{args.seq}; {out['machine']}; "
+    print(f"kind={args.kind} trials={args.trials} eps={args.eps} batch={args.batch}x{args.seq}; {out['machine']}; "
           f"{out['seconds']:.0f} s")  # fmt: skip
     hdr = (f"{'N':>3} {'K':>3} {'M':>7} {'M/N':>6} {'shared':>9} {'theory':>9} {'separable':>9} {'theory':>9} "
            f"{'ratio':>6} {'1/N':>5} {'cos sh':>6} {'cos sep':>7}")  # fmt: skip

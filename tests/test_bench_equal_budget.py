@@ -45,6 +45,7 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
     budget = out["budget_flops"]
     for a in out["arms"]:
         assert math.isfinite(a["test_nats_per_byte"]) and 0 < a["test_nats_per_byte"] < 10
+        assert 0 < a["test_paper"] < 10 and 0 < a["test_stream_paper_bytes"] < 10  # both protocols, same bytes
         assert a["lr"] in ((5e-3, 2e-2) if a["kind"] != "backprop-reference" else (1e-3,))
         # Equal total size: every arm within 10% of the target parameter count.
         assert abs(a["params_total"] - 12000) / 12000 < 0.1

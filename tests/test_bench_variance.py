@@ -12,10 +12,11 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_variance_bench_tiny_json():
+@pytest.mark.parametrize("kind", ["lstm", "soma"])
+def test_variance_bench_tiny_json(kind):
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "variance.py"), "--params", "12000", "--trials", "3",
-         "--k", "1,4", "--experts", "1,2", "--json"],
+         "--k", "1,4", "--experts", "1,2", "--kind", kind, "--json"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -27,6 +28,8 @@ def test_variance_bench_tiny_json():
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
         assert -1 <= row["cos_shared"] <= 1 and -1 <= row["cos_separable"] <= 1
         assert row["M"] == row["N"] * row["expert_params"]
+        assert abs(row["M"] - 12000) / 12000 < 0.15  # M (for soma: the body SPSA perturbs) held fixed
+    assert out["kind"] == kind
     for row in rows:
         if row["N"] == 1:
             assert row["shared"] == pytest.approx(row["separable"])

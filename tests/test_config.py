@@ -108,3 +108,14 @@ def test_cuda_request_without_gpu_fails_or_warns(caplog):
         assert any("fell back" in r.message for r in caplog.records)
     else:
         assert "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "paper.toml"])
+def test_shipped_example_configs_load(name):
+    from pathlib import Path
+
+    cfg = config.load(Path(__file__).resolve().parent.parent / "examples" / name)
+    assert cfg.federation.experts == 4
+    if name == "paper.toml":  # the paper's setting: its expert, a seed run, E frozen after it
+        assert (cfg.model.kind, cfg.model.hidden, cfg.model.layers, cfg.model.seed_decoder) == ("soma", 32, 2, "frozen")
+        assert cfg.federation.seed_steps > 0

@@ -105,25 +105,39 @@ def test_resume_refuses_optimizer_state_that_does_not_fit(tmp_path):
     assert r.returncode == 2 and "NaN or infinity" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_replay_of_a_real_training_run_is_bit_identical():
-    """The worker's own loop on ORT (delta-rule head, sparse K = 2, Adam, weight decay, 2 batches per update):
-    its scalars and decoder gradients replay the run exactly, without one loss evaluation."""
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["lstm", "soma"])
+def test_replay_of_a_real_training_run_is_bit_identical(kind):
+    """The worker's own loop on ORT (delta-rule decoder, sparse K = 2, Adam, weight decay, 2 batches per
+    update): its scalars and decoder gradients replay the run exactly, without one loss evaluation."""
     from soma_edge.config import Config
     from soma_edge.runtime import evaluator_for
     from soma_edge.spsa import State, Stepper
     from worker.trainer import train
 
-    cfg = Config(model=ModelConfig(embed=8, hidden=24), device="cpu")
+    m = ModelConfig(embed=8, hidden=24) if kind == "lstm" else ModelConfig(kind="soma", embed=12, hidden=12, layers=2)
+    cfg = Config(model=m, device="cpu")
     cfg.spsa.directions, cfg.spsa.accumulate, cfg.spsa.weight_decay = 2, 2, 1e-3
     cfg.data.batch, cfg.data.seq_len = 4, 32
     data = np.frombuffer(b"replayable forward-only training, one key at a time. " * 40, dtype=np.uint8)
     live = State(params.init(cfg.model, 0))
     rep = train(live, data, cfg, evaluator_for(cfg, threads=1), expert=3, steps=6, keep_decoder_grads=True)
     replayed = State(params.init(cfg.model, 0))
-    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=3, body=params.layout(cfg.model).body)
+    lay = params.layout(cfg.model)
+    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=3, body=lay.body, dense=lay.dense())
     for g, d in zip(rep.grads, rep.decoder_grads, strict=True):
         stepper.replay(replayed, g, d)
     stepper.close()
     assert replayed.step == live.step == 6
     assert replayed.weights.tobytes() == live.weights.tobytes()
     assert replayed.opt.adam_v.tobytes() == live.opt.adam_v.tobytes()
+    if kind == "soma":  # the worker kept the norm gains dense: replaying with sparse gains gives other weights
+        assert lay.dense().sum() == 5 * 12
+        sparse_gains = State(params.init(cfg.model, 0))
+        stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=3, body=lay.body)
+        for g, d in zip(rep.grads, rep.decoder_grads, strict=True):
+            stepper.replay(sparse_gains, g, d)
+        stepper.close()
+        assert not np.array_equal(sparse_gains.weights, live.weights)

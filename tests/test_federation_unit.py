@@ -769,6 +769,14 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
     s1 = run.load_state()
     seed1 = s1["experts"]["4"]
     assert s1["phase"] == "seed" and list(s1["experts"]) == ["4"] and 0 < seed1["step"] < 150
+    from rich.console import Console
+
+    from coordinator.progress import experts_table, summary
+
+    console = Console(record=True, width=160)
+    console.print(experts_table(summary(run)))
+    text = " ".join(console.export_text().split())  # the title wraps to the table's width
+    assert "seed run" in text and "4 (seed)" in text  # status says so
     with pytest.raises(CheckpointError, match="seed run"):  # nothing to export yet, and it says why
         from export.bundle import write
 
