@@ -350,8 +350,8 @@ class Coordinator:
                             "lr_scale": scale}  # fmt: skip
             opt_bytes = stored.nbytes() if stored is not None else 0
             per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": sent_shard_bytes}
-        fed = self.cfg.federation
-        body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=self._phase_config().to_dict(),
+        fed, config = self.cfg.federation, self._phase_config().to_dict()
+        body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=config,
                                       reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
                                       tasks=tasks, shards=shards)  # fmt: skip
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=self.size, reply_dtype=fed.reply_dtype)

@@ -141,3 +141,25 @@ def test_replay_of_a_real_training_run_is_bit_identical(kind):
             stepper.replay(sparse_gains, g, d)
         stepper.close()
         assert not np.array_equal(sparse_gains.weights, live.weights)
+
+
+@pytest.mark.parametrize("decoder", ["delta", "spsa", "frozen"])
+def test_tied_decoder_rules_on_the_soma_kind(decoder):
+    """delta: E moves by its decoder-path gradient only (never perturbed); spsa: E is perturbed with the
+    body (its probes reach both roles); frozen: E never changes."""
+    from soma_edge.config import Config
+    from soma_edge.runtime import evaluator_for
+    from soma_edge.spsa import State
+    from worker.trainer import train
+
+    cfg = Config(model=ModelConfig(kind="soma", embed=8, hidden=8, layers=1), device="cpu")
+    cfg.spsa.decoder, cfg.data.batch, cfg.data.seq_len = decoder, 4, 32
+    lay = params.layout(cfg.model)
+    data = np.frombuffer(b"a tied byte matrix reads and writes every byte. " * 40, dtype=np.uint8)
+    state = State(params.init(cfg.model, 0))
+    rep = train(state, data, cfg, evaluator_for(cfg, threads=1), steps=4, keep_decoder_grads=True)
+    e0, e1 = params.init(cfg.model, 0)[lay.body :], state.weights[lay.body :]
+    assert (e1.tobytes() == e0.tobytes()) == (decoder == "frozen")
+    assert len(rep.decoder_grads) == (4 if decoder == "delta" else 0)
+    assert rep.forward_evals == 4 * (3 if decoder == "delta" else 2)
+    assert not np.array_equal(state.weights[: lay.body], params.init(cfg.model, 0)[: lay.body])

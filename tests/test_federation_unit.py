@@ -725,8 +725,10 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
     seed_tasks = [t for t in tasks if t["expert"] == 4]
     all_train = sorted(h for e in range(4) for h in expert_shards(run.load_prepare(), e, "train"))
     assert seed_tasks and all(sorted(t["shards"]) == all_train for t in seed_tasks)  # every cluster's data
-    requests = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN]
-    assert [r["config"]["spsa"]["decoder"] for r in requests] == ["delta"] * len(seed_tasks) + ["frozen"] * (len(requests) - len(seed_tasks))
+    requests = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent
+                if m.metadata.message_type == protocol.TRAIN]  # fmt: skip
+    decoders = [r["config"]["spsa"]["decoder"] for r in requests]  # the seed's rule, then the experts' frozen E
+    assert decoders == ["delta"] * len(seed_tasks) + ["frozen"] * (len(requests) - len(seed_tasks))
 
     sw = _weights_of(run, seed["path"])
     body = params.layout(cfg.model).body
