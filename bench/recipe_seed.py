@@ -26,10 +26,10 @@ from soma_edge.spsa import State, evals_per_step
 SEED_ARMS: list[tuple[str, dict[str, Any], str | None]] = [
     ("lstm default", {}, None),
     ("soma", SOMA_ARMS["soma"], None),
-    ("soma + seed, E frozen", SOMA_ARMS["soma"], "frozen"),
-    ("soma + seed, E by delta", SOMA_ARMS["soma"], "delta"),
-    ("lstm + seed, head frozen", {}, "frozen"),
-    ("lstm + seed, head by delta", {}, "delta"),
+    ("soma + seed (E frozen)", SOMA_ARMS["soma"], "frozen"),
+    ("soma + seed (E by delta)", SOMA_ARMS["soma"], "delta"),
+    ("lstm + seed (head frozen)", {}, "frozen"),
+    ("lstm + seed (head by delta)", {}, "delta"),
 ]
 
 

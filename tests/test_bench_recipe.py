@@ -32,12 +32,12 @@ def test_recipe_bench_tiny(tmp_path, capsys):
     assert c1 != c2 and math.isclose((x1 - c1 * bptt) / (1 - c1), (x2 - c2 * bptt) / (1 - c2), rel_tol=1e-6)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {r["name"]: r for r in result["seed_table"]}
-    assert list(rows) == ["lstm default", "soma", "soma + seed, E frozen", "soma + seed, E by delta",
-                          "lstm + seed, head frozen", "lstm + seed, head by delta"]
+    assert list(rows) == ["lstm default", "soma", "soma + seed (E frozen)", "soma + seed (E by delta)",
+                          "lstm + seed (head frozen)", "lstm + seed (head by delta)"]
     for r in rows.values():  # equal forward passes per expert, the seed's included (to a step's rounding)
         assert abs(r["evals_per_expert"] - 150) <= 4 and all(0 < r[k] < 10 for k in ("stream", "paper"))
-    assert rows["soma"]["seed_steps"] == 0 and rows["soma + seed, E frozen"]["seed_steps"] > 0
-    assert rows["soma + seed, E frozen"]["expert_steps"] < rows["soma"]["expert_steps"] * 3 / 2  # the seed was paid
+    assert rows["soma"]["seed_steps"] == 0 and rows["soma + seed (E frozen)"]["seed_steps"] > 0
+    assert rows["soma + seed (E frozen)"]["expert_steps"] < rows["soma"]["expert_steps"] * 3 / 2  # the seed was paid
 
 
 def test_recipe_arms_are_cumulative_and_default_is_the_shipped_config():
