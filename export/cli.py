@@ -85,11 +85,9 @@ def eval_cmd(
 ) -> None:
     """Held-out nats/byte of the routed top-k mixture. The router never sees a byte it helps score."""
     from export.infer import Deployment, evaluate
-    from soma_edge.errors import ConfigError
-    from soma_edge.mixture import PROTOCOLS
+    from soma_edge.mixture import check_protocol
 
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    check_protocol(protocol)  # before the bundle loads
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k, protocol)
     uniform = protocol == "paper" if uniform is None else uniform
@@ -140,8 +138,8 @@ def eval_cmd(
         print(f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / math.log(2):>10.4f} {rate:>10.0f}")
     if report.compared is not None:
         print(f"stream protocol (top-{dep.default_top_k()} weighted) on the same bytes: {report.compared:.4f} nats/byte")
-    mode = "uniform" if uniform else "routed"
-    print(f"top-{k} {mode} mixture of {dep.n_experts} experts, {protocol} protocol, held-out nats/byte: "
+    mode = "" if k == 1 else " uniform" if uniform else " routed"
+    print(f"top-{k}{mode} mixture of {dep.n_experts} experts, {protocol} protocol, held-out nats/byte: "
           f"{report.nats_per_byte:.4f} over {report.bytes} bytes")
 
 

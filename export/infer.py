@@ -125,8 +125,7 @@ class Deployment:
         if protocol == "paper":
             return mixture.evaluate_paper(self.router, fns, data, top_k, temperature, uniform,
                                           keep_logprobs=keep_logprobs)  # fmt: skip
-        if protocol != "stream":
-            raise ConfigError(f"--protocol must be one of {', '.join(mixture.PROTOCOLS)}, got {protocol!r}")
+        mixture.check_protocol(protocol)
         return mixture.evaluate(self.router, fns, data, self.seq_len, top_k, temperature, uniform=uniform,
                                 keep_logprobs=keep_logprobs)  # fmt: skip
 
@@ -342,8 +341,7 @@ def evaluate(
     """Routed mixture nats/byte of each file (each its own stream) under `protocol`. With `compare` (paper
     protocol), each file is also scored by the stream protocol at its defaults, on the paper's scored bytes."""
     dep.check_top_k(top_k)
-    if protocol not in mixture.PROTOCOLS:
-        raise ConfigError(f"--protocol must be one of {', '.join(mixture.PROTOCOLS)}, got {protocol!r}")
+    mixture.check_protocol(protocol)
     if compare and protocol != "paper":
         raise ConfigError("--compare scores the stream protocol on the paper protocol's bytes: use it with --protocol paper")
     files = data_files(paths)

@@ -87,6 +87,11 @@ def windows(data: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.
     return x.reshape(w, seq_len), y.reshape(w, seq_len), lengths
 
 
+def check_protocol(protocol: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+
+
 def check_top_k(top_k: int, n_experts: int) -> None:
     if not 1 <= top_k <= n_experts:
         raise ConfigError(f"top-k must be between 1 and the number of experts ({n_experts}), got {top_k}")
