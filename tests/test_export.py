@@ -407,8 +407,9 @@ def test_eval_cli_tables_and_json(exported, eval_file, tmp_path, capsys):
     assert float(last.split(": ")[1].split()[0]) == pytest.approx(got["nats_per_byte"], abs=1e-4)
 
 
-def test_quantized_export(exported, eval_file, tmp_path, capsys):
-    run, deploy, _ = exported
+@pytest.mark.parametrize("kind", ["lstm", "soma"])
+def test_quantized_export(kind, exported, soma_exported, eval_file, tmp_path, capsys):
+    run, deploy, _ = exported if kind == "lstm" else soma_exported
     rc, out, err = cli(["onnx", run, "--out", tmp_path / "q", "--quantize", "int8"], capsys)
     assert rc == 0, err
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
@@ -416,6 +417,8 @@ def test_quantized_export(exported, eval_file, tmp_path, capsys):
     for e in manifest["experts"]:
         model = onnx.load(str(tmp_path / "q" / e["score"]))
         assert any(n.op_type == "DynamicQuantizeLSTM" for n in model.graph.node)
+        if kind == "soma":  # the residual MLP's matrices are quantized too
+            assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for n in model.graph.node)
         assert (tmp_path / "q" / e["score"]).stat().st_size < 0.6 * (deploy / e["score"]).stat().st_size
     f = json.loads(cli(["eval", deploy, "--data", eval_file, "--json"], capsys)[1])["nats_per_byte"]
     q = json.loads(cli(["eval", tmp_path / "q", "--data", eval_file, "--json"], capsys)[1])["nats_per_byte"]
