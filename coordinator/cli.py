@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -54,6 +54,7 @@ def start_cmd(
     ssl_ca_certfile: Optional[Path] = typer.Option(None, "--ssl-ca-certfile", help="TLS CA certificate (passed to Flower)."),
     ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="TLS server certificate (embedded SuperLink)."),
     ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="TLS server key (embedded SuperLink)."),
+    tls_dir: Optional[Path] = typer.Option(None, "--tls", help="TLS with the files `soma-coord certs DIR` wrote."),
 ) -> None:
     """Run or resume federated training: embedded SuperLink (+ local workers), or submit to --superlink."""
     from coordinator import start as start_mod
@@ -66,8 +67,29 @@ def start_cmd(
     if superlink is not None and local_workers:
         raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
     tls = TLS(ssl_ca_certfile, ssl_certfile, ssl_keyfile) if ssl_ca_certfile or ssl_certfile or ssl_keyfile else None
+    if tls_dir is not None:
+        from soma_edge.certs import files
+
+        if tls is not None:
+            raise typer.BadParameter("give --tls DIR or the --ssl-* files, not both")
+        f = files(tls_dir)
+        tls = TLS(f.ca, f.cert, f.key)
     opts = start_mod.Options(run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls)
     raise typer.Exit(start_mod.start(opts))
+
+
+@app.command("certs")
+def certs_cmd(
+    out: Path = typer.Argument(..., help="Folder to write ca.pem, ca.key, server.pem and server.key into."),
+    hosts: List[str] = typer.Option(..., "--host", help="DNS name or IP address workers use to reach the coordinator (repeatable)."),
+    force: bool = typer.Option(False, help="Replace certificates already in OUT."),
+) -> None:
+    """A CA and a SuperLink certificate for --host names and IPs: `start --tls OUT`, workers get OUT/ca.pem."""
+    from soma_edge.certs import make_certs
+
+    f = make_certs(out, hosts, force=force)
+    print(f"wrote {f.ca} (give it to every worker: soma-worker join --root-certificates ca.pem), {f.cert} and {f.key} "
+          f"for {', '.join(hosts)}; start the coordinator with --tls {out}")
 
 
 @app.command("status")

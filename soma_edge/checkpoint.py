@@ -28,18 +28,21 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write(path: str | Path, data: bytes) -> None:
+def atomic_write(path: str | Path, data: bytes, mode: int | None = None) -> None:
+    """Write `data` to `path` atomically; `mode` sets its permissions (default: mkstemp's owner-only 0600)."""
     path = Path(path)
     try:
-        _atomic_write(path, data)
+        _atomic_write(path, data, mode)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write ({e.strerror or e})") from None
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -286,15 +286,21 @@ local_workers = 2
 """
 
 
-def test_seed_run_of_the_paper_expert_starts_every_expert(tmp_path):
-    """The paper's setting through real processes: a soma-kind seed expert trains on every shard, becomes
-    version 0 of every expert bit for bit, and its tied E stays frozen while the experts train; the run
-    exports and evaluates under both protocols."""
+def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
+    """The paper's setting through real processes, over TLS with certificates from `soma-coord certs`: a
+    soma-kind seed expert trains on every shard, becomes version 0 of every expert bit for bit, and its
+    tied E stays frozen while the experts train; the run exports and evaluates under both protocols."""
     src = write_stdlib_corpus(tmp_path / "corpus")
     (tmp_path / "seed.toml").write_text(SEED_CONFIG)
     fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "seed.toml",
            "env": dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))}  # fmt: skip
-    _finish(fed, _start(fed))
+    certs = subprocess.run([sys.executable, "-m", "coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"],
+                           capture_output=True, text=True, env=fed["env"])  # fmt: skip
+    assert certs.returncode == 0, certs.stderr
+    _finish(fed, _start(fed, "--tls", str(tmp_path / "tls")))
+    logs = fed["run"] / "logs"
+    assert "--ssl-certfile" in (logs / "superlink.log").read_text() and "--insecure" not in (logs / "superlink.log").read_text()
+    assert all("--root-certificates" in (logs / f"w{i}.log").read_text() for i in (0, 1))
     rd = RunDir(fed["run"])
     state = rd.load_state()
     seed = state["seed"]

@@ -1,0 +1,107 @@
+"""TLS material for a federation, made with the `cryptography` package instead of openssl recipes.
+
+`make_certs(DIR, hosts)` writes, atomically and with private keys readable by the owner only:
+
+    DIR/ca.pem  DIR/ca.key          a self-signed CA (give ca.pem to every worker; keep ca.key to re-issue)
+    DIR/server.pem  DIR/server.key  the SuperLink's certificate, signed by the CA, valid for `hosts`
+
+Each host is a DNS name or an IP address; IPs go into the certificate as IP subjectAltNames, which is
+what gRPC checks when a worker connects by address. Keys are ECDSA P-256.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from soma_edge.checkpoint import atomic_write
+from soma_edge.errors import ConfigError
+
+CA, CA_KEY, SERVER, SERVER_KEY = "ca.pem", "ca.key", "server.pem", "server.key"
+VALID_DAYS = 3650
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def files(root: str | Path) -> TLSFiles:
+    """The server-side files in a folder written by `make_certs`; ConfigError naming what is missing."""
+    root = Path(root)
+    out = TLSFiles(root / CA, root / SERVER, root / SERVER_KEY)
+    missing = [p.name for p in (out.ca, out.cert, out.key) if not p.is_file()]
+    if missing:
+        raise ConfigError(f"--tls {root}: no {', '.join(missing)} there (write them with `soma-coord certs {root} "
+                          "--host HOST`)")  # fmt: skip
+    return out
+
+
+def _san(host: str):
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not host or any(c.isspace() or c in "/:@" for c in host):
+        raise ConfigError(f"--host {host!r}: not a DNS name or an IP address")
+    return x509.DNSName(host)
+
+
+def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFiles:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    root = Path(root)
+    if not hosts:
+        raise ConfigError("give at least one --host: the names or IP addresses workers use to reach the coordinator")
+    sans = [_san(h) for h in hosts]
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root}: exists and is not a directory")
+    existing = [n for n in (CA, CA_KEY, SERVER, SERVER_KEY) if (root / n).exists()]
+    if existing and not force:
+        raise ConfigError(f"{root}: already holds {', '.join(existing)}; pass --force to replace them")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(days=1), now + datetime.timedelta(days=VALID_DAYS)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "soma-edge"),
+                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])  # fmt: skip
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("soma-edge CA")).issuer_name(name("soma-edge CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    server = (x509.CertificateBuilder().subject_name(name(hosts[0])).issuer_name(ca.subject)
+              .public_key(key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(start).not_valid_after(end)
+              .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+              .sign(ca_key, hashes.SHA256()))  # fmt: skip
+
+    def pem_key(k) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())  # fmt: skip
+
+    root.mkdir(parents=True, exist_ok=True)
+    for fname, data, mode in ((CA_KEY, pem_key(ca_key), 0o600), (SERVER_KEY, pem_key(key), 0o600),
+                              (CA, ca.public_bytes(serialization.Encoding.PEM), 0o644),
+                              (SERVER, server.public_bytes(serialization.Encoding.PEM), 0o644)):  # fmt: skip
+        atomic_write(root / fname, data, mode=mode)
+    return files(root)

@@ -1,0 +1,76 @@
+"""`soma-coord certs`: a CA and a SuperLink certificate from the `cryptography` package, which a real
+flower-superlink serves, and which a client verifies only with that CA."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import stat
+
+import pytest
+from cryptography import x509
+
+from coordinator.cli import app
+from coordinator.launcher import TLS, Launcher
+from soma_edge.certs import files, make_certs
+from soma_edge.cli import run as run_cli
+from soma_edge.procs import free_port
+
+
+def test_certs_chain_hosts_and_key_permissions(tmp_path):
+    f = make_certs(tmp_path / "tls", ["127.0.0.1", "coord.example", "::1"])
+    ca = x509.load_pem_x509_certificate(f.ca.read_bytes())
+    server = x509.load_pem_x509_certificate(f.cert.read_bytes())
+    server.verify_directly_issued_by(ca)  # raises unless the CA signed it
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "::1"]
+    assert san.get_values_for_type(x509.DNSName) == ["coord.example"]
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert not server.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    for key in (f.key, tmp_path / "tls" / "ca.key"):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600  # private keys: owner only
+    assert stat.S_IMODE(f.ca.stat().st_mode) == 0o644
+    other = make_certs(tmp_path / "other", ["127.0.0.1"])
+    with pytest.raises(Exception):
+        server.verify_directly_issued_by(x509.load_pem_x509_certificate(other.ca.read_bytes()))
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["certs", "{tls}", "--host", "127.0.0.1"], ["already holds", "--force"]),
+    (["certs", "{new}", "--host", "bad host"], ["--host", "not a DNS name"]),
+    (["start", "--run", "{tmp}/run", "--tls", "{tmp}/nowhere"], ["--tls", "ca.pem", "soma-coord certs"]),
+])  # fmt: skip
+def test_certs_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys):
+    make_certs(tmp_path / "tls", ["127.0.0.1"])
+    rc = run_cli(app, [a.format(tls=tmp_path / "tls", new=tmp_path / "new", tmp=tmp_path) for a in argv],
+                 prog="soma-coord")  # fmt: skip
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert all(f in lines[0] for f in fragments), lines[0]
+    assert not (tmp_path / "new").exists()
+
+
+def _handshake(port: int, cafile) -> x509.Certificate:
+    ctx = ssl.create_default_context(cafile=str(cafile)) if cafile else ssl.create_default_context()
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            return x509.load_der_x509_certificate(s.getpeercert(binary_form=True))
+
+
+def test_a_real_superlink_serves_the_certificate_to_clients_with_the_ca(tmp_path):
+    f = files(make_certs(tmp_path / "tls", ["127.0.0.1"]).ca.parent)
+    launcher = Launcher(tmp_path / "logs", tmp_path / "flwr")
+    port = free_port()
+    try:
+        launcher.superlink("127.0.0.1", port, TLS(f.ca, f.cert, f.key))
+        served = _handshake(port, f.ca)
+        assert served == x509.load_pem_x509_certificate(f.cert.read_bytes())
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _handshake(port, None)  # the system's CAs do not know ours
+        other = make_certs(tmp_path / "other", ["127.0.0.1"])
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _handshake(port, other.ca)
+    finally:
+        launcher.stop_all()
