@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from soma_edge.errors import ConfigError
 from soma_edge.cli import entry, make_app
 from soma_edge.config import MAX_SEED
 
@@ -55,6 +56,7 @@ def start_cmd(
     ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="TLS server certificate (embedded SuperLink)."),
     ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="TLS server key (embedded SuperLink)."),
     tls_dir: Optional[Path] = typer.Option(None, "--tls", help="TLS with the files `soma-coord certs DIR` wrote."),
+    auth: bool = typer.Option(False, "--auth", help="Admit only workers whose keys `add-worker` registered (needs --tls)."),
 ) -> None:
     """Run or resume federated training: embedded SuperLink (+ local workers), or submit to --superlink."""
     from coordinator import start as start_mod
@@ -74,7 +76,8 @@ def start_cmd(
             raise typer.BadParameter("give --tls DIR or the --ssl-* files, not both")
         f = files(tls_dir)
         tls = TLS(f.ca, f.cert, f.key)
-    opts = start_mod.Options(run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls)
+    opts = start_mod.Options(run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls,
+                             auth=auth)  # fmt: skip
     raise typer.Exit(start_mod.start(opts))
 
 
@@ -90,6 +93,52 @@ def certs_cmd(
     f = make_certs(out, hosts, force=force)
     print(f"wrote {f.ca} (give it to every worker: soma-worker join --root-certificates ca.pem), {f.cert} and {f.key} "
           f"for {', '.join(hosts)}; start the coordinator with --tls {out}")
+
+
+@app.command("add-worker")
+def add_worker_cmd(
+    run: Path = typer.Argument(..., help="Run directory."),
+    public_key: Path = typer.Argument(..., help="The worker's public key (`soma-worker keygen` writes worker.pub)."),
+    name: Optional[str] = typer.Option(None, help="The worker's name in the registry (default: the key file's stem)."),
+) -> None:
+    """Trust a worker's key for RUN's `start --auth`; on a live run it takes effect at once."""
+    from coordinator import workers
+    from coordinator.launcher import CONNECTION
+    from coordinator.run import RunDir
+
+    rd = RunDir(run)
+    if rd.root.exists() and not rd.root.is_dir():
+        raise ConfigError(f"{run}: not a directory")
+    rd.root.mkdir(parents=True, exist_ok=True)  # keys may be registered before the run's first start
+    w = workers.add(rd, public_key, name)
+    where = "registered with the run"
+    if rd.is_locked() and (rd.flwr_home / "config.toml").is_file():
+        w.node_id = workers.register(rd.flwr_home, w, CONNECTION)
+        workers.save(rd, [x if x.fingerprint != w.fingerprint else w for x in workers.load(rd)])
+        where += f" and with the live SuperLink as node {w.node_id}"
+    print(f"worker {w.name!r} (key {w.fingerprint}) {where}")
+
+
+@app.command("workers")
+def workers_cmd(
+    run: Path = typer.Argument(..., help="Run directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The workers whose keys RUN trusts."""
+    import dataclasses
+    import json
+
+    from coordinator import workers
+    from coordinator.run import RunDir
+
+    rows = workers.load(RunDir(run))
+    if as_json:
+        print(json.dumps({"workers": [dataclasses.asdict(w) for w in rows]}))
+        return
+    print(f"{'name':<16} {'key':<16} {'node id (last start)':>22}")
+    for w in rows:
+        print(f"{w.name:<16} {w.fingerprint:<16} {str(w.node_id or '-'):>22}")
+    print(f"{len(rows)} worker key(s) in {RunDir(run).root / workers.REGISTRY}")
 
 
 @app.command("status")

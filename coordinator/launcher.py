@@ -121,24 +121,27 @@ class Launcher:
     flwr_home: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def superlink(self, host: str, port: int, tls: TLS | None = None) -> Proc:
+    def superlink(self, host: str, port: int, tls: TLS | None = None, auth: bool = False) -> Proc:
         if port_open("127.0.0.1" if host in ("0.0.0.0", "") else host, port):
             raise SomaError(f"port {port} is already in use on {host}: pick another with --port")
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         cmd = [flower_bin("flower-superlink"), "--host", host, "--port", str(port),
                "--disable-runtime-dependency-installation"]  # fmt: skip
         cmd += _tls_server_args(tls)
+        cmd += ["--enable-supernode-auth"] if auth else []  # only registered SuperNode keys may connect
         p = spawn("superlink", cmd, self.logs / "superlink.log", flower_env(self.flwr_home), cwd=self.flwr_home)
         self.procs.append(p)
         wait_port("127.0.0.1" if host in ("0.0.0.0", "") else host, port, 60, p)
         return p
 
     def worker(self, name: str, coordinator: str, cache: Path, threads: int, device: str = "cpu",
-               spin: bool = False, parallel: int = 0, tls: TLS | None = None) -> Proc:  # fmt: skip
+               spin: bool = False, parallel: int = 0, tls: TLS | None = None,
+               auth_key: Path | None = None) -> Proc:  # fmt: skip
         cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", coordinator, "--name", name,
                "--cache", str(cache), "--threads", str(threads), "--device", device, "--parallel", str(parallel)]  # fmt: skip
         cmd += [] if spin else ["--no-spin"]
         cmd += ["--root-certificates", str(tls.ca)] if tls and tls.enabled else []
+        cmd += ["--auth-key", str(auth_key)] if auth_key else []
         p = spawn(name, cmd, self.logs / f"{name}.log", flower_env(self.flwr_home))
         self.procs.append(p)
         return p

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from soma_edge.config import Config
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import free_port
 from coordinator import launcher
+from coordinator import workers as workers_mod
 from coordinator.progress import Follower
 from coordinator.run import RunDir, RunLockedError
 
@@ -39,6 +41,7 @@ class Options:
     host: str = "127.0.0.1"
     port: int = 9092
     tls: launcher.TLS | None = None
+    auth: bool = False  # only workers whose keys the run registered may join (needs tls)
     worker_device: str = "cpu"
 
 
@@ -125,11 +128,43 @@ def ensure_prepared(run: RunDir, cfg: Config, given: set[str] | frozenset[str] =
     prepare(cfg.federation.corpus, cfg.federation.experts, run.root, seed=cfg.seed, progress=True)
 
 
+def _local_worker_keys(run: RunDir, n: int) -> dict[str, Path]:
+    """Keys for the local workers w0..w{n-1} (made once, kept in RUN/workers/<name>/key), in the registry."""
+    from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
+
+    out, known = {}, {x.name for x in workers_mod.load(run)}
+    for i in range(n):
+        name, folder = f"w{i}", run.root / "workers" / f"w{i}" / "key"
+        if not (folder / WORKER_KEY).is_file():
+            make_worker_key(folder, force=True)
+        if name not in known:
+            workers_mod.add(run, folder / WORKER_PUB, name)
+        out[name] = folder / WORKER_KEY
+    return out
+
+
+def _warn_if_open(opts: Options) -> None:
+    if opts.host in ("127.0.0.1", "localhost", "::1"):
+        return
+    missing = [what for what, on in (("TLS (--tls)", opts.tls and opts.tls.enabled), ("worker authentication (--auth)",
+                                                                                      opts.auth)) if not on]  # fmt: skip
+    if missing:
+        print(f"warning: listening on {opts.host} without {' and '.join(missing)}: anyone who can reach this port "
+              "can join and train experts", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _flwr_run_path(run: RunDir) -> Path:
     return run.root / "flwr_run.json"
 
 
 def start(opts: Options) -> int:
+    if opts.tls:
+        opts.tls.check(server=opts.superlink is None)
+    if opts.auth and not (opts.tls and opts.tls.enabled):
+        raise ConfigError("--auth needs --tls DIR: Flower authenticates workers over TLS only")
+    if opts.auth and opts.superlink:
+        raise ConfigError("--auth registers worker keys with the embedded SuperLink; with --superlink, register "
+                          "them there (`flwr supernode register KEY.pub`)")  # fmt: skip
     run = RunDir(opts.run)
     run.root.mkdir(parents=True, exist_ok=True)
     if run.is_locked():
@@ -143,8 +178,6 @@ def start(opts: Options) -> int:
         print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
         Follower(run).final()
         return 0
-    if opts.tls:
-        opts.tls.check(server=opts.superlink is None)
 
     procs = launcher.Launcher(logs=run.logs, flwr_home=run.flwr_home)
     try:
@@ -157,15 +190,23 @@ def start(opts: Options) -> int:
                     print(f"stopped the leftover Flower run {leftover['run_id']}", flush=True)
         else:
             port = opts.port or free_port()
-            procs.superlink(opts.host, port, opts.tls)
+            w = cfg.federation.local_workers
+            keys = _local_worker_keys(run, w) if opts.auth else {}
+            procs.superlink(opts.host, port, opts.tls, auth=opts.auth)
             address = f"127.0.0.1:{port}" if opts.host in ("0.0.0.0", "", "127.0.0.1") else f"{opts.host}:{port}"
             where = f"{opts.host}:{port}" + ("" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)")
             print(f"SuperLink listening on {where}; logs in {run.logs}", flush=True)
-            w = cfg.federation.local_workers
+            _warn_if_open(opts)
+            if opts.auth:
+                launcher.write_connection(run.flwr_home, address, opts.tls)
+                registered = workers_mod.register_all(run, launcher.CONNECTION)
+                print(f"registered {len(registered)} worker key(s): {', '.join(x.name for x in registered) or 'none'}"
+                      " (add more with `soma-coord add-worker`)", flush=True)  # fmt: skip
             threads = 0 if w == 1 else max(1, (os.cpu_count() or 1) // max(w, 1))  # workers split the cores
             for i in range(w):
                 procs.worker(f"w{i}", address, run.root / "workers" / f"w{i}" / "cache", threads=threads,
-                             device=opts.worker_device, spin=w == 1, parallel=0 if w == 1 else 1, tls=opts.tls)  # fmt: skip
+                             device=opts.worker_device, spin=w == 1, parallel=0 if w == 1 else 1, tls=opts.tls,
+                             auth_key=keys.get(f"w{i}"))  # fmt: skip
             if w:
                 print(f"started {w} local worker(s), {threads} thread(s) each", flush=True)
         t_submit = time.time()

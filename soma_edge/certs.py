@@ -105,3 +105,73 @@ def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFi
                               (SERVER, server.public_bytes(serialization.Encoding.PEM), 0o644)):  # fmt: skip
         atomic_write(root / fname, data, mode=mode)
     return files(root)
+
+
+# --- worker keys (SuperNode authentication) --------------------------------------------------------------
+
+WORKER_KEY, WORKER_PUB = "worker.key", "worker.pub"
+
+
+def make_worker_key(root: str | Path, force: bool = False) -> tuple[Path, Path]:
+    """A worker's EC key pair (P-384) in the OpenSSH formats Flower reads: DIR/worker.key (owner only),
+    which `soma-worker join --auth-key` uses, and DIR/worker.pub, which the coordinator registers."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root}: exists and is not a directory")
+    existing = [n for n in (WORKER_KEY, WORKER_PUB) if (root / n).exists()]
+    if existing and not force:
+        raise ConfigError(f"{root}: already holds {', '.join(existing)}; pass --force to replace them")
+    key = ec.generate_private_key(ec.SECP384R1())
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())  # fmt: skip
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    atomic_write(root / WORKER_KEY, private, mode=0o600)
+    atomic_write(root / WORKER_PUB, public + b"\n", mode=0o644)
+    return root / WORKER_KEY, root / WORKER_PUB
+
+
+def read_public_key(path: str | Path) -> str:
+    """The one-line OpenSSH text of a worker's EC public key (a NIST curve, as Flower requires)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()[:16384]
+        key = serialization.load_ssh_public_key(data.strip())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise ConfigError(f"{path}: not an OpenSSH public key (write one with `soma-worker keygen DIR`)") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in ("secp256r1", "secp384r1", "secp521r1"):
+        raise ConfigError(f"{path}: not an EC key on a NIST curve (write one with `soma-worker keygen DIR`)")
+    return key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+
+
+def check_private_key(path: str | Path) -> None:
+    """ConfigError unless `path` holds an unencrypted OpenSSH EC private key (what `keygen` writes)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    path = Path(path)
+    try:
+        key = serialization.load_ssh_private_key(path.read_bytes()[:65536], None)
+    except OSError as e:
+        raise ConfigError(f"--auth-key {path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise ConfigError(f"--auth-key {path}: not an unencrypted OpenSSH private key (write one with "
+                          "`soma-worker keygen DIR`)") from None  # fmt: skip
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"--auth-key {path}: not an EC key (write one with `soma-worker keygen DIR`)")
+
+
+def fingerprint(public_key: str) -> str:
+    """A short, stable id of a public key: sha256 of its OpenSSH text, 16 hex digits."""
+    import hashlib
+
+    return hashlib.sha256(public_key.strip().encode()).hexdigest()[:16]

@@ -74,3 +74,71 @@ def test_a_real_superlink_serves_the_certificate_to_clients_with_the_ca(tmp_path
             _handshake(port, other.ca)
     finally:
         launcher.stop_all()
+
+
+def test_worker_keys_register_once_and_list(tmp_path, capsys):
+    from coordinator import workers
+    from coordinator.run import RunDir
+    from soma_edge.certs import make_worker_key, read_public_key
+
+    key, pub = make_worker_key(tmp_path / "k")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and read_public_key(pub).startswith("ecdsa-sha2-nistp384 ")
+    rc = run_cli(app, ["add-worker", str(tmp_path / "run"), str(pub), "--name", "box1"], prog="soma-coord")
+    assert rc == 0 and "box1" in capsys.readouterr().out
+    rows = workers.load(RunDir(tmp_path / "run"))
+    assert [(w.name, w.public_key) for w in rows] == [("box1", read_public_key(pub))]
+    assert run_cli(app, ["workers", str(tmp_path / "run"), "--json"], prog="soma-coord") == 0
+    assert '"box1"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["add-worker", "{run}", "{pub}"], ["already registered", "'box1'"]),
+    (["add-worker", "{run}", "{other}", "--name", "box1"], ["--name 'box1'", "another key"]),
+    (["add-worker", "{run}", "{ca}"], ["ca.pem", "not an OpenSSH public key"]),
+    (["start", "--run", "{run}", "--auth"], ["--auth needs --tls"]),
+])  # fmt: skip
+def test_worker_key_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys):
+    from soma_edge.certs import make_worker_key
+
+    _, pub = make_worker_key(tmp_path / "k")
+    _, other = make_worker_key(tmp_path / "k2")
+    ca = make_certs(tmp_path / "tls", ["127.0.0.1"]).ca
+    assert run_cli(app, ["add-worker", str(tmp_path / "run"), str(pub), "--name", "box1"], prog="soma-coord") == 0
+    capsys.readouterr()
+    args = [a.format(run=tmp_path / "run", pub=pub, other=other, ca=ca) for a in argv]
+    rc = run_cli(app, args, prog="soma-coord")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert all(f in lines[0] for f in fragments), lines[0]
+
+
+@pytest.mark.parametrize("extra,fragments", [
+    (["--auth-key", "{key}"], ["--auth-key needs --root-certificates"]),
+    (["--auth-key", "{ca}", "--root-certificates", "{ca}"], ["--auth-key", "not an unencrypted OpenSSH private key"]),
+])  # fmt: skip
+def test_join_auth_key_bad_input(extra, fragments, tmp_path, capsys):
+    from soma_edge.certs import make_worker_key
+    from worker.cli import app as worker_app
+
+    key, _ = make_worker_key(tmp_path / "k")
+    ca = make_certs(tmp_path / "tls", ["127.0.0.1"]).ca
+    argv = ["join", "--coordinator", "127.0.0.1:9", *[a.format(key=key, ca=ca) for a in extra]]
+    rc = run_cli(worker_app, argv, prog="soma-worker")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert all(f in lines[0] for f in fragments), lines[0]
+
+
+@pytest.mark.parametrize("host,tls,auth,warned", [
+    ("0.0.0.0", False, False, "without TLS (--tls) and worker authentication (--auth)"),
+    ("0.0.0.0", True, False, "without worker authentication (--auth)"),
+    ("0.0.0.0", True, True, None),
+    ("127.0.0.1", False, False, None),
+])  # fmt: skip
+def test_listening_beyond_loopback_unprotected_warns(host, tls, auth, warned, tmp_path, capsys):
+    from coordinator.start import Options, _warn_if_open
+
+    t = TLS(tmp_path / "ca.pem", tmp_path / "s.pem", tmp_path / "s.key") if tls else None
+    _warn_if_open(Options(run=tmp_path, host=host, tls=t, auth=auth))
+    err = capsys.readouterr().err
+    assert (warned in err and err.startswith("warning: ")) if warned else err == ""

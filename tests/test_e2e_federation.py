@@ -12,6 +12,7 @@ One run directory is shared by the three tests, in order, to keep the suite shor
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -339,3 +340,77 @@ def _test_shards(rd: RunDir) -> list[str]:
     from coordinator.prepare import expert_shards
 
     return [h for e in range(4) for h in expert_shards(rd.load_prepare(), e, "test")]
+
+
+AUTH_CONFIG = """
+seed = 2
+[model]
+embed = 8
+hidden = 16
+[data]
+batch = 4
+seq_len = 32
+[federation]
+experts = 2
+rounds = 4
+round_seconds = 3.0
+deadline_factor = 1.0
+deadline_slack = 6.0
+val_windows = 4
+local_workers = 1
+min_nodes = 2
+wait_seconds = 120
+"""
+
+
+def _cli(root: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+
+
+def test_tls_with_worker_authentication(tmp_path):
+    """Over TLS with --auth: a registered worker trains and keeps its node id across a restart; a worker
+    with an unregistered key is refused by the SuperLink and never gets an assignment."""
+    src = write_stdlib_corpus(tmp_path / "corpus")
+    (tmp_path / "auth.toml").write_text(AUTH_CONFIG)
+    env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
+    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "auth.toml", "env": env}
+    for argv in (("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"),
+                 ("worker.cli", "keygen", str(tmp_path / "ext")), ("worker.cli", "keygen", str(tmp_path / "stranger")),
+                 ("coordinator", "add-worker", str(fed["run"]), str(tmp_path / "ext" / "worker.pub"), "--name", "ext")):  # fmt: skip
+        r = _cli(tmp_path, env, *argv)
+        assert r.returncode == 0, r.stderr
+    proc = _start(fed, "--tls", str(tmp_path / "tls"), "--auth")
+    log = tmp_path / "start.log"
+    _wait(lambda: "registered 2 worker key(s)" in log.read_text(errors="replace"), START_TIMEOUT, "the keys registered")
+    port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
+
+    def join(name: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", name,
+               "--root-certificates", str(tmp_path / "tls" / "ca.pem"), "--auth-key", str(tmp_path / name / "worker.key"),
+               "--cache", str(tmp_path / f"{name}-cache"), "--threads", "1", "--no-spin", "--parallel", "1"]  # fmt: skip
+        out = open(tmp_path / f"{name}.log", "ab")
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    stranger = join("stranger")
+    ext = join("ext")
+    try:
+        assert stranger.wait(90) != 0  # refused: Flower's exit code 305, unknown key
+        assert "305" in (tmp_path / "stranger.log").read_text(errors="replace")
+        rd = RunDir(fed["run"])
+        _wait(lambda: any(m["round"] >= 1 for m in _metrics(rd, "round")), START_TIMEOUT, "round 1")
+        os.killpg(ext.pid, signal.SIGTERM)  # restart the registered worker with the same key
+        ext.wait(60)
+        ext = join("ext")
+        _finish(fed, proc)
+    finally:
+        for p in (stranger, ext):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    registered = {w["name"]: w["node_id"] for w in json.loads((fed["run"] / "workers.json").read_text())}
+    coord = (fed["run"] / "logs" / "coordinator.log").read_text()
+    ids = re.findall(r"node (\d+) \(ext\) active", coord)
+    assert len(ids) >= 2 and {int(i) for i in ids} == {registered["ext"]}  # one identity across the restart
+    assert "stranger" not in coord
+    lines = _metrics(rd, "expert")
+    assert {m["node"] for m in lines if m["accepted"]} <= {"w0", "ext"} and any(m["node"] == "ext" for m in lines if m["accepted"])
+    assert rd.load_state()["round"] == 4

@@ -127,6 +127,8 @@ def join_cmd(
         None, "--root-certificates", help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure."
     ),
     probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
+    auth_key: Optional[Path] = typer.Option(None, "--auth-key", help="This worker's private key (`keygen` writes "
+                                            "worker.key), for a coordinator started with --auth."),
 ) -> None:
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until stopped."""
     import signal
@@ -144,6 +146,12 @@ def join_cmd(
         raise ConfigError(f"--device: {e}") from None
     if root_certificates is not None and not root_certificates.is_file():
         raise ConfigError(f"--root-certificates {root_certificates}: no such file")
+    if auth_key is not None:
+        from soma_edge.certs import check_private_key
+
+        if root_certificates is None:
+            raise ConfigError("--auth-key needs --root-certificates: Flower authenticates workers over TLS only")
+        check_private_key(auth_key)
     name = name or socket.gethostname()
     cache = (cache or corpus.cache_dir() / "worker").resolve()
     for what, v in (("--name", name), ("--cache", str(cache)), ("--device", device)):
@@ -160,6 +168,7 @@ def join_cmd(
     cmd = [flower_bin("flower-supernode"), "--superlink", coordinator, "--port", str(port),
            "--node-config", node_config]  # fmt: skip
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
+    cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
     print(f"soma-worker {name}: joining {coordinator} (device {device}, threads {threads}, cache {cache})", flush=True)
     try:
@@ -175,6 +184,19 @@ def join_cmd(
     signal.signal(signal.SIGINT, forward)
     code = proc.wait()
     raise typer.Exit(0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code)
+
+
+@app.command("keygen")
+def keygen_cmd(
+    out: Path = typer.Argument(..., help="Folder to write worker.key (private) and worker.pub into."),
+    force: bool = typer.Option(False, help="Replace a key pair already in OUT."),
+) -> None:
+    """This worker's key pair: give worker.pub to the coordinator (`soma-coord add-worker RUN worker.pub`)."""
+    from soma_edge.certs import fingerprint, make_worker_key, read_public_key
+
+    key, pub = make_worker_key(out, force=force)
+    print(f"wrote {key} (keep it here: soma-worker join --auth-key {key}) and {pub} (key "
+          f"{fingerprint(read_public_key(pub))}: soma-coord add-worker RUN {pub.name})")
 
 
 main = entry(app, "soma-worker")

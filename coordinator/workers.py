@@ -1,0 +1,108 @@
+"""The workers a run trusts: their public keys in RUN/workers.json, and their registration with Flower.
+
+With `soma-coord start --auth` the embedded SuperLink accepts only SuperNodes whose public key was
+registered with it. It keeps that list in memory, so `start` registers every key of the registry each
+time it starts; `soma-coord add-worker` on a live run registers the new key at once, through the run's
+Flower connection (`flwr supernode register`). Within one SuperLink's life a key keeps its node id across
+worker restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from soma_edge.certs import fingerprint, read_public_key
+from soma_edge.checkpoint import atomic_write
+from soma_edge.errors import ConfigError, SomaError
+from soma_edge.procs import flower_bin, flower_env
+
+from coordinator.run import RunDir
+
+REGISTRY = "workers.json"
+MAX_REGISTRY_BYTES = 4 << 20
+
+
+@dataclass
+class Worker:
+    name: str
+    public_key: str  # one line, OpenSSH format
+    fingerprint: str
+    added: float
+    node_id: int | None = None  # from the last registration with a live SuperLink
+
+
+def load(run: RunDir) -> list[Worker]:
+    path = run.root / REGISTRY
+    if not path.exists():
+        return []
+    try:
+        if path.stat().st_size > MAX_REGISTRY_BYTES:
+            raise ValueError("too large")
+        rows = json.loads(path.read_bytes())
+        return [Worker(**{k: r[k] for k in ("name", "public_key", "fingerprint", "added")}, node_id=r.get("node_id"))
+                for r in rows]  # fmt: skip
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{path}: not a worker registry ({e}); fix or remove it, then add the workers again") from None
+
+
+def save(run: RunDir, workers: list[Worker]) -> None:
+    atomic_write(run.root / REGISTRY, (json.dumps([asdict(w) for w in workers], indent=2) + "\n").encode(), mode=0o644)
+
+
+def add(run: RunDir, public_key: Path, name: str | None = None) -> Worker:
+    """Register a worker's public key with the run (by its file); ConfigError for a bad or repeated key."""
+    key = read_public_key(public_key)
+    fp = fingerprint(key)
+    name = name or public_key.stem
+    workers = load(run)
+    for w in workers:
+        if w.fingerprint == fp:
+            raise ConfigError(f"{public_key}: this key is already registered, as worker {w.name!r}")
+        if w.name == name:
+            raise ConfigError(f"--name {name!r}: another key is registered under that name; pick another")
+    worker = Worker(name=name, public_key=key, fingerprint=fp, added=time.time())
+    save(run, workers + [worker])
+    return worker
+
+
+def register(flwr_home: Path, worker: Worker, connection: str, wait: float = 30.0) -> int:
+    """Register one key with the SuperLink of `connection` (in flwr_home's config); its node id. Retries
+    while the SuperLink's Control API is still coming up, for up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        out = _flwr_register(flwr_home, worker, connection)
+        if out.get("success") and isinstance(out.get("node-id"), int):
+            return out["node-id"]
+        why = str(out.get("error-message") or out).strip().splitlines()
+        if "unavailable" not in str(why) or time.monotonic() >= deadline:
+            raise SomaError(f"could not register worker {worker.name!r} with the SuperLink: {why[-1] if why else out}")
+        time.sleep(1.0)
+
+
+def _flwr_register(flwr_home: Path, worker: Worker, connection: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="soma-key-") as tmp:
+        pub = Path(tmp) / f"{worker.fingerprint}.pub"
+        pub.write_text(worker.public_key + "\n")
+        cmd = [flower_bin("flwr"), "supernode", "register", str(pub), connection, "--name", worker.name,
+               "--format", "json"]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, env=flower_env(flwr_home), timeout=60)
+    text = r.stdout[r.stdout.find("{"):] if "{" in r.stdout else ""
+    try:
+        out = json.loads(text)
+    except ValueError:
+        out = None
+    return out if isinstance(out, dict) else {"error-message": (r.stdout + r.stderr).strip() or f"exit {r.returncode}"}
+
+
+def register_all(run: RunDir, connection: str) -> list[Worker]:
+    """Register every key of the run's registry with the live SuperLink, recording their node ids."""
+    workers = load(run)
+    for w in workers:
+        w.node_id = register(run.flwr_home, w, connection)
+    save(run, workers)
+    return workers
