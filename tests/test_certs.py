@@ -142,3 +142,46 @@ def test_listening_beyond_loopback_unprotected_warns(host, tls, auth, warned, tm
     _warn_if_open(Options(run=tmp_path, host=host, tls=t, auth=auth))
     err = capsys.readouterr().err
     assert (warned in err and err.startswith("warning: ")) if warned else err == ""
+
+
+@pytest.fixture(scope="module")
+def superlinks(tmp_path_factory):
+    """A TLS SuperLink (certificates from `make_certs`) and an insecure one, both real."""
+    root = tmp_path_factory.mktemp("links")
+    f = make_certs(root / "tls", ["127.0.0.1"])
+    launcher = Launcher(root / "logs", root / "flwr")
+    tls_port, plain_port = free_port(), free_port()
+    try:
+        launcher.superlink("127.0.0.1", tls_port, TLS(f.ca, f.cert, f.key))
+        launcher.superlink("127.0.0.1", plain_port, None)
+        yield {"tls": tls_port, "plain": plain_port, "ca": f.ca, "other": make_certs(root / "other", ["127.0.0.1"]).ca}
+    finally:
+        launcher.stop_all()
+
+
+@pytest.mark.parametrize("which,ca,fragments", [
+    ("tls", None, ["TLS:", "uses TLS", "--root-certificates"]),
+    ("tls", "other", ["TLS:", "does not verify", "ca.pem"]),
+    ("plain", "ca", ["TLS:", "does not speak TLS"]),
+    ("closed", None, ["unreachable for 2 s"]),
+])  # fmt: skip
+def test_join_says_what_went_wrong_in_one_line(which, ca, fragments, superlinks, capsys):
+    """Each failure in one line within seconds, where Flower would retry forever with the same warning."""
+    import time
+
+    from worker.cli import app as worker_app
+    from worker import cli as worker_cli
+
+    port = free_port() if which == "closed" else superlinks[which]
+    argv = ["join", "--coordinator", f"127.0.0.1:{port}"] + (["--root-certificates", str(superlinks[ca])] if ca else [])
+    real = worker_cli.preflight
+    t0 = time.monotonic()
+    try:
+        worker_cli.preflight = lambda h, p, c: real(h, p, c, wait=2.0)  # the 30 s of a real join, shortened
+        rc = run_cli(worker_app, argv, prog="soma-worker")
+    finally:
+        worker_cli.preflight = real
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert all(f in lines[0] for f in fragments), lines[0]
+    assert time.monotonic() - t0 < 20

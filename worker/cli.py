@@ -161,6 +161,7 @@ def join_cmd(
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--cache {cache}: cannot create ({e.strerror or e})") from None
+    preflight(host, int(port_s), root_certificates)
     if port == 0:
         port = free_port()
     node_config = (f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
@@ -172,9 +173,11 @@ def join_cmd(
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
     print(f"soma-worker {name}: joining {coordinator} (device {device}, threads {threads}, cache {cache})", flush=True)
     try:
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)  # fmt: skip
     except OSError as e:
         raise ConfigError(f"cannot start flower-supernode ({e.strerror}): is flwr installed in this environment?") from None
+    relay = _Relay(proc)
 
     def forward(sig, _frame):
         if proc.poll() is None:
@@ -183,7 +186,77 @@ def join_cmd(
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     code = proc.wait()
+    relay.join()
+    if code != 0 and relay.refused:
+        raise ConfigError(f"the coordinator at {coordinator} refused this worker's key: register its public key "
+                          "there (`soma-coord add-worker RUN worker.pub`), or check --auth-key")  # fmt: skip
     raise typer.Exit(0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code)
+
+
+class _Relay:
+    """Copies the SuperNode's output to ours, line by line, noting Flower's "unknown key" exit (its process
+    exit status is 1 for every error; the code is only in the message)."""
+
+    REFUSED = b"Exit Code: 305"
+
+    def __init__(self, proc) -> None:
+        import threading
+
+        self.refused = False
+        self._thread = threading.Thread(target=self._run, args=(proc.stdout,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream) -> None:
+        import sys
+
+        for line in iter(stream.readline, b""):
+            self.refused |= self.REFUSED in line
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+
+
+def preflight(host: str, port: int, ca: Optional[Path], wait: float = 30.0) -> None:
+    """Tell the common failures apart before Flower would retry them forever with one generic line: the
+    coordinator unreachable (after `wait` seconds of trying, so workers may start first), TLS on one side
+    only, or a certificate that the given CA does not sign."""
+    import socket
+    import ssl
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=5)
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"--coordinator {host}:{port}: unreachable for {wait:.0f} s ({e.strerror or e}); is "
+                                  "`soma-coord start` running there, and the port open to this box?") from None  # fmt: skip
+            time.sleep(1.0)
+    if ca:
+        ctx = ssl.create_default_context(cafile=str(ca))
+    else:  # only to learn whether the other side speaks TLS at all
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        with ctx.wrap_socket(sock, server_hostname=host):
+            speaks_tls = True
+    except ssl.SSLCertVerificationError as e:
+        raise ConfigError(f"TLS: the coordinator's certificate does not verify with --root-certificates {ca} "
+                          f"({e.verify_message}); use the ca.pem that `soma-coord certs` wrote for it, with a "
+                          f"--host that names {host}") from None  # fmt: skip
+    except (ssl.SSLError, OSError):
+        speaks_tls = False
+    finally:
+        sock.close()
+    if ca and not speaks_tls:
+        raise ConfigError(f"TLS: the coordinator at {host}:{port} does not speak TLS; drop --root-certificates, "
+                          "or start it with --tls")  # fmt: skip
+    if not ca and speaks_tls:
+        raise ConfigError(f"TLS: the coordinator at {host}:{port} uses TLS; pass --root-certificates ca.pem (the "
+                          "CA that `soma-coord certs` wrote)")  # fmt: skip
 
 
 @app.command("keygen")
