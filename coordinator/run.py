@@ -52,6 +52,7 @@ class RunDir:
     router = property(lambda self: self.root / "router.msgpack")
     prepare_json = property(lambda self: self.root / "prepare.json")
     state_path = property(lambda self: self.root / "state.msgpack")
+    prev_state_path = property(lambda self: self.root / "state.prev.msgpack")  # the commit before, kept as fallback
     metrics_path = property(lambda self: self.root / "metrics.jsonl")
     status_path = property(lambda self: self.root / "status.json")
     logs = property(lambda self: self.root / "logs")
@@ -103,9 +104,9 @@ class RunDir:
     def load_expert(self, rel: str) -> dict[str, Any]:
         return checkpoint.load(self.root / rel, EXPERT_KIND)
 
-    def prune(self, expert: int, keep: int, current: int) -> list[Path]:
+    def prune(self, expert: int, keep: int, current: int, protect: tuple[int, ...] = ()) -> list[Path]:
         """Delete all but the newest `keep` versions at or below `current` (and anything above it: a
-        version above the committed one is debris of a crashed round)."""
+        version above the committed one is debris of a crashed round), never those in `protect`."""
         folder = self.root / "experts" / str(expert)
         found = []
         for p in folder.glob("v*.msgpack"):
@@ -113,19 +114,55 @@ class RunDir:
                 found.append((int(p.stem[1:]), p))
             except ValueError:
                 continue
-        gone = [p for v, p in found if v > current or v <= current - keep]
+        gone = [p for v, p in found if (v > current or v <= current - keep) and v not in protect]
         for p in gone:
             p.unlink(missing_ok=True)
         return gone
 
     # --- state and metrics ----------------------------------------------------------------------------
 
-    def load_state(self) -> dict[str, Any] | None:
-        if not self.state_path.exists():
-            return None
-        return checkpoint.load(self.state_path, STATE_KIND)
+    def load_state(self, verify: bool = False) -> dict[str, Any] | None:
+        """The last committed state that loads (and, with `verify`, whose expert files all load and match
+        their hashes): state.msgpack, else the commit before it (state.prev.msgpack), with one warning in
+        `self.fallback`. None for a run that never committed; CheckpointError when nothing committed loads."""
+        self.fallback: str | None = None
+        errors = []
+        for path in (self.state_path, self.prev_state_path):
+            if not path.exists():
+                continue
+            try:
+                state = checkpoint.load(path, STATE_KIND)
+                if verify:
+                    self._verify_experts(state, path)
+            except CheckpointError as e:
+                errors.append(str(e))
+                continue
+            if path != self.state_path:
+                why = errors[0] if errors else f"{self.state_path} is missing"
+                self.fallback = f"{why}; falling back to the commit before it ({path.name}, round {state.get('round')})"
+            return state
+        if errors:
+            raise CheckpointError(f"{self.root}: no committed state loads ({'; '.join(errors)}); the run cannot resume: "
+                                  "start a new one with another --run")  # fmt: skip
+        return None
+
+    def _verify_experts(self, state: Any, where: Path) -> None:
+        from soma_edge.protocol import weights_sha256
+
+        experts = state.get("experts") if isinstance(state, dict) else None
+        if not isinstance(experts, dict):
+            raise CheckpointError(f"{where}: no experts map")
+        for e, x in experts.items():
+            body = self.load_expert(str(x.get("path", "")))
+            w = body.get("weights") if isinstance(body, dict) else None
+            if not isinstance(w, np.ndarray) or weights_sha256(w) != x.get("sha256"):
+                raise CheckpointError(f"{self.root / str(x.get('path'))}: weights do not match {where.name}")
 
     def save_state(self, state: dict[str, Any]) -> None:
+        """Commit `state`; the state it replaces stays as state.prev.msgpack, the fallback of `load_state`
+        (a crash between the two steps leaves that fallback, which `load_state` then uses)."""
+        if self.state_path.exists():
+            os.replace(self.state_path, self.prev_state_path)
         checkpoint.save(self.state_path, state, STATE_KIND)
 
     def read_metrics(self) -> list[dict[str, Any]]:

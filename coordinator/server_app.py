@@ -97,10 +97,13 @@ class Coordinator:
         self.cfg: Config = run.load_config()
         fed = self.cfg.federation
         self.prep = run.load_prepare()
-        state = run.load_state()
+        state = run.load_state(verify=True)
+        if run.fallback:
+            log.warning("%s", run.fallback)
         if state is None:
             state = self._init_state()
         self.state = state
+        self._committed = self._versions()  # what state.msgpack holds: the fallback once the next round commits
         run.truncate_metrics(state["round"])
         self.metrics = run.read_metrics()
         self.size = params.layout(self.cfg.model).size
@@ -184,6 +187,9 @@ class Coordinator:
         cap = self.cfg.federation.seed_steps if self._seeding() else seed_mod.expert_steps(self.cfg)
         left = {e: cap - int(self.state["experts"][str(e)]["step"]) for e in self.expert_ids()}
         return {e: n for e, n in left.items() if n > 0}
+
+    def _versions(self) -> dict[int, int]:
+        return {int(e): int(x["version"]) for e, x in self.state["experts"].items()}
 
     def expert_ids(self) -> list[int]:
         return sorted(int(e) for e in self.state["experts"])
@@ -620,9 +626,11 @@ class Coordinator:
         self.state["assignment"] = {str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()}
         if fanned:
             self.state["assignment"] = {}  # the experts' versions 0 are on no node yet
-        self.run.save_state(self.state)  # the commit point
-        for e in self.expert_ids():
-            self.run.prune(e, fed.keep_versions, self.state["experts"][str(e)]["version"])
+        self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
+        fallback, self._committed = self._committed, self._versions()
+        for e in self.expert_ids():  # never prune a version the fallback state refers to
+            keep = (fallback[e],) if e in fallback else ()
+            self.run.prune(e, fed.keep_versions, self.state["experts"][str(e)]["version"], protect=keep)
         log.info("round %d/%d committed: %d/%d experts advanced, mean val %.4f, mixture val %s, compute share %.0f%%",
                  r, fed.rounds, len(ctx.accepted), len(self.expert_ids()), lines[-1]["val_loss_mean"] or float("nan"),
                  "n/a" if mix is None else f"{mix:.4f}", 100 * lines[-1]["compute_share"])  # fmt: skip

@@ -794,3 +794,51 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
     assert all(x["version"] >= 1 for x in state["experts"].values())
     rounds = [m["round"] for m in run.read_metrics() if m["type"] == "round"]
     assert rounds == list(range(1, 7))
+
+
+# ---------------------------------------------------------------------------------------------- corrupt state
+
+
+@pytest.mark.parametrize("damage", ["truncated state", "garbage state", "missing state", "corrupt expert file"])
+def test_corrupt_commit_falls_back_to_the_one_before(run, tmp_path, damage, caplog):
+    _set(run, rounds=2, keep_versions=1)
+    Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
+    prev = checkpoint.load(run.prev_state_path, "run_state")
+    assert prev["round"] == 1
+    for e, x in prev["experts"].items():  # keep_versions = 1, yet the fallback's versions were kept
+        assert (run.root / x["path"]).is_file()
+    if damage == "truncated state":
+        run.state_path.write_bytes(run.state_path.read_bytes()[:50])
+    elif damage == "garbage state":
+        run.state_path.write_bytes(b"\x00" * 400)
+    elif damage == "missing state":
+        run.state_path.unlink()
+    else:
+        p = run.root / run.load_state()["experts"]["2"]["path"]
+        p.write_bytes(p.read_bytes()[:-7] + b"corrupt")
+    _set(run, rounds=3)
+    with caplog.at_level(logging.WARNING, logger="soma.coord"):
+        state = Coordinator(FakeGrid(tmp_path / "n2", ["a", "b"]), run).main()
+    warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warned) == 1 and "round 1" in warned[0], warned
+    assert state["round"] == 3 and all(x["version"] == 3 for x in state["experts"].values())
+    assert [m["round"] for m in run.read_metrics() if m["type"] == "round"] == [1, 2, 3]  # round 2 redone once
+    for x in state["experts"].values():
+        body = checkpoint.load(run.root / x["path"], "expert")
+        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+
+
+def test_a_run_with_no_loadable_commit_refuses_to_start(run, tmp_path, capsys):
+    from coordinator.cli import app as coord_app
+    from soma_edge.cli import run as run_cli
+
+    _set(run, rounds=2)
+    Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
+    for p in (run.state_path, run.prev_state_path):
+        p.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="no committed state loads"):
+        run.load_state()
+    rc = run_cli(coord_app, ["start", "--run", str(run.root), "--rounds", "3"], prog="soma-coord")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "no committed state loads" in lines[0]
+    assert "Traceback" not in " ".join(lines)
