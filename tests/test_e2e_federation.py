@@ -368,21 +368,24 @@ def _cli(root: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_tls_with_worker_authentication(tmp_path):
-    """Over TLS with --auth: a registered worker trains and keeps its node id across a restart; a worker
-    with an unregistered key is refused by the SuperLink and never gets an assignment."""
+    """Over TLS with --auth: a worker registered on the live run trains and keeps its node id across a
+    restart; a worker with an unregistered key is refused in one line and never gets an assignment."""
     src = write_stdlib_corpus(tmp_path / "corpus")
     (tmp_path / "auth.toml").write_text(AUTH_CONFIG)
     env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
     fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "auth.toml", "env": env}
     for argv in (("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"),
-                 ("worker.cli", "keygen", str(tmp_path / "ext")), ("worker.cli", "keygen", str(tmp_path / "stranger")),
-                 ("coordinator", "add-worker", str(fed["run"]), str(tmp_path / "ext" / "worker.pub"), "--name", "ext")):  # fmt: skip
+                 ("worker.cli", "keygen", str(tmp_path / "ext")), ("worker.cli", "keygen", str(tmp_path / "stranger"))):  # fmt: skip
         r = _cli(tmp_path, env, *argv)
         assert r.returncode == 0, r.stderr
     proc = _start(fed, "--tls", str(tmp_path / "tls"), "--auth")
     log = tmp_path / "start.log"
-    _wait(lambda: "registered 2 worker key(s)" in log.read_text(errors="replace"), START_TIMEOUT, "the keys registered")
+    _wait(lambda: "registered 1 worker key(s): w0" in log.read_text(errors="replace"), START_TIMEOUT, "w0's key")
     port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
+    _wait(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run")
+    # Trust the external worker while the run is live (it waits for min_nodes = 2): registered at once.
+    r = _cli(tmp_path, env, "coordinator", "add-worker", str(fed["run"]), str(tmp_path / "ext" / "worker.pub"), "--name", "ext")
+    assert r.returncode == 0 and "with the live SuperLink as node" in r.stdout, r.stdout + r.stderr
 
     def join(name: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", name,
