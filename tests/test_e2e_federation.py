@@ -65,7 +65,10 @@ def _start(fed, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "coordinator", "start", "--run", str(fed["run"]), "--config", str(fed["config"]),
            "--corpus", str(fed["corpus"]), "--port", "0", *extra]  # fmt: skip
     log = open(fed["root"] / "start.log", "ab")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=fed["env"], cwd=fed["root"])
+    # SIGINT back to its default: a test run started from a background job inherits it ignored, and then
+    # the Ctrl-C test would see a coordinator that cannot be interrupted.
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=fed["env"], cwd=fed["root"],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
 
 
 def _finish(fed, proc: subprocess.Popen) -> None:
