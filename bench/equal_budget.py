@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -117,12 +118,27 @@ def mixture_loss(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -
     return float(mixture.evaluate(router, fns, data, seq, k, router.temperature).nats_per_byte)
 
 
-def protocol_scores(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -> dict[str, float]:
-    """The paper protocol's score (top-min(4, N) uniform, on its scored bytes), and the stream protocol's
-    (`mixture_loss`'s top-k) on those same bytes."""
+@dataclass
+class ProtocolScores:
+    """One stream's held-out nats/byte under both protocols (soma_edge.mixture)."""
+
+    stream: float  # the stream protocol, `mixture_loss`'s top-k, every byte after the first
+    stream_bytes: int
+    paper: float | None  # the paper protocol, top-min(4, N) uniform on its scored bytes (None: no full window)
+    paper_bytes: int
+    stream_on_paper: float | None  # the stream protocol on the paper protocol's scored bytes
+
+    def arm_fields(self) -> dict[str, float | None]:
+        return {"test_nats_per_byte": self.stream, "test_paper": self.paper, "test_stream_paper_bytes": self.stream_on_paper}
+
+
+def protocol_scores(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -> ProtocolScores:
     stream = mixture.evaluate(router, fns, data, seq, min(TOP_K, len(fns)), router.temperature, keep_logprobs=True)
+    if data.size < mixture.PAPER_WINDOW:
+        return ProtocolScores(stream.nats_per_byte, stream.bytes, None, 0, None)
     paper = mixture.evaluate_paper(router, fns, data, min(4, len(fns)), router.temperature, uniform=True)
-    return {"test_paper": paper.nats_per_byte, "test_stream_paper_bytes": float(-stream.logprobs[paper.positions].mean())}
+    return ProtocolScores(stream.nats_per_byte, stream.bytes, paper.nats_per_byte, paper.bytes,
+                          float(-stream.logprobs[paper.positions].mean()))  # fmt: skip
 
 
 def prepared(work: Path, corpus_name: str, n: int, seed: int) -> RunDir:
@@ -297,8 +313,7 @@ def run_spsa_arm(work: Path, prep: RunDir, cfg: Config, federate: Federate, curv
         "arm": name, "kind": "soma" if n > 1 else "monolithic-spsa", "experts": n, "shape": m.__dict__,
         "params_per_expert": params.count(m), "params_total": n * params.count(m), "lr": cfg.spsa.lr,
         "directions": cfg.spsa.directions, "steps_per_expert": steps, "forward_evals": evals, "flops": evals * f1,
-        "test_nats_per_byte": mixture_loss(router, final, test_data, seq), "top_k": min(TOP_K, n),
-        **protocol_scores(router, final, test_data, seq),
+        **protocol_scores(router, final, test_data, seq).arm_fields(), "top_k": min(TOP_K, n),
         "wall_seconds": wall, "compute_seconds": compute, "rounds": len(rounds), "curve": points,
     }  # fmt: skip
 
@@ -329,8 +344,7 @@ def run_adam_arm(prep: RunDir, m: ModelConfig, lr: float, steps: int, batch: int
         "arm": "adam", "kind": "backprop-reference", "experts": 1, "shape": m.__dict__,
         "params_per_expert": params.count(m), "params_total": params.count(m), "lr": lr, "directions": None,
         "steps_per_expert": [steps], "forward_evals": 3 * steps, "flops": steps * f3,
-        "test_nats_per_byte": mixture_loss(router, {0: torch_logprobs(model)}, test_data, seq), "top_k": 1,
-        **protocol_scores(router, {0: torch_logprobs(model)}, test_data, seq),
+        **protocol_scores(router, {0: torch_logprobs(model)}, test_data, seq).arm_fields(), "top_k": 1,
         "wall_seconds": wall, "compute_seconds": wall, "rounds": None, "curve": points,
     }  # fmt: skip
 
@@ -358,7 +372,7 @@ def table(out: dict[str, Any]) -> str:
              "| paper protocol | stream, paper's bytes | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for a in out["arms"]:
         rel = f"{(a['test_nats_per_byte'] / mono['test_nats_per_byte'] - 1) * 100:+.1f}%" if mono else "n/a"
-        paper = " | ".join(f"{a[k]:.4f}" if k in a else "-" for k in ("test_paper", "test_stream_paper_bytes"))
+        paper = " | ".join(f"{a[k]:.4f}" if a.get(k) is not None else "-" for k in ("test_paper", "test_stream_paper_bytes"))
         lines.append(f"| {a['arm']} | {a['experts']} | {a['params_total']:,} | {a['lr']:g} | {a['steps_per_expert'][0]:,} | "
                      f"{a['forward_evals']:,} | {a['flops'] / out['budget_flops']:.3f} | {a['test_nats_per_byte']:.4f} | "
                      f"{rel} | {paper} | {a['wall_seconds']:.0f} |")  # fmt: skip

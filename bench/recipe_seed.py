@@ -72,19 +72,16 @@ def _seed_data(datas: list[Data]) -> Data:
 
 def score(router, m: ModelConfig, weights: list[np.ndarray], tests: list[np.ndarray], seq: int) -> tuple[float, float, float]:
     """(stream top-2, paper top-4 uniform, stream on the paper's bytes) nats/byte over the test splits."""
-    from bench.equal_budget import ort_logprobs
+    from bench.equal_budget import ort_logprobs, protocol_scores
 
     fns = {e: ort_logprobs(m, w) for e, w in enumerate(weights)}
-    k_stream, k_paper = min(2, len(fns)), min(4, len(fns))
-    sums = np.zeros(3)
-    counts = np.zeros(3)
+    sums, counts = np.zeros(3), np.zeros(3)
     for data in tests:
-        s = mixture.evaluate(router, fns, data, seq, k_stream, router.temperature, keep_logprobs=True)
-        sums[0], counts[0] = sums[0] + s.nats_per_byte * s.bytes, counts[0] + s.bytes
-        if data.size >= mixture.PAPER_WINDOW:
-            p = mixture.evaluate_paper(router, fns, data, k_paper, router.temperature, uniform=True)
-            sums[1], counts[1] = sums[1] + p.nats_per_byte * p.bytes, counts[1] + p.bytes
-            sums[2], counts[2] = sums[2] - s.logprobs[p.positions].sum(), counts[2] + p.bytes
+        s = protocol_scores(router, fns, data, seq)
+        sums[0], counts[0] = sums[0] + s.stream * s.stream_bytes, counts[0] + s.stream_bytes
+        if s.paper is not None:
+            sums[1:] += np.array([s.paper, s.stream_on_paper]) * s.paper_bytes
+            counts[1:] += s.paper_bytes
     return tuple(float(x) for x in sums / counts)  # type: ignore[return-value]
 
 
