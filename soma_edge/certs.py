@@ -53,6 +53,15 @@ def _san(host: str):
     return x509.DNSName(host)
 
 
+def _check_out(root: Path, names: tuple[str, ...], force: bool) -> None:
+    """Refuse an output folder that is a file, or that already holds any of `names` (unless forced)."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root}: exists and is not a directory")
+    existing = [n for n in names if (root / n).exists()]
+    if existing and not force:
+        raise ConfigError(f"{root}: already holds {', '.join(existing)}; pass --force to replace them")
+
+
 def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFiles:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -63,11 +72,7 @@ def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFi
     if not hosts:
         raise ConfigError("give at least one --host: the names or IP addresses workers use to reach the coordinator")
     sans = [_san(h) for h in hosts]
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"{root}: exists and is not a directory")
-    existing = [n for n in (CA, CA_KEY, SERVER, SERVER_KEY) if (root / n).exists()]
-    if existing and not force:
-        raise ConfigError(f"{root}: already holds {', '.join(existing)}; pass --force to replace them")
+    _check_out(root, (CA, CA_KEY, SERVER, SERVER_KEY), force)
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(days=1), now + datetime.timedelta(days=VALID_DAYS)
 
@@ -119,11 +124,7 @@ def make_worker_key(root: str | Path, force: bool = False) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"{root}: exists and is not a directory")
-    existing = [n for n in (WORKER_KEY, WORKER_PUB) if (root / n).exists()]
-    if existing and not force:
-        raise ConfigError(f"{root}: already holds {', '.join(existing)}; pass --force to replace them")
+    _check_out(root, (WORKER_KEY, WORKER_PUB), force)
     key = ec.generate_private_key(ec.SECP384R1())
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                 serialization.NoEncryption())  # fmt: skip
