@@ -37,6 +37,8 @@ class Expert:
         self.bundle, self.entry, self.device, self.threads = bundle, entry, device, threads
         self.hidden, self.layers = int(entry.model["hidden"]), int(entry.model["layers"])
         self.kind = str(entry.model.get("kind", "lstm"))
+        # The streaming graph's state inputs, in its order: h0, c0, h1, c1, ...
+        self.state_names = [f"{s}{layer}" for layer in range(self.layers) for s in ("h", "c")]
         self._score = self._stream = None
 
     def _session(self, rel: str, states: bool):
@@ -55,9 +57,7 @@ class Expert:
         pair per layer."""
         desc = sess.get_modelmeta().graph_description
         kind = desc.partition("model.kind = ")[2].strip("'") or "lstm"  # graphs from before the soma kind: lstm
-        want = [("x", ["B", "T"])]
-        if states:
-            want += [(f"{s}{layer}", [1, "B", self.hidden]) for layer in range(self.layers) for s in ("h", "c")]
+        want = [("x", ["B", "T"])] + ([(n, [1, "B", self.hidden]) for n in self.state_names] if states else [])
         got = [(i.name, list(i.shape)) for i in sess.get_inputs()]
         if kind != self.kind or got != want:
             raise BundleError(f"{self.bundle.path(rel)}: the graph (model.kind {kind!r}, inputs {got}) does not match "
@@ -70,15 +70,14 @@ class Expert:
         return self._score.run(None, {"x": x})[0]
 
     def zero_state(self, batch: int = 1) -> list[np.ndarray]:
-        """The LSTM state in the streaming graph's order: h0, c0, h1, c1, ..."""
-        return [np.zeros((1, batch, self.hidden), dtype=np.float32)] * (2 * self.layers)
+        """The LSTM state in the streaming graph's order (`state_names`)."""
+        return [np.zeros((1, batch, self.hidden), dtype=np.float32)] * len(self.state_names)
 
     def step(self, x: np.ndarray, state: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Feed x int64[B, T] from `state`; returns logits float32[B, T, 256] and the state after x."""
         if self._stream is None:
             self._stream = self._session(self.entry.stream, states=True)
-            self._inputs = ["x"] + [f"{s}{layer}" for layer in range(self.layers) for s in ("h", "c")]
-        logits, *state = self._stream.run(None, dict(zip(self._inputs, [x, *state])))
+        logits, *state = self._stream.run(None, dict(zip(["x", *self.state_names], [x, *state])))
         return logits, state
 
 
