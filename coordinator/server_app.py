@@ -116,7 +116,6 @@ class Coordinator:
         log.info("run %s: resuming after round %d of %d" if state["round"] else "run %s: starting, round %d of %d",
                  run.root, state["round"], fed.rounds)  # fmt: skip
         if self._fan_out():  # a seed that finished in a round whose commit never happened
-            self.state["assignment"] = {}
             self.run.save_state(self.state)
         self._wait_for_nodes(fed.min_nodes)
         for r in range(state["round"] + 1, fed.rounds + 1):
@@ -165,11 +164,11 @@ class Coordinator:
         w = self.run.load_expert(seed["path"])["weights"]
         if protocol.weights_sha256(w) != seed["sha256"]:
             raise SomaError(f"{self.run.root / seed['path']}: the seed's weights do not match state.msgpack")
-        experts = {}
-        for e in range(self.cfg.federation.experts):
-            experts[str(e)] = self._version0(e, w, self._val_loss(e, protocol.decode_weights(w)))
+        w32 = protocol.decode_weights(w)
+        experts = {str(e): self._version0(e, w, self._val_loss(e, w32)) for e in range(self.cfg.federation.experts)}
         self.state["seed"] = {**seed, "expert": int(sid)}
         self.state["experts"], self.state["phase"] = experts, "experts"
+        self.state["assignment"] = {}  # the experts' versions 0 are on no node yet
         log.info("seed expert %s done at step %d (val %.4f): version 0 of all %d experts is its weights %s",
                  sid, seed["step"], seed.get("val_loss") or float("nan"), len(experts), seed["sha256"][:12])  # fmt: skip
         return True
@@ -615,17 +614,12 @@ class Coordinator:
             if nodes else 0.0, "predicted_makespan": ctx.plan.makespan, "moved": ctx.plan.moved,
             "bytes_down": ctx.bytes_down, "bytes_up": ctx.bytes_up, "nodes": nodes, "time": time.time(),
         })  # fmt: skip
-        seed = self.state["experts"].get(str(seed_mod.seed_expert(self.cfg))) if self._seeding() else None
-        fanned = self._fan_out()
-        if fanned:
-            lines[-1]["seed_done"] = {"expert": seed_mod.seed_expert(self.cfg), "step": seed["step"],
-                                      "version": seed["version"], "sha256": seed["sha256"]}  # fmt: skip
-        self.metrics = [m for m in self.metrics if int(m.get("round", 0)) < r] + lines
-        self.run.write_metrics(self.metrics)
         self.state["round"] = r
         self.state["assignment"] = {str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()}
-        if fanned:
-            self.state["assignment"] = {}  # the experts' versions 0 are on no node yet
+        if self._fan_out():
+            lines[-1]["seed_done"] = {k: self.state["seed"][k] for k in ("expert", "step", "version", "sha256")}
+        self.metrics = [m for m in self.metrics if int(m.get("round", 0)) < r] + lines
+        self.run.write_metrics(self.metrics)
         self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
         fallback, self._committed = self._committed, self._versions()
         for e in self.expert_ids():  # never prune a version the fallback state refers to
