@@ -113,8 +113,7 @@ def add_worker_cmd(
     w = workers.add(rd, public_key, name)
     where = "registered with the run"
     if rd.is_locked() and (rd.flwr_home / "config.toml").is_file():
-        w.node_id = workers.register(rd.flwr_home, w, CONNECTION)
-        workers.save(rd, [x if x.fingerprint != w.fingerprint else w for x in workers.load(rd)])
+        (w,) = workers.register_all(rd, CONNECTION, only=w.fingerprint)
         where += f" and with the live SuperLink as node {w.node_id}"
     print(f"worker {w.name!r} (key {w.fingerprint}) {where}")
 

@@ -99,10 +99,12 @@ def _flwr_register(flwr_home: Path, worker: Worker, connection: str) -> dict:
     return out if isinstance(out, dict) else {"error-message": (r.stdout + r.stderr).strip() or f"exit {r.returncode}"}
 
 
-def register_all(run: RunDir, connection: str) -> list[Worker]:
-    """Register every key of the run's registry with the live SuperLink, recording their node ids."""
+def register_all(run: RunDir, connection: str, only: str | None = None) -> list[Worker]:
+    """Register every key of the run's registry (or only the one with fingerprint `only`) with the live
+    SuperLink, recording their node ids in the registry; the workers registered."""
     workers = load(run)
-    for w in workers:
+    done = [w for w in workers if only is None or w.fingerprint == only]
+    for w in done:
         w.node_id = register(run.flwr_home, w, connection)
     save(run, workers)
-    return workers
+    return done
