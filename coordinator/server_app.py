@@ -28,10 +28,10 @@ from soma_edge import __version__, params, protocol
 from soma_edge import seed as seed_mod
 from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
-from soma_edge.errors import CodecError, CorpusError, SomaError, ValidationError
+from soma_edge.errors import CheckpointError, CodecError, CorpusError, SomaError, ValidationError
 from soma_edge.logs import role_logger
 from soma_edge.spsa import OptState, evals_per_step, plateau
-from coordinator import scheduler
+from coordinator import guard, scheduler
 from coordinator.run import RunDir, RunLockedError
 
 log = role_logger("soma.coord")
@@ -53,6 +53,11 @@ class Node:
     caps: dict[str, Any] = field(default_factory=dict)
     query_mid: str | None = None
     query_sent: float = 0.0
+    identity: str = ""  # who strikes count against (`coordinator.guard.identity`), set when it answers a query
+
+    @property
+    def who(self) -> str:
+        return self.identity or f"node:{self.id}"
 
 
 @dataclass
@@ -97,18 +102,20 @@ class Coordinator:
         self.cfg: Config = run.load_config()
         fed = self.cfg.federation
         self.prep = run.load_prepare()
+        self.size = params.layout(self.cfg.model).size
+        self._val_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._evaluator = None
         state = run.load_state(verify=True)
         if run.fallback:
             log.warning("%s", run.fallback)
         if state is None:
             state = self._init_state()
         self.state = state
-        self._committed = self._versions()  # what state.msgpack holds: the fallback once the next round commits
+        self.state.setdefault("strikes", {})
+        self._check_best()
+        self._committed = self._kept()  # what state.msgpack holds: the fallback once the next round commits
         run.truncate_metrics(state["round"])
         self.metrics = run.read_metrics()
-        self.size = params.layout(self.cfg.model).size
-        self._val_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._evaluator = None
         if state["round"] >= fed.rounds:
             log.info("run %s already completed its %d rounds", run.root, fed.rounds)
             self._status("done")
@@ -138,18 +145,40 @@ class Coordinator:
         ids = [seed_mod.seed_expert(self.cfg)] if seeded else range(self.cfg.federation.experts)
         experts = {str(e): self._version0(e, w) for e in ids}
         state = {"round": 0, "rounds": self.cfg.federation.rounds, "run_id": uuid.uuid4().hex, "experts": experts,
-                 "assignment": {}, "phase": "seed" if seeded else "experts", "soma_version": __version__}  # fmt: skip
+                 "assignment": {}, "phase": "seed" if seeded else "experts", "strikes": {},
+                 "soma_version": __version__}  # fmt: skip
         self.run.save_state(state)
         return state
 
-    def _version0(self, e: int, w: np.ndarray, val: float | None = None) -> dict[str, Any]:
-        """Write version 0 of expert `e` with weights `w`, fresh optimizer state and step 0; its state entry."""
+    def _version0(self, e: int, w: np.ndarray) -> dict[str, Any]:
+        """Write version 0 of expert `e` with weights `w`, fresh optimizer state and step 0; its state entry.
+        Its val loss is the first best that the guard measures replies against."""
         sha = protocol.weights_sha256(w)
+        val = self._val_loss(e, protocol.decode_weights(w))
         body = {"expert": e, "version": 0, "sha256": sha, "config": self.cfg.to_dict(), "step": 0,
                 "weights": w, "opt": None, "val_loss": val}  # fmt: skip
         rel = self.run.save_expert(body)
         return {"version": 0, "sha256": sha, "path": rel, "step": 0, "train_loss": None, "val_loss": val,
-                "node": None, **_plateau_fields(OptState())}  # fmt: skip
+                "node": None, "best": guard.Best(0, sha, rel, val).to_record(), **_plateau_fields(OptState())}  # fmt: skip
+
+    def _check_best(self) -> None:
+        """Every expert's best version loads and matches its hash; else (corrupt, or a run from before
+        guards) the current version becomes the best, with one warning."""
+        for e, x in self.state["experts"].items():
+            rec = x.get("best")
+            try:
+                body = self.run.load_expert(rec["path"]) if rec else None
+                if body is not None and protocol.weights_sha256(body["weights"]) != rec["sha256"]:
+                    raise CheckpointError(f"{self.run.root / rec['path']}: weights do not match its sha256")
+            except (CheckpointError, KeyError, TypeError) as err:
+                log.warning("expert %s: its best version does not load (%s); the current version v%s is the best now",
+                            e, err, x["version"])  # fmt: skip
+                body = None
+            if body is None:
+                val = x.get("val_loss")
+                if val is None:
+                    val = self._val_loss(int(e), protocol.decode_weights(self.run.load_expert(x["path"])["weights"]))
+                x["best"] = guard.Best(int(x["version"]), x["sha256"], x["path"], float(val)).to_record()
 
     def _seeding(self) -> bool:
         return self.state.get("phase") == "seed"
@@ -164,8 +193,7 @@ class Coordinator:
         w = self.run.load_expert(seed["path"])["weights"]
         if protocol.weights_sha256(w) != seed["sha256"]:
             raise SomaError(f"{self.run.root / seed['path']}: the seed's weights do not match state.msgpack")
-        w32 = protocol.decode_weights(w)
-        experts = {str(e): self._version0(e, w, self._val_loss(e, w32)) for e in range(self.cfg.federation.experts)}
+        experts = {str(e): self._version0(e, w) for e in range(self.cfg.federation.experts)}
         self.state["seed"] = {**seed, "expert": int(sid)}
         self.state["experts"], self.state["phase"] = experts, "experts"
         self.state["assignment"] = {}  # the experts' versions 0 are on no node yet
@@ -187,8 +215,9 @@ class Coordinator:
         left = {e: cap - int(self.state["experts"][str(e)]["step"]) for e in self.expert_ids()}
         return {e: n for e, n in left.items() if n > 0}
 
-    def _versions(self) -> dict[int, int]:
-        return {int(e): int(x["version"]) for e, x in self.state["experts"].items()}
+    def _kept(self) -> dict[int, set[int]]:
+        """The versions state.msgpack refers to, per expert: the current one and the best one."""
+        return {int(e): {int(x["version"]), int(guard.Best.of(x).version)} for e, x in self.state["experts"].items()}
 
     def expert_ids(self) -> list[int]:
         return sorted(int(e) for e in self.state["experts"])
@@ -273,6 +302,12 @@ class Coordinator:
         if caps.get("soma_version") != __version__:
             log.warning("node %s (%s) runs soma-edge %s but the coordinator runs %s: excluded",
                         o.node, node.name, caps.get("soma_version"), __version__)  # fmt: skip
+            node.status = "excluded"
+            return
+        node.identity = guard.identity(self.run, node.id)
+        if guard.excluded(self.state["strikes"], node.who, self.cfg.federation.max_strikes):
+            log.warning("node %s (%s) is excluded from this run: %d strikes against %s", o.node, node.name,
+                        self.state["strikes"][node.who]["count"], node.who)  # fmt: skip
             node.status = "excluded"
             return
         inv = caps.get("cache") or {}
@@ -433,6 +468,10 @@ class Coordinator:
         for res in body["results"]:
             e = res.get("expert") if isinstance(res, dict) else None
             e = e if isinstance(e, int) and not isinstance(e, bool) else None  # anything else is only logged
+            if node.status == "excluded":  # struck out by an earlier result of this reply
+                if e in exp.tasks:
+                    ctx.failed.setdefault(e, f"node {node.label} is excluded")
+                continue
             try:
                 if e in seen:
                     raise ValidationError(f"expert {e} appears twice in one reply")
@@ -476,17 +515,32 @@ class Coordinator:
         ctx.resent |= set(self.out) - before
         ctx.pending_resend |= set(experts)
 
-    def _reject(self, ctx: "_RoundCtx", node: Node, experts: list, reason: str) -> None:
+    def _reject(self, ctx: "_RoundCtx", node: Node, experts: list, reason: str, **extra: Any) -> None:
+        """Refuse these results (the current versions stay) and count a strike for each against the node."""
+        fed = self.cfg.federation
         for e in experts:
-            log.warning("round %d: rejected expert %s from node %s (%s): %s", ctx.r, e, node.id, node.name, reason)
-            ctx.rejected.append({"expert": e, "node": node.label, "node_id": node.id, "reason": reason})
+            n = guard.strike(self.state["strikes"], node.who, node.label, reason, ctx.r)
+            log.warning("round %d: rejected expert %s from node %s (%s), strike %d of %s: %s", ctx.r, e, node.id,
+                        node.name, n, fed.max_strikes or "unlimited", reason)  # fmt: skip
+            ctx.rejected.append({"expert": e, "node": node.label, "node_id": node.id, "reason": reason, "strike": n,
+                                 **extra})  # fmt: skip
             if isinstance(e, int) and e in ctx.plan.assignment:
                 ctx.failed.setdefault(e, f"rejected: {reason}")
+        if node.status != "excluded" and guard.excluded(self.state["strikes"], node.who, fed.max_strikes):
+            log.warning("round %d: node %s (%s) has %d strikes (federation.max_strikes): excluded for the rest of "
+                        "the run", ctx.r, node.id, node.name, fed.max_strikes)  # fmt: skip
+            node.status = "excluded"
+            ctx.excluded.append(node.label)
 
     def _accept(self, ctx: "_RoundCtx", node: Node, res: dict, w: np.ndarray, opt: OptState, sent: dict[str, int],
                 reply: dict) -> None:  # fmt: skip
         e = res["expert"]
         val = self._val_loss(e, protocol.decode_weights(w))
+        best = guard.Best.of(self.state["experts"][str(e)])
+        why = guard.verdict(val, best, self.cfg.federation.guard_tolerance)
+        if why is not None:
+            self._reject(ctx, node, [e], why, guard=True, val_loss=val, **self._slow_down(e))
+            return
         # The plateau counters are the coordinator's own (never the worker's): restore them, then decide the
         # next round's lr scale from this version's val loss.
         prev, trained_at = self.state["experts"][str(e)], opt.lr_scale
@@ -498,9 +552,13 @@ class Coordinator:
         body = {"expert": e, "version": res["version"], "sha256": res["sha256"], "config": self.cfg.to_dict(),
                 "step": res["step"], "weights": w, "opt": opt.to_record(), "val_loss": val}  # fmt: skip
         rel = self.run.save_expert(body)
+        if val < best.val_loss:
+            best = guard.Best(res["version"], res["sha256"], rel, val)
+            guard.forgive(self.state["strikes"], node.who)
         self.state["experts"][str(e)] = {"version": res["version"], "sha256": res["sha256"], "path": rel,
                                          "step": res["step"], "train_loss": float(res["train_loss"]),
-                                         "val_loss": val, "node": node.label, **_plateau_fields(opt)}  # fmt: skip
+                                         "val_loss": val, "node": node.label, "best": best.to_record(),
+                                         **_plateau_fields(opt)}  # fmt: skip
         node.weights.add(res["sha256"])
         node.shards |= set(self._train_shards(e))
         ctx.accepted[e] = {
@@ -511,13 +569,21 @@ class Coordinator:
             "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
             "weights_bytes_up": int(w.nbytes), "opt_bytes_up": opt.nbytes(),
             "torch_importable": reply.get("torch_importable"),
-            "lr_scale": trained_at, "next_lr_scale": opt.lr_scale,
+            "lr_scale": trained_at, "next_lr_scale": opt.lr_scale, "best_version": best.version,
         }  # fmt: skip
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
         log.info("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
                  ctx.r, e, res["version"], node.label, res["train_loss"], val, res["steps"], res["seconds"])  # fmt: skip
         self._status("round", round=ctx.r)
+
+    def _slow_down(self, e: int) -> dict[str, float]:
+        """After a refused version: the expert retrains from the same version at a lower lr and eps (the
+        plateau factor), so an honest node does not repeat the same refused steps bit for bit."""
+        s, x = self.cfg.spsa, self.state["experts"][str(e)]
+        old = float(x.get("lr_scale", 1.0))
+        x["lr_scale"] = max(s.lr_floor / s.lr, old * s.plateau_factor)
+        return {"lr_scale": old, "next_lr_scale": x["lr_scale"]}
 
     def _checked_opt(self, body: dict[str, Any], rel: str) -> OptState:
         """The optimizer state of a stored version, checked against its weights (CheckpointError if not)."""
@@ -607,7 +673,7 @@ class Coordinator:
         lines.append({
             "type": "round", "round": r, "rounds": fed.rounds, "phase": self.state.get("phase", "experts"),
             "accepted": len(ctx.accepted),
-            "rejected": ctx.rejected, "missed": sorted(ctx.failed), "val_loss_mean": float(np.mean(vals)) if vals else None,
+            "rejected": ctx.rejected, "excluded": ctx.excluded, "missed": sorted(ctx.failed), "val_loss_mean": float(np.mean(vals)) if vals else None,
             "mixture_val_loss": mix, "wall_seconds": wall, "round_seconds_total": round_total,
             "compute_seconds": {self.nodes[n].label: s for n, s in sorted(ctx.compute.items())},
             "compute_share": (sum(ctx.compute.values()) / (len(planned) * round_total))
@@ -621,9 +687,9 @@ class Coordinator:
         self.metrics = [m for m in self.metrics if int(m.get("round", 0)) < r] + lines
         self.run.write_metrics(self.metrics)
         self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
-        fallback, self._committed = self._committed, self._versions()
-        for e in self.expert_ids():  # never prune a version the fallback state refers to
-            keep = (fallback[e],) if e in fallback else ()
+        fallback, self._committed = self._committed, self._kept()
+        for e in self.expert_ids():  # never prune a best version, or one the fallback state refers to
+            keep = tuple(sorted(fallback.get(e, set()) | self._committed[e]))
             self.run.prune(e, fed.keep_versions, self.state["experts"][str(e)]["version"], protect=keep)
         log.info("round %d/%d committed: %d/%d experts advanced, mean val %.4f, mixture val %s, compute share %.0f%%",
                  r, fed.rounds, len(ctx.accepted), len(self.expert_ids()), lines[-1]["val_loss_mean"] or float("nan"),
@@ -654,6 +720,7 @@ class _RoundCtx:
     failed: dict[int, str] = field(default_factory=dict)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     compute: dict[int, float] = field(default_factory=dict)  # node id -> compute seconds this round
+    excluded: list[str] = field(default_factory=list)  # nodes that reached their strike limit this round
     resent: set[str] = field(default_factory=set)
     pending_resend: set[int] = field(default_factory=set)
     bytes_down: int = 0

@@ -207,7 +207,10 @@ class _Expert:
     weights_sha256: str
 
 
-def _load_run(run: Path) -> tuple[dict[str, Any], list[_Expert], bytes]:
+VERSIONS = ("best", "latest")  # which version of each expert to export: lowest val loss, or last accepted
+
+
+def _load_run(run: Path, version: str = "best") -> tuple[dict[str, Any], list[_Expert], bytes]:
     from soma_edge import config as config_mod
     from soma_edge import params
     from soma_edge.errors import ConfigError
@@ -241,6 +244,8 @@ def _load_run(run: Path) -> tuple[dict[str, Any], list[_Expert], bytes]:
     experts = []
     for i in ids:
         meta = entries[str(i)] if str(i) in entries else entries[i]
+        if version == "best" and isinstance(meta.get("best"), dict):  # runs from before guarded updates have none
+            meta = meta["best"]
         rel = Path(str(meta.get("path", "")))
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise CheckpointError(f"{run / 'state.msgpack'}: expert {i} has a bad path {str(rel)!r}")
@@ -320,16 +325,20 @@ def _graphs(e: _Expert, quantize: str | None) -> dict[str, bytes]:
     return out
 
 
-def write(run: str | Path, out: str | Path, quantize: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Export a run directory to a deploy bundle at `out`; returns the manifest."""
+def write(run: str | Path, out: str | Path, quantize: str | None = None, force: bool = False,
+          version: str = "best") -> dict[str, Any]:  # fmt: skip
+    """Export a run directory to a deploy bundle at `out` (each expert's `version`: "best" or "latest");
+    returns the manifest."""
     run, out = Path(run), Path(out)
+    if version not in VERSIONS:
+        raise BundleError(f"--version must be one of {', '.join(VERSIONS)}, got {version!r}")
     if quantize is not None and quantize not in QUANTIZE:
         raise BundleError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     if out.exists() and not force:
         raise BundleError(f"{out}: already exists; pass --force to replace it")
     if out.exists() and not (out / MANIFEST).is_file():
         raise BundleError(f"{out}: exists and is not a deploy bundle; refusing to replace it")
-    state, experts, router_bytes = _load_run(run)
+    state, experts, router_bytes = _load_run(run, version)
     from soma_edge.router import Router
 
     router = Router.from_bytes(router_bytes)
@@ -370,7 +379,7 @@ def write(run: str | Path, out: str | Path, quantize: str | None = None, force: 
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "soma_edge": __version__,
-            "run": {"name": run.resolve().name, "round": state.get("round")},
+            "run": {"name": run.resolve().name, "round": state.get("round"), "version": version},
             "quantize": quantize,
             "seq_len": experts[0].config.data.seq_len,
             "router": {

@@ -32,12 +32,13 @@ def onnx_cmd(
     out: Path = typer.Option(..., "--out", help="Deploy bundle directory to write."),
     quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the weights."),
     force: bool = typer.Option(False, help="Replace an existing bundle at --out."),
+    version: str = typer.Option("best", help="Each expert's best version (lowest val loss) or its latest accepted one: best | latest."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as one JSON object."),
 ) -> None:
     """Export every expert of RUN as ONNX (scoring + streaming), plus the router and a manifest."""
     from export.bundle import write
 
-    manifest = write(run, out, quantize=quantize, force=force)
+    manifest = write(run, out, quantize=quantize, force=force, version=version)
     if as_json:
         print(json.dumps(manifest))
         return

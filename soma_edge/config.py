@@ -91,6 +91,11 @@ class FederationConfig:
     corpus: str = "default"
     max_steps: int = 0  # SPSA steps per expert over the whole run (a fixed compute budget); 0 = no cap
     seed_steps: int = 0  # > 0: first train one seed expert on all shards; its weights start every expert
+    # Guarded updates: a new version is accepted only if its val loss is at most the expert's best val
+    # loss so far plus `guard_tolerance` (nats/byte); each rejected result is a strike against the node's
+    # key, and a node with `max_strikes` strikes takes no part in the rest of the run (0: never excluded).
+    guard_tolerance: float = 0.05
+    max_strikes: int = 3
 
 
 @dataclass
@@ -248,6 +253,9 @@ def validate(cfg: Config) -> Config:
         _check(left >= 1, "federation.seed_steps", f"small enough to leave the experts steps of their "
                f"federation.max_steps = {f.max_steps} (the seed's compute is paid out of it; {left} left)",
                f.seed_steps)  # fmt: skip
+    _check(0 <= f.guard_tolerance <= 100, "federation.guard_tolerance", "between 0 and 100 nats/byte",
+           f.guard_tolerance)  # fmt: skip
+    _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
     _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)

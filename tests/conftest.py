@@ -49,3 +49,30 @@ def write_stdlib_corpus(folder: Path) -> Path:
     for name in STDLIB_SAMPLE:
         (folder / f"{name}.txt").write_bytes((lib / name).read_bytes())
     return folder
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """A run directory prepared (4 experts) on the standard-library corpus, shared read-only; copy it."""
+    from coordinator.prepare import prepare
+
+    src = write_stdlib_corpus(tmp_path_factory.mktemp("corpus"))
+    run = tmp_path_factory.mktemp("prepared") / "run"
+    prepare(str(src), 4, run, seed=0, progress=False)
+    return run
+
+
+@pytest.fixture
+def run(prepared, tmp_path):
+    """A private copy of `prepared` with the fake grid's tiny config (`fakegrid.TINY`)."""
+    import shutil
+
+    from coordinator.run import RunDir
+    from fakegrid import TINY
+    from soma_edge import config as config_mod
+
+    dest = tmp_path / "run"
+    shutil.copytree(prepared, dest)
+    rd = RunDir(dest)
+    rd.save_config(config_mod.from_dict(TINY))
+    return rd

@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from test_federation_unit import FakeGrid
+from fakegrid import FakeGrid
 
 from bench import equal_budget
 from soma_edge.config import Config

@@ -9,15 +9,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import Message, RecordDict
 
 from coordinator import scheduler
 from coordinator.run import RunDir, RunLockedError
@@ -28,101 +25,8 @@ from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.spsa import OptState
 from worker import client_app
 from worker.cache import Cache
+from fakegrid import FakeGrid, equal_rates, set_fed
 
-TINY = {
-    "model": {"embed": 8, "hidden": 16, "layers": 1},
-    "data": {"batch": 2, "seq_len": 32},
-    "spsa": {"directions": 2, "lr": 5e-3, "warmup_steps": 0},
-    "device": "cpu",
-    "federation": {"experts": 4, "rounds": 2, "round_seconds": 0.4, "deadline_factor": 1.0,
-                   "deadline_slack": 3.0, "val_windows": 4, "min_nodes": 2, "wait_seconds": 5.0},
-}  # fmt: skip
-
-
-class FakeGrid(Grid):
-    """Delivers each pushed message to the real ClientApp of its node when pulled."""
-
-    def __init__(self, root: Path, names: list[str], tamper=None):
-        from flwr.supercore.task_identity import TaskIdentity
-
-        # What flwr-serverapp sets before calling the ServerApp; Message() reads it.
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        self.nodes = {1000 + i: {"name": n, "cache": str(root / n), "device": "cpu", "threads": 1, "spin": 0, "parallel": 1,
-                                 "probe-seconds": 0.05} for i, n in enumerate(names)}  # fmt: skip
-        self.dead: set[int] = set()  # nodes that never answer (killed mid-round)
-        self.gone: set[int] = set()  # nodes no longer listed
-        self.tamper = tamper  # fn(node_id, body) -> body, applied to train replies
-        self.pending: dict[str, Message] = {}
-        self.sent: list[Message] = []
-
-    def set_run(self, run):
-        pass
-
-    @property
-    def run(self):
-        return None
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return Message(content, dst_node_id=dst_node_id, message_type=message_type)
-
-    def get_node_ids(self):
-        return [n for n in self.nodes if n not in self.gone]
-
-    def push_messages(self, messages):
-        ids = []
-        for m in messages:
-            mid = uuid.uuid4().hex
-            m.metadata.__dict__["_message_id"] = mid
-            self.pending[mid] = m
-            self.sent.append(m)
-            ids.append(mid)
-        return ids
-
-    def pull_messages(self, message_ids):
-        out = []
-        for mid in list(message_ids):
-            m = self.pending.get(mid)
-            if m is None or m.metadata.dst_node_id in self.dead:
-                continue
-            del self.pending[mid]
-            nid = m.metadata.dst_node_id
-            ctx = Context(run_id=1, node_id=nid, node_config=self.nodes[nid], state=RecordDict(), run_config={})
-            reply = client_app.app(m, ctx)
-            if self.tamper and m.metadata.message_type == protocol.TRAIN:
-                body = protocol.unpack(reply.content, protocol.KIND_REPLY)
-                reply = Message(protocol.pack(self.tamper(nid, body), protocol.KIND_REPLY), reply_to=m)
-            reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            out.append(reply)
-        return out
-
-    def send_and_receive(self, messages, *, timeout=None):
-        return self.pull_messages(self.push_messages(messages))
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A prepared run directory on a small corpus (a slice of the standard library), shared read-only."""
-    import sysconfig
-
-    from coordinator.prepare import prepare
-
-    src = tmp_path_factory.mktemp("corpus")
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ["argparse.py", "textwrap.py", "string.py", "shlex.py", "csv.py", "fractions.py", "heapq.py",
-                 "bisect.py", "calendar.py", "difflib.py", "glob.py", "fnmatch.py"]:  # fmt: skip
-        (src / f"{name}.txt").write_bytes((lib / name).read_bytes())
-    run = tmp_path_factory.mktemp("prepared") / "run"
-    prepare(str(src), 4, run, seed=0, progress=False)
-    return run
-
-
-@pytest.fixture
-def run(prepared, tmp_path):
-    dest = tmp_path / "run"
-    shutil.copytree(prepared, dest)
-    rd = RunDir(dest)
-    rd.save_config(config_mod.from_dict(TINY))
-    return rd
 
 
 def _hashes(root: Path, subdirs=("experts", "shards")) -> dict[str, str]:
@@ -136,28 +40,8 @@ def _hashes(root: Path, subdirs=("experts", "shards")) -> dict[str, str]:
     return out
 
 
-def _set(rd: RunDir, **fed) -> None:
-    cfg = rd.load_config()
-    for k, v in fed.items():
-        setattr(cfg.federation, k, v)
-    rd.save_config(config_mod.validate(cfg))
-
-
-def _equal_rates(monkeypatch) -> None:
-    """Nodes claim, and keep, 1000 evals/s: the probe and the measured rates are noisy on a busy box, and a
-    2x difference between two nodes rightly moves an expert."""
-    real = client_app.capabilities
-
-    def equal(msg, context):
-        body = protocol.unpack(real(msg, context).content, protocol.KIND_CAPS)
-        return Message(protocol.pack({**body, "evals_per_s": 1000.0}, protocol.KIND_CAPS), reply_to=msg)
-
-    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", equal)
-    monkeypatch.setattr(scheduler, "update_rate", lambda old, measured: old)
-
-
 def test_rounds_advance_sticky_and_checkpointed(run, tmp_path, monkeypatch):
-    _equal_rates(monkeypatch)
+    equal_rates(monkeypatch)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     assert state["round"] == 2
@@ -187,14 +71,17 @@ def test_rounds_advance_sticky_and_checkpointed(run, tmp_path, monkeypatch):
 
 
 def test_float16_replies_stored_as_received_and_old_versions_pruned(run, tmp_path):
-    _set(run, rounds=3, reply_dtype="float16", keep_versions=2)
+    set_fed(run, rounds=3, reply_dtype="float16", keep_versions=2)
     state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     for e in range(4):
         x = state["experts"][str(e)]
         body = checkpoint.load(run.root / x["path"], "expert")
         assert body["weights"].dtype == np.float16 and x["version"] == 3
         assert protocol.weights_sha256(body["weights"]) == x["sha256"]  # the hash of the float16 bytes received
-        assert sorted(p.name for p in (run.root / "experts" / str(e)).iterdir()) == ["v2.msgpack", "v3.msgpack"]
+        # keep_versions = 2 newest, plus the best version of this commit and of the one before (the fallback)
+        prev = checkpoint.load(run.prev_state_path, "run_state")["experts"][str(e)]
+        kept = {2, 3, x["best"]["version"], prev["best"]["version"]}
+        assert sorted(p.name for p in (run.root / "experts" / str(e)).iterdir()) == [f"v{v}.msgpack" for v in sorted(kept)]
     up = [m["weights_bytes_up"] for m in run.read_metrics() if m["type"] == "expert"]
     assert set(up) == {2 * state_size(run)}  # half the bytes of float32
 
@@ -254,9 +141,9 @@ REASONS = {
 
 @pytest.mark.parametrize("kind", sorted(REASONS))
 def test_bad_replies_rejected_and_run_dir_untouched(run, tmp_path, kind, caplog):
-    _set(run, rounds=0)
+    set_fed(run, rounds=0)
     Coordinator(FakeGrid(tmp_path / "idle", ["a", "b"]), run).main()  # writes version 0 of every expert, no round
-    _set(run, rounds=1)
+    set_fed(run, rounds=1)
     before = _hashes(run.root)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_tamper_all(kind))
     with caplog.at_level(logging.WARNING, logger="soma.coord"):
@@ -269,10 +156,10 @@ def test_bad_replies_rejected_and_run_dir_untouched(run, tmp_path, kind, caplog)
 
 
 def test_rejection_leaves_existing_versions_and_files_unchanged(run, tmp_path):
-    _set(run, rounds=1)
+    set_fed(run, rounds=1)
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
     state_before = run.load_state()["experts"]
-    _set(run, rounds=2)
+    set_fed(run, rounds=2)
     before = _hashes(run.root)  # run.toml changed by _set; everything else is what round 1 left
     grid = FakeGrid(tmp_path / "n2", ["a", "b"], tamper=_tamper_all("nan"))
     state = Coordinator(grid, run).main()
@@ -281,7 +168,7 @@ def test_rejection_leaves_existing_versions_and_files_unchanged(run, tmp_path):
 
 
 def test_missed_deadline_moves_experts_and_loses_nothing(run, tmp_path):
-    _set(run, rounds=2, deadline_slack=1.0)
+    set_fed(run, rounds=2, deadline_slack=1.0)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
 
     orig_push = grid.push_messages
@@ -309,10 +196,10 @@ def test_missed_deadline_moves_experts_and_loses_nothing(run, tmp_path):
 
 
 def test_resume_continues_without_repeating_rounds(run, tmp_path):
-    _set(run, rounds=1)
+    set_fed(run, rounds=1)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     s1 = run.load_state()
-    _set(run, rounds=3)
+    set_fed(run, rounds=3)
     # Debris of a crashed round 2: a metrics line and a version file beyond the committed state.
     run.write_metrics(run.read_metrics() + [{"type": "round", "round": 2, "debris": True}])
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])  # same caches: nothing needs sending again
@@ -346,7 +233,7 @@ def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_pa
         stored[e] = opt
         x["best_val"] = 0.0  # unbeatable: round 2 must count as a plateau and halve lr and eps
     run.save_state(state)
-    _set(run, rounds=3)
+    set_fed(run, rounds=3)
     grid = FakeGrid(tmp_path / "n2", ["a", "b"])  # fresh caches: weights and optimizer state are sent again
     state = Coordinator(grid, run).main()
     tasks = _train_tasks(grid)
@@ -363,13 +250,13 @@ def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_pa
 
 
 def test_optimizer_state_that_does_not_fit_its_weights_stops_the_run(run, tmp_path):
-    _set(run, rounds=0)
+    set_fed(run, rounds=0)
     Coordinator(FakeGrid(tmp_path / "idle", ["a", "b"]), run).main()
     path = run.root / run.load_state()["experts"]["2"]["path"]
     body = checkpoint.load(path, "expert")
     body["opt"] = OptState(adam_m=np.zeros(7, np.float32), adam_v=np.zeros(7, np.float32)).to_record()
     checkpoint.save(path, body, "expert")
-    _set(run, rounds=1)
+    set_fed(run, rounds=1)
     with pytest.raises(CheckpointError, match=r"v0.msgpack: optimizer state: adam_m is float32\[7\]"):
         Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
 
@@ -383,7 +270,7 @@ def test_run_lock_excludes_a_second_coordinator(run, tmp_path):
 
 
 def test_version_mismatch_excludes_node(run, tmp_path, monkeypatch, caplog):
-    _set(run, rounds=1, min_nodes=1)
+    set_fed(run, rounds=1, min_nodes=1)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     real = client_app.capabilities
 
@@ -412,7 +299,7 @@ CAPS_TAMPER = {  # node name -> (field, value) of a bad capability reply, and wh
 
 def test_bad_capability_replies_exclude_the_node_and_huge_rates_are_clamped(run, tmp_path, monkeypatch, caplog):
     """A hostile capability reply excludes its node (the run goes on); a claimed 1e300 evals/s is bounded."""
-    _set(run, rounds=1, min_nodes=1)
+    set_fed(run, rounds=1, min_nodes=1)
     names = ["a", *CAPS_TAMPER, "f"]
     grid = FakeGrid(tmp_path / "nodes", names)
     real = client_app.capabilities
@@ -443,10 +330,10 @@ def test_bad_capability_replies_exclude_the_node_and_huge_rates_are_clamped(run,
 
 def test_workers_sharing_a_name_are_accounted_apart(run, tmp_path, monkeypatch):
     """The default worker name is the host name: two such workers must not merge their compute time."""
-    _set(run, rounds=1)
+    set_fed(run, rounds=1)
     grid = FakeGrid(tmp_path / "nodes", ["a", "a"])
     grid.nodes[1001]["cache"] = str(tmp_path / "nodes" / "a2")
-    _equal_rates(monkeypatch)
+    equal_rates(monkeypatch)
     state = Coordinator(grid, run).main()
     m = next(m for m in run.read_metrics() if m["type"] == "round")
     assert m["nodes"] == ["a", "a#1001"] and sorted(m["compute_seconds"]) == ["a", "a#1001"]
@@ -459,7 +346,7 @@ def test_workers_sharing_a_name_are_accounted_apart(run, tmp_path, monkeypatch):
 def test_torch_blocked_in_worker_reply(run, tmp_path, monkeypatch):
     """Every reply says whether torch was importable in the ClientApp: False once it is blocked there."""
     pytest.importorskip("torch")  # installed here, so a True flag would mean the block did not hold
-    _set(run, rounds=1)
+    set_fed(run, rounds=1)
     monkeypatch.setitem(sys.modules, "torch", None)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     flags = {x["torch_importable"] for x in run.read_metrics() if x["type"] == "expert"}
@@ -650,7 +537,7 @@ def test_app_path_is_a_valid_flower_app(capsys):
 def test_status_prints_the_checkpoint_and_start_refuses_identity_changes(run, tmp_path, capsys):
     import json
 
-    _set(run, rounds=1)
+    set_fed(run, rounds=1)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     code, out, _ = _cli(["status", str(run.root), "--json"], capsys)
     s = json.loads(out)
@@ -714,7 +601,7 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
     from soma_edge import params
     from soma_edge.seed import expert_steps
 
-    _equal_rates(monkeypatch)
+    equal_rates(monkeypatch)
     _seeded(run, seed_steps=12, rounds=3, max_steps=40, keep_versions=5)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
@@ -752,7 +639,7 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
 def test_seed_decoder_delta_keeps_training_the_decoder(run, tmp_path, monkeypatch):
     from soma_edge import params
 
-    _equal_rates(monkeypatch)
+    equal_rates(monkeypatch)
     _seeded(run, seed_steps=4, rounds=2)
     cfg = run.load_config()
     cfg.model.seed_decoder = "delta"
@@ -765,7 +652,7 @@ def test_seed_decoder_delta_keeps_training_the_decoder(run, tmp_path, monkeypatc
 
 
 def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
-    _equal_rates(monkeypatch)
+    equal_rates(monkeypatch)
     _seeded(run, seed_steps=150, rounds=1)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     s1 = run.load_state()
@@ -785,7 +672,7 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
         write(run.root, tmp_path / "deploy")
     # Debris of a crashed round 2, then a restart with more rounds.
     run.write_metrics(run.read_metrics() + [{"type": "round", "round": 2, "debris": True}])
-    _set(run, rounds=6)
+    set_fed(run, rounds=6)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     first = _train_tasks(grid)[0]
@@ -801,7 +688,7 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("damage", ["truncated state", "garbage state", "missing state", "corrupt expert file"])
 def test_corrupt_commit_falls_back_to_the_one_before(run, tmp_path, damage, caplog):
-    _set(run, rounds=2, keep_versions=1)
+    set_fed(run, rounds=2, keep_versions=1)
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
     prev = checkpoint.load(run.prev_state_path, "run_state")
     assert prev["round"] == 1
@@ -816,7 +703,7 @@ def test_corrupt_commit_falls_back_to_the_one_before(run, tmp_path, damage, capl
     else:
         p = run.root / run.load_state()["experts"]["2"]["path"]
         p.write_bytes(p.read_bytes()[:-7] + b"corrupt")
-    _set(run, rounds=3)
+    set_fed(run, rounds=3)
     with caplog.at_level(logging.WARNING, logger="soma.coord"):
         state = Coordinator(FakeGrid(tmp_path / "n2", ["a", "b"]), run).main()
     warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
@@ -832,7 +719,7 @@ def test_a_run_with_no_loadable_commit_refuses_to_start(run, tmp_path, capsys):
     from coordinator.cli import app as coord_app
     from soma_edge.cli import run as run_cli
 
-    _set(run, rounds=2)
+    set_fed(run, rounds=2)
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
     for p in (run.state_path, run.prev_state_path):
         p.write_bytes(b"not a checkpoint")

@@ -1,0 +1,106 @@
+"""A fake Flower Grid that hands each message straight to the real ClientApp, and the tiny config the
+round-loop tests train with. Only Flower's transport is replaced: training runs for real on ORT."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid
+
+from coordinator import scheduler
+from coordinator.run import RunDir
+from soma_edge import config as config_mod
+from soma_edge import protocol
+from worker import client_app
+
+TINY = {
+    "model": {"embed": 8, "hidden": 16, "layers": 1},
+    "data": {"batch": 2, "seq_len": 32},
+    "spsa": {"directions": 2, "lr": 5e-3, "warmup_steps": 0},
+    "device": "cpu",
+    "federation": {"experts": 4, "rounds": 2, "round_seconds": 0.4, "deadline_factor": 1.0,
+                   "deadline_slack": 3.0, "val_windows": 4, "min_nodes": 2, "wait_seconds": 5.0,
+                   "guard_tolerance": 1.0},  # 4 val windows of 32 bytes are noisy: tests of the guard set their own
+}  # fmt: skip
+
+
+class FakeGrid(Grid):
+    """Delivers each pushed message to the real ClientApp of its node when pulled."""
+
+    def __init__(self, root: Path, names: list[str], tamper=None):
+        from flwr.supercore.task_identity import TaskIdentity
+
+        # What flwr-serverapp sets before calling the ServerApp; Message() reads it.
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.nodes = {1000 + i: {"name": n, "cache": str(root / n), "device": "cpu", "threads": 1, "spin": 0, "parallel": 1,
+                                 "probe-seconds": 0.05} for i, n in enumerate(names)}  # fmt: skip
+        self.dead: set[int] = set()  # nodes that never answer (killed mid-round)
+        self.gone: set[int] = set()  # nodes no longer listed
+        self.tamper = tamper  # fn(node_id, body) -> body, applied to train replies
+        self.pending: dict[str, Message] = {}
+        self.sent: list[Message] = []
+
+    def set_run(self, run):
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type)
+
+    def get_node_ids(self):
+        return [n for n in self.nodes if n not in self.gone]
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            mid = uuid.uuid4().hex
+            m.metadata.__dict__["_message_id"] = mid
+            self.pending[mid] = m
+            self.sent.append(m)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        out = []
+        for mid in list(message_ids):
+            m = self.pending.get(mid)
+            if m is None or m.metadata.dst_node_id in self.dead:
+                continue
+            del self.pending[mid]
+            nid = m.metadata.dst_node_id
+            ctx = Context(run_id=1, node_id=nid, node_config=self.nodes[nid], state=RecordDict(), run_config={})
+            reply = client_app.app(m, ctx)
+            if self.tamper and m.metadata.message_type == protocol.TRAIN:
+                body = protocol.unpack(reply.content, protocol.KIND_REPLY)
+                reply = Message(protocol.pack(self.tamper(nid, body), protocol.KIND_REPLY), reply_to=m)
+            reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            out.append(reply)
+        return out
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+
+def set_fed(rd: RunDir, **fed) -> None:
+    cfg = rd.load_config()
+    for k, v in fed.items():
+        setattr(cfg.federation, k, v)
+    rd.save_config(config_mod.validate(cfg))
+
+
+def equal_rates(monkeypatch) -> None:
+    """Nodes claim, and keep, 1000 evals/s: the probe and the measured rates are noisy on a busy box, and a
+    2x difference between two nodes rightly moves an expert."""
+    real = client_app.capabilities
+
+    def equal(msg, context):
+        body = protocol.unpack(real(msg, context).content, protocol.KIND_CAPS)
+        return Message(protocol.pack({**body, "evals_per_s": 1000.0}, protocol.KIND_CAPS), reply_to=msg)
+
+    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", equal)
+    monkeypatch.setattr(scheduler, "update_rate", lambda old, measured: old)
