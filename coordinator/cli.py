@@ -130,14 +130,21 @@ def workers_cmd(
     from coordinator import workers
     from coordinator.run import RunDir
 
-    rows = workers.load(RunDir(run))
+    rd = RunDir(run)
+    rows = workers.load(rd)
+    state = rd.load_state() if rd.state_path.exists() or rd.prev_state_path.exists() else None
+    strikes = (state or {}).get("strikes") or {}
+    limit = rd.load_config().federation.max_strikes if rd.has_config() else 0
+    count = {w.fingerprint: int((strikes.get(f"key:{w.fingerprint}") or {}).get("count", 0)) for w in rows}
     if as_json:
-        print(json.dumps({"workers": [dataclasses.asdict(w) for w in rows]}))
+        print(json.dumps({"workers": [dataclasses.asdict(w) | {"strikes": count[w.fingerprint]} for w in rows],
+                          "max_strikes": limit}))  # fmt: skip
         return
-    print(f"{'name':<16} {'key':<16} {'node id (last start)':>22}")
+    print(f"{'name':<16} {'key':<16} {'node id (last start)':>22} {'strikes':>8}")
     for w in rows:
-        print(f"{w.name:<16} {w.fingerprint:<16} {str(w.node_id or '-'):>22}")
-    print(f"{len(rows)} worker key(s) in {RunDir(run).root / workers.REGISTRY}")
+        mark = " excluded" if limit and count[w.fingerprint] >= limit else ""
+        print(f"{w.name:<16} {w.fingerprint:<16} {str(w.node_id or '-'):>22} {count[w.fingerprint]:>8}{mark}")
+    print(f"{len(rows)} worker key(s) in {rd.root / workers.REGISTRY}")
 
 
 @app.command("status")

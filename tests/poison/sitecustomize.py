@@ -1,0 +1,55 @@
+"""A lying worker, for the poisoned-worker e2e test only: put this folder on a worker's PYTHONPATH and set
+SOMA_TEST_POISON. Python imports sitecustomize at start-up, so in every ClientApp process of that worker
+the training loop is wrapped: it trains honestly, then replaces the weights before they are hashed and
+sent. The replies stay well-formed (right shape, dtype, finite, hashes that match); only the guard can
+tell. There is no such switch in the product: this file exists in the test tree alone.
+
+SOMA_TEST_POISON: scale10 (the trained weights x 10) | random (noise of the weights' scale) | mixed
+(scale10 for even experts, random for odd ones).
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+MODE = os.environ.get("SOMA_TEST_POISON", "")
+
+
+def _lie(train):
+    import numpy as np
+
+    def lying_train(state, data, cfg, evaluator, *, expert=0, **kw):
+        rep = train(state, data, cfg, evaluator, expert=expert, **kw)
+        mode = MODE if MODE != "mixed" else ("scale10" if expert % 2 == 0 else "random")
+        w = state.weights
+        if mode == "scale10":
+            w[:] = w * 10
+        elif mode == "random":
+            w[:] = np.random.default_rng(state.step).standard_normal(w.size).astype(np.float32) * float(w.std())
+        print(f"poison: expert {expert} step {state.step}: weights replaced ({mode})", file=sys.stderr, flush=True)
+        return rep
+
+    return lying_train
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    """Wraps `worker.client_app.train_loop` right after that module runs."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "worker.client_app":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.train_loop = _lie(module.train_loop)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if MODE:
+    sys.meta_path.insert(0, _Hook())

@@ -1,0 +1,102 @@
+"""A poisoned worker, with real processes over TLS and authentication on 127.0.0.1.
+
+The liar is a registered worker (its key added to the live run) whose ClientApp is wrapped through its
+PYTHONPATH (tests/poison/sitecustomize.py): it trains, then sends its experts scaled by 10 or replaced by
+noise, with correct shapes and hashes. The best-loss bound must refuse every such reply, strike the
+liar's key out, keep a good version of every expert, and finish the run with the honest worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from coordinator import guard
+from coordinator.run import RunDir
+from soma_edge import checkpoint
+from test_e2e_federation import START_TIMEOUT, _cli, _finish, _metrics, _start, _wait
+from tests.conftest import write_stdlib_corpus
+
+POISON = Path(__file__).parent / "poison"
+TOL = 0.5
+CONFIG = f"""
+seed = 5
+[model]
+embed = 8
+hidden = 16
+[data]
+batch = 4
+seq_len = 32
+[federation]
+experts = 4
+rounds = 4
+round_seconds = 3.0
+deadline_factor = 1.0
+deadline_slack = 8.0
+val_windows = 16
+local_workers = 1
+min_nodes = 2
+wait_seconds = 120
+keep_versions = 10
+guard_tolerance = {TOL}
+max_strikes = 2
+"""
+
+
+def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
+    src = write_stdlib_corpus(tmp_path / "corpus")
+    (tmp_path / "fed.toml").write_text(CONFIG)
+    env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
+    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "fed.toml", "env": env}
+    for argv in (("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"),
+                 ("worker.cli", "keygen", str(tmp_path / "liar"))):  # fmt: skip
+        r = _cli(tmp_path, env, *argv)
+        assert r.returncode == 0, r.stderr
+    proc = _start(fed, "--tls", str(tmp_path / "tls"), "--auth")
+    log = tmp_path / "start.log"
+    _wait(lambda: "SuperLink listening on" in log.read_text(errors="replace"), START_TIMEOUT, "the SuperLink")
+    port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
+    _wait(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run")
+    r = _cli(tmp_path, env, "coordinator", "add-worker", str(fed["run"]), str(tmp_path / "liar" / "worker.pub"), "--name", "liar")
+    assert r.returncode == 0, r.stdout + r.stderr
+    cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", "liar",
+           "--root-certificates", str(tmp_path / "tls" / "ca.pem"), "--auth-key", str(tmp_path / "liar" / "worker.key"),
+           "--cache", str(tmp_path / "liar-cache"), "--threads", "1", "--no-spin", "--parallel", "1"]  # fmt: skip
+    liar_env = dict(env, PYTHONPATH=os.pathsep.join([str(POISON), env.get("PYTHONPATH", "")]), SOMA_TEST_POISON="mixed")
+    with open(tmp_path / "liar.log", "ab") as out:
+        liar = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=liar_env, start_new_session=True)
+    try:
+        _finish(fed, proc)
+    finally:
+        if liar.poll() is None:
+            os.killpg(liar.pid, signal.SIGKILL)
+    assert "weights replaced" in (tmp_path / "liar.log").read_text(errors="replace")  # the lie really ran
+
+    rd = RunDir(fed["run"])
+    state = rd.load_state()
+    assert state["round"] == 4
+    rounds = _metrics(rd, "round")
+    rejected = [x for m in rounds for x in m["rejected"]]
+    assert rejected and all(x["node"] == "liar" and x.get("guard") for x in rejected), rejected
+    assert all(x["val_loss"] > 4.0 for x in rejected)  # the lies were bad, not borderline
+    experts = _metrics(rd, "expert")
+    assert not any(m["accepted"] and m["node"] == "liar" for m in experts)
+    out_round = next(m["round"] for m in rounds if "liar" in m["excluded"])
+    assert all(m["node"] == "w0" and m["accepted"] for m in experts if m["round"] > out_round)
+    assert out_round < 4
+    # Struck out by its registered key, which `soma-coord workers` reports.
+    (fp,) = [w["fingerprint"] for w in json.loads((fed["run"] / "workers.json").read_text()) if w["name"] == "liar"]
+    assert state["strikes"][f"key:{fp}"]["count"] >= 2 and set(state["strikes"]) == {f"key:{fp}"}
+    r = _cli(tmp_path, env, "coordinator", "workers", str(fed["run"]))
+    assert re.search(r"liar .* [2-9]\d* excluded", r.stdout), r.stdout
+    # Every expert keeps a version no worse than its version 0, and its best is on disk.
+    for e in range(4):
+        v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")["val_loss"]
+        best = guard.Best.of(state["experts"][str(e)])
+        assert best.val_loss <= v0 and state["experts"][str(e)]["val_loss"] <= best.val_loss + TOL
+        assert checkpoint.load(rd.root / best.path, "expert")["sha256"] == best.sha256
