@@ -31,3 +31,7 @@ class CheckpointError(SomaError):
 
 class ValidationError(SomaError):
     """A worker reply that must not be accepted (shape, dtype, NaN, stale version, ...)."""
+
+
+class LinkError(SomaError):
+    """The coordinator cannot be reached, or stopped answering."""

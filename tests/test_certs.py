@@ -170,18 +170,55 @@ def test_join_says_what_went_wrong_in_one_line(which, ca, fragments, superlinks,
     import time
 
     from worker.cli import app as worker_app
-    from worker import cli as worker_cli
 
     port = free_port() if which == "closed" else superlinks[which]
-    argv = ["join", "--coordinator", f"127.0.0.1:{port}"] + (["--root-certificates", str(superlinks[ca])] if ca else [])
-    real = worker_cli.preflight
+    argv = ["join", "--coordinator", f"127.0.0.1:{port}", "--patience", "2"]  # 2 s: the default 20, shortened
+    argv += ["--root-certificates", str(superlinks[ca])] if ca else []
     t0 = time.monotonic()
-    try:
-        worker_cli.preflight = lambda h, p, c: real(h, p, c, wait=2.0)  # the 30 s of a real join, shortened
-        rc = run_cli(worker_app, argv, prog="soma-worker")
-    finally:
-        worker_cli.preflight = real
+    rc = run_cli(worker_app, argv, prog="soma-worker")
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert all(f in lines[0] for f in fragments), lines[0]
     assert time.monotonic() - t0 < 20
+
+
+def test_join_says_the_coordinator_is_gone_when_it_stops_answering(tmp_path):
+    """A real SuperLink, a real `soma-worker join` connected to it; the SuperLink is killed. Flower would
+    retry forever; join stops its SuperNode and exits 2 with one line, within its --patience."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    launcher = Launcher(tmp_path / "logs", tmp_path / "flwr")
+    port = free_port()
+    link = launcher.superlink("127.0.0.1", port, None)
+    log = tmp_path / "join.log"
+    cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--patience", "5",
+           "--cache", str(tmp_path / "cache")]  # fmt: skip
+    with open(log, "wb") as out:
+        join = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
+    try:
+        time.sleep(3)  # joined: the SuperNode is polling the SuperLink
+        assert join.poll() is None, log.read_text()
+        link.stop(timeout=0)
+        t0 = time.monotonic()
+        rc = join.wait(30)
+    finally:
+        launcher.stop_all()
+        if join.poll() is None:
+            os.killpg(join.pid, 9)
+    errors = [ln for ln in log.read_text().splitlines() if ln.startswith("error:")]
+    assert rc == 2 and errors == [f"error: the coordinator at 127.0.0.1:{port} is gone: no answer for 5 s (it stopped, "
+                                  "or the network to it is down); start this worker again once it is back"], errors
+    assert time.monotonic() - t0 < 15
+    assert not any(p.isdigit() and b"flower-supernode" in _cmdline(p) and str(tmp_path).encode() in _cmdline(p)
+                   for p in os.listdir("/proc"))  # the SuperNode was stopped too  # fmt: skip
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

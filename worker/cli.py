@@ -14,12 +14,15 @@ from soma_edge import checkpoint, corpus, params
 from soma_edge import config as config_mod
 from soma_edge.cli import entry, make_app
 from soma_edge.config import MAX_SEED
-from soma_edge.errors import CheckpointError, ConfigError
+from soma_edge.errors import CheckpointError, ConfigError, LinkError
 from soma_edge.procs import die_with_parent, flower_bin, flower_env, free_port
 from soma_edge.protocol import weights_sha256
 from soma_edge.runtime import evaluator_for, mean_loss
 from soma_edge.spsa import OptState, State, plateau
 from worker.trainer import train as train_loop
+
+# How long the coordinator may not answer before `join` gives up (Flower itself would retry forever).
+PATIENCE = 20.0
 
 app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on ONNX Runtime.")
 
@@ -129,6 +132,8 @@ def join_cmd(
     probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
     auth_key: Optional[Path] = typer.Option(None, "--auth-key", help="This worker's private key (`keygen` writes "
                                             "worker.key), for a coordinator started with --auth."),
+    patience: float = typer.Option(PATIENCE, min=1.0, help="Seconds the coordinator may not answer, before this "
+                                   "worker joins or after, until it gives up with an error."),
 ) -> None:
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until stopped."""
     import signal
@@ -161,7 +166,7 @@ def join_cmd(
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--cache {cache}: cannot create ({e.strerror or e})") from None
-    preflight(host, int(port_s), root_certificates)
+    preflight(host, int(port_s), root_certificates, wait=patience)
     if port == 0:
         port = free_port()
     node_config = (f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
@@ -185,8 +190,10 @@ def join_cmd(
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    code = proc.wait()
-    relay.join()
+    try:
+        code = supervise(proc, host, int(port_s), gone_after=patience)
+    finally:
+        relay.join()
     if code != 0 and relay.refused:
         raise ConfigError(f"the coordinator at {coordinator} refused this worker's key: register its public key "
                           "there (`soma-coord add-worker RUN worker.pub`), or check --auth-key")  # fmt: skip
@@ -218,7 +225,39 @@ class _Relay:
         self._thread.join(timeout=5)
 
 
-def preflight(host: str, port: int, ca: Optional[Path], wait: float = 30.0) -> None:
+CHECK_SECONDS = 2.0
+
+
+def supervise(proc, host: str, port: int, gone_after: float = PATIENCE) -> int:
+    """Wait for the SuperNode to exit, checking that the coordinator's port still answers. When it has not
+    for `gone_after` seconds, stop the SuperNode and raise LinkError: one line instead of Flower's endless
+    "Connection attempt failed, retrying"."""
+    import socket
+    import subprocess
+
+    last_seen = time.monotonic()
+    while True:
+        try:
+            return proc.wait(CHECK_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            socket.create_connection((host, port), timeout=CHECK_SECONDS).close()
+            last_seen = time.monotonic()
+        except OSError:
+            if time.monotonic() - last_seen >= gone_after:
+                break
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    raise LinkError(f"the coordinator at {host}:{port} is gone: no answer for {gone_after:.0f} s (it stopped, or "
+                    "the network to it is down); start this worker again once it is back")  # fmt: skip
+
+
+def preflight(host: str, port: int, ca: Optional[Path], wait: float = PATIENCE) -> None:
     """Tell the common failures apart before Flower would retry them forever with one generic line: the
     coordinator unreachable (after `wait` seconds of trying, so workers may start first), TLS on one side
     only, or a certificate that the given CA does not sign."""
