@@ -2,8 +2,8 @@
 
 Each round: find live nodes (`grid.get_node_ids()`), ask new ones for their capabilities, plan a sticky,
 makespan-minimizing assignment (`coordinator.scheduler`), send each node one message with all its
-experts (weights and shards only where its cache lacks them), collect replies until the round deadline,
-validate every result (`soma_edge.protocol.check_result`), checkpoint accepted versions atomically,
+experts (weights and shards only where its cache lacks them; shard bytes beyond one piece go ahead in
+`query.shards` messages), collect replies until the round deadline, validate every result (`soma_edge.protocol.check_result`), checkpoint accepted versions atomically,
 compute val losses, and commit the round by writing state.msgpack last.
 
 A node that misses the deadline (killed, hung, too slow) is set aside until it answers a capability
@@ -364,36 +364,83 @@ class Coordinator:
                 prev[e] = holders[0]
         return prev
 
-    def _tasks_for(self, r: int, nid: int, experts: list[int], steps: dict[int, int],
-                   max_seconds: float | None = None) -> tuple[Any, Outgoing]:  # fmt: skip
+    def _send_train(self, ctx: "_RoundCtx", nid: int, experts: list[int], steps: dict[int, int],
+                    max_seconds: float | None = None) -> None:  # fmt: skip
+        """Give node `nid` its experts: the shard bytes it lacks in pieces of at most PIECE_BYTES, all but
+        the last as messages of their own, then (once those are stored) the train request with the last."""
+        shards, shard_bytes = self._missing_shards(nid, experts)
+        pieces = protocol.split_pieces(shards, self.cfg.federation.piece_bytes)
+        last = pieces.pop() if pieces else []
+        if not pieces:
+            self._push_train(ctx, self._tasks_for(ctx.r, nid, experts, steps, max_seconds, last, shard_bytes))
+            return
+        before = set(self.out)
+        self._push([(self._message(protocol.pieces_request(self.state["run_id"], nid, p), protocol.KIND_PIECES, nid,
+                                   protocol.QUERY_SHARDS), Outgoing(node=nid, kind="pieces")) for p in pieces])  # fmt: skip
+        ctx.waiting[nid] = _Waiting(set(self.out) - before, experts, steps, last, shard_bytes)
+        log.info("round %d: node %s lacks %.1f MiB of shards: %d pieces go before its experts %s", ctx.r,
+                 self.nodes[nid].label, sum(map(len, shards.values())) / 2**20, len(pieces) + 1, experts)  # fmt: skip
+
+    def _push_train(self, ctx: "_RoundCtx", item: tuple[Any, Outgoing]) -> None:
+        before = set(self.out)
+        self._push([item])
+        ctx.train_mids |= set(self.out) - before
+
+    def _on_pieces(self, mid: str, reply, o: Outgoing, ctx: "_RoundCtx") -> None:
+        """A piece was stored (or not: the train request then finds the shard missing and it comes again).
+        The node's train request goes out with the last piece once every earlier one is answered."""
+        ctx.bytes_down += o.bytes_down
+        wait = ctx.waiting.get(o.node)
+        if wait is None:
+            return
+        if reply.has_error():
+            log.warning("round %d: node %s did not store shard pieces: %s", ctx.r, o.node, reply.error.reason)
+        wait.mids.discard(mid)
+        if wait.mids:
+            return
+        del ctx.waiting[o.node]
+        left = ctx.deadline - self.clock() - self.cfg.federation.deadline_slack
+        self._push_train(ctx, self._tasks_for(ctx.r, o.node, wait.experts, wait.steps, max(left, 1.0), wait.last,
+                                              wait.shard_bytes))  # fmt: skip
+
+    def _missing_shards(self, nid: int, experts: list[int]) -> tuple[dict[str, bytes], dict[int, int]]:
+        """The train shards of `experts` that node `nid` lacks, and how many of their bytes each expert
+        is the first to need."""
+        node, shards, per_expert = self.nodes[nid], {}, {}
+        for e in experts:
+            hashes = self._train_shards(e)
+            if not hashes:
+                raise CorpusError(f"expert {e} has no train shards in {self.run.prepare_json}")
+            per_expert[e] = 0
+            for h in hashes:
+                if h not in node.shards and h not in shards:
+                    shards[h] = self.run.shard(h)
+                    per_expert[e] += len(shards[h])
+        return shards, per_expert
+
+    def _tasks_for(self, r: int, nid: int, experts: list[int], steps: dict[int, int], max_seconds: float | None,
+                   pieces: list[dict[str, Any]], shard_bytes: dict[int, int]) -> tuple[Any, Outgoing]:  # fmt: skip
         node = self.nodes[nid]
-        tasks, shards, per_expert, exp_tasks = [], {}, {}, {}
+        tasks, per_expert, exp_tasks = [], {}, {}
         for e in experts:
             x = self.state["experts"][str(e)]
             send_w = x["sha256"] not in node.weights
             body = self.run.load_expert(x["path"]) if send_w else None
-            hashes = self._train_shards(e)
-            if not hashes:
-                raise CorpusError(f"expert {e} has no train shards in {self.run.prepare_json}")
-            sent_shard_bytes = 0
-            for h in hashes:
-                if h not in node.shards and h not in shards:
-                    shards[h] = self.run.shard(h)
-                    sent_shard_bytes += len(shards[h])
             w = body["weights"] if body else None
             stored = self._checked_opt(body, x["path"]) if body else None
             opt = stored.to_record() if stored is not None else None
             scale = float(x.get("lr_scale", 1.0))
             tasks.append(protocol.task(expert=e, version=x["version"], base_sha256=x["sha256"], step=x["step"],
-                                       steps=steps[e], shards=hashes, lr_scale=scale, weights=w, opt=opt))  # fmt: skip
+                                       steps=steps[e], shards=self._train_shards(e), lr_scale=scale, weights=w,
+                                       opt=opt))  # fmt: skip
             exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e],
                             "lr_scale": scale}  # fmt: skip
             opt_bytes = stored.nbytes() if stored is not None else 0
-            per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": sent_shard_bytes}
+            per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": shard_bytes.get(e, 0)}
         fed, config = self.cfg.federation, self._phase_config().to_dict()
         body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=config,
                                       reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
-                                      tasks=tasks, shards=shards)  # fmt: skip
+                                      tasks=tasks, pieces=pieces)  # fmt: skip
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=self.size, reply_dtype=fed.reply_dtype)
         msg = self._message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind="train", expected=expected, per_expert=per_expert)
@@ -420,29 +467,30 @@ class Coordinator:
                  ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()), plan.makespan,
                  plan.moved or "none")  # fmt: skip
 
-        items = [self._tasks_for(r, nid, es, plan.steps) for nid, es in sorted(by_node.items())]
-        self._push(items)
-        train_mids = {mid for mid, o in self.out.items() if o.kind == "train"}
         deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack
-        t_sent = self.clock()
-        ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=t_sent)
+        ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock())
+        for nid, es in sorted(by_node.items()):
+            self._send_train(ctx, nid, es, plan.steps)
         self._status("round", round=r, started=time.time(), deadline_in=deadline - self.clock(),
                      assignment={str(e): self.nodes[n].label for e, n in plan.assignment.items()})  # fmt: skip
 
-        while self.clock() < deadline and any(mid in self.out for mid in train_mids | ctx.resent):
-            self._pull(lambda mid, reply, o: self._on_train(mid, reply, o, ctx))
-            if any(mid in self.out for mid in train_mids | ctx.resent):
+        def handle(mid: str, reply, o: Outgoing) -> None:
+            (self._on_pieces if o.kind == "pieces" else self._on_train)(mid, reply, o, ctx)
+
+        while self.clock() < deadline and (ctx.waiting or any(mid in self.out for mid in ctx.train_mids)):
+            self._pull(handle)
+            if ctx.waiting or any(mid in self.out for mid in ctx.train_mids):
                 self.sleep(POLL_SECONDS)
         ctx.t_done = self.clock()
-        for mid in sorted(train_mids | ctx.resent):
-            o = self.out.pop(mid, None)
-            if o is None:
-                continue
-            node = self.nodes[o.node]
+        late = [self.out.pop(mid) for mid in sorted(self.out) if self.out[mid].kind in ("train", "pieces")]
+        for nid in sorted({o.node for o in late}):
+            node = self.nodes[nid]
+            tasks = {e for o in late if o.node == nid and o.expected for e in o.expected.tasks}
+            tasks |= set(ctx.waiting[nid].experts) if nid in ctx.waiting else set()
             log.warning("round %d: node %s (%s) missed the deadline; its experts %s move next round",
-                        r, o.node, node.name, sorted(o.expected.tasks))  # fmt: skip
+                        r, nid, node.name, sorted(tasks))  # fmt: skip
             node.status = "probation"
-            for e in o.expected.tasks:
+            for e in tasks:
                 ctx.failed.setdefault(e, f"node {node.label} missed the round deadline")
         self._commit(r, ctx, t_round)
 
@@ -508,11 +556,8 @@ class Coordinator:
             return
         scale = left / (fed.round_seconds * fed.deadline_factor)
         steps = {e: max(1, int(ctx.plan.steps[e] * min(1.0, scale))) for e in experts}
-        msg, o = self._tasks_for(ctx.r, nid, experts, steps, max_seconds=min(left, fed.round_seconds))
         log.info("round %d: resending %s to node %s with their payload (cache miss)", ctx.r, experts, nid)
-        before = set(self.out)
-        self._push([(msg, o)])
-        ctx.resent |= set(self.out) - before
+        self._send_train(ctx, nid, experts, steps, max_seconds=min(left, fed.round_seconds))
         ctx.pending_resend |= set(experts)
 
     def _reject(self, ctx: "_RoundCtx", node: Node, experts: list, reason: str, **extra: Any) -> None:
@@ -721,10 +766,22 @@ class _RoundCtx:
     rejected: list[dict[str, Any]] = field(default_factory=list)
     compute: dict[int, float] = field(default_factory=dict)  # node id -> compute seconds this round
     excluded: list[str] = field(default_factory=list)  # nodes that reached their strike limit this round
-    resent: set[str] = field(default_factory=set)
+    train_mids: set[str] = field(default_factory=set)  # every train request of the round, resends included
+    waiting: dict[int, "_Waiting"] = field(default_factory=dict)  # node -> its train request, held for pieces
     pending_resend: set[int] = field(default_factory=set)
     bytes_down: int = 0
     bytes_up: int = 0
+
+
+@dataclass
+class _Waiting:
+    """A node's train request, held until the shard pieces sent before it are answered."""
+
+    mids: set[str]
+    experts: list[int]
+    steps: dict[int, int]
+    last: list[dict[str, Any]]  # the last piece, which rides in the train request
+    shard_bytes: dict[int, int]
 
 
 def _plateau_fields(opt: OptState) -> dict[str, Any]:

@@ -96,6 +96,7 @@ class FederationConfig:
     # key, and a node with `max_strikes` strikes takes no part in the rest of the run (0: never excluded).
     guard_tolerance: float = 0.05
     max_strikes: int = 3
+    piece_bytes: int = 32 << 20  # shard bytes a node lacks travel in messages of at most this many (<= 32 MiB)
 
 
 @dataclass
@@ -255,6 +256,8 @@ def validate(cfg: Config) -> Config:
                f.seed_steps)  # fmt: skip
     _check(0 <= f.guard_tolerance <= 100, "federation.guard_tolerance", "between 0 and 100 nats/byte",
            f.guard_tolerance)  # fmt: skip
+    _check(1 << 16 <= f.piece_bytes <= 32 << 20, "federation.piece_bytes", "between 65536 and 33554432 (32 MiB)",
+           f.piece_bytes)  # fmt: skip
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)

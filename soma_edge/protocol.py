@@ -8,6 +8,9 @@ unpickled. Two exchanges exist:
   evaluations/s for the run's model shape, and what the worker's disk cache holds).
 - `train`: TrainRequest (one per node per round, one Task per expert it trains) -> TrainReply (one
   Result per task, or what the worker was missing).
+- `query.shards`: ShardPieces -> ShardAck. Shard bytes a node lacks travel in pieces of at most
+  PIECE_BYTES (`pieces`): the last piece rides in the TrainRequest, any before it go first as their own
+  messages, so no message of ours carries more than one piece of data besides one round's weights.
 
 The coordinator trusts nothing in a reply: `check_result` verifies node, expert, base version hash,
 shape, dtype, finiteness, loss, counters and the claimed sha256 before a version is accepted;
@@ -27,15 +30,20 @@ from soma_edge import __version__, codec
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.spsa import OptState
 
-PROTOCOL = 2  # bump on any incompatible change of the bodies below (2: optimizer state and lr scale)
+PROTOCOL = 3  # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces)
 STYPE = "soma/msgpack"
 RECORD = "soma"
 QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")
+QUERY_SHARDS = "query.shards"
 TRAIN = "train"
 KIND_QUERY, KIND_CAPS = "capability_query", "capabilities"
 KIND_TRAIN, KIND_REPLY = "train_request", "train_reply"
+KIND_PIECES, KIND_ACK = "shard_pieces", "shard_ack"
 REPLY_DTYPES = ("float32", "float16")
-SMALL_BYTES = 1 << 20  # queries and capability replies are tiny; refuse anything larger
+SMALL_BYTES = 1 << 20  # queries, capability replies and acks are tiny; refuse anything larger
+PIECE_BYTES = 32 << 20  # most shard bytes per message (federation.piece_bytes): big enough that Flower's
+# ~5 s per message is rare, small enough that neither side holds a whole corpus in one decoded message
+MAX_SHARD_BYTES = 1 << 40  # a shard's declared size (a worker assembles pieces on disk, never in memory)
 
 
 def weights_sha256(weights: np.ndarray) -> str:
@@ -87,13 +95,56 @@ def capability_query(config: dict[str, Any], run_id: str) -> dict[str, Any]:
 
 def train_request(
     *, round: int, node: int, run_id: str, config: dict[str, Any], reply_dtype: str, max_seconds: float,
-    tasks: list[dict[str, Any]], shards: dict[str, bytes],
+    tasks: list[dict[str, Any]], pieces: list[dict[str, Any]],
 ) -> dict[str, Any]:  # fmt: skip
-    """One node's work for one round. `shards` holds only the shard bytes the node does not have."""
+    """One node's work for one round. `pieces` holds the last piece of the shard bytes the node lacked."""
     return {
         "soma_version": __version__, "round": round, "node": node, "run_id": run_id, "config": config,
-        "reply_dtype": reply_dtype, "max_seconds": float(max_seconds), "tasks": tasks, "shards": shards,
+        "reply_dtype": reply_dtype, "max_seconds": float(max_seconds), "tasks": tasks, "pieces": pieces,
     }  # fmt: skip
+
+
+def piece(sha256: str, offset: int, total: int, data: bytes) -> dict[str, Any]:
+    """Bytes [offset, offset + len(data)) of the shard `sha256` of `total` bytes."""
+    return {"sha256": sha256, "offset": int(offset), "total": int(total), "data": bytes(data)}
+
+
+def split_pieces(shards: dict[str, bytes], limit: int | None = None) -> list[list[dict[str, Any]]]:
+    """Shard bytes as messages' worth of pieces, each list at most `limit` (PIECE_BYTES) bytes of data:
+    small shards share a message, a large one is cut across several."""
+    limit = limit or PIECE_BYTES
+    out: list[list[dict[str, Any]]] = [[]]
+    room = limit
+    for sha in sorted(shards):
+        data, offset = shards[sha], 0
+        while True:
+            if room == 0:
+                out.append([])
+                room = limit
+            n = min(room, len(data) - offset)
+            out[-1].append(piece(sha, offset, len(data), data[offset : offset + n]))
+            offset, room = offset + n, room - n
+            if offset >= len(data):
+                break
+    return [p for p in out if p]
+
+
+def check_pieces(pieces: Any) -> list[dict[str, Any]]:
+    """The pieces of a request, type-checked (a worker trusts the coordinator's bytes only once they hash)."""
+    if not isinstance(pieces, list):
+        raise ValidationError("pieces is not a list")
+    for p in pieces:
+        if not isinstance(p, dict) or not _is_sha256(p.get("sha256")) or not isinstance(p.get("data"), bytes):
+            raise ValidationError("a piece lacks its sha256 or its bytes")
+        off, total = p.get("offset"), p.get("total")
+        if not (_is_int(off) and _is_int(total) and 0 <= off and off + len(p["data"]) <= total <= MAX_SHARD_BYTES):
+            raise ValidationError(f"piece of shard {p['sha256'][:12]}: offset {off!r} and size {len(p['data'])} do not "
+                                  f"fit its total {total!r}")  # fmt: skip
+    return pieces
+
+
+def pieces_request(run_id: str, node: int, pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"soma_version": __version__, "run_id": run_id, "node": node, "pieces": pieces}
 
 
 def task(

@@ -4,6 +4,7 @@ The liar is a registered worker (its key added to the live run) whose ClientApp 
 PYTHONPATH (tests/poison/sitecustomize.py): it trains, then sends its experts scaled by 10 or replaced by
 noise, with correct shapes and hashes. The best-loss bound must refuse every such reply, strike the
 liar's key out, keep a good version of every expert, and finish the run with the honest worker.
+Small shard pieces (128 KiB) make the shards travel as several real `query.shards` messages too.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ wait_seconds = 120
 keep_versions = 10
 guard_tolerance = {TOL}
 max_strikes = 2
+piece_bytes = 131072
 """
 
 
@@ -80,6 +82,8 @@ def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
     rd = RunDir(fed["run"])
     state = rd.load_state()
     assert state["round"] == 4
+    coord_log = (fed["run"] / "logs" / "coordinator.log").read_text()
+    assert re.search(r"lacks [\d.]+ MiB of shards: [2-9]\d* pieces go before its experts", coord_log)
     rounds = _metrics(rd, "round")
     rejected = [x for m in rounds for x in m["rejected"]]
     assert rejected and all(x["node"] == "liar" and x.get("guard") for x in rejected), rejected

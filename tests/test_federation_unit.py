@@ -729,3 +729,62 @@ def test_a_run_with_no_loadable_commit_refuses_to_start(run, tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "no committed state loads" in lines[0]
     assert "Traceback" not in " ".join(lines)
+
+
+def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
+    """With a small piece size, a node's missing shards go as several query.shards messages before its
+    train request (which carries the last piece); no message holds more than one piece of shard bytes."""
+    limit = 1 << 16
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=1, piece_bytes=limit)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    state = Coordinator(grid, run).main()
+    assert all(x["version"] == 1 for x in state["experts"].values())
+    for nid, name in ((1000, "a"), (1001, "b")):
+        mine = [m for m in grid.sent if m.metadata.dst_node_id == nid and m.metadata.message_type != protocol.QUERY_CAPABILITIES]
+        kinds = [m.metadata.message_type for m in mine]
+        assert kinds.count(protocol.QUERY_SHARDS) >= 2 and kinds[-1] == protocol.TRAIN, kinds
+        for m in mine:
+            kind = protocol.KIND_TRAIN if m.metadata.message_type == protocol.TRAIN else protocol.KIND_PIECES
+            assert sum(len(p["data"]) for p in protocol.unpack(m.content, kind)["pieces"]) <= limit
+        cache = Cache(tmp_path / "nodes" / name)
+        held = set(cache.shards())
+        needed = {h for m in mine if m.metadata.message_type == protocol.TRAIN
+                  for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"] for h in t["shards"]}  # fmt: skip
+        assert needed <= held and all(cache.get_shard(h) is not None for h in needed)
+        assert not any((tmp_path / "nodes" / name / "parts").iterdir())  # every piece joined, nothing left over
+
+
+def test_cache_joins_pieces_in_any_order_and_drops_bad_ones(tmp_path):
+    import random
+
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    sha = hashlib.sha256(data).hexdigest()
+    pieces = [p for msg in protocol.split_pieces({sha: data}, 3_000) for p in msg]
+    assert len(pieces) == 4 and sum(len(p["data"]) for p in pieces) == len(data)
+    random.Random(1).shuffle(pieces)
+    cache = Cache(tmp_path / "c")
+    done = [cache.put_piece(p["sha256"], p["offset"], p["total"], p["data"]) for p in pieces]
+    assert done == [False, False, False, True] and cache.get_shard(sha) == data
+    assert not any((tmp_path / "c" / "parts").iterdir())
+    # One flipped byte: the piece that completes the shard finds the hash wrong, and every piece is dropped.
+    bad = Cache(tmp_path / "bad")
+    pieces[0] = {**pieces[0], "data": bytes([pieces[0]["data"][0] ^ 1]) + pieces[0]["data"][1:]}
+    for p in pieces[:-1]:
+        assert not bad.put_piece(p["sha256"], p["offset"], p["total"], p["data"])
+    with pytest.raises(CheckpointError, match="joined from pieces, do not hash to its name"):
+        bad.put_piece(pieces[-1]["sha256"], pieces[-1]["offset"], pieces[-1]["total"], pieces[-1]["data"])
+    assert bad.get_shard(sha) is None and not any((tmp_path / "bad" / "parts").iterdir())
+
+
+@pytest.mark.parametrize("piece,why", [
+    ({"offset": -1}, "do not fit its total"), ({"offset": 9_000}, "do not fit its total"),
+    ({"total": 2**41}, "do not fit its total"), ({"data": "text"}, "lacks its sha256 or its bytes"),
+    ({"sha256": "../../etc"}, "lacks its sha256 or its bytes"), ({"offset": True}, "do not fit its total"),
+])  # fmt: skip
+def test_malformed_pieces_are_refused(piece, why):
+    good = protocol.piece("a" * 64, 0, 10_000, b"x" * 2_000)
+    with pytest.raises(ValidationError, match=why):
+        protocol.check_pieces([{**good, **piece}])
+    with pytest.raises(ValidationError, match="not a list"):
+        protocol.check_pieces({"a": 1})

@@ -38,7 +38,7 @@ class Cache:
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
-        for sub in ("shards", "weights", "probe"):
+        for sub in ("shards", "weights", "probe", "parts"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     # --- shards -------------------------------------------------------------------------------------
@@ -52,6 +52,60 @@ class Cache:
         if hashlib.sha256(data).hexdigest() != sha:
             raise CheckpointError(f"shard {sha[:12]}: its bytes do not hash to its name")
         checkpoint.atomic_write(self._shard_path(sha), data)
+
+    def put_piece(self, sha: str, offset: int, total: int, data: bytes) -> bool:
+        """Store bytes [offset, offset + len(data)) of shard `sha` of `total` bytes (pieces may come in any
+        order, each in its own process); True once the whole shard is here, assembled and verified."""
+        if offset == 0 and len(data) == total:
+            self.put_shard(sha, data)
+            return True
+        if self._shard_path(sha).exists():
+            return True
+        folder = self.root / "parts" / f"{sha}-{total}"
+        checkpoint.atomic_write(folder / f"{offset:016d}.bin", data)
+        return self._assemble(sha, total, folder)
+
+    def _assemble(self, sha: str, total: int, folder: Path) -> bool:
+        """Join the pieces in `folder` into the shard once they cover it, hashing as they stream to disk."""
+        import shutil
+        import tempfile
+
+        parts = []
+        for p in folder.glob("*.bin"):
+            try:
+                parts.append((int(p.stem), p.stat().st_size, p))
+            except (ValueError, FileNotFoundError):
+                continue
+        end = 0
+        for off, size, _ in sorted(parts):
+            if off > end:
+                return False  # a gap: more pieces to come
+            end = max(end, off + size)
+        if end < total:
+            return False
+        digest = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(dir=self.root / "shards", prefix=f".{sha}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                pos = 0
+                for off, size, p in sorted(parts):
+                    if off + size <= pos:
+                        continue
+                    chunk = p.read_bytes()[pos - off :]
+                    digest.update(chunk)
+                    out.write(chunk)
+                    pos += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            if digest.hexdigest() != sha:
+                raise CheckpointError(f"shard {sha[:12]}: its {total} bytes, joined from pieces, do not hash to its name")
+            os.replace(tmp, self._shard_path(sha))
+        except (OSError, CheckpointError):
+            Path(tmp).unlink(missing_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)  # bad pieces: the coordinator sends them again
+            raise
+        shutil.rmtree(folder, ignore_errors=True)
+        return True
 
     def get_shard(self, sha: str) -> bytes | None:
         path = self._shard_path(sha)

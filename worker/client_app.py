@@ -1,4 +1,4 @@
-"""The SOMA worker as a Flower ClientApp: answers the capability query and trains experts.
+"""The SOMA worker as a Flower ClientApp: answers the capability query, stores shard pieces, trains experts.
 
 The SuperNode starts a fresh process for every message, so all state between rounds lives in the disk
 cache (`worker.cache`): shards by hash, weights by version hash, the throughput probe. Settings come
@@ -30,7 +30,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from soma_edge import __version__, codec, protocol  # noqa: E402
 from soma_edge import config as config_mod  # noqa: E402
 from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
-from soma_edge.errors import CheckpointError, SomaError  # noqa: E402
+from soma_edge.errors import CheckpointError, SomaError, ValidationError  # noqa: E402
 from soma_edge.spsa import OptState, State  # noqa: E402
 from soma_edge.logs import role_logger  # noqa: E402
 from worker import probe  # noqa: E402
@@ -94,6 +94,33 @@ def capabilities(msg: Message, context: Context) -> Message:
     return _reply(msg, reply, protocol.KIND_CAPS)
 
 
+def _store_pieces(cache: Cache, pieces: Any) -> tuple[list[str], list[str]]:
+    """Put shard pieces into the cache: the shards now complete, and one error line per bad piece (its
+    shard is then reported missing and comes again)."""
+    try:
+        pieces = protocol.check_pieces(pieces)
+    except ValidationError as e:
+        return [], [str(e)]
+    done, errors = [], []
+    for p in pieces:
+        try:
+            if cache.put_piece(p["sha256"], p["offset"], p["total"], p["data"]):
+                done.append(p["sha256"])
+        except CheckpointError as e:
+            errors.append(str(e))
+    return sorted(set(done)), errors
+
+
+@app.query("shards")
+def shard_pieces(msg: Message, context: Context) -> Message:
+    body = protocol.unpack(msg.content, protocol.KIND_PIECES, protocol.PIECE_BYTES + protocol.SMALL_BYTES)
+    s = settings(dict(context.node_config))
+    done, errors = _store_pieces(Cache(s.cache, max_bytes=s.cache_bytes), body.get("pieces"))
+    log.info("stored %d shard pieces: %d shards complete%s", len(body.get("pieces") or []), len(done),
+             f", errors: {errors}" if errors else "")  # fmt: skip
+    return _reply(msg, {"node": context.node_id, "complete": done, "errors": errors}, protocol.KIND_ACK)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     t_start = time.perf_counter()
@@ -110,10 +137,9 @@ def train(msg: Message, context: Context) -> Message:
         raise SomaError(f"unknown reply dtype {reply_dtype!r}")
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
     run_id = str(body.get("run_id"))  # versions are pruned per run: a cache serves many runs
-    for sha, data in body["shards"].items():
-        cache.put_shard(sha, bytes(data))
+    _, errors = _store_pieces(cache, body.get("pieces", []))
 
-    runnable, missing_w, missing_s, errors = [], [], [], []
+    runnable, missing_w, missing_s = [], [], []
     for t in body["tasks"]:
         base = t["base_sha256"]
         if t.get("weights") is not None:
