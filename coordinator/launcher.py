@@ -176,12 +176,15 @@ def write_connection(flwr_home: Path, address: str, tls: TLS | None = None) -> N
     atomic_write(flwr_home / "config.toml", tomli_w.dumps(cfg).encode())
 
 
-def submit(flwr_home: Path, run_dir: Path, address: str, tls: TLS | None = None, app_dir: Path = APP_DIR) -> str:
-    """`flwr run` the SOMA app against the SuperLink at `address`; returns Flower's run id."""
-    if "'" in str(run_dir):
-        raise SomaError(f"{run_dir}: the run directory path must not contain a single quote")
+def submit(flwr_home: Path, run_dir: Path, address: str, tls: TLS | None = None, app_dir: Path = APP_DIR,
+           extra: dict[str, str] | None = None) -> str:  # fmt: skip
+    """`flwr run` the SOMA app against the SuperLink at `address` (`extra`: more run-config strings, free
+    of quotes and backslashes); returns Flower's run id."""
+    if "'" in str(run_dir) or "\\" in str(run_dir):
+        raise SomaError(f"{run_dir}: the run directory path must not contain quotes or backslashes")
     write_connection(flwr_home, address, tls)
-    cmd = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", f"run-dir='{run_dir}'",
+    pairs = [f"run-dir='{run_dir}'"] + [f"{k}='{v}'" for k, v in (extra or {}).items()]
+    cmd = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", " ".join(pairs),
            "--format", "json"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=flower_env(flwr_home), timeout=120)
     try:

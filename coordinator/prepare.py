@@ -83,7 +83,7 @@ def _check_untrained(out: Path) -> None:
     """Refuse a run directory with trained experts or a live coordinator: a new router and shards would
     silently change what those experts are trained and evaluated on."""
     run = RunDir(out)
-    if run.is_locked():
+    if run.is_locked() and run.lock_holder() != os.getpid():  # the ServerApp may prepare the run it holds
         raise ConfigError(f"--out {out}: a coordinator is running on it (pid {run.lock_holder()}); stop it, or "
                           "prepare into a new directory")  # fmt: skip
     if run.state_path.exists():

@@ -71,8 +71,8 @@ class Outgoing:
 
 class Coordinator:
     def __init__(self, grid, run: RunDir, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
-        self.grid, self.run = grid, run
+                 sleep: Callable[[float], None] = time.sleep, setup: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self.grid, self.run, self.setup = grid, run, setup  # setup: runs first under the run lock
         self.clock, self.sleep = clock, sleep
         self.nodes: dict[int, Node] = {}
         self.out: dict[str, Outgoing] = {}  # message id -> what it was
@@ -87,6 +87,8 @@ class Coordinator:
         log.addHandler(handler)
         try:
             with self.run.lock(wait=lock_wait):
+                if self.setup is not None:
+                    self.setup()
                 return self._main()
         except Exception as e:
             log.error("coordinator failed: %s: %s", type(e).__name__, e)
@@ -805,7 +807,13 @@ def _make_app():
         run_dir = str(context.run_config.get("run-dir", "")).strip()
         if not run_dir:
             raise SomaError("run config 'run-dir' is empty: pass --run-config \"run-dir='/path/to/RUN'\" to flwr run")
-        Coordinator(grid, RunDir(run_dir)).main()
+        run, request = RunDir(run_dir), str(context.run_config.get("start", "")).strip()
+        setup = None
+        if request:  # external mode: `soma-coord start --superlink` sent the config along
+            from coordinator.remote import apply_request
+
+            setup = lambda: apply_request(run, request)  # noqa: E731
+        Coordinator(grid, run, setup=setup).main()
 
     return server
 

@@ -2,8 +2,8 @@
 
 Embedded mode (no --superlink): a `flower-superlink` on this box with FLWR_HOME in RUN/flwr, plus
 `--local-workers` SuperNodes (`soma-worker join`), all stopped when `start` ends or is interrupted.
-External mode (--superlink HOST:PORT): only the `flwr run` submission. Flower runs the ServerApp on the
-SuperLink's host, so RUN must be a path on that host (the same box, or a shared filesystem).
+External mode (--superlink HOST:PORT, `coordinator.remote`): only the submission, and progress read from
+the SuperLink; Flower runs the ServerApp on the SuperLink's host, where RUN lives.
 
 Starting again on the same RUN resumes from its last committed round.
 """
@@ -160,11 +160,12 @@ def _flwr_run_path(run: RunDir) -> Path:
 def start(opts: Options) -> int:
     if opts.tls:
         opts.tls.check(server=opts.superlink is None)
+    if opts.superlink:
+        from coordinator import remote
+
+        return remote.start(opts)
     if opts.auth and not (opts.tls and opts.tls.enabled):
         raise ConfigError("--auth needs --tls DIR: Flower authenticates workers over TLS only")
-    if opts.auth and opts.superlink:
-        raise ConfigError("--auth registers worker keys with the embedded SuperLink; with --superlink, register "
-                          "them there (`flwr supernode register KEY.pub`)")  # fmt: skip
     run = RunDir(opts.run)
     run.root.mkdir(parents=True, exist_ok=True)
     if run.is_locked():
@@ -181,34 +182,26 @@ def start(opts: Options) -> int:
 
     procs = launcher.Launcher(logs=run.logs, flwr_home=run.flwr_home)
     try:
-        if opts.superlink:
-            address = opts.superlink
-            leftover = _read_json(_flwr_run_path(run))
-            if leftover and leftover.get("address") == address:
-                launcher.write_connection(run.flwr_home, address, opts.tls)
-                if launcher.stop_run(run.flwr_home, leftover["run_id"]):
-                    print(f"stopped the leftover Flower run {leftover['run_id']}", flush=True)
-        else:
-            port = opts.port or free_port()
-            w = cfg.federation.local_workers
-            keys = _local_worker_keys(run, w) if opts.auth else {}
-            procs.superlink(opts.host, port, opts.tls, auth=opts.auth)
-            address = f"127.0.0.1:{port}" if opts.host in ("0.0.0.0", "", "127.0.0.1") else f"{opts.host}:{port}"
-            where = f"{opts.host}:{port}" + ("" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)")
-            print(f"SuperLink listening on {where}; logs in {run.logs}", flush=True)
-            _warn_if_open(opts)
-            if opts.auth:
-                launcher.write_connection(run.flwr_home, address, opts.tls)
-                registered = workers_mod.register_all(run, launcher.CONNECTION)
-                print(f"registered {len(registered)} worker key(s): {', '.join(x.name for x in registered) or 'none'}"
-                      " (add more with `soma-coord add-worker`)", flush=True)  # fmt: skip
-            threads = 0 if w == 1 else max(1, (os.cpu_count() or 1) // max(w, 1))  # workers split the cores
-            for i in range(w):
-                procs.worker(f"w{i}", address, run.root / "workers" / f"w{i}" / "cache", threads=threads,
-                             device=opts.worker_device, spin=w == 1, parallel=0 if w == 1 else 1, tls=opts.tls,
-                             auth_key=keys.get(f"w{i}"))  # fmt: skip
-            if w:
-                print(f"started {w} local worker(s), {threads} thread(s) each", flush=True)
+        port = opts.port or free_port()
+        w = cfg.federation.local_workers
+        keys = _local_worker_keys(run, w) if opts.auth else {}
+        procs.superlink(opts.host, port, opts.tls, auth=opts.auth)
+        address = f"127.0.0.1:{port}" if opts.host in ("0.0.0.0", "", "127.0.0.1") else f"{opts.host}:{port}"
+        where = f"{opts.host}:{port}" + ("" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)")
+        print(f"SuperLink listening on {where}; logs in {run.logs}", flush=True)
+        _warn_if_open(opts)
+        if opts.auth:
+            launcher.write_connection(run.flwr_home, address, opts.tls)
+            registered = workers_mod.register_all(run, launcher.CONNECTION)
+            print(f"registered {len(registered)} worker key(s): {', '.join(x.name for x in registered) or 'none'}"
+                  " (add more with `soma-coord add-worker`)", flush=True)  # fmt: skip
+        threads = 0 if w == 1 else max(1, (os.cpu_count() or 1) // max(w, 1))  # workers split the cores
+        for i in range(w):
+            procs.worker(f"w{i}", address, run.root / "workers" / f"w{i}" / "cache", threads=threads,
+                         device=opts.worker_device, spin=w == 1, parallel=0 if w == 1 else 1, tls=opts.tls,
+                         auth_key=keys.get(f"w{i}"))  # fmt: skip
+        if w:
+            print(f"started {w} local worker(s), {threads} thread(s) each", flush=True)
         t_submit = time.time()
         run_id = launcher.submit(run.flwr_home, run.root, address, opts.tls)
         checkpoint.atomic_write(_flwr_run_path(run), json.dumps({"run_id": run_id, "address": address,
@@ -276,10 +269,3 @@ def _pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
