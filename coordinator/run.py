@@ -104,6 +104,13 @@ class RunDir:
     def load_expert(self, rel: str) -> dict[str, Any]:
         return checkpoint.load(self.root / rel, EXPERT_KIND)
 
+    def clean_debris(self) -> list[Path]:
+        """Remove the temp files of atomic writes that a crash interrupted (only the lock holder may)."""
+        gone = [p for p in [*self.root.glob(".*.tmp"), *self.root.glob("experts/*/.*.tmp")] if p.is_file()]
+        for p in gone:
+            p.unlink(missing_ok=True)
+        return gone
+
     def prune(self, expert: int, keep: int, current: int, protect: tuple[int, ...] = ()) -> list[Path]:
         """Delete all but the newest `keep` versions at or below `current` (and anything above it: a
         version above the committed one is debris of a crashed round), never those in `protect`."""
@@ -145,6 +152,9 @@ class RunDir:
             raise CheckpointError(f"{self.root}: no committed state loads ({'; '.join(errors)}); the run cannot resume: "
                                   "start a new one with another --run")  # fmt: skip
         return None
+
+    def load_state_file(self, path: Path) -> dict[str, Any]:
+        return checkpoint.load(path, STATE_KIND)
 
     def _verify_experts(self, state: Any, where: Path) -> None:
         from soma_edge.protocol import weights_sha256

@@ -116,6 +116,9 @@ class Coordinator:
         self.state.setdefault("strikes", {})
         self._check_best()
         self._committed = self._kept()  # what state.msgpack holds: the fallback once the next round commits
+        if run.clean_debris():
+            log.info("removed the temp files of writes a crash interrupted")
+        self._prune(self._kept_in(run.prev_state_path))  # a prune that a crash after the commit cut short
         run.truncate_metrics(state["round"])
         self.metrics = run.read_metrics()
         if state["round"] >= fed.rounds:
@@ -217,9 +220,23 @@ class Coordinator:
         left = {e: cap - int(self.state["experts"][str(e)]["step"]) for e in self.expert_ids()}
         return {e: n for e, n in left.items() if n > 0}
 
-    def _kept(self) -> dict[int, set[int]]:
-        """The versions state.msgpack refers to, per expert: the current one and the best one."""
-        return {int(e): {int(x["version"]), int(guard.Best.of(x).version)} for e, x in self.state["experts"].items()}
+    def _kept(self, state: dict[str, Any] | None = None) -> dict[int, set[int]]:
+        """The versions a state refers to (the current one by default), per expert: current and best."""
+        experts = (state or self.state)["experts"]
+        return {int(e): {int(x["version"]), int(guard.Best.of(x).version)} for e, x in experts.items()}
+
+    def _kept_in(self, path) -> dict[int, set[int]]:
+        """`_kept` of a state file, or nothing when it does not load."""
+        try:
+            return self._kept(self.run.load_state_file(path))
+        except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+            return {}
+
+    def _prune(self, fallback: dict[int, set[int]]) -> None:
+        """Old versions beyond keep_versions go; never a best version, or one the fallback state refers to."""
+        for e in self.expert_ids():
+            keep = tuple(sorted(fallback.get(e, set()) | self._committed[e]))
+            self.run.prune(e, self.cfg.federation.keep_versions, self.state["experts"][str(e)]["version"], protect=keep)
 
     def expert_ids(self) -> list[int]:
         return sorted(int(e) for e in self.state["experts"])
@@ -735,9 +752,7 @@ class Coordinator:
         self.run.write_metrics(self.metrics)
         self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
         fallback, self._committed = self._committed, self._kept()
-        for e in self.expert_ids():  # never prune a best version, or one the fallback state refers to
-            keep = tuple(sorted(fallback.get(e, set()) | self._committed[e]))
-            self.run.prune(e, fed.keep_versions, self.state["experts"][str(e)]["version"], protect=keep)
+        self._prune(fallback)
         log.info("round %d/%d committed: %d/%d experts advanced, mean val %.4f, mixture val %s, compute share %.0f%%",
                  r, fed.rounds, len(ctx.accepted), len(self.expert_ids()), lines[-1]["val_loss_mean"] or float("nan"),
                  "n/a" if mix is None else f"{mix:.4f}", 100 * lines[-1]["compute_share"])  # fmt: skip

@@ -18,8 +18,9 @@ order shuffled by `random.Random(0)`), the rest draw one. After each resume we c
   same sha256 for that version,
 * metrics.jsonl has one round line per round 1..N and one expert line per expert per round, and each
   expert's accepted versions are 1..its final version, none repeated or skipped,
-* no temp file is left but the one a crash between writing a temp file and its os.replace leaves
-  (`after_tmp`): nothing cleans those up (see `test_crash_trial`), and they break nothing.
+* the resume leaves no temp file (a crash between writing a temp file and its os.replace leaves one,
+  `after_tmp`; the resumed coordinator removes it), and no version that a prune cut short should have
+  deleted (it prunes on start too, also when the run was already complete).
 
 os._exit models a process crash (kill -9, OOM kill), not a power cut: the page cache survives, so the
 ordering of fsyncs is not what this tests.
@@ -243,12 +244,8 @@ def check_resumed(rd: RunDir, snap: dict, expected_tmp: list[str]) -> None:
         cur = fs["experts"][str(e)]["version"]
         if not (cur - KEEP < v <= cur or v in final_kept[e] | prev_kept[e]):
             overdue.append(str(p.relative_to(root)))
-    if snap["resume_from"] is not None and snap["resume_from"] >= ROUNDS:
-        # A crash after the last round's commit point, before its prune finished: the resume finds the run
-        # complete and prunes nothing, so those versions stay (more than keep_versions; harmless, they load).
-        assert set(overdue) <= set(snap["files"]) and len(overdue) == snap["pending_prune"], overdue
-    else:
-        assert overdue == [], f"should have been pruned: {overdue}"
+    # Even after a crash past the last commit point, before its prune finished: the resume prunes first.
+    assert overdue == [], f"should have been pruned: {overdue}"
     assert all(
         not p.is_file() or p.name.startswith(".") for p in (root / "experts").rglob("*") if not EXPERT_RE.search(str(p))
     )
@@ -288,8 +285,8 @@ def check_resumed(rd: RunDir, snap: dict, expected_tmp: list[str]) -> None:
             cur = fs["experts"][str(e)]["version"]
             assert v <= cur - KEEP and v not in final_kept[e] | prev_kept[e], f"committed expert {e} v{v} was lost"
 
-    # Temp files: only what the crash itself left (nothing cleans those; nothing trips over them either).
-    assert _tmp_files(root) == expected_tmp
+    # Temp files: the crash may have left one (`expected_tmp`); the resume removed it.
+    assert snap["tmp"] == expected_tmp and _tmp_files(root) == []
 
 
 def expected_tmp(t: Trial, info: dict, snap: dict) -> list[str]:
