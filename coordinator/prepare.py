@@ -79,11 +79,11 @@ def _check_out(out: Path) -> None:
         raise ConfigError(f"--out {out}: cannot create it ({base} is not a writable directory)")
 
 
-def _check_untrained(out: Path) -> None:
-    """Refuse a run directory with trained experts or a live coordinator: a new router and shards would
-    silently change what those experts are trained and evaluated on."""
+def _check_untrained(out: Path, own_lock: bool = False) -> None:
+    """Refuse a run directory with trained experts or a live coordinator (other than the caller, with
+    `own_lock`): a new router and shards would silently change what those experts are trained on."""
     run = RunDir(out)
-    if run.is_locked() and run.lock_holder() != os.getpid():  # the ServerApp may prepare the run it holds
+    if run.is_locked() and not own_lock:
         raise ConfigError(f"--out {out}: a coordinator is running on it (pid {run.lock_holder()}); stop it, or "
                           "prepare into a new directory")  # fmt: skip
     if run.state_path.exists():
@@ -115,7 +115,8 @@ def _install(tmp: Path, out: Path) -> None:
 
 
 def prepare(
-    corpus: str, experts: int, out: Path, seed: int = 0, clusters: int | None = None, progress: bool = True
+    corpus: str, experts: int, out: Path, seed: int = 0, clusters: int | None = None, progress: bool = True,
+    own_lock: bool = False,
 ) -> dict:
     """Fit the router and write router.msgpack, prepare.json and shards/ into `out`; returns prepare.json."""
     t0 = time.perf_counter()
@@ -125,7 +126,7 @@ def prepare(
     if clusters is not None and clusters < experts:
         raise ConfigError(f"--clusters ({clusters}) must be >= --experts ({experts}): every expert needs a cluster")
     _check_out(out)
-    _check_untrained(out)
+    _check_untrained(out, own_lock)
     n_clusters = clusters or experts
 
     if corpus == corpus_mod.DEBIAN:
@@ -161,7 +162,7 @@ def prepare(
             summary = _write(tmp, corpus, seed, experts, docs, router, labels, on_cluster)
             summary["seconds"] = round(time.perf_counter() - t0, 3)
             atomic_write(tmp / "prepare.json", (json.dumps(summary, indent=1) + "\n").encode())
-            _check_untrained(out)  # again: a coordinator may have started while the router was fitted
+            _check_untrained(out, own_lock)  # again: a coordinator may have started while the router was fitted
             _install(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -67,7 +67,8 @@ def apply_request(run, value: str) -> None:
             path.write_text(config_text, encoding="utf-8")
         run.root.mkdir(parents=True, exist_ok=True)
         cfg = resolve_config(run, path, overrides)
-        ensure_prepared(run, cfg, set(overrides) | (_explicit_keys(path) if path else set()))
+        given = set(overrides) | (_explicit_keys(path) if path else set())
+        ensure_prepared(run, cfg, given, own_lock=True)  # the ServerApp holds the lock it prepares under
     run.save_config(cfg)
 
 

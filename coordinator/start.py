@@ -107,7 +107,8 @@ def _same_corpus(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def ensure_prepared(run: RunDir, cfg: Config, given: set[str] | frozenset[str] = frozenset()) -> None:
+def ensure_prepared(run: RunDir, cfg: Config, given: set[str] | frozenset[str] = frozenset(),
+                    own_lock: bool = False) -> None:  # fmt: skip
     """Prepare RUN unless it is; a prepared RUN must match the experts, and the corpus and seed when the
     user gave them (`given`: dotted keys set on the command line or in --config), else training would
     silently run on another corpus than the one asked for."""
@@ -125,7 +126,7 @@ def ensure_prepared(run: RunDir, cfg: Config, given: set[str] | frozenset[str] =
     from coordinator.prepare import prepare
 
     print(f"preparing {cfg.federation.corpus} into {run.root} ({cfg.federation.experts} experts)", flush=True)
-    prepare(cfg.federation.corpus, cfg.federation.experts, run.root, seed=cfg.seed, progress=True)
+    prepare(cfg.federation.corpus, cfg.federation.experts, run.root, seed=cfg.seed, progress=True, own_lock=own_lock)
 
 
 def _local_worker_keys(run: RunDir, n: int) -> dict[str, Path]:

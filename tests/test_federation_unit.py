@@ -531,7 +531,7 @@ def test_app_path_is_a_valid_flower_app(capsys):
     assert ok, errors
     comps = cfg["tool"]["flwr"]["app"]["components"]
     assert comps == {"serverapp": "coordinator.server_app:app", "clientapp": "worker.client_app:app"}
-    assert cfg["tool"]["flwr"]["app"]["config"] == {"run-dir": ""}
+    assert cfg["tool"]["flwr"]["app"]["config"] == {"run-dir": "", "start": ""}
 
 
 def test_status_prints_the_checkpoint_and_start_refuses_identity_changes(run, tmp_path, capsys):
