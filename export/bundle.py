@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -102,6 +103,15 @@ def _field(obj: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
     return value
 
 
+def _finite(x: int | float) -> float:
+    """x as a float, NaN for what is not finite (an integer too large for a float included)."""
+    try:
+        x = float(x)
+    except OverflowError:
+        return math.nan
+    return x if math.isfinite(x) else math.nan
+
+
 def _safe_rel(rel: str, where: str) -> str:
     p = Path(rel)
     if p.is_absolute() or ".." in p.parts or not p.parts:
@@ -145,7 +155,9 @@ def read(root: str | Path) -> Bundle:
     router = _field(manifest, "router", dict, where)
     if _field(router, "file", str, f"{where}: router") not in files:
         raise BundleError(f"{where}: router file is not listed under files")
-    temperature = float(_field(router, "temperature", (int, float), f"{where}: router"))
+    temperature = _finite(_field(router, "temperature", (int, float), f"{where}: router"))
+    if not temperature > 0:  # json reads NaN, Infinity and 1e999; the router softmax divides by it
+        raise BundleError(f"{where}: router temperature {router['temperature']!r} is not a positive finite number")
     experts = []
     for i, e in enumerate(_field(manifest, "experts", list, where)):
         w = f"{where}: experts[{i}]"
@@ -159,6 +171,9 @@ def read(root: str | Path) -> Bundle:
             score=_field(e, "score", str, w),
             stream=_field(e, "stream", str, w),
         )
+        val = entry.val_loss
+        if val is not None and (not isinstance(val, (int, float)) or isinstance(val, bool)):  # eval prints it with :.4f
+            raise BundleError(f"{w}: field 'val_loss' has the wrong type ({type(val).__name__})")
         if entry.id != i:
             raise BundleError(f"{w}: id {entry.id}, expected {i} (experts are listed in id order)")
         _check_model(entry, w)

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
+from soma_edge import config as config_mod
 from soma_edge import mixture
 from soma_edge.errors import CodecError, ConfigError, CorpusError, DeviceError
 from soma_edge.router import Router
@@ -35,8 +36,9 @@ class Expert:
 
     def __init__(self, bundle: Bundle, entry: ExpertEntry, device: str, threads: int):
         self.bundle, self.entry, self.device, self.threads = bundle, entry, device, threads
-        self.hidden, self.layers = int(entry.model["hidden"]), int(entry.model["layers"])
-        self.kind = str(entry.model.get("kind", "lstm"))
+        # From the config `read` validated, with its defaults: a manifest may leave out fields that have one.
+        m = config_mod.from_dict(entry.config).model
+        self.hidden, self.layers, self.kind = m.hidden, m.layers, m.kind
         # The streaming graph's state inputs, in its order: h0, c0, h1, c1, ...
         self.state_names = [f"{s}{layer}" for layer in range(self.layers) for s in ("h", "c")]
         self._score = self._stream = None

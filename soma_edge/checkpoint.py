@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -74,13 +75,23 @@ def save(path: str | Path, body: Any, kind: str) -> str:
 
 def load(path: str | Path, kind: str, max_bytes: int = codec.MAX_BYTES) -> Any:
     path = Path(path)
+    limit = max_bytes + len(MAGIC) + 32
     try:
-        size = path.stat().st_size
-        if size > max_bytes + len(MAGIC) + 32:
-            raise CheckpointError(f"{path}: {size} bytes exceeds the limit of {max_bytes}")
-        data = path.read_bytes()
+        st = path.stat()
+        # A FIFO blocks the open and a device never ends (either can sit at a path a state file names): only
+        # regular files, and never more bytes than the limit, even if the file grows after the stat.
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise CheckpointError(f"{path}: {st.st_size} bytes exceeds the limit of {max_bytes}")
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError:  # os.stat refuses a path with a NUL byte (a crafted name in a state file)
+        raise CheckpointError(f"{str(path)!r}: not a valid file path") from None
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: grew past the limit of {max_bytes} bytes while being read")
     if len(data) < len(MAGIC) + 32 or data[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{path}: not a soma-edge checkpoint (bad magic)")
     digest, payload = data[len(MAGIC) : len(MAGIC) + 32], data[len(MAGIC) + 32 :]

@@ -7,6 +7,7 @@ unknown schemas, the wrong kind, and arrays whose byte count does not match thei
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -44,16 +45,31 @@ def _ext_hook(code: int, data: bytes) -> Any:
     except Exception as e:
         raise CodecError(f"malformed array header ({e})") from None
     offset = unpacker.tell()
+    if not isinstance(dtype_str, str):  # np.dtype(None) is float64, np.dtype(dict) a record: only dtype strings
+        raise CodecError(f"unknown array dtype {_brief(dtype_str)}")
     try:
         dtype = np.dtype(dtype_str)
-    except TypeError:
+    except (TypeError, ValueError):
         raise CodecError(f"unknown array dtype {dtype_str!r}") from None
-    if dtype.name not in _DTYPES or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+    if dtype.name not in _DTYPES or not isinstance(shape, list) or not all(_is_dim(s) for s in shape):
         raise CodecError(f"refusing array of dtype {dtype_str!r} and shape {shape!r}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    # Exact integers: an int64 product of huge dimensions wraps around and could match the payload's size.
+    count = math.prod(shape)
     if count * dtype.itemsize != len(data) - offset:
         raise CodecError(f"array of shape {shape} and dtype {dtype.name} does not match its {len(data) - offset} bytes")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+    try:
+        return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+    except ValueError:  # an empty array whose other dimensions are beyond what numpy can index
+        raise CodecError(f"refusing array of shape {shape}: too large to index") from None
+
+
+def _is_dim(s: Any) -> bool:
+    return isinstance(s, int) and not isinstance(s, bool) and s >= 0
+
+
+def _brief(x: Any) -> str:
+    """A short description of a value of the wrong type (an array's repr can run to many lines)."""
+    return repr(x) if isinstance(x, (str, int, float, bytes, type(None))) and len(repr(x)) <= 80 else type(x).__name__
 
 
 def encode(body: Any, kind: str) -> bytes:
@@ -82,8 +98,10 @@ def decode(data: bytes, kind: str, max_bytes: int = MAX_BYTES) -> Any:
         raise CodecError(f"malformed {kind} message ({type(e).__name__}: {e})") from None
     if not isinstance(msg, dict) or "schema" not in msg or "body" not in msg:
         raise CodecError(f"malformed {kind} message: not a soma-edge envelope")
-    if msg["schema"] != SCHEMA:
-        raise CodecError(f"{kind} message has schema {msg['schema']!r}; this soma-edge reads schema {SCHEMA}")
-    if msg.get("kind") != kind:
-        raise CodecError(f"expected a {kind} message, got {msg.get('kind')!r}")
+    # Type first: comparing an array with != gives an array, whose truth value raises ValueError.
+    schema, got = msg["schema"], msg.get("kind")
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA:
+        raise CodecError(f"{kind} message has schema {_brief(schema)}; this soma-edge reads schema {SCHEMA}")
+    if not isinstance(got, str) or got != kind:
+        raise CodecError(f"expected a {kind} message, got {_brief(got)}")
     return msg["body"]
