@@ -139,6 +139,8 @@ class RunDir:
                 continue
             try:
                 state = checkpoint.load(path, STATE_KIND)
+                if not isinstance(state, dict):
+                    raise CheckpointError(f"{path}: not a run state (a {type(state).__name__}, not a map)")
                 if verify:
                     self._verify_experts(state, path)
             except CheckpointError as e:
@@ -163,9 +165,11 @@ class RunDir:
         if not isinstance(experts, dict):
             raise CheckpointError(f"{where}: no experts map")
         for e, x in experts.items():
+            if not isinstance(x, dict) or not isinstance(x.get("sha256"), str):
+                raise CheckpointError(f"{where}: expert {e!r} is not a version record")
             body = self.load_expert(str(x.get("path", "")))
             w = body.get("weights") if isinstance(body, dict) else None
-            if not isinstance(w, np.ndarray) or weights_sha256(w) != x.get("sha256"):
+            if not isinstance(w, np.ndarray) or weights_sha256(w) != x["sha256"]:
                 raise CheckpointError(f"{self.root / str(x.get('path'))}: weights do not match {where.name}")
 
     def save_state(self, state: dict[str, Any]) -> None:

@@ -73,7 +73,7 @@ def unpack(content, kind: str, max_bytes: int = codec.MAX_BYTES) -> dict[str, An
     body = codec.decode(bytes(arr.data), kind, max_bytes)
     if not isinstance(body, dict):
         raise CodecError(f"{kind}: body is not a map")
-    if body.get("protocol") != PROTOCOL:
+    if not _is_int(body.get("protocol")) or body["protocol"] != PROTOCOL:
         raise CodecError(f"{kind}: protocol {body.get('protocol')!r}, this soma-edge speaks {PROTOCOL}")
     return body
 
@@ -187,6 +187,17 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _is_flag(x: Any) -> bool:
+    """True, False or None, and nothing that merely compares equal to one (1, 0.0, an array)."""
+    return x is None or type(x) is bool
+
+
+def _short(x: Any) -> str:
+    """A field of a reply as it may appear in an error line: repr, cut short."""
+    text = f"an array of shape {list(x.shape)}" if isinstance(x, np.ndarray) else repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _is_sha256(x: Any) -> bool:
     return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
@@ -206,15 +217,15 @@ def _check_hash_lists(value: Any, what: str) -> None:
 def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> None:
     """The parts of a reply that concern the whole message: whose it is, which round, and the fields the
     coordinator records or acts on (torch_importable, missing, errors), so that none of them can crash it."""
-    if src_node != exp.node or body.get("node") != exp.node:
+    if src_node != exp.node or not _is_int(body.get("node")) or body["node"] != exp.node:
         raise ValidationError(
-            f"reply for node {exp.node} came from node {src_node} claiming node {body.get('node')!r}"
+            f"reply for node {exp.node} came from node {src_node} claiming node {_short(body.get('node'))}"
         )
-    if body.get("round") != exp.round:
-        raise ValidationError(f"reply is for round {body.get('round')!r}, expected round {exp.round}")
+    if not _is_int(body.get("round")) or body["round"] != exp.round:
+        raise ValidationError(f"reply is for round {_short(body.get('round'))}, expected round {exp.round}")
     if not isinstance(body.get("results"), list):
         raise ValidationError("reply has no results list")
-    if body.get("torch_importable") not in (True, False, None):
+    if not _is_flag(body.get("torch_importable")):
         raise ValidationError(f"torch_importable is {type(body.get('torch_importable')).__name__}, not a bool")
     _check_hash_lists(body.get("missing"), "missing")
     errors = body.get("errors")
@@ -234,7 +245,7 @@ def check_caps(caps: dict[str, Any]) -> float:
     providers = caps.get("providers")
     if providers is not None and (not isinstance(providers, list) or not all(isinstance(x, str) for x in providers)):
         raise ValidationError("providers is not a list of strings")
-    if caps.get("torch_importable") not in (True, False, None):
+    if not _is_flag(caps.get("torch_importable")):
         raise ValidationError(f"torch_importable is {type(caps.get('torch_importable')).__name__}, not a bool")
     _check_hash_lists(caps.get("cache"), "cache")
     return float(rate)
@@ -255,9 +266,11 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
     if e not in exp.tasks:
         raise ValidationError(f"expert {e} was not assigned to node {exp.node} this round")
     sent = exp.tasks[e]
-    if res.get("base_sha256") != current_sha[e] or sent["base_sha256"] != current_sha[e]:
+    base = res.get("base_sha256")
+    if not _is_sha256(base) or base != current_sha[e] or sent["base_sha256"] != current_sha[e]:
         raise ValidationError(
-            f"expert {e}: stale base version {str(res.get('base_sha256'))[:12]}, current is {current_sha[e][:12]}"
+            f"expert {e}: stale base version {base[:12] if isinstance(base, str) else _short(base)} (sent {sent['base_sha256'][:12]}), current is "
+            f"{current_sha[e][:12]}"
         )
     if not _is_int(res.get("version")) or res["version"] != sent["version"] + 1:
         raise ValidationError(f"expert {e}: version {res.get('version')!r}, expected {sent['version'] + 1}")
@@ -289,7 +302,7 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
         raise ValidationError(f"expert {e}: forward_evals {evals!r} is not a count")
     if not _is_number(seconds) or seconds < 0:
         raise ValidationError(f"expert {e}: seconds {seconds!r} is not a finite duration")
-    if res.get("sha256") != weights_sha256(w):
+    if not _is_sha256(res.get("sha256")) or res["sha256"] != weights_sha256(w):
         raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
     return w, opt
 

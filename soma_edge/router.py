@@ -273,8 +273,9 @@ class Router:
         if not all(isinstance(a, np.ndarray) for a in arrays):
             raise CodecError("router idf, centroids, cluster_expert and prior must be arrays")
         dim = cent.shape[1] if cent.ndim == 2 else 0
+        if not 8 <= bits <= 24:  # before anything sized by it
+            raise CodecError(f"malformed router: bucket_bits {bits} outside 8..24")
         problems = [
-            (not 8 <= bits <= 24, f"bucket_bits {bits} outside 8..24"),
             (idf.shape != (1 << bits,), f"idf has shape {idf.shape}, expected ({1 << bits},)"),
             (cent.ndim != 2 or cent.shape[0] < 1 or dim < 2 or dim & (dim - 1), f"centroids have shape {cent.shape}"),
             (n < 1 or prior.shape != (n,), f"prior has shape {prior.shape} for {n} experts"),

@@ -7,9 +7,7 @@
 4. the deploy bundle (`export.bundle.read`, and `export.infer.Deployment` where it loads one).
 
 Every case names its input (the parametrize id), expects the loader's own error type with a specific
-fragment of its one-line message, and checks that what it was given (dicts, files) is unchanged. Known
-defects in code this suite may not change are `xfail(strict=True)`: they turn into failures once fixed,
-so that the mark is removed with the fix.
+fragment of its one-line message, and checks that what it was given (dicts, files) is unchanged.
 """
 
 from __future__ import annotations
@@ -50,13 +48,8 @@ def one_line(err: BaseException) -> str:
 
 
 def _params(cases):
-    """Cases written as (id, *values), or `known(...)` ones, as pytest params with readable ids."""
-    return [c if hasattr(c, "marks") else pytest.param(*c[1:], id=c[0]) for c in cases]
-
-
-def known(mark, id_: str, *values):
-    """A case that a known defect in code outside this suite's reach breaks (see its xfail reason)."""
-    return pytest.param(*values, id=id_, marks=mark)
+    """Cases written as (id, *values), as pytest params with readable ids."""
+    return [pytest.param(*c[1:], id=c[0]) for c in cases]
 
 
 # ======================================================================================================
@@ -428,10 +421,6 @@ def _drop(key):
 
 
 ARR3 = np.arange(3)
-XFAIL_ARRAY = pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "protocol.py compares a reply field with != before checking its type: a multi-element ndarray (which "
-    "the codec can carry anywhere) makes the comparison an array whose truth value raises ValueError, "
-    "which the coordinator does not catch"))  # fmt: skip
 
 RESULT_CASES = [
     ("not-a-map", lambda r, e, c: ["not", "a", "map"], "result is not a map"),
@@ -445,7 +434,7 @@ RESULT_CASES = [
     ("base-stale", _set(base_sha256="0" * 64), "stale base version 000000000000"),
     ("base-missing", _drop("base_sha256"), "stale base version None"),
     ("base-sent-is-stale", _current(SHA_B), "stale base version bbbbbbbbbbbb"),
-    known(XFAIL_ARRAY, "base-ndarray", _set(base_sha256=ARR3), "stale base version"),
+    ("base-ndarray", _set(base_sha256=ARR3), "stale base version"),
     ("version-same", _set(version=0), "version 0, expected 1"),
     ("version-plus-two", _set(version=2), "version 2, expected 1"),
     ("version-bool", _set(version=True), "version True, expected 1"),
@@ -501,7 +490,7 @@ RESULT_CASES = [
     ("sha-mismatch", _set(sha256="f" * 64), "do not match the sha256 the worker claims"),
     ("sha-of-other-weights", _set(sha256=protocol.weights_sha256(np.zeros(10, np.float16))), "do not match the sha256"),
     ("sha-missing", _drop("sha256"), "do not match the sha256"),
-    known(XFAIL_ARRAY, "sha-ndarray", _set(sha256=ARR3), "do not match the sha256"),
+    ("sha-ndarray", _set(sha256=ARR3), "do not match the sha256"),
 ]  # fmt: skip
 
 
@@ -571,28 +560,25 @@ def good_header():
             "errors": ["x"]}  # fmt: skip
 
 
-XFAIL_TORCH_ARRAY1 = pytest.mark.xfail(strict=True, reason=(
-    "check_reply_header accepts np.array([True]) as torch_importable (`in (True, False, None)` compares with "
-    "==); the coordinator then records the array in metrics.jsonl, where json.dumps raises TypeError"))  # fmt: skip
 
 HEADER_CASES = [
     ("src-node-other", "src", 6, "came from node 6 claiming node 5"),
     ("node-other", "node", 6, "claiming node 6"),
     ("node-missing", "node", _DROP, "claiming node None"),
     ("node-str", "node", "5", "claiming node '5'"),
-    known(XFAIL_ARRAY, "node-ndarray", "node", ARR3, "claiming node"),
+    ("node-ndarray", "node", ARR3, "claiming node"),
     ("round-other", "round", 2, "reply is for round 2, expected round 1"),
     ("round-missing", "round", _DROP, "reply is for round None"),
     ("round-str", "round", "1", "reply is for round '1'"),
-    known(XFAIL_ARRAY, "round-ndarray", "round", ARR3, "reply is for round"),
+    ("round-ndarray", "round", ARR3, "reply is for round"),
     ("results-missing", "results", _DROP, "reply has no results list"),
     ("results-map", "results", {"0": {}}, "reply has no results list"),
     ("results-str", "results", "[]", "reply has no results list"),
     ("torch-bytes", "torch_importable", b"yes", "torch_importable is bytes, not a bool"),
     ("torch-str", "torch_importable", "true", "torch_importable is str, not a bool"),
     ("torch-list", "torch_importable", [True], "torch_importable is list, not a bool"),
-    known(XFAIL_ARRAY, "torch-ndarray", "torch_importable", ARR3, "torch_importable"),
-    known(XFAIL_TORCH_ARRAY1, "torch-ndarray-1", "torch_importable", np.array([True]), "torch_importable is ndarray"),
+    ("torch-ndarray", "torch_importable", ARR3, "torch_importable"),
+    ("torch-ndarray-1", "torch_importable", np.array([True]), "torch_importable is ndarray"),
     ("missing-list", "missing", [SHA_A], "missing is not a map"),
     ("missing-str", "missing", "weights", "missing is not a map"),
     ("missing-weights-int", "missing", {"weights": 5}, "missing.weights is not a list of sha256 hex digests"),
@@ -647,7 +633,7 @@ CAPS_CASES = [
     ("providers-ints", "providers", [1], "providers is not a list of strings"),
     ("providers-map", "providers", {"CPU": 1}, "providers is not a list of strings"),
     ("torch-str", "torch_importable", "no", "torch_importable is str, not a bool"),
-    known(XFAIL_ARRAY, "torch-ndarray", "torch_importable", ARR3, "torch_importable"),
+    ("torch-ndarray", "torch_importable", ARR3, "torch_importable"),
     ("cache-list", "cache", [SHA_A], "cache is not a map"),
     ("cache-weights-not-hex", "cache", {"weights": ["z" * 64]}, "cache.weights is not a list of sha256"),
     ("cache-shards-str", "cache", {"shards": SHA_A}, "cache.shards is not a list of sha256"),
@@ -716,11 +702,11 @@ UNPACK_CASES = [  # (id: the input `_unpack_input` builds, fragment of the Codec
     ("protocol-older", f"protocol {PROTO - 1}, this soma-edge speaks {PROTO}"),
     ("protocol-newer", f"protocol {PROTO + 1}, this soma-edge speaks {PROTO}"),
     ("protocol-str", f"protocol '{PROTO}', this soma-edge speaks {PROTO}"),
-    known(XFAIL_ARRAY, "protocol-ndarray", "protocol-ndarray", "this soma-edge speaks"),
+    ("protocol-ndarray", "this soma-edge speaks"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case,fragment", [c if hasattr(c, "marks") else pytest.param(*c, id=c[0]) for c in UNPACK_CASES])
+@pytest.mark.parametrize("case,fragment", [pytest.param(*c, id=c[0]) for c in UNPACK_CASES])
 def test_unpack_refuses(case, fragment):
     content, limit = _unpack_input(case)
     args = (content, protocol.KIND_REPLY) + ((limit,) if limit else ())
@@ -916,7 +902,6 @@ def _state_expert(**kv):
     return lambda rd: _resign(rd.state_path, lambda b: {**b, "experts": {"0": {**b["experts"]["0"], **kv}}})
 
 
-XFAIL_RUN = "coordinator/run.py RunDir.load_state catches only CheckpointError; "
 STATE_CASES = [
     # (id, break(rd), verify, fallback fragment or None when nothing loads, error fragment)
     ("state-flipped-byte", lambda rd: _corrupt(rd.state_path), False, "checksum mismatch"),
@@ -933,16 +918,10 @@ STATE_CASES = [
     ("expert-path-a-directory", _state_expert(path="experts/0"), True, "experts/0: not a regular file"),
     ("expert-path-the-state", _state_expert(path="state.prev.msgpack"), True, "expected a expert message"),
     ("no-experts-map", lambda rd: _resign(rd.state_path, lambda b: {**b, "experts": [1]}), True, "no experts map"),
-    ("state-not-a-map", lambda rd: _resign(rd.state_path, lambda b: [b]), True, "no experts map"),
-    known(pytest.mark.xfail(strict=True, raises=AttributeError, reason=XFAIL_RUN + (
-        "_verify_experts calls x.get() on each experts entry, so an entry that is not a map raises AttributeError "
-        "out of load_state instead of falling back")),
-        "expert-entry-not-a-map", lambda rd: _resign(rd.state_path, lambda b: {**b, "experts": {"0": "v2.msgpack"}}),
-        True, "weights do not match"),
-    known(pytest.mark.xfail(strict=True, raises=ValueError, reason=XFAIL_RUN + (
-        "_verify_experts compares the weights' sha256 with != against the state's value: an ndarray there raises "
-        "ValueError (truth value of an array) out of load_state")),
-        "expert-sha-ndarray", _state_expert(sha256=ARR3), True, "weights do not match"),
+    ("state-not-a-map", lambda rd: _resign(rd.state_path, lambda b: [b]), True, "not a run state (a list, not a map)"),
+    ("expert-entry-not-a-map", lambda rd: _resign(rd.state_path, lambda b: {**b, "experts": {"0": "v2.msgpack"}}),
+        True, "is not a version record"),
+    ("expert-sha-ndarray", _state_expert(sha256=ARR3), True, "is not a version record"),
 ]  # fmt: skip
 
 
@@ -970,10 +949,7 @@ BOTH_CASES = [
      ["v2.msgpack: checksum mismatch", "v1.msgpack: checksum mismatch"]),
     ("state-corrupt-prev-expert-gone", lambda rd: (_corrupt(rd.state_path), (rd.root / "experts/0/v1.msgpack").unlink()),
      True, ["state.msgpack: checksum mismatch", "v1.msgpack: cannot read"]),
-    known(pytest.mark.xfail(strict=True, raises=AttributeError, reason=XFAIL_RUN + (
-        "without verify, a fallback state that is not a map reaches `state.get('round')` (the fallback message), "
-        "which raises AttributeError; it should be refused like a corrupt one")),
-        "prev-not-a-map", lambda rd: (_corrupt(rd.state_path), checkpoint.save(rd.prev_state_path, [1], "run_state")),
+    ("prev-not-a-map", lambda rd: (_corrupt(rd.state_path), checkpoint.save(rd.prev_state_path, [1], "run_state")),
         False, ["state.msgpack: checksum mismatch"]),
 ]  # fmt: skip
 
@@ -1232,11 +1208,7 @@ DEPLOY_CASES = [
      "prior is not a distribution"),
     ("router-temperature-nan", _swap_router(lambda docs: _router_bytes(docs, temperature=float("nan"))), "load",
      "temperature nan is not positive"),
-    known(pytest.mark.xfail(strict=True, raises=MemoryError, reason=(
-        "soma_edge/router.py Router.from_bytes builds its list of problems eagerly, so `1 << bits` (the idf shape "
-        "check) runs before the 8..24 range check: a huge bucket_bits raises MemoryError (an allocation bounded "
-        "only by the input) instead of a CodecError")),
-        "router-bucket-bits-huge", _swap_router(lambda docs: _router_bytes(docs, bucket_bits=2**64 - 1)), "load",
+    ("router-bucket-bits-huge", _swap_router(lambda docs: _router_bytes(docs, bucket_bits=2**64 - 1)), "load",
         "bucket_bits"),
     ("onnx-truncated-rehashed", _file_rehashed(SCORE0, lambda d: (d / SCORE0).read_bytes()[:1000]), "score",
      "score.onnx: not a loadable ONNX model (truncated or corrupt)"),
