@@ -731,6 +731,25 @@ def test_a_run_with_no_loadable_commit_refuses_to_start(run, tmp_path, capsys):
     assert "Traceback" not in " ".join(lines)
 
 
+@pytest.mark.parametrize("name,damage,fragment", [
+    ("run.toml", b"[model\nembed = ", "run.toml: invalid TOML"),
+    ("run.toml", b"\xff\xfe", "run.toml: config is not UTF-8 text"),
+    ("run.toml", b"[model]\nembed = -3\n", "model.embed must be >= 1"),
+    ("prepare.json", b'{"experts": 4, "clus', "prepare.json: not valid JSON"),
+    ("state.msgpack", b"", "no committed state loads"),
+])  # fmt: skip
+def test_start_on_a_damaged_run_says_what_in_one_line(run, tmp_path, capsys, name, damage, fragment):
+    """Startup never ends in a traceback: each damaged file is one `error:` line naming it, exit 2."""
+    set_fed(run, rounds=1)
+    Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
+    if name == "state.msgpack":
+        run.prev_state_path.write_bytes(damage)
+    (run.root / name).write_bytes(damage)
+    code, _, err = _cli(["start", "--run", str(run.root), "--rounds", "2"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
+
+
 def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
     """With a small piece size, a node's missing shards go as several query.shards messages before its
     train request (which carries the last piece); no message holds more than one piece of shard bytes."""
