@@ -372,7 +372,8 @@ def _cli(root: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
 
 def test_tls_with_worker_authentication(tmp_path):
     """Over TLS with --auth: a worker registered on the live run trains and keeps its node id across a
-    restart; a worker with an unregistered key is refused in one line and never gets an assignment."""
+    restart; a worker with an unregistered key is refused in one line and never gets an assignment; one
+    without the CA fails within 30 s with a line that names TLS."""
     src = write_stdlib_corpus(tmp_path / "corpus")
     (tmp_path / "auth.toml").write_text(AUTH_CONFIG)
     env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
@@ -397,6 +398,12 @@ def test_tls_with_worker_authentication(tmp_path):
         out = open(tmp_path / f"{name}.log", "ab")
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
+    no_ca = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--cache",
+             str(tmp_path / "no-ca-cache")]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(no_ca, capture_output=True, text=True, env=env, timeout=60)  # no --root-certificates
+    assert r.returncode == 2 and time.monotonic() - t0 < 30, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: TLS: the coordinator at 127.0.0.1:"), r.stderr
     stranger = join("stranger")
     ext = join("ext")
     try:

@@ -138,7 +138,6 @@ def join_cmd(
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until stopped."""
     import signal
     import socket
-    import subprocess
 
     from soma_edge.runtime import parse_device
 
@@ -177,39 +176,79 @@ def join_cmd(
     cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
     print(f"soma-worker {name}: joining {coordinator} (device {device}, threads {threads}, cache {cache})", flush=True)
+    marker = _accepted_marker(cache, auth_key, coordinator) if auth_key else None
+    first_refusal = None
+    while True:
+        code, relay = _serve(cmd, env, host, int(port_s), patience, marker)
+        if code == 0 or not relay.refused:
+            break
+        # Flower refuses a key that it still sees online, for up to two 30 s heartbeats after a session
+        # that ended without signing off (a crash, kill -9): when this key was accepted here before, wait.
+        first_refusal = first_refusal or time.monotonic()
+        if marker is None or not marker.exists() or time.monotonic() - first_refusal > REJOIN_SECONDS:
+            raise ConfigError(f"the coordinator at {coordinator} refused this worker's key: register its public key "
+                              "there (`soma-coord add-worker RUN worker.pub`), or check --auth-key")  # fmt: skip
+        if relay.stopped:
+            break
+        print(f"soma-worker {name}: the coordinator still holds this worker's previous session (Flower frees it "
+              f"within 60 s); joining again", flush=True)  # fmt: skip
+        time.sleep(5.0)
+    raise typer.Exit(0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code)
+
+
+REJOIN_SECONDS = 75.0  # Flower's two 30 s heartbeats of patience, plus slack
+
+
+def _accepted_marker(cache: Path, key: Path, coordinator: str) -> Path:
+    """A file that says this key was once accepted by this coordinator (so a refusal may be a stale session)."""
+    import hashlib
+
+    tag = hashlib.sha256(key.resolve().read_bytes() + coordinator.encode()).hexdigest()[:16]
+    return cache / "accepted" / tag
+
+
+def _serve(cmd: list[str], env: dict[str, str], host: str, port: int, patience: float,
+           marker: Path | None) -> tuple[int, "_Relay"]:  # fmt: skip
+    """Run one SuperNode until it exits; its exit code and what its output said."""
+    import signal
+    import subprocess
+
     try:
+        # Its own session: a Ctrl-C or a group kill reaches `join` alone, which passes it on once. Flower
+        # signs the node off on the first signal but dies at once on a second, and a node that did not sign
+        # off is refused for up to a minute when it joins again.
         proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     except OSError as e:
         raise ConfigError(f"cannot start flower-supernode ({e.strerror}): is flwr installed in this environment?") from None
-    relay = _Relay(proc)
+    relay = _Relay(proc, marker)
 
     def forward(sig, _frame):
+        relay.stopped = True
         if proc.poll() is None:
             proc.send_signal(sig)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     try:
-        code = supervise(proc, host, int(port_s), gone_after=patience)
+        return supervise(proc, host, port, gone_after=patience), relay
     finally:
         relay.join()
-    if code != 0 and relay.refused:
-        raise ConfigError(f"the coordinator at {coordinator} refused this worker's key: register its public key "
-                          "there (`soma-coord add-worker RUN worker.pub`), or check --auth-key")  # fmt: skip
-    raise typer.Exit(0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code)
 
 
 class _Relay:
     """Copies the SuperNode's output to ours, line by line, noting Flower's "unknown key" exit (its process
-    exit status is 1 for every error; the code is only in the message)."""
+    exit status is 1 for every error; the code is only in the message) and the first sign that the
+    coordinator accepted the node (our ClientApp's own log line), which it records in `marker`."""
 
     REFUSED = b"Exit Code: 305"
+    ACCEPTED = b"soma.worker INFO"
 
-    def __init__(self, proc) -> None:
+    def __init__(self, proc, marker: Path | None = None) -> None:
         import threading
 
-        self.refused = False
+        self.refused = self.stopped = False
+        self._marker = marker
         self._thread = threading.Thread(target=self._run, args=(proc.stdout,), daemon=True)
         self._thread.start()
 
@@ -218,6 +257,10 @@ class _Relay:
 
         for line in iter(stream.readline, b""):
             self.refused |= self.REFUSED in line
+            if self._marker is not None and self.ACCEPTED in line:
+                self._marker.parent.mkdir(parents=True, exist_ok=True)
+                self._marker.touch()
+                self._marker = None
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
 
