@@ -117,19 +117,23 @@ def _metrics(rd: RunDir, kind: str) -> list[dict]:
     return [m for m in rd.read_metrics() if m["type"] == kind]
 
 
-def _pgid_of_worker(run: Path, name: str) -> int:
-    """The process group of the local worker `name` of this run (found by its unique cache path)."""
-    needle = f"{run}/workers/{name}/cache"
+def _kill_worker(run: Path, name: str) -> None:
+    """SIGKILL the local worker `name` of this run as a crash would: its `join` and its SuperNode (which runs
+    in a session of its own), with their process groups. Both are found by the worker's unique cache path."""
+    needle = f"{run}/workers/{name}/cache".encode()
+    groups = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if needle in cmd and (b"join" in cmd or b"flower-supernode" in cmd):
+                groups.add(os.getpgid(int(pid)))
         except OSError:
             continue
-        if b"join" in cmd and needle.encode() in cmd:
-            return os.getpgid(int(pid))
-    raise AssertionError(f"worker {name} of {run} not found")
+    assert len(groups) == 2, f"worker {name} of {run}: found process groups {groups}"
+    for g in groups:
+        os.killpg(g, signal.SIGKILL)
 
 
 def test_federation_trains_and_checkpoints_what_workers_sent(fed):
@@ -177,7 +181,7 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
     try:
         _wait(w1_training, 120, "w1 to start training in the round")
         time.sleep(1.0)
-        os.killpg(_pgid_of_worker(fed["run"], "w1"), signal.SIGKILL)
+        _kill_worker(fed["run"], "w1")
         _finish(fed, proc)
     finally:
         if proc.poll() is None:
