@@ -104,6 +104,16 @@ def train_request(
     }  # fmt: skip
 
 
+def train_request_limit(cfg) -> int:
+    """The most bytes a train request of this run (a `Config`) can need: every expert's weights and
+    optimizer state (the seed's too) and one piece of shards, with room for the rest; what a worker
+    decodes at most, once the capability query told it the run's config."""
+    from soma_edge.params import count
+
+    per = count(cfg.model) * 4 * 4 + 64 * 1024
+    return min(codec.MAX_BYTES, (cfg.federation.experts + 1) * per + PIECE_BYTES + SMALL_BYTES)
+
+
 def piece(sha256: str, offset: int, total: int, data: bytes) -> dict[str, Any]:
     """Bytes [offset, offset + len(data)) of the shard `sha256` of `total` bytes."""
     return {"sha256": sha256, "offset": int(offset), "total": int(total), "data": bytes(data)}

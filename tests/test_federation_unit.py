@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 
 from coordinator import scheduler
 from coordinator.run import RunDir, RunLockedError
@@ -807,3 +807,22 @@ def test_malformed_pieces_are_refused(piece, why):
         protocol.check_pieces([{**good, **piece}])
     with pytest.raises(ValidationError, match="not a list"):
         protocol.check_pieces({"a": 1})
+
+
+def test_worker_decodes_no_train_request_beyond_its_runs_model(run, tmp_path):
+    """The capability query tells the worker the run's model, which bounds every train request it decodes."""
+    from soma_edge import params
+
+    set_fed(run, rounds=1)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    Coordinator(grid, run).main()
+    cfg = run.load_config()
+    limit = Cache(tmp_path / "nodes" / "a").get_json("limit-1")  # the fake grid's Flower run id is 1
+    assert limit == protocol.train_request_limit(cfg) == 5 * (params.count(cfg.model) * 16 + 65536) + protocol.PIECE_BYTES + (1 << 20)
+    train = next(m for m in grid.sent if m.metadata.message_type == protocol.TRAIN)
+    ctx = Context(run_id=1, node_id=train.metadata.dst_node_id, node_config=grid.nodes[train.metadata.dst_node_id],
+                  state=RecordDict(), run_config={})  # fmt: skip
+    Cache(tmp_path / "nodes" / "a").put_json("limit-1", 100)  # as if the run's model were tiny
+    Cache(tmp_path / "nodes" / "b").put_json("limit-1", 100)
+    with pytest.raises(CodecError, match="exceeds the limit of 100 bytes"):
+        client_app.app(train, ctx)

@@ -87,6 +87,8 @@ def capabilities(msg: Message, context: Context) -> Message:
     cfg = config_mod.from_dict(body["config"])
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
     caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
+    # The run's model fixes how large its train requests can be: decode none larger (`train`).
+    cache.put_json(_limit_name(context.run_id), protocol.train_request_limit(cfg))
     log.info("capabilities: %.1f forward evals/s on %s (probe %s)", caps["evals_per_s"], caps["providers"][0],
              "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s")  # fmt: skip
     reply = {"soma_version": __version__, "node": context.node_id, "name": s.name, "pid": os.getpid(),
@@ -121,11 +123,22 @@ def shard_pieces(msg: Message, context: Context) -> Message:
     return _reply(msg, {"node": context.node_id, "complete": done, "errors": errors}, protocol.KIND_ACK)
 
 
+def _limit_name(run_id: Any) -> str:
+    return "limit-" + "".join(c for c in str(run_id) if c.isalnum())[:64]
+
+
+def _train_limit(cache_root: Path, flower_run: int) -> int:
+    """The train-request bound that the capability query of this Flower run set (the codec's own bound
+    for a run this cache never answered a query of: the coordinator always asks first)."""
+    limit = Cache(cache_root).get_json(_limit_name(flower_run))
+    return int(limit) if isinstance(limit, int) and 0 < limit <= codec.MAX_BYTES else codec.MAX_BYTES
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     t_start = time.perf_counter()
     s = settings(dict(context.node_config))
-    body = protocol.unpack(msg.content, protocol.KIND_TRAIN, codec.MAX_BYTES)
+    body = protocol.unpack(msg.content, protocol.KIND_TRAIN, _train_limit(s.cache, context.run_id))
     header = {"node": context.node_id, "name": s.name, "round": body.get("round"), "pid": os.getpid(),
               "torch_importable": torch_importable(), "soma_version": __version__}  # fmt: skip
     if body.get("node") != context.node_id:
