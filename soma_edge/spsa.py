@@ -239,11 +239,13 @@ def _moments(opt: OptState, n: int) -> tuple[np.ndarray, np.ndarray]:
     return opt.adam_m, opt.adam_v
 
 
-def _apply(state: State, cfg: SPSAConfig, body: int, acc: np.ndarray, dec: np.ndarray | None) -> None:
-    """w <- w - lr u(ĝ) on the body, and the decoder's Adam step on the delta-rule gradient."""
+def _apply(state: State, cfg: SPSAConfig, body: int, acc: np.ndarray, dec: np.ndarray | None,
+           decoder_elsewhere: bool = False) -> None:  # fmt: skip
+    """w <- w - lr u(ĝ) on the body, and the decoder's Adam step on the delta-rule gradient (or, with
+    `decoder_elsewhere`, none: a replay that sets the decoder from its log counts the Adam update only)."""
     t, opt, w = state.step, state.opt, state.weights
     lr, _ = schedule(cfg, t, opt.lr_scale)
-    adam = cfg.update == "adam" or dec is not None
+    adam = cfg.update == "adam" or dec is not None or decoder_elsewhere
     n_adam = opt.adam_t + 1
     update = acc / np.float32(cfg.directions * cfg.accumulate)
     if cfg.weight_decay > 0:
@@ -377,23 +379,127 @@ class Stepper:
         _apply(state, cfg, body, acc, dec)
         return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
 
-    def replay(self, state: State, grads: np.ndarray, decoder_grad: np.ndarray | None = None) -> None:
-        """Apply a recorded step from its scalars (and the delta rule's decoder gradient): no loss
-        evaluation, bit-identical result."""
+    def replay(self, state: State, grads: np.ndarray, decoder_grad: np.ndarray | None = None,
+               body_only: bool = False) -> None:  # fmt: skip
+        """Apply a recorded step from its scalars (and the delta rule's decoder gradient, unless
+        `body_only`: the caller sets the decoder itself): no loss evaluation, bit-identical result."""
         cfg, n, t = self.cfg, state.weights.size, state.step
         total = cfg.directions * cfg.accumulate
         if len(grads) != total:
             raise ValueError(f"replay needs {total} scalars, got {len(grads)}")
         body, delta = self._split(n)
-        if delta and (decoder_grad is None or decoder_grad.shape != (n - body,)):
+        if delta and not body_only and (decoder_grad is None or decoder_grad.shape != (n - body,)):
             raise ValueError(f"replay of a delta-rule step needs the decoder gradient float32[{n - body}]")
         acc = np.zeros(body, dtype=np.float32)
         for j, g in enumerate(grads):
             _accumulate(acc, float(g), self._z(t, j, body))
-        _apply(state, cfg, body, acc, decoder_grad if delta else None)
+        _apply(state, cfg, body, acc, None if body_only or not delta else decoder_grad, delta and body_only)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+# --- update logs ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpdateLog:
+    """A round of one expert's steps as the scalars that rebuild it: with the noise keys (the run's seed,
+    the expert, the step), `replay` turns the version it started from into the version it ended at, bit
+    for bit. A delta-rule decoder's update is dense, so its final weights and Adam moments come along."""
+
+    start: int  # the step of the first update
+    grads: np.ndarray  # float32[steps, A*K]: each step's projected gradients (float32 is what the update uses)
+    lr_scale: float  # the plateau factor on lr and eps in force for the round
+    decoder: np.ndarray | None = None  # float32[n - body]: the delta-rule decoder at the end of the round
+    decoder_m: np.ndarray | None = None  # ... and its Adam moments
+    decoder_v: np.ndarray | None = None
+
+    @property
+    def steps(self) -> int:
+        return int(self.grads.shape[0])
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the body's part (the scalars) and of the decoder's (dense weights and moments)."""
+        dec = sum(a.nbytes for a in (self.decoder, self.decoder_m, self.decoder_v) if a is not None)
+        return {"body": int(self.grads.nbytes), "decoder": int(dec)}
+
+    def to_record(self) -> dict[str, Any]:
+        return {"start": self.start, "grads": self.grads, "lr_scale": self.lr_scale, "decoder": self.decoder,
+                "decoder_m": self.decoder_m, "decoder_v": self.decoder_v}  # fmt: skip
+
+    @classmethod
+    def from_record(cls, rec: Any, where: str = "update log") -> "UpdateLog":
+        """Type-check a record (`replay` checks that it fits the state and config); CheckpointError if not."""
+        if not isinstance(rec, dict) or set(rec) != {"start", "grads", "lr_scale", "decoder", "decoder_m", "decoder_v"}:
+            raise CheckpointError(f"{where}: not an update log record")
+        g, scale = rec["grads"], rec["lr_scale"]
+        if not _count(rec["start"]):
+            raise CheckpointError(f"{where}: start {rec['start']!r} is not a step")
+        if not isinstance(g, np.ndarray) or g.dtype != np.float32 or g.ndim != 2:
+            raise CheckpointError(f"{where}: scalars are not a float32 [steps, directions] array")
+        if not isinstance(scale, float) or not (0 < scale <= 1):
+            raise CheckpointError(f"{where}: lr scale {scale!r} is not in (0, 1]")
+        parts = [rec[k] for k in ("decoder", "decoder_m", "decoder_v")]
+        if not (all(a is None for a in parts) or all(isinstance(a, np.ndarray) and a.dtype == np.float32
+                                                      and a.ndim == 1 for a in parts)):  # fmt: skip
+            raise CheckpointError(f"{where}: the decoder's weights and moments must all be float32 vectors, or none")
+        return cls(int(rec["start"]), g, scale, *parts)
+
+
+def record_log(start: int, lr_scale: float, grads: Sequence[np.ndarray], state: State | None = None,
+               body: int = 0) -> UpdateLog:  # fmt: skip
+    """The log of the steps whose StepResult.grads are `grads`; with `state` (after them) and `body`
+    < its size, the delta-rule decoder's weights and moments too."""
+    g = np.array(grads, dtype=np.float32).reshape(len(grads), -1) if len(grads) else np.zeros((0, 0), np.float32)
+    out = UpdateLog(start=int(start), grads=g, lr_scale=float(lr_scale))
+    if state is not None and 0 < body < state.weights.size:
+        out.decoder = state.weights[body:].copy()
+        m, v = _moments(state.opt, state.weights.size)
+        out.decoder_m, out.decoder_v = m[body:].copy(), v[body:].copy()
+    return out
+
+
+def replay(cfg: SPSAConfig, state: State, log: UpdateLog, *, seed: int, expert: int, body: int = 0,
+           dense: np.ndarray | None = None) -> State:  # fmt: skip
+    """The state after `log`'s steps from `state` (which is left as it was): the same float32 arithmetic
+    in the same order as training, so the weights and optimizer state match the worker's bit for bit.
+    ValueError when the log does not fit the state or the config."""
+    n = state.weights.size
+    dec_n = n - body if 0 < body < n else 0
+    delta = cfg.decoder == "delta" and dec_n > 0
+    if log.start != state.step:
+        raise ValueError(f"the log starts at step {log.start}, the version is at step {state.step}")
+    if log.grads.ndim != 2 or (log.steps and log.grads.shape[1] != cfg.directions * cfg.accumulate):
+        raise ValueError(f"the log holds scalars of shape {list(log.grads.shape)}, each step needs "
+                         f"{cfg.directions * cfg.accumulate}")  # fmt: skip
+    if not np.isfinite(log.grads).all():
+        raise ValueError("the log holds non-finite scalars")
+    parts = (log.decoder, log.decoder_m, log.decoder_v)
+    if delta and log.steps and not all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == (dec_n,)
+                                       and np.isfinite(a).all() for a in parts):  # fmt: skip
+        raise ValueError(f"a delta-rule decoder's log needs its finite float32[{dec_n}] weights and Adam moments")
+    if delta and log.steps and (log.decoder_v < 0).any():
+        raise ValueError("the decoder's Adam second moment is negative")
+    out = State(state.weights.copy(), step=state.step, opt=_copy_opt(state.opt))
+    out.opt.lr_scale = float(log.lr_scale)
+    stepper = Stepper(cfg, seed=seed, expert=expert, parallel=1, body=body, dense=dense)
+    try:
+        for g in log.grads:
+            stepper.replay(out, g, body_only=delta)
+    finally:
+        stepper.close()
+    if delta and log.steps:
+        out.weights[body:] = log.decoder
+        m, v = _moments(out.opt, n)
+        m[body:], v[body:] = log.decoder_m, log.decoder_v
+    return out
+
+
+def _copy_opt(opt: OptState) -> OptState:
+    copy = lambda a: None if a is None else a.copy()  # noqa: E731
+    return OptState(momentum=copy(opt.momentum), adam_m=copy(opt.adam_m), adam_v=copy(opt.adam_v),
+                    adam_t=opt.adam_t, lr_scale=opt.lr_scale, best_val=opt.best_val, best_step=opt.best_step)  # fmt: skip
 
 
 def _accumulate(acc: np.ndarray, g: float, z: np.ndarray) -> None:
