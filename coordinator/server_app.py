@@ -30,7 +30,7 @@ from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CheckpointError, CodecError, CorpusError, SomaError, ValidationError
 from soma_edge.logs import role_logger
-from soma_edge.spsa import OptState, evals_per_step, plateau
+from soma_edge.spsa import OptState, State, UpdateLog, evals_per_step, plateau
 from coordinator import guard, scheduler
 from coordinator.run import RunDir, RunLockedError
 
@@ -441,6 +441,7 @@ class Coordinator:
                    pieces: list[dict[str, Any]], shard_bytes: dict[int, int]) -> tuple[Any, Outgoing]:  # fmt: skip
         node = self.nodes[nid]
         tasks, per_expert, exp_tasks = [], {}, {}
+        mode = self._reply_mode(node, r, max((steps[e] for e in experts), default=0))
         for e in experts:
             x = self.state["experts"][str(e)]
             send_w = x["sha256"] not in node.weights
@@ -451,9 +452,9 @@ class Coordinator:
             scale = float(x.get("lr_scale", 1.0))
             tasks.append(protocol.task(expert=e, version=x["version"], base_sha256=x["sha256"], step=x["step"],
                                        steps=steps[e], shards=self._train_shards(e), lr_scale=scale, weights=w,
-                                       opt=opt))  # fmt: skip
+                                       opt=opt, reply=mode))  # fmt: skip
             exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e],
-                            "lr_scale": scale}  # fmt: skip
+                            "lr_scale": scale, "reply": mode}  # fmt: skip
             opt_bytes = stored.nbytes() if stored is not None else 0
             per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": shard_bytes.get(e, 0)}
         fed, config = self.cfg.federation, self._phase_config().to_dict()
@@ -543,11 +544,14 @@ class Coordinator:
                 if e in seen:
                     raise ValidationError(f"expert {e} appears twice in one reply")
                 w, opt = protocol.check_result(res, exp, self.current_sha())
+                ulog = protocol.check_log(res, exp)
+                if ulog is not None:
+                    w, opt = self._from_log(res, ulog, w, opt)
             except ValidationError as err:
                 self._reject(ctx, node, [e], str(err))
                 continue
             seen.add(e)
-            self._accept(ctx, node, res, w, opt, o.per_expert.get(e, {}), body)
+            self._accept(ctx, node, res, w, opt, o.per_expert.get(e, {}), body, ulog)
             evals += res["forward_evals"]
             secs += float(res["seconds"])
         if secs > 0:
@@ -596,8 +600,54 @@ class Coordinator:
             node.status = "excluded"
             ctx.excluded.append(node.label)
 
+    def _from_log(self, res: dict, ulog: UpdateLog, w: np.ndarray | None,
+                  opt: OptState | None) -> tuple[np.ndarray, OptState]:  # fmt: skip
+        """The version a log reply stands for: the replay of its log from the current version, which must
+        hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first."""
+        from coordinator import replay as replay_mod
+
+        e, cfg, fed = res["expert"], self._phase_config(), self.cfg.federation
+        x = self.state["experts"][str(e)]
+        stored = self.run.load_expert(x["path"])
+        base = State(protocol.decode_weights(stored["weights"]), step=int(x["step"]), opt=self._checked_opt(stored, x["path"]))
+        if fed.audit_steps:
+            picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, cfg.seed, e, int(res["version"]))
+            data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in self._train_shards(e)), dtype=np.uint8)
+            replay_mod.audit(cfg, base, ulog, e, data, self._audit_evaluator(cfg), picks)
+        got = replay_mod.rebuild(cfg, base, ulog, e)
+        if w is None:
+            if protocol.weights_sha256(got.weights) != res["sha256"]:
+                raise ValidationError(f"expert {e}: its update log replays to other weights than the sha256 it claims")
+            return got.weights, got.opt
+        if got.weights.astype(w.dtype).tobytes() != w.tobytes():
+            raise ValidationError(f"expert {e}: the weights it sent are not what its update log replays to")
+        return w, opt
+
+    def _audit_evaluator(self, cfg: Config):
+        from soma_edge.runtime import evaluator_for
+
+        if getattr(self, "_auditor", None) is None:  # one thread, no spinning, as for the val loss
+            self._auditor = evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1)
+        return self._auditor
+
+    def _reply_mode(self, node: Node, r: int, steps: int) -> str:
+        """What to ask a node's experts back this round: weights, the update log, or both (a checkpoint)."""
+        fed, cfg = self.cfg.federation, self._phase_config()
+        if fed.reply == "weights":
+            return "weights"
+        if cfg.spsa.noise == "gaussian" and node.caps.get("numpy") != np.__version__:
+            return "weights"  # numpy does not promise the same Gaussian stream from one version to the next
+        if fed.reply == "log":
+            return "log"
+        lay = params.layout(cfg.model)
+        dense = 3 * (lay.size - lay.body) if cfg.spsa.decoder == "delta" else 0
+        log_bytes = 4 * (steps * cfg.spsa.directions * cfg.spsa.accumulate + dense)
+        if log_bytes >= 4 * 3 * lay.size:  # a log longer than the weights and their Adam moments
+            return "weights"
+        return "both" if r % fed.weights_every == 0 else "log"
+
     def _accept(self, ctx: "_RoundCtx", node: Node, res: dict, w: np.ndarray, opt: OptState, sent: dict[str, int],
-                reply: dict) -> None:  # fmt: skip
+                reply: dict, ulog: UpdateLog | None = None) -> None:  # fmt: skip
         e = res["expert"]
         val = self._val_loss(e, protocol.decode_weights(w))
         best = guard.Best.of(self.state["experts"][str(e)])
@@ -631,7 +681,9 @@ class Coordinator:
             "val_loss": val, "steps": res["steps"], "forward_evals": res["forward_evals"],
             "seconds": float(res["seconds"]), "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
             "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
-            "weights_bytes_up": int(w.nbytes), "opt_bytes_up": opt.nbytes(),
+            "weights_bytes_up": int(w.nbytes) if res.get("weights") is not None else 0,
+            "opt_bytes_up": opt.nbytes() if res.get("opt") is not None else 0,
+            "log_bytes_up": ulog.nbytes() if ulog is not None else None,
             "torch_importable": reply.get("torch_importable"),
             "lr_scale": trained_at, "next_lr_scale": opt.lr_scale, "best_version": best.version,
         }  # fmt: skip

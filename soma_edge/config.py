@@ -97,6 +97,12 @@ class FederationConfig:
     guard_tolerance: float = 0.05
     max_strikes: int = 3
     piece_bytes: int = 32 << 20  # shard bytes a node lacks travel in messages of at most this many (<= 32 MiB)
+    # What a worker returns: "weights" (and optimizer state), "log" (the round's update log: the SPSA scalars,
+    # which the coordinator replays bit for bit), or "auto" (the log, with the weights as well every
+    # `weights_every` rounds as a checkpoint the replay must match).
+    reply: str = "weights"
+    weights_every: int = 10
+    audit_steps: int = 0  # steps per log reply whose losses the coordinator recomputes to check its scalars
 
 
 @dataclass
@@ -182,6 +188,7 @@ UPDATES = ("rms", "adam", "sgd")
 DECODERS = ("delta", "spsa", "frozen")
 KINDS = ("lstm", "soma")
 SEED_DECODERS = ("frozen", "delta")
+REPLIES = ("weights", "log", "auto")
 
 
 def _check_finite(obj: Any, prefix: str) -> None:
@@ -258,6 +265,9 @@ def validate(cfg: Config) -> Config:
            f.guard_tolerance)  # fmt: skip
     _check(1 << 16 <= f.piece_bytes <= 32 << 20, "federation.piece_bytes", "between 65536 and 33554432 (32 MiB)",
            f.piece_bytes)  # fmt: skip
+    _check(f.reply in REPLIES, "federation.reply", " | ".join(map(repr, REPLIES)), f.reply)
+    _check(f.weights_every >= 1, "federation.weights_every", ">= 1", f.weights_every)
+    _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)

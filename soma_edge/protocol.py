@@ -28,7 +28,7 @@ import numpy as np
 
 from soma_edge import __version__, codec
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
-from soma_edge.spsa import OptState
+from soma_edge.spsa import OptState, UpdateLog
 
 PROTOCOL = 3  # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces)
 STYPE = "soma/msgpack"
@@ -157,9 +157,13 @@ def pieces_request(run_id: str, node: int, pieces: list[dict[str, Any]]) -> dict
     return {"soma_version": __version__, "run_id": run_id, "node": node, "pieces": pieces}
 
 
+REPLY_MODES = ("weights", "log", "both")  # what a task asks back: weights, the update log, or both
+
+
 def task(
     *, expert: int, version: int, base_sha256: str, step: int, steps: int, shards: list[str],
     lr_scale: float = 1.0, weights: np.ndarray | None = None, opt: dict[str, Any] | None = None,
+    reply: str = "weights",
 ) -> dict[str, Any]:  # fmt: skip
     """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
 
@@ -168,7 +172,7 @@ def task(
     rule's factor for the whole round, decided by the coordinator; it overrides the cached one."""
     return {
         "expert": expert, "version": version, "base_sha256": base_sha256, "step": step, "steps": steps,
-        "shards": list(shards), "lr_scale": float(lr_scale), "weights": weights, "opt": opt,
+        "shards": list(shards), "lr_scale": float(lr_scale), "weights": weights, "opt": opt, "reply": reply,
     }  # fmt: skip
 
 
@@ -178,7 +182,7 @@ class Expected:
 
     node: int
     round: int
-    tasks: dict[int, dict[str, Any]]  # expert -> {"version", "base_sha256", "step", "steps", "lr_scale"}
+    tasks: dict[int, dict[str, Any]]  # expert -> {"version", "base_sha256", "step", "steps", "lr_scale", "reply"}
     size: int  # parameters per expert
     reply_dtype: str
 
@@ -249,7 +253,7 @@ def check_caps(caps: dict[str, Any]) -> float:
     rate = caps.get("evals_per_s")
     if not _is_number(rate) or rate <= 0:
         raise ValidationError(f"throughput {rate!r} is not a positive number")
-    for key in ("name", "soma_version"):
+    for key in ("name", "soma_version", "numpy"):
         if caps.get(key) is not None and not isinstance(caps[key], str):
             raise ValidationError(f"{key} is {type(caps[key]).__name__}, not a string")
     providers = caps.get("providers")
@@ -261,9 +265,9 @@ def check_caps(caps: dict[str, Any]) -> float:
     return float(rate)
 
 
-def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[np.ndarray, OptState]:
-    """Validate one expert's result; returns its weights (exactly as received) and optimizer state, or
-    raises ValidationError.
+def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[np.ndarray | None, OptState | None]:
+    """Validate one expert's result; returns its weights (exactly as received) and optimizer state (both
+    None for a task that asked for the update log alone: see `check_log`), or raises ValidationError.
 
     `current_sha` is the coordinator's current accepted version hash per expert."""
     if not isinstance(res, dict):
@@ -278,10 +282,9 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
     sent = exp.tasks[e]
     base = res.get("base_sha256")
     if not _is_sha256(base) or base != current_sha[e] or sent["base_sha256"] != current_sha[e]:
-        raise ValidationError(
-            f"expert {e}: stale base version {base[:12] if isinstance(base, str) else _short(base)} (sent {sent['base_sha256'][:12]}), current is "
-            f"{current_sha[e][:12]}"
-        )
+        shown = base[:12] if isinstance(base, str) else _short(base)
+        raise ValidationError(f"expert {e}: stale base version {shown} (sent {sent['base_sha256'][:12]}), current is "
+                              f"{current_sha[e][:12]}")  # fmt: skip
     if not _is_int(res.get("version")) or res["version"] != sent["version"] + 1:
         raise ValidationError(f"expert {e}: version {res.get('version')!r}, expected {sent['version'] + 1}")
     steps = res.get("steps")
@@ -289,6 +292,11 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
         raise ValidationError(f"expert {e}: ran {steps!r} steps, asked for 1..{sent['steps']}")
     if not _is_int(res.get("step")) or res["step"] != sent["step"] + steps:
         raise ValidationError(f"expert {e}: step counter {res.get('step')!r}, expected {sent['step'] + steps}")
+    if sent.get("reply", "weights") == "log":  # the weights come from the coordinator's replay (check_log)
+        if res.get("weights") is not None or res.get("opt") is not None:
+            raise ValidationError(f"expert {e}: weights or optimizer state in a reply that was asked for its log")
+        _check_tail(res, e)
+        return None, None
     w = res.get("weights")
     if not isinstance(w, np.ndarray):
         raise ValidationError(f"expert {e}: weights missing")
@@ -304,6 +312,14 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
         raise ValidationError(str(err)) from None
     if opt.lr_scale != sent["lr_scale"]:
         raise ValidationError(f"expert {e}: trained at lr scale {opt.lr_scale:g}, the round's is {sent['lr_scale']:g}")
+    _check_tail(res, e)
+    if res["sha256"] != weights_sha256(w):
+        raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
+    return w, opt
+
+
+def _check_tail(res: dict[str, Any], e: int) -> None:
+    """The fields of a result besides its weights: loss, counters, the claimed hash's form."""
     loss = res.get("train_loss")
     if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
         raise ValidationError(f"expert {e}: train loss {loss!r} is not finite")
@@ -312,9 +328,29 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
         raise ValidationError(f"expert {e}: forward_evals {evals!r} is not a count")
     if not _is_number(seconds) or seconds < 0:
         raise ValidationError(f"expert {e}: seconds {seconds!r} is not a finite duration")
-    if not _is_sha256(res.get("sha256")) or res["sha256"] != weights_sha256(w):
+    if not _is_sha256(res.get("sha256")):
         raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
-    return w, opt
+
+
+def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:
+    """The update log of a result that `check_result` passed, if its task asked for one: type-checked
+    and continuing the version it was sent (whether it replays to the claimed weights is the caller's)."""
+    e = res["expert"]
+    sent = exp.tasks[e]
+    if sent.get("reply", "weights") == "weights":
+        return None
+    try:
+        log = UpdateLog.from_record(res.get("log"), f"expert {e}: update log")
+    except CheckpointError as err:
+        raise ValidationError(str(err)) from None
+    if log.steps != res["steps"]:
+        raise ValidationError(f"expert {e}: the log holds {log.steps} steps, the result claims {res['steps']}")
+    if log.start != sent["step"]:
+        raise ValidationError(f"expert {e}: the log starts at step {log.start}, the version it was sent is at "
+                              f"step {sent['step']}")  # fmt: skip
+    if log.lr_scale != sent["lr_scale"]:
+        raise ValidationError(f"expert {e}: the log's lr scale {log.lr_scale:g} is not the round's {sent['lr_scale']:g}")
+    return log
 
 
 def decode_weights(w: np.ndarray) -> np.ndarray:

@@ -118,6 +118,11 @@ class OptState:
     best_val: float | None = None  # plateau counters: the best val loss so far and the step it was seen
     best_step: int = 0
 
+    def copy(self) -> "OptState":
+        arr = lambda a: None if a is None else a.copy()  # noqa: E731
+        return OptState(momentum=arr(self.momentum), adam_m=arr(self.adam_m), adam_v=arr(self.adam_v),
+                        adam_t=self.adam_t, lr_scale=self.lr_scale, best_val=self.best_val, best_step=self.best_step)  # fmt: skip
+
     def nbytes(self) -> int:
         """Bytes of its vectors (what the state adds to a message or checkpoint beyond the weights)."""
         return sum(a.nbytes for a in (self.momentum, self.adam_m, self.adam_v) if a is not None)
@@ -374,7 +379,7 @@ class Stepper:
         dec, loss = None, probe_losses / (2 * total)
         if delta:
             outs = [f.result() for f in cleans]
-            dec = _mean_decoder_grad([g for _, g in outs])
+            dec = mean_decoder_grad([g for _, g in outs])
             loss = sum(l for l, _ in outs) / len(outs)
         _apply(state, cfg, body, acc, dec)
         return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
@@ -481,7 +486,7 @@ def replay(cfg: SPSAConfig, state: State, log: UpdateLog, *, seed: int, expert: 
         raise ValueError(f"a delta-rule decoder's log needs its finite float32[{dec_n}] weights and Adam moments")
     if delta and log.steps and (log.decoder_v < 0).any():
         raise ValueError("the decoder's Adam second moment is negative")
-    out = State(state.weights.copy(), step=state.step, opt=_copy_opt(state.opt))
+    out = State(state.weights.copy(), step=state.step, opt=state.opt.copy())
     out.opt.lr_scale = float(log.lr_scale)
     stepper = Stepper(cfg, seed=seed, expert=expert, parallel=1, body=body, dense=dense)
     try:
@@ -496,17 +501,12 @@ def replay(cfg: SPSAConfig, state: State, log: UpdateLog, *, seed: int, expert: 
     return out
 
 
-def _copy_opt(opt: OptState) -> OptState:
-    copy = lambda a: None if a is None else a.copy()  # noqa: E731
-    return OptState(momentum=copy(opt.momentum), adam_m=copy(opt.adam_m), adam_v=copy(opt.adam_v),
-                    adam_t=opt.adam_t, lr_scale=opt.lr_scale, best_val=opt.best_val, best_step=opt.best_step)  # fmt: skip
-
-
 def _accumulate(acc: np.ndarray, g: float, z: np.ndarray) -> None:
     acc += np.float32(g) * z
 
 
-def _mean_decoder_grad(grads: list[np.ndarray]) -> np.ndarray:
+def mean_decoder_grad(grads: list[np.ndarray]) -> np.ndarray:
+    """The delta rule's gradient of a step: the mean over its minibatches, in batch order."""
     out = np.array(grads[0], dtype=np.float32)
     for g in grads[1:]:
         out += g

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from soma_edge import checkpoint, params, spsa
+from soma_edge import checkpoint, params, protocol, spsa
 from soma_edge.config import Config, from_dict
 from soma_edge.errors import CheckpointError
 
@@ -42,7 +42,7 @@ def _train(cfg: Config, expert: int, start: spsa.State) -> tuple[spsa.State, sps
     from soma_edge.runtime import evaluator_for
     from worker.trainer import train
 
-    state = spsa.State(start.weights.copy(), step=start.step, opt=spsa._copy_opt(start.opt))
+    state = spsa.State(start.weights.copy(), step=start.step, opt=start.opt.copy())
     state.opt.lr_scale = 0.5  # the coordinator's plateau factor for the round: the log carries it
     data = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
     lay = params.layout(cfg.model)
@@ -54,7 +54,7 @@ def _train(cfg: Config, expert: int, start: spsa.State) -> tuple[spsa.State, sps
 REPLAY_CHILD = """
 import sys
 import numpy as np
-from soma_edge import checkpoint, params, spsa
+from soma_edge import checkpoint, params, protocol, spsa
 from soma_edge.config import from_dict
 jobs = checkpoint.load(sys.argv[1], "replay_jobs")
 out = {}
@@ -147,3 +147,138 @@ def test_update_log_records_are_type_checked(trained, edit, message):
     _, _, _, log = _good(trained)
     with pytest.raises(CheckpointError, match=re.escape(message)):
         spsa.UpdateLog.from_record({**log.to_record(), **edit})
+
+
+# --- log replies through the round loop (fake grid, real ClientApp) -------------------------------------
+
+
+def _round_lines(rd):
+    return [m for m in rd.read_metrics() if m["type"] == "round"]
+
+
+def _expert_lines(rd):
+    return [m for m in rd.read_metrics() if m["type"] == "expert"]
+
+
+def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(run, tmp_path, monkeypatch):
+    """reply = "log" with a decoder that is not dense-updated: every version the coordinator stores is
+    its replay, which is bit for bit what the worker computed (the worker cached it under the same
+    hash), and the replies carry a small fraction of the bytes that weights mode moves."""
+    from coordinator.server_app import Coordinator
+    from fakegrid import FakeGrid, equal_rates, set_fed
+    from worker.cache import Cache
+
+    equal_rates(monkeypatch)
+    cfg = run.load_config()
+    cfg.spsa.decoder = "spsa"
+    run.save_config(cfg)
+    weights_run = type(run)(tmp_path / "weights-run")
+    import shutil
+
+    shutil.copytree(run.root, weights_run.root)
+    set_fed(run, rounds=2, reply="log")
+    set_fed(weights_run, rounds=2, reply="weights")
+    state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    Coordinator(FakeGrid(tmp_path / "nodes-w", ["a", "b"]), weights_run).main()
+    lines = _expert_lines(run)
+    assert len(lines) == 8 and all(m["accepted"] and m["weights_bytes_up"] == 0 for m in lines)
+    assert all(m["log_bytes_up"]["body"] > 0 and m["log_bytes_up"]["decoder"] == 0 for m in lines)
+    for e, x in state["experts"].items():
+        stored = checkpoint.load(run.root / x["path"], "expert")["weights"]
+        node = "a" if x["node"] == "a" else "b"
+        cached = Cache(tmp_path / "nodes" / node).get_weights(x["sha256"])
+        assert cached is not None and cached["weights"].tobytes() == stored.tobytes()
+        assert stored.dtype == np.float32
+    up_log = sum(m["bytes_up"] for m in _round_lines(run))
+    up_weights = sum(m["bytes_up"] for m in _round_lines(weights_run))
+    assert up_log < 0.05 * up_weights, (up_log, up_weights)
+
+
+def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(run, tmp_path, monkeypatch):
+    from coordinator.server_app import Coordinator
+    from fakegrid import FakeGrid, equal_rates, set_fed
+
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=2, reply="auto", weights_every=2)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    Coordinator(grid, run).main()
+    lines = _expert_lines(run)
+    assert all(m["accepted"] for m in lines)
+    by_round = {r: [m for m in lines if m["round"] == r] for r in (1, 2)}
+    assert all(m["weights_bytes_up"] == 0 and m["log_bytes_up"]["decoder"] > 0 for m in by_round[1])  # delta rule
+    assert all(m["weights_bytes_up"] > 0 and m["log_bytes_up"] is not None for m in by_round[2])  # the checkpoint
+    # A worker whose weights differ from its own log, in a checkpoint round, is refused.
+    set_fed(run, rounds=4)
+
+    def lie(nid, body):
+        for res in body["results"]:
+            if res.get("weights") is not None and res.get("log") is not None:
+                res["weights"] = res["weights"].copy()
+                res["weights"][0] += 1
+                res["sha256"] = protocol.weights_sha256(res["weights"])
+        return body
+
+    Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=lie), run).main()
+    r4 = [m for m in _round_lines(run) if m["round"] == 4][0]
+    assert len(r4["rejected"]) == 4 and all("not what its update log replays to" in x["reason"] for x in r4["rejected"])
+
+
+def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypatch):
+    """Node b alters one scalar of its log and claims the hash its altered log replays to, so the replay
+    alone cannot tell; the audit recomputes that step's losses and refuses the reply."""
+    from coordinator import replay as replay_mod
+    from coordinator.server_app import Coordinator
+    from fakegrid import FakeGrid, equal_rates, set_fed
+
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=2, reply="log", audit_steps=1024)  # every step: the altered one is surely among them
+    box: list = []
+
+    def lie(nid, body):
+        coord = box[0]
+        for res in body["results"] if nid == 1001 else []:
+            log = spsa.UpdateLog.from_record(res["log"])
+            log.grads[log.steps // 2, 0] *= 3.0
+            x = coord.state["experts"][str(res["expert"])]
+            stored = coord.run.load_expert(x["path"])
+            base = spsa.State(protocol.decode_weights(stored["weights"]), step=x["step"],
+                              opt=coord._checked_opt(stored, x["path"]))  # fmt: skip
+            got = replay_mod.rebuild(coord._phase_config(), base, log, res["expert"])
+            res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
+        return body
+
+    coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=lie), run)
+    box.append(coord)
+    state = coord.main()
+    rejected = [x for m in _round_lines(run) for x in m["rejected"]]
+    assert rejected and all(x["node"] == "b" and "the losses give" in x["reason"] for x in rejected), rejected
+    honest = [m for m in _expert_lines(run) if m["node"] == "a"]
+    assert honest and all(m["accepted"] for m in honest)  # the audit passes honest logs (delta rule rebuilt)
+    assert state["round"] == 2 and all(m["version"] <= 2 for m in _expert_lines(run))
+    assert state["strikes"]["node:1001"]["count"] == len(rejected)
+
+
+def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, monkeypatch):
+    from coordinator.server_app import Coordinator
+    from fakegrid import FakeGrid, set_fed
+    from flwr.app import Message
+    from worker import client_app
+
+    cfg = run.load_config()
+    cfg.spsa.noise = "gaussian"
+    run.save_config(cfg)
+    set_fed(run, rounds=1, reply="log")
+    real = client_app.capabilities
+
+    def other_numpy(msg, context):  # node b claims another numpy: its Gaussian stream may differ
+        body = protocol.unpack(real(msg, context).content, protocol.KIND_CAPS)
+        body["numpy"] = body["numpy"] if context.node_id == 1000 else "1.0.0"
+        return Message(protocol.pack(body, protocol.KIND_CAPS), reply_to=msg)
+
+    monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", other_numpy)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    Coordinator(grid, run).main()
+    modes = {m.metadata.dst_node_id: {t["reply"] for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]}
+             for m in grid.sent if m.metadata.message_type == protocol.TRAIN}  # fmt: skip
+    assert modes == {1000: {"log"}, 1001: {"weights"}}
+    assert all(m["accepted"] for m in _expert_lines(run))

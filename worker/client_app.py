@@ -31,7 +31,8 @@ from soma_edge import __version__, codec, protocol  # noqa: E402
 from soma_edge import config as config_mod  # noqa: E402
 from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
 from soma_edge.errors import CheckpointError, SomaError, ValidationError  # noqa: E402
-from soma_edge.spsa import OptState, State  # noqa: E402
+from soma_edge.params import layout  # noqa: E402
+from soma_edge.spsa import OptState, State, record_log  # noqa: E402
 from soma_edge.logs import role_logger  # noqa: E402
 from worker import probe  # noqa: E402
 from worker.cache import Cache  # noqa: E402
@@ -92,7 +93,8 @@ def capabilities(msg: Message, context: Context) -> Message:
     log.info("capabilities: %.1f forward evals/s on %s (probe %s)", caps["evals_per_s"], caps["providers"][0],
              "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s")  # fmt: skip
     reply = {"soma_version": __version__, "node": context.node_id, "name": s.name, "pid": os.getpid(),
-             "torch_importable": torch_importable(), "cache": cache.inventory(), **caps}  # fmt: skip
+             "torch_importable": torch_importable(), "cache": cache.inventory(), "numpy": np.__version__,
+             **caps}  # fmt: skip
     return _reply(msg, reply, protocol.KIND_CAPS)
 
 
@@ -191,18 +193,27 @@ def train(msg: Message, context: Context) -> Message:
         remaining = budget - (time.perf_counter() - t_start)
         cap = max(0.01, remaining / (len(runnable) - i))  # at least one step per expert
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
+        start = state.step
         rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
-        out = state.weights.astype(reply_dtype)
+        mode = t.get("reply", "weights")
+        # With the log alone, the coordinator stores its float32 replay: the hash is of the float32 weights.
+        out = state.weights if mode == "log" else state.weights.astype(reply_dtype)
         sha = protocol.weights_sha256(out)
         cache.put_weights(sha, expert=e, version=t["version"] + 1, step=state.step, weights=out,
                           opt=state.opt.to_record(), run_id=run_id)  # fmt: skip
         log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", e, t["version"] + 1, sha,
                  rep.steps, rep.seconds, rep.loss)  # fmt: skip
-        results.append({
+        res = {
             "expert": e, "base_sha256": t["base_sha256"], "version": t["version"] + 1, "step": state.step,
             "steps": rep.steps, "forward_evals": rep.forward_evals, "seconds": rep.seconds,
             "train_loss": rep.loss, "sha256": sha, "weights": out, "opt": state.opt.to_record(),
-        })  # fmt: skip
+        }  # fmt: skip
+        if mode in ("log", "both"):
+            dense = cfg.spsa.decoder == "delta"
+            res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, layout(cfg.model).body if dense else 0).to_record()
+        if mode == "log":
+            res["weights"] = res["opt"] = None
+        results.append(res)
     protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
     cache.evict(protect)
     reply = {**header, "results": results, "missing": {"weights": missing_w, "shards": sorted(set(missing_s))},

@@ -1,0 +1,82 @@
+"""Rebuilding a version from a worker's update log, and auditing the steps it claims.
+
+In log mode a worker returns, per expert, the scalars of its round's SPSA steps instead of the weights
+(`soma_edge.spsa.UpdateLog`); the noise comes back from its keys, so `spsa.replay` gives the version the
+worker ended at, bit for bit, and its hash must be the one the worker claimed.
+
+The log also makes each step checkable. With `federation.audit_steps = s`, the coordinator picks s steps
+at random and recomputes their two losses per direction with forward passes of its own, at the weights
+the replay reached at that step, on the batch the step's key draws: a claimed scalar off by more than
+float noise refuses the reply. A delta-rule decoder's weights are not in the log step by step, so an
+audit rebuilds the decoder along the way with a clean forward per step (the delta rule is exact), and its
+final decoder must match the worker's within float noise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from soma_edge import params
+from soma_edge.config import Config
+from soma_edge.errors import ValidationError
+from soma_edge.spsa import State, Stepper, UpdateLog, mean_decoder_grad, replay, schedule
+
+G_TOLERANCE = 1e-2  # |g - claimed| <= tol * (1 + |claimed|): a forward on another box differs by ~1e-6 in loss
+DECODER_TOLERANCE = 1e-3  # max |decoder - claimed| after a rebuilt round, in weight units
+
+
+def rebuild(cfg: Config, base: State, log: UpdateLog, expert: int) -> State:
+    """The version the log leads to from `base` (ValidationError if the log does not fit it)."""
+    lay = params.layout(cfg.model)
+    try:
+        return replay(cfg.spsa, base, log, seed=cfg.seed, expert=expert, body=lay.body, dense=lay.dense())
+    except ValueError as e:
+        raise ValidationError(f"expert {expert}: {e}") from None
+
+
+def audit(cfg: Config, base: State, log: UpdateLog, expert: int, data: np.ndarray, evaluator, steps: list[int]) -> None:
+    """Recompute the scalars of `steps` (indices into the log) from forward passes; ValidationError on
+    the first that the worker did not compute. `evaluator` is a `LossEvaluator` of the run's model (with
+    the decoder-gradient graph when the decoder learns by the delta rule)."""
+    from worker.trainer import objectives  # the worker's own batches, drawn from the same keys
+
+    lay = params.layout(cfg.model)
+    s = cfg.spsa
+    stepper = Stepper(s, seed=cfg.seed, expert=expert, parallel=1, body=lay.body, dense=lay.dense())
+    state = State(base.weights.copy(), step=base.step, opt=base.opt.copy())
+    state.opt.lr_scale = log.lr_scale
+    body, delta = stepper._split(state.weights.size)
+    wanted, last = set(steps), max(steps, default=-1)
+    try:
+        for i, g in enumerate(log.grads):
+            if not delta and i > last:
+                return  # every audited step is checked, and nothing dense needs rebuilding
+            objs = objectives(data, cfg, evaluator, expert, state.step)
+            if i in wanted:
+                _check_step(stepper, state, objs, g, body, i, expert, s.directions)
+            dec = mean_decoder_grad([o.clean(state.weights)[1] for o in objs]) if delta else None
+            stepper.replay(state, g, dec)
+    finally:
+        stepper.close()
+    if delta and log.steps:
+        worst = float(np.max(np.abs(state.weights[lay.body:] - log.decoder)))
+        if not worst <= DECODER_TOLERANCE:
+            raise ValidationError(f"expert {expert}: the decoder that its steps lead to differs from the one it sent "
+                                  f"by {worst:.3g} (tolerance {DECODER_TOLERANCE:g})")  # fmt: skip
+
+
+def sample_steps(n: int, count: int, seed: int, expert: int, version: int) -> list[int]:
+    """Which of a log's n steps to audit: `count` distinct ones, from a key the worker cannot choose."""
+    rng = np.random.default_rng([seed, expert, version, 0xA0D1])
+    return sorted(int(i) for i in rng.choice(n, size=min(count, n), replace=False)) if n else []
+
+
+def _check_step(stepper: Stepper, state: State, objs, claimed: np.ndarray, body: int, i: int, expert: int,
+                k: int) -> None:  # fmt: skip
+    _, eps = schedule(stepper.cfg, state.step, state.opt.lr_scale)
+    for j, want in enumerate(claimed):
+        lp, lm, _ = stepper._direction(state.weights, objs[j // k].loss, state.step, j, body, eps)
+        got = (lp - lm) / (2.0 * eps)
+        if not abs(got - float(want)) <= G_TOLERANCE * (1 + abs(float(want))):
+            raise ValidationError(f"expert {expert}: step {state.step} (log step {i}), direction {j}: the losses give "
+                                  f"{got:.6g}, the log claims {float(want):.6g}")  # fmt: skip
