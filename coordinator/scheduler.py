@@ -6,6 +6,13 @@ identical jobs on machines of different speeds. Those are the quotas k_n. Then a
 it trained on last round whenever that node is live and has quota left, so its weights stay where they
 are (the node caches them; nothing is sent); only the remainder moves.
 
+Moving costs: an expert that moves drags its weights, and maybe its shards, over the new node's link.
+So the quotas keep last round's split while its makespan is within MOVE_MARGIN of the best one (a small
+change in measured rates no longer moves an expert and its cache), and an expert that must move goes
+to the node with quota left that would fetch what it lacks fastest (`transfer(e, n)`: seconds, from the
+bytes the node's cache lacks and its measured link rate). The plan's predicted transfer time per node
+extends that node's round deadline.
+
 Each node then gets a step budget that fills `round_seconds` of compute: steps = round_seconds * r_n /
 (2 K k_n), two forward passes per SPSA direction, times HEADROOM. The worker also stops each expert at
 its share of `round_seconds`, so a node whose rate was overestimated still meets the deadline and one
@@ -17,12 +24,14 @@ not among the live nodes, so its experts are redistributed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 HEADROOM = 1.5  # step budget over the predicted steps; the worker's time budget is what normally stops it
 # Rates are claims by workers: bound them, so that no claim takes every expert with steps too large to encode.
 MAX_RATE = 1e7  # forward evaluations/s; orders of magnitude above any device on our model shapes
 MAX_STEPS = 2**31 - 1  # per expert per round
+MOVE_MARGIN = 0.10  # keep last round's split of experts while its makespan is within 10% of the best
 
 
 @dataclass
@@ -31,22 +40,36 @@ class Plan:
     steps: dict[int, int]  # expert -> SPSA steps this round
     makespan: float  # predicted compute seconds of the slowest node
     moved: list[int]  # experts whose node changed (weights must travel)
+    transfer: dict[int, float] = field(default_factory=dict)  # node -> predicted seconds to fetch what it lacks
 
 
-def quotas(n_experts: int, rates: dict[int, float]) -> dict[int, int]:
-    """Experts per node minimizing the makespan (ties to the lower node id, for determinism)."""
+def _span(counts: dict[int, int], rates: dict[int, float]) -> float:
+    return max((k / max(rates[n], 1e-9) for n, k in counts.items() if k), default=0.0)
+
+
+def quotas(n_experts: int, rates: dict[int, float], keep: dict[int, int] | None = None) -> dict[int, int]:
+    """Experts per node minimizing the makespan (ties to the lower node id, for determinism); `keep`
+    (last round's counts) stands while its makespan is within MOVE_MARGIN of that."""
     if not rates:
         raise ValueError("no live nodes to schedule on")
     counts = {n: 0 for n in rates}
     for _ in range(n_experts):
         best = min(sorted(rates), key=lambda n: (counts[n] + 1) / max(rates[n], 1e-9))
         counts[best] += 1
+    if keep and set(keep) <= set(rates) and sum(keep.values()) == n_experts:
+        if _span(keep, rates) <= _span(counts, rates) * (1 + MOVE_MARGIN):
+            return {n: keep.get(n, 0) for n in rates}
     return counts
 
 
-def assign(experts: list[int], rates: dict[int, float], previous: dict[int, int]) -> dict[int, int]:
-    """Sticky assignment within the makespan-optimal quotas."""
-    left = quotas(len(experts), rates)
+def assign(experts: list[int], rates: dict[int, float], previous: dict[int, int],
+           transfer: Callable[[int, int], float] | None = None) -> dict[int, int]:  # fmt: skip
+    """Sticky assignment within the quotas; an expert that moves goes where it is fetched fastest."""
+    held = {}
+    for e in experts:
+        if previous.get(e) in rates:
+            held[previous[e]] = held.get(previous[e], 0) + 1
+    left = quotas(len(experts), rates, held)
     out: dict[int, int] = {}
     for e in sorted(experts):
         n = previous.get(e)
@@ -56,7 +79,8 @@ def assign(experts: list[int], rates: dict[int, float], previous: dict[int, int]
     for e in sorted(experts):
         if e in out:
             continue
-        n = max(sorted(left), key=lambda n: (left[n], rates[n]))
+        cost = (lambda n: transfer(e, n)) if transfer else (lambda n: 0.0)
+        n = min(sorted(n for n in left if left[n] > 0), key=lambda n: (cost(n), -left[n], -rates[n]))
         out[e] = n
         left[n] -= 1
     return out
@@ -75,8 +99,8 @@ def steps_for(rate: float, count: int, round_seconds: float, evals_per_step: int
 
 
 def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], round_seconds: float,
-         evals_per_step: int) -> Plan:  # fmt: skip
-    assignment = assign(experts, rates, previous)
+         evals_per_step: int, transfer: Callable[[int, int], float] | None = None) -> Plan:  # fmt: skip
+    assignment = assign(experts, rates, previous, transfer)
     counts: dict[int, int] = {}
     for n in assignment.values():
         counts[n] = counts.get(n, 0) + 1
@@ -85,7 +109,24 @@ def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], 
                 for n in counts), default=0.0)  # fmt: skip
     steps = {e: min(MAX_STEPS, math.ceil(HEADROOM * s)) for e, s in predicted.items()}
     moved = sorted(e for e, n in assignment.items() if previous.get(e) != n)
-    return Plan(assignment=assignment, steps=steps, makespan=span, moved=moved)
+    fetch: dict[int, float] = {}
+    for e, n in assignment.items():
+        fetch[n] = fetch.get(n, 0.0) + (transfer(e, n) if transfer else 0.0)
+    return Plan(assignment=assignment, steps=steps, makespan=span, moved=moved, transfer=fetch)
+
+
+FLOWER_SECONDS = 4.5  # a message's round trip beyond its transfer and compute (process start, polling)
+MIN_PROBE_BYTES = 256 << 10  # smaller messages say nothing about a link: Flower's overhead dominates
+
+
+def link_rate(old: float | None, nbytes: int, elapsed: float, compute: float) -> float | None:
+    """A node's download rate (bytes/s) blended with what one train message showed: its bytes over the
+    time the reply took beyond the node's compute and Flower's own overhead. Unknown (None) until a
+    message of at least MIN_PROBE_BYTES has been timed."""
+    if nbytes < MIN_PROBE_BYTES or not math.isfinite(elapsed) or not math.isfinite(compute):
+        return old
+    seen = nbytes / max(0.5, elapsed - compute - FLOWER_SECONDS)
+    return seen if old is None else 0.5 * old + 0.5 * seen
 
 
 def update_rate(old: float, observed: float, weight: float = 0.5) -> float:

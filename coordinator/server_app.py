@@ -48,6 +48,7 @@ class Node:
     label: str = "?"  # the name, plus "#id" when another live node has the same name (both default to the host name)
     status: str = "new"  # new | querying | active | probation (missed a deadline) | excluded
     rate: float = 0.0  # forward evaluations/s, probed then updated from real rounds
+    link: float | None = None  # download bytes/s, measured from large train messages (None: not yet)
     weights: set[str] = field(default_factory=set)  # version hashes its cache holds (as far as we know)
     shards: set[str] = field(default_factory=set)
     caps: dict[str, Any] = field(default_factory=dict)
@@ -67,6 +68,7 @@ class Outgoing:
     expected: protocol.Expected | None = None
     bytes_down: int = 0
     per_expert: dict[int, dict[str, int]] = field(default_factory=dict)  # expert -> weight/shard bytes sent
+    sent_at: float = 0.0
 
 
 class Coordinator:
@@ -259,7 +261,7 @@ class Coordinator:
             return
         mids = list(self.grid.push_messages([m for m, _ in items]))
         for mid, (m, o) in zip(mids, items):
-            o.bytes_down = protocol.payload_bytes(m.content)
+            o.bytes_down, o.sent_at = protocol.payload_bytes(m.content), self.clock()
             self.out[mid] = o
             if o.kind == "query":
                 self.nodes[o.node].query_mid = mid
@@ -365,6 +367,22 @@ class Coordinator:
             self.sleep(POLL_SECONDS)
 
     # --- one round ------------------------------------------------------------------------------------
+
+    def _transfer_seconds(self, e: int, nid: int) -> float:
+        """How long node `nid` would take to fetch what expert e needs and its cache lacks (0 while its
+        link is unmeasured): the version with its optimizer state, and the shards."""
+        node = self.nodes[nid]
+        if not node.link:
+            return 0.0
+        nbytes = 0 if self.state["experts"][str(e)]["sha256"] in node.weights else 3 * 4 * self.size
+        sizes = self._shard_sizes()
+        nbytes += sum(sizes.get(h, 0) for h in self._train_shards(e) if h not in node.shards)
+        return nbytes / node.link
+
+    def _shard_sizes(self) -> dict[str, int]:
+        if getattr(self, "_sizes", None) is None:
+            self._sizes = {c["shards"][s]: int(c["bytes"][s]) for c in self.prep["clusters"] for s in c["shards"]}
+        return self._sizes
 
     def _previous(self, active: dict[int, Node]) -> dict[int, int]:
         """Where each expert's current version already is: last round's node, else any node caching it."""
@@ -475,7 +493,7 @@ class Coordinator:
             active = self._wait_for_nodes(1)
         rates = {nid: n.rate for nid, n in active.items()}
         plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
-                              evals_per_step(self._phase_config().spsa))  # fmt: skip
+                              evals_per_step(self._phase_config().spsa), self._transfer_seconds)  # fmt: skip
         if self._capped():  # a fixed budget: never past it; experts that have it all sit the round out
             left = self._steps_left()
             plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
@@ -487,7 +505,9 @@ class Coordinator:
                  ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()), plan.makespan,
                  plan.moved or "none")  # fmt: skip
 
-        deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack
+        # A node that must first fetch weights or shards over a slow link gets that time on top.
+        fetch = max(plan.transfer.values(), default=0.0)
+        deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + fetch
         ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock())
         for nid, es in sorted(by_node.items()):
             self._send_train(ctx, nid, es, plan.steps)
@@ -556,6 +576,9 @@ class Coordinator:
             secs += float(res["seconds"])
         if secs > 0:
             node.rate = scheduler.update_rate(node.rate, evals / secs)
+        took = body.get("seconds_total")
+        node.link = scheduler.link_rate(node.link, o.bytes_down, self.clock() - o.sent_at,
+                                        float(took) if protocol.is_number(took) else secs)  # fmt: skip
         ctx.compute[node.id] = ctx.compute.get(node.id, 0.0) + secs
         for err in body.get("errors") or []:
             log.warning("round %d: node %s (%s) reports: %s", ctx.r, o.node, node.name, err)

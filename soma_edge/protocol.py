@@ -197,6 +197,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_number(x: Any) -> bool:
+    """A finite int or float (not a bool): what a reply may use for a count of seconds."""
+    return _is_number(x)
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

@@ -431,6 +431,35 @@ def test_scheduler_quotas_follow_throughput_and_stay_sticky():
     assert p.makespan <= 10.0 + 1e-9
 
 
+def test_scheduler_does_not_move_experts_for_a_small_change_in_rates():
+    """Three experts on two nodes of nearly equal speed: a 0.0001% faster node would take two of them by
+    the bare makespan rule, moving an expert and its cache every time the measured rates cross."""
+    prev = {0: 1, 1: 1, 2: 2}
+    rates = {1: 1000.0, 2: 1000.001}
+    assert scheduler.quotas(3, rates) == {1: 1, 2: 2}  # the bare rule
+    p = scheduler.plan([0, 1, 2], rates, prev, 10.0, 2)
+    assert p.assignment == prev and p.moved == []
+    # A real difference still moves work: node 2 three times as fast takes two.
+    p = scheduler.plan([0, 1, 2], {1: 1000.0, 2: 3000.0}, prev, 10.0, 2)
+    assert sorted(p.assignment.values()).count(2) == 2 and len(p.moved) == 1
+
+
+def test_scheduler_sends_a_moving_expert_where_it_is_fetched_fastest():
+    """An expert that must move goes to the node that lacks the least of it on its link, and the plan
+    predicts each node's fetch time (which extends its round deadline)."""
+    lacks = {(0, 1): 30.0, (0, 2): 0.5, (1, 1): 0.0, (1, 2): 8.0}  # seconds to fetch, by (expert, node)
+    p = scheduler.plan([0, 1], {1: 100.0, 2: 100.0}, {}, 10.0, 2, lambda e, n: lacks[(e, n)])
+    assert p.assignment == {0: 2, 1: 1} and p.transfer == {1: 0.0, 2: 0.5}
+
+
+def test_link_rate_is_measured_from_large_messages_only():
+    assert scheduler.link_rate(None, 100_000, 20.0, 5.0) is None  # Flower's overhead would dominate
+    seen = scheduler.link_rate(None, 1_000_000, 12.0, 5.0)  # 1 MB in 12 - 5 - 4.5 s
+    assert seen == pytest.approx(400_000)
+    assert scheduler.link_rate(seen, 1_000_000, 7.0, 5.0) == pytest.approx(0.5 * 400_000 + 0.5 * 1_000_000 / 0.5)
+    assert scheduler.link_rate(seen, 1_000_000, float("nan"), 5.0) == seen
+
+
 def test_scheduler_bounds_claimed_rates_and_steps():
     """A node claiming 1e300 evals/s gets a bounded rate and step counts that msgpack can encode."""
     from soma_edge import codec
