@@ -69,6 +69,7 @@ class Outgoing:
     bytes_down: int = 0
     per_expert: dict[int, dict[str, int]] = field(default_factory=dict)  # expert -> weight/shard bytes sent
     sent_at: float = 0.0
+    mid: str = ""
 
 
 class Coordinator:
@@ -78,6 +79,7 @@ class Coordinator:
         self.clock, self.sleep = clock, sleep
         self.nodes: dict[int, Node] = {}
         self.out: dict[str, Outgoing] = {}  # message id -> what it was
+        self.late: dict[str, Outgoing] = {}  # train requests of the last round that missed its deadline
 
     # --- entry ----------------------------------------------------------------------------------------
 
@@ -261,7 +263,7 @@ class Coordinator:
             return
         mids = list(self.grid.push_messages([m for m, _ in items]))
         for mid, (m, o) in zip(mids, items):
-            o.bytes_down, o.sent_at = protocol.payload_bytes(m.content), self.clock()
+            o.bytes_down, o.sent_at, o.mid = protocol.payload_bytes(m.content), self.clock(), mid
             self.out[mid] = o
             if o.kind == "query":
                 self.nodes[o.node].query_mid = mid
@@ -483,9 +485,29 @@ class Coordinator:
         msg = self._message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind="train", expected=expected, per_expert=per_expert)
 
+    def _collect_late(self, r: int) -> "_RoundCtx":
+        """Replies to last round's requests that came after its deadline but before this round is planned:
+        checked like any other, and accepted where their base version is still current. What they give
+        (metrics lines marked late, rejections) commits with round r."""
+        ctx = _RoundCtx(r=r, plan=scheduler.Plan({}, {}, 0.0, []), deadline=self.clock(), t_sent=self.clock())
+        if not self.late:
+            return ctx
+        late, self.late = self.late, {}
+        self.out.update(late)
+        self._pull(lambda mid, reply, o: self._on_train(mid, reply, o, ctx) if mid in late else None)
+        for mid in late:
+            self.out.pop(mid, None)
+        for line in ctx.accepted.values():
+            line["late"] = True
+            log.info("round %d: accepted expert %d v%d from %s after the last round's deadline", r, line["expert"],
+                     line["version"], line["node"])  # fmt: skip
+            self.nodes[line["node_id"]].status = "active"  # it answered after all
+        return ctx
+
     def _round(self, r: int) -> None:
         fed = self.cfg.federation
         t_round = self.clock()
+        late = self._collect_late(r)
         self._query_new_nodes()
         self._pull(lambda mid, reply, o: None)
         active = self._active()
@@ -508,7 +530,8 @@ class Coordinator:
         # A node that must first fetch weights or shards over a slow link gets that time on top.
         fetch = max(plan.transfer.values(), default=0.0)
         deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + fetch
-        ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock())
+        ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock(), late=list(late.accepted.values()),
+                        rejected=late.rejected, bytes_up=late.bytes_up, bytes_down=late.bytes_down)  # fmt: skip
         for nid, es in sorted(by_node.items()):
             self._send_train(ctx, nid, es, plan.steps)
         self._status("round", round=r, started=time.time(), deadline_in=deadline - self.clock(),
@@ -523,6 +546,7 @@ class Coordinator:
                 self.sleep(POLL_SECONDS)
         ctx.t_done = self.clock()
         late = [self.out.pop(mid) for mid in sorted(self.out) if self.out[mid].kind in ("train", "pieces")]
+        self.late = {o.mid: o for o in late if o.kind == "train"}  # their replies may still come in time (_collect_late)
         for nid in sorted({o.node for o in late}):
             node = self.nodes[nid]
             tasks = {e for o in late if o.node == nid and o.expected for e in o.expected.tasks}
@@ -791,7 +815,7 @@ class Coordinator:
 
     def _commit(self, r: int, ctx: "_RoundCtx", t_round: float) -> None:
         fed = self.cfg.federation
-        lines = []
+        lines = list(ctx.late)
         for e in self.expert_ids():
             if e in ctx.accepted:
                 lines.append(ctx.accepted[e])
@@ -858,6 +882,7 @@ class _RoundCtx:
     rejected: list[dict[str, Any]] = field(default_factory=list)
     compute: dict[int, float] = field(default_factory=dict)  # node id -> compute seconds this round
     excluded: list[str] = field(default_factory=list)  # nodes that reached their strike limit this round
+    late: list[dict[str, Any]] = field(default_factory=list)  # last round's late replies, settled this round
     train_mids: set[str] = field(default_factory=set)  # every train request of the round, resends included
     waiting: dict[int, "_Waiting"] = field(default_factory=dict)  # node -> its train request, held for pieces
     pending_resend: set[int] = field(default_factory=set)

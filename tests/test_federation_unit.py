@@ -855,3 +855,41 @@ def test_worker_decodes_no_train_request_beyond_its_runs_model(run, tmp_path):
     Cache(tmp_path / "nodes" / "b").put_json("limit-1", 100)
     with pytest.raises(CodecError, match="exceeds the limit of 100 bytes"):
         client_app.app(train, ctx)
+
+
+def test_a_reply_after_the_deadline_but_before_the_next_plan_is_accepted(run, tmp_path, monkeypatch):
+    """Node b answers round 1 only after its deadline; the coordinator has given up on it for round 1, but
+    its reply is there when round 2 is planned and its base versions are still current: accepted."""
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=2, deadline_slack=0.5)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    coord = Coordinator(grid, run)
+    real_pull, real_collect = grid.pull_messages, coord._collect_late
+    first: list[str] = []  # b's first train request
+    collecting: list[int] = []
+
+    def pull(ids):  # b's first answer comes only once round 1 has given up on it
+        for mid in ids:
+            m = grid.pending.get(mid)
+            if not first and m is not None and m.metadata.dst_node_id == 1001 and m.metadata.message_type == protocol.TRAIN:
+                first.append(mid)
+        return real_pull([mid for mid in ids if mid not in first or collecting])
+
+    def collect(r):
+        collecting.append(r)
+        try:
+            return real_collect(r)
+        finally:
+            collecting.pop()
+
+    grid.pull_messages, coord._collect_late = pull, collect
+    state = coord.main()
+    lines = [m for m in run.read_metrics() if m["type"] == "expert"]
+    r1 = {m["expert"]: m for m in lines if m["round"] == 1 and not m.get("late")}
+    lost = [e for e, m in r1.items() if m["node"] == "b"]
+    assert lost and all(not r1[e]["accepted"] and "deadline" in r1[e]["reason"] for e in lost)
+    late = [m for m in lines if m.get("late")]
+    assert sorted(m["expert"] for m in late) == sorted(lost) and all(m["accepted"] and m["round"] == 2 for m in late)
+    for e in lost:  # the late version, then round 2's on top of it
+        assert any(m["expert"] == e and m["version"] == 1 for m in late)
+        assert state["experts"][str(e)]["version"] == 2
