@@ -5,6 +5,7 @@
     RUN/prepare.json         shards per expert and split      |
     RUN/shards/<sha256>.bin  content-addressed data shards   /
     RUN/experts/<e>/v<n>.msgpack   accepted expert versions (last `keep_versions` kept)
+    RUN/experts/<e>/l<n>.msgpack   the update log that made version n (log replies), for downstream logs
     RUN/state.msgpack        round, versions, assignment: the commit point of a round
     RUN/metrics.jsonl        one line per expert per round, one per round
     RUN/status.json          live progress for `soma-coord start` to draw
@@ -37,6 +38,7 @@ from soma_edge.errors import CheckpointError, CorpusError
 
 STATE_KIND = "run_state"
 EXPERT_KIND = "expert"
+LOG_KIND = "expert_log"
 
 
 class RunLockedError(CheckpointError):
@@ -104,6 +106,21 @@ class RunDir:
     def load_expert(self, rel: str) -> dict[str, Any]:
         return checkpoint.load(self.root / rel, EXPERT_KIND)
 
+    def log_path(self, expert: int, version: int) -> Path:
+        return self.root / "experts" / str(expert) / f"l{version}.msgpack"
+
+    def save_log(self, expert: int, version: int, body: dict[str, Any]) -> None:
+        """The update log that made `version` from the version before it (`from_sha256`)."""
+        checkpoint.save(self.log_path(expert, version), body, LOG_KIND)
+
+    def load_log(self, expert: int, version: int) -> dict[str, Any] | None:
+        """That log, or None when there is none (weights replies) or it does not load (it is an optimization)."""
+        try:
+            body = checkpoint.load(self.log_path(expert, version), LOG_KIND)
+        except CheckpointError:
+            return None
+        return body if isinstance(body, dict) else None
+
     def clean_debris(self) -> list[Path]:
         """Remove the temp files of atomic writes that a crash interrupted (only the lock holder may)."""
         gone = [p for p in [*self.root.glob(".*.tmp"), *self.root.glob("experts/*/.*.tmp")] if p.is_file()]
@@ -124,6 +141,7 @@ class RunDir:
         gone = [p for v, p in found if (v > current or v <= current - keep) and v not in protect]
         for p in gone:
             p.unlink(missing_ok=True)
+            p.with_name("l" + p.name[1:]).unlink(missing_ok=True)  # its update log goes with it
         return gone
 
     # --- state and metrics ----------------------------------------------------------------------------

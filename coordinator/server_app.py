@@ -370,6 +370,21 @@ class Coordinator:
 
     # --- one round ------------------------------------------------------------------------------------
 
+    def _downstream_log(self, e: int, node: Node) -> dict[str, Any] | None:
+        """For a node that holds the version before expert e's current one: the log between them, when it
+        is shorter than the weights and optimizer state it replaces (downstream logs)."""
+        x = self.state["experts"][str(e)]
+        rec = self.run.load_log(e, int(x["version"])) if int(x["version"]) > 0 else None
+        if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x["sha256"]:
+            return None
+        try:
+            ulog = UpdateLog.from_record(rec.get("log"))
+        except CheckpointError:
+            return None
+        if sum(ulog.nbytes().values()) >= 3 * 4 * self.size:
+            return None
+        return {"from_sha256": rec["from_sha256"], "log": rec["log"]}
+
     def _transfer_seconds(self, e: int, nid: int) -> float:
         """How long node `nid` would take to fetch what expert e needs and its cache lacks (0 while its
         link is unmeasured): the version with its optimizer state, and the shards."""
@@ -465,6 +480,8 @@ class Coordinator:
         for e in experts:
             x = self.state["experts"][str(e)]
             send_w = x["sha256"] not in node.weights
+            base_log = self._downstream_log(e, node) if send_w else None
+            send_w = send_w and base_log is None
             body = self.run.load_expert(x["path"]) if send_w else None
             w = body["weights"] if body else None
             stored = self._checked_opt(body, x["path"]) if body else None
@@ -472,11 +489,12 @@ class Coordinator:
             scale = float(x.get("lr_scale", 1.0))
             tasks.append(protocol.task(expert=e, version=x["version"], base_sha256=x["sha256"], step=x["step"],
                                        steps=steps[e], shards=self._train_shards(e), lr_scale=scale, weights=w,
-                                       opt=opt, reply=mode))  # fmt: skip
+                                       opt=opt, reply=mode, base_log=base_log))  # fmt: skip
             exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e],
                             "lr_scale": scale, "reply": mode}  # fmt: skip
             opt_bytes = stored.nbytes() if stored is not None else 0
-            per_expert[e] = {"weights": 0 if w is None else w.nbytes + opt_bytes, "shards": shard_bytes.get(e, 0)}
+            log_bytes = sum(UpdateLog.from_record(base_log["log"]).nbytes().values()) if base_log else 0
+            per_expert[e] = {"weights": log_bytes if w is None else w.nbytes + opt_bytes, "shards": shard_bytes.get(e, 0)}
         fed, config = self.cfg.federation, self._phase_config().to_dict()
         body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=config,
                                       reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
@@ -713,6 +731,9 @@ class Coordinator:
         body = {"expert": e, "version": res["version"], "sha256": res["sha256"], "config": self.cfg.to_dict(),
                 "step": res["step"], "weights": w, "opt": opt.to_record(), "val_loss": val}  # fmt: skip
         rel = self.run.save_expert(body)
+        if ulog is not None and w.dtype == np.float32:  # then the stored weights are the log's replay
+            self.run.save_log(e, res["version"], {"from_sha256": res["base_sha256"], "sha256": res["sha256"],
+                                                  "log": ulog.to_record()})  # fmt: skip
         if val < best.val_loss:
             best = guard.Best(res["version"], res["sha256"], rel, val)
             guard.forgive(self.state["strikes"], node.who)

@@ -163,7 +163,7 @@ REPLY_MODES = ("weights", "log", "both")  # what a task asks back: weights, the 
 def task(
     *, expert: int, version: int, base_sha256: str, step: int, steps: int, shards: list[str],
     lr_scale: float = 1.0, weights: np.ndarray | None = None, opt: dict[str, Any] | None = None,
-    reply: str = "weights",
+    reply: str = "weights", base_log: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
 
@@ -173,6 +173,7 @@ def task(
     return {
         "expert": expert, "version": version, "base_sha256": base_sha256, "step": step, "steps": steps,
         "shards": list(shards), "lr_scale": float(lr_scale), "weights": weights, "opt": opt, "reply": reply,
+        "base_log": base_log,  # {"from_sha256", "log"}: the base is the replay of this log from a version the node has
     }  # fmt: skip
 
 
@@ -195,6 +196,10 @@ class Expected:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_sha256(x: Any) -> bool:
+    return _is_sha256(x)
 
 
 def is_number(x: Any) -> bool:

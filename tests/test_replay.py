@@ -282,3 +282,39 @@ def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, m
              for m in grid.sent if m.metadata.message_type == protocol.TRAIN}  # fmt: skip
     assert modes == {1000: {"log"}, 1001: {"weights"}}
     assert all(m["accepted"] for m in _expert_lines(run))
+
+
+def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(run, tmp_path, monkeypatch):
+    """Round 1: a trains experts 0 and 2, b trains 1 and 3. Round 2: a is away, b trains all four.
+    Round 3: b is away, a is back: it holds version 1 of 0 and 2, so it is sent the log 1 -> 2 (and
+    rebuilds version 2 itself, checked against its hash) instead of the weights; 1 and 3 come as weights."""
+    from coordinator.server_app import Coordinator
+    from fakegrid import FakeGrid, equal_rates, set_fed
+
+    equal_rates(monkeypatch)
+    cfg = run.load_config()
+    cfg.spsa.decoder = "spsa"  # a log without the dense decoder: far shorter than the weights
+    run.save_config(cfg)
+    set_fed(run, rounds=3, reply="log", min_nodes=1)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    coord = Coordinator(grid, run)
+    real_round = coord._round
+
+    def round_(r):
+        grid.gone = {1: set(), 2: {1000}, 3: {1001}}[r]
+        return real_round(r)
+
+    coord._round = round_
+    state = coord.main()
+    lines = [m for m in run.read_metrics() if m["type"] == "expert"]
+    assert all(m["accepted"] for m in lines) and state["round"] == 3
+    r1 = {m["expert"]: m["node"] for m in lines if m["round"] == 1}
+    r3 = {m["expert"]: m for m in lines if m["round"] == 3}
+    on_a = [e for e, n in r1.items() if n == "a"]
+    to_a = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent
+            if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000]
+    tasks = {t["expert"]: t for t in to_a[-1]["tasks"]}
+    assert on_a and all(tasks[e]["weights"] is None and tasks[e]["base_log"] is not None for e in on_a)
+    assert all(tasks[e]["weights"] is not None for e in tasks if e not in on_a)
+    weights_bytes = max(r3[e]["weights_bytes_down"] for e in tasks if e not in on_a)
+    assert all(0 < r3[e]["weights_bytes_down"] < weights_bytes / 10 for e in on_a)

@@ -98,6 +98,35 @@ def capabilities(msg: Message, context: Context) -> Message:
     return _reply(msg, reply, protocol.KIND_CAPS)
 
 
+def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, errors: list[str]) -> dict[str, Any] | None:
+    """The task's base version rebuilt from a version this node holds and the log the coordinator sent in
+    place of the weights (`base_log`), cached like sent weights; None (reported missing) if that fails."""
+    from soma_edge.spsa import UpdateLog, replay
+
+    sent = t.get("base_log")
+    if not isinstance(sent, dict):
+        return None
+    prev = cache.get_weights(str(sent.get("from_sha256"))) if protocol.is_sha256(sent.get("from_sha256")) else None
+    if prev is None:
+        return None
+    try:
+        ulog = UpdateLog.from_record(sent.get("log"), f"expert {t['expert']}: downstream log")
+        w0 = protocol.decode_weights(prev["weights"])
+        start = State(w0, step=int(prev["step"]), opt=OptState.from_record(prev.get("opt"), w0.size))
+        lay = layout(cfg.model)
+        got = replay(cfg.spsa, start, ulog, seed=cfg.seed, expert=t["expert"], body=lay.body, dense=lay.dense())
+    except (CheckpointError, ValueError, KeyError, TypeError) as e:
+        errors.append(f"expert {t['expert']}: the downstream log does not replay here ({e})")
+        return None
+    if protocol.weights_sha256(got.weights) != t["base_sha256"]:
+        errors.append(f"expert {t['expert']}: the downstream log replays to other weights than {t['base_sha256'][:12]}")
+        return None
+    opt = got.opt.to_record()
+    cache.put_weights(t["base_sha256"], expert=t["expert"], version=t["version"], step=got.step, weights=got.weights,
+                      opt=opt, run_id=run_id)  # fmt: skip
+    return {"weights": got.weights, "opt": opt}
+
+
 def _store_pieces(cache: Cache, pieces: Any) -> tuple[list[str], list[str]]:
     """Put shard pieces into the cache: the shards now complete, and one error line per bad piece (its
     shard is then reported missing and comes again)."""
@@ -165,7 +194,7 @@ def train(msg: Message, context: Context) -> Message:
             cache.put_weights(base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, opt=opt,
                               run_id=run_id)  # fmt: skip
         else:
-            hit = cache.get_weights(base)
+            hit = cache.get_weights(base) or _from_downstream_log(cache, cfg, t, run_id, errors)
             if hit is None:
                 missing_w.append(base)
                 continue
