@@ -7,6 +7,15 @@ after the first (the first pays for capability probes, shard and version-0 trans
 
     python bench/federation_overhead.py --run runs/demo          # analyse an existing run
     python bench/federation_overhead.py --fresh --rounds 4 --round-seconds 55   # run the demo setting first
+    python bench/federation_overhead.py --log-bytes [--seconds 60]  # log replies against weights replies
+
+`--log-bytes` trains the ~124K, ~1M and ~8M experts for one round of `--seconds` each on this box (the
+worker's own loop, ORT CPU EP), with a decoder that SPSA perturbs with the body and with the delta-rule
+decoder, and prints the upstream bytes of that round's reply in weights mode (float32 weights and the
+Adam moments, as sent) and in log mode (the update log, body scalars and dense decoder parts apart),
+both encoded exactly as a reply carries them, with the coordinator's replay time and whether the
+replay equals the trained weights bit for bit. Issue 12's target: >= 100x fewer bytes up at 1M and 8M
+without a dense decoder.
 
 Targets (issue 4): compute >= 90% of wall time in steady state; zero weight bytes to a worker whose
 assignment did not change.
@@ -76,6 +85,49 @@ def fresh(rounds: int, round_seconds: float, experts: int, workers: int) -> Path
     return run
 
 
+SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}  # (embed, hidden) of a one-layer lstm expert
+
+
+def log_bytes(seconds: float) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from soma_edge import codec, corpus, params, protocol, spsa
+    from soma_edge.config import Config, ModelConfig
+    from soma_edge.runtime import evaluator_for
+    from worker.trainer import train
+
+    data = corpus.to_stream(corpus.by_split(corpus.default_documents())["train"])
+    print(f"{'expert':>6} {'params':>9} {'decoder':>7} {'steps':>6} {'weights up B':>13} {'log up B':>10} "
+          f"{'log body B':>10} {'log dec B':>10} {'ratio':>9} {'replay s':>8} {'bit-identical':>13}")  # fmt: skip
+    rows = []
+    for name, (embed, hidden) in SIZES.items():
+        for decoder in ("spsa", "delta"):
+            cfg = Config(model=ModelConfig(embed=embed, hidden=hidden))
+            cfg.spsa.decoder = decoder
+            lay = params.layout(cfg.model)
+            start = spsa.State(params.init(cfg.model, cfg.seed))
+            state = spsa.State(start.weights.copy())
+            rep = train(state, data, cfg, evaluator_for(cfg, "cpu"), steps=None, seconds=seconds)
+            ulog = spsa.record_log(0, 1.0, rep.grads, state, lay.body if decoder == "delta" else 0)
+            common = {"expert": 0, "base_sha256": "0" * 64, "version": 1, "step": state.step, "steps": rep.steps,
+                      "forward_evals": rep.forward_evals, "seconds": rep.seconds, "train_loss": rep.loss,
+                      "sha256": protocol.weights_sha256(state.weights)}  # fmt: skip
+            as_weights = len(codec.encode({**common, "weights": state.weights, "opt": state.opt.to_record()}, "r"))
+            as_log = len(codec.encode({**common, "weights": None, "opt": None, "log": ulog.to_record()}, "r"))
+            t0 = time.perf_counter()
+            got = spsa.replay(cfg.spsa, start, ulog, seed=cfg.seed, expert=0, body=lay.body, dense=lay.dense())
+            replay_s = time.perf_counter() - t0
+            same = got.weights.tobytes() == state.weights.tobytes()
+            parts = ulog.nbytes()
+            row = {"expert": name, "params": lay.size, "decoder": decoder, "steps": rep.steps, "weights_up": as_weights,
+                   "log_up": as_log, "log_body": parts["body"], "log_decoder": parts["decoder"],
+                   "ratio": as_weights / as_log, "replay_s": replay_s, "bit_identical": same}  # fmt: skip
+            rows.append(row)
+            print(f"{name:>6} {lay.size:>9} {decoder:>7} {rep.steps:>6} {as_weights:>13,} {as_log:>10,} "
+                  f"{parts['body']:>10,} {parts['decoder']:>10,} {row['ratio']:>8.0f}x {replay_s:>8.1f} "
+                  f"{'yes' if same else 'NO':>13}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", type=Path, help="analyse this run directory")
@@ -85,7 +137,14 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="also print the summary as one JSON object")
+    ap.add_argument("--log-bytes", action="store_true", help="log replies against weights replies, per expert size")
+    ap.add_argument("--seconds", type=float, default=60.0, help="--log-bytes: the round's compute per size")
     args = ap.parse_args()
+    if args.log_bytes:
+        rows = log_bytes(args.seconds)
+        if args.json:
+            print(json.dumps(rows))
+        return
     if not args.run and not args.fresh:
         ap.error("give --run DIR or --fresh")
     run = fresh(args.rounds, args.round_seconds, args.experts, args.workers) if args.fresh else args.run

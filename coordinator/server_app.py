@@ -3,8 +3,10 @@
 Each round: find live nodes (`grid.get_node_ids()`), ask new ones for their capabilities, plan a sticky,
 makespan-minimizing assignment (`coordinator.scheduler`), send each node one message with all its
 experts (weights and shards only where its cache lacks them; shard bytes beyond one piece go ahead in
-`query.shards` messages), collect replies until the round deadline, validate every result (`soma_edge.protocol.check_result`), checkpoint accepted versions atomically,
-compute val losses, and commit the round by writing state.msgpack last.
+`query.shards` messages), collect replies until the round deadline, validate every result
+(`soma_edge.protocol.check_result`, the guard in `coordinator.guard`, log replies replayed by
+`coordinator.replay`), checkpoint accepted versions atomically, compute val losses, and commit the
+round by writing state.msgpack last.
 
 A node that misses the deadline (killed, hung, too slow) is set aside until it answers a capability
 query again, so its experts go to others next round; Flower's own failure report would take ~60 s.

@@ -374,33 +374,47 @@ def _cli(root: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env, cwd=root, timeout=120)
 
 
-def test_tls_with_worker_authentication(tmp_path):
-    """Over TLS with --auth: a worker registered on the live run trains and keeps its node id across a
-    restart; a worker with an unregistered key is refused in one line and never gets an assignment; one
-    without the CA fails within 30 s with a line that names TLS."""
+def secure_federation(tmp_path: Path, config: str, *workers: str) -> tuple[dict, subprocess.Popen, str]:
+    """A run over TLS with --auth on 127.0.0.1: certificates, key pairs for `workers` (not yet trusted),
+    `soma-coord start --tls --auth` waiting for the ServerApp to hold the run; (fed, start, port)."""
     src = write_stdlib_corpus(tmp_path / "corpus")
-    (tmp_path / "auth.toml").write_text(AUTH_CONFIG)
+    (tmp_path / "fed.toml").write_text(config)
     env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
-    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "auth.toml", "env": env}
-    for argv in (("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"),
-                 ("worker.cli", "keygen", str(tmp_path / "ext")), ("worker.cli", "keygen", str(tmp_path / "stranger"))):  # fmt: skip
+    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "fed.toml", "env": env}
+    for argv in [("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1")] + [
+            ("worker.cli", "keygen", str(tmp_path / w)) for w in workers]:  # fmt: skip
         r = _cli(tmp_path, env, *argv)
         assert r.returncode == 0, r.stderr
     proc = _start(fed, "--tls", str(tmp_path / "tls"), "--auth")
     log = tmp_path / "start.log"
-    _wait(lambda: "registered 1 worker key(s): w0" in log.read_text(errors="replace"), START_TIMEOUT, "w0's key")
+    _wait(lambda: "registered" in log.read_text(errors="replace"), START_TIMEOUT, "the local workers' keys")
     port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
     _wait(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run")
+    return fed, proc, port
+
+
+def secure_join(tmp_path: Path, port: str, name: str) -> list[str]:
+    """`soma-worker join` for worker `name` (its keys in tmp_path/name) of a `secure_federation`."""
+    return [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", name,
+            "--root-certificates", str(tmp_path / "tls" / "ca.pem"), "--auth-key", str(tmp_path / name / "worker.key"),
+            "--cache", str(tmp_path / f"{name}-cache"), "--threads", "1", "--no-spin", "--parallel", "1"]  # fmt: skip
+
+
+def test_tls_with_worker_authentication(tmp_path):
+    """Over TLS with --auth: a worker registered on the live run trains and keeps its node id across a
+    restart; a worker with an unregistered key is refused in one line and never gets an assignment; one
+    without the CA fails within 30 s with a line that names TLS."""
+    fed, proc, port = secure_federation(tmp_path, AUTH_CONFIG, "ext", "stranger")
+    env = fed["env"]
+    assert "registered 1 worker key(s): w0" in (tmp_path / "start.log").read_text()
     # Trust the external worker while the run is live (it waits for min_nodes = 2): registered at once.
     r = _cli(tmp_path, env, "coordinator", "add-worker", str(fed["run"]), str(tmp_path / "ext" / "worker.pub"), "--name", "ext")
     assert r.returncode == 0 and "with the live SuperLink as node" in r.stdout, r.stdout + r.stderr
 
     def join(name: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", name,
-               "--root-certificates", str(tmp_path / "tls" / "ca.pem"), "--auth-key", str(tmp_path / name / "worker.key"),
-               "--cache", str(tmp_path / f"{name}-cache"), "--threads", "1", "--no-spin", "--parallel", "1"]  # fmt: skip
         out = open(tmp_path / f"{name}.log", "ab")
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(secure_join(tmp_path, port, name), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
 
     no_ca = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--cache",
              str(tmp_path / "no-ca-cache")]  # fmt: skip

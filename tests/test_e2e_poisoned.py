@@ -14,14 +14,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from coordinator import guard
 from coordinator.run import RunDir
 from soma_edge import checkpoint
-from test_e2e_federation import START_TIMEOUT, _cli, _finish, _metrics, _start, _wait
-from tests.conftest import write_stdlib_corpus
+from test_e2e_federation import _cli, _finish, _metrics, secure_federation, secure_join
 
 POISON = Path(__file__).parent / "poison"
 TOL = 0.5
@@ -51,24 +49,11 @@ piece_bytes = 131072
 
 
 def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
-    src = write_stdlib_corpus(tmp_path / "corpus")
-    (tmp_path / "fed.toml").write_text(CONFIG)
-    env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
-    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "fed.toml", "env": env}
-    for argv in (("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"),
-                 ("worker.cli", "keygen", str(tmp_path / "liar"))):  # fmt: skip
-        r = _cli(tmp_path, env, *argv)
-        assert r.returncode == 0, r.stderr
-    proc = _start(fed, "--tls", str(tmp_path / "tls"), "--auth")
-    log = tmp_path / "start.log"
-    _wait(lambda: "SuperLink listening on" in log.read_text(errors="replace"), START_TIMEOUT, "the SuperLink")
-    port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
-    _wait(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run")
+    fed, proc, port = secure_federation(tmp_path, CONFIG, "liar")
+    env = fed["env"]
     r = _cli(tmp_path, env, "coordinator", "add-worker", str(fed["run"]), str(tmp_path / "liar" / "worker.pub"), "--name", "liar")
     assert r.returncode == 0, r.stdout + r.stderr
-    cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", "liar",
-           "--root-certificates", str(tmp_path / "tls" / "ca.pem"), "--auth-key", str(tmp_path / "liar" / "worker.key"),
-           "--cache", str(tmp_path / "liar-cache"), "--threads", "1", "--no-spin", "--parallel", "1"]  # fmt: skip
+    cmd = secure_join(tmp_path, port, "liar")
     liar_env = dict(env, PYTHONPATH=os.pathsep.join([str(POISON), env.get("PYTHONPATH", "")]), SOMA_TEST_POISON="mixed")
     with open(tmp_path / "liar.log", "ab") as out:
         liar = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=liar_env, start_new_session=True)
