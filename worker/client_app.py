@@ -127,6 +127,30 @@ def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, erro
     return {"weights": got.weights, "opt": opt}
 
 
+def _as_sent(t: dict[str, Any], state: State, reply_dtype: str) -> np.ndarray:
+    # With the log alone, the coordinator stores its float32 replay: the hash is of the float32 weights.
+    return state.weights if t.get("reply", "weights") == "log" else state.weights.astype(reply_dtype)
+
+
+def _result(t: dict[str, Any], state: State, start: int, rep, cfg, reply_dtype: str) -> dict[str, Any]:
+    """One expert's result in the form its task asked for: weights, update log, or both."""
+    mode, out = t.get("reply", "weights"), _as_sent(t, state, reply_dtype)
+    sha = protocol.weights_sha256(out)
+    log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", t["expert"], t["version"] + 1,
+             sha, rep.steps, rep.seconds, rep.loss)  # fmt: skip
+    res = {
+        "expert": t["expert"], "base_sha256": t["base_sha256"], "version": t["version"] + 1, "step": state.step,
+        "steps": rep.steps, "forward_evals": rep.forward_evals, "seconds": rep.seconds, "train_loss": rep.loss,
+        "sha256": sha, "weights": out, "opt": state.opt.to_record(),
+    }  # fmt: skip
+    if mode in ("log", "both"):
+        body = layout(cfg.model).body if cfg.spsa.decoder == "delta" else 0  # a dense decoder rides along
+        res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, body).to_record()
+    if mode == "log":
+        res["weights"] = res["opt"] = None
+    return res
+
+
 def _store_pieces(cache: Cache, pieces: Any) -> tuple[list[str], list[str]]:
     """Put shard pieces into the cache: the shards now complete, and one error line per bad piece (its
     shard is then reported missing and comes again)."""
@@ -224,25 +248,9 @@ def train(msg: Message, context: Context) -> Message:
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
         start = state.step
         rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
-        mode = t.get("reply", "weights")
-        # With the log alone, the coordinator stores its float32 replay: the hash is of the float32 weights.
-        out = state.weights if mode == "log" else state.weights.astype(reply_dtype)
-        sha = protocol.weights_sha256(out)
-        cache.put_weights(sha, expert=e, version=t["version"] + 1, step=state.step, weights=out,
-                          opt=state.opt.to_record(), run_id=run_id)  # fmt: skip
-        log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", e, t["version"] + 1, sha,
-                 rep.steps, rep.seconds, rep.loss)  # fmt: skip
-        res = {
-            "expert": e, "base_sha256": t["base_sha256"], "version": t["version"] + 1, "step": state.step,
-            "steps": rep.steps, "forward_evals": rep.forward_evals, "seconds": rep.seconds,
-            "train_loss": rep.loss, "sha256": sha, "weights": out, "opt": state.opt.to_record(),
-        }  # fmt: skip
-        if mode in ("log", "both"):
-            dense = cfg.spsa.decoder == "delta"
-            res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, layout(cfg.model).body if dense else 0).to_record()
-        if mode == "log":
-            res["weights"] = res["opt"] = None
-        results.append(res)
+        results.append(_result(t, state, start, rep, cfg, reply_dtype))
+        cache.put_weights(results[-1]["sha256"], expert=e, version=t["version"] + 1, step=state.step,
+                          weights=_as_sent(t, state, reply_dtype), opt=state.opt.to_record(), run_id=run_id)  # fmt: skip
     protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
     cache.evict(protect)
     reply = {**header, "results": results, "missing": {"weights": missing_w, "shards": sorted(set(missing_s))},
