@@ -209,8 +209,9 @@ def test_join_says_the_coordinator_is_gone_when_it_stops_answering(tmp_path):
         if join.poll() is None:
             os.killpg(join.pid, 9)
     errors = [ln for ln in log.read_text().splitlines() if ln.startswith("error:")]
-    assert rc == 2 and errors == [f"error: the coordinator at 127.0.0.1:{port} is gone: no answer for 5 s (it stopped, "
-                                  "or the network to it is down); start this worker again once it is back"], errors
+    assert rc == 2 and len(errors) == 1 and errors[0].startswith(f"error: the coordinator at 127.0.0.1:{port} is gone: no "
+                                                                 "answer for "), errors  # fmt: skip
+    assert errors[0].endswith("s (it stopped, or the network to it is down); start this worker again once it is back")
     assert time.monotonic() - t0 < 15
     assert not any(p.isdigit() and b"flower-supernode" in _cmdline(p) and str(tmp_path).encode() in _cmdline(p)
                    for p in os.listdir("/proc"))  # the SuperNode was stopped too  # fmt: skip

@@ -269,35 +269,44 @@ class _Relay:
 
 
 CHECK_SECONDS = 2.0
+CONNECT_SECONDS = 5.0
+# A connect that only times out may be a saturated slow link (its queue can hold seconds of data), not a
+# coordinator gone: that verdict waits this much longer than for a refused or unreachable port.
+SLOW_LINK_SECONDS = 120.0
 
 
 def supervise(proc, host: str, port: int, gone_after: float = PATIENCE) -> int:
-    """Wait for the SuperNode to exit, checking that the coordinator's port still answers. When it has not
-    for `gone_after` seconds, stop the SuperNode and raise LinkError: one line instead of Flower's endless
-    "Connection attempt failed, retrying"."""
+    """Wait for the SuperNode to exit, checking that the coordinator's port still answers. When it has
+    refused us (or been unreachable) for `gone_after` seconds, or not answered at all for
+    max(gone_after, SLOW_LINK_SECONDS), stop the SuperNode and raise LinkError: one line instead of
+    Flower's endless "Connection attempt failed, retrying"."""
     import socket
     import subprocess
 
-    last_seen = time.monotonic()
+    last_seen = last_answer = time.monotonic()
     while True:
         try:
             return proc.wait(CHECK_SECONDS)
         except subprocess.TimeoutExpired:
             pass
         try:
-            socket.create_connection((host, port), timeout=CHECK_SECONDS).close()
-            last_seen = time.monotonic()
+            socket.create_connection((host, port), timeout=CONNECT_SECONDS).close()
+            last_seen = last_answer = time.monotonic()
+        except (ConnectionRefusedError, ConnectionResetError):
+            last_answer = time.monotonic()  # the box answered: nothing listens there any more
         except OSError:
-            if time.monotonic() - last_seen >= gone_after:
-                break
+            pass  # a timeout, or the network is unreachable: maybe only slow
+        now = time.monotonic()
+        if now - last_seen >= max(gone_after, SLOW_LINK_SECONDS) or (now - last_seen >= gone_after and last_answer > last_seen):
+            break
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    raise LinkError(f"the coordinator at {host}:{port} is gone: no answer for {gone_after:.0f} s (it stopped, or "
-                    "the network to it is down); start this worker again once it is back")  # fmt: skip
+    raise LinkError(f"the coordinator at {host}:{port} is gone: no answer for {now - last_seen:.0f} s (it stopped, "
+                    "or the network to it is down); start this worker again once it is back")  # fmt: skip
 
 
 def preflight(host: str, port: int, ca: Optional[Path], wait: float = PATIENCE) -> None:

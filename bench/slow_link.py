@@ -1,0 +1,100 @@
+"""Compute share of federated rounds on a slow link, in weights mode and in log mode.
+
+    sudo .venv/bin/python bench/slow_link.py [--sizes 124K,1M] [--modes weights,log] [--rounds 3]
+                                             [--round-seconds 60] [--mbit 1] [--experts 2]
+
+For each expert size and reply mode, a real federation on simulated boxes (tests/netboxes.py: network
+namespaces, a veth link limited with tc htb): the coordinator in one namespace, one worker in another
+behind `--mbit` Mbit/s, `--experts` experts (all on that worker), `spsa.decoder = "spsa"` (no dense
+decoder). Prints, per round, the round's wall time, the worker's compute seconds, the compute share,
+and the bytes down and up; then the mean share of the rounds after the first. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}
+
+
+def one(size: str, mode: str, args, work: Path) -> list[dict]:
+    import netboxes
+    from soma_edge.procs import free_port
+
+    embed, hidden = SIZES[size]
+    cfg = work / f"{size}-{mode}.toml"
+    cfg.write_text(f"""
+[model]
+embed = {embed}
+hidden = {hidden}
+[spsa]
+decoder = "spsa"
+[federation]
+experts = {args.experts}
+rounds = {args.rounds}
+round_seconds = {args.round_seconds}
+deadline_factor = 1.5
+deadline_slack = 600.0
+min_nodes = 1
+reply = "{mode}"
+""")
+    run, env, port = work / f"run-{size}-{mode}", dict(os.environ), free_port()  # the corpus is in the usual cache
+    boxes = netboxes.Boxes()
+    try:
+        coord = boxes.add("coord")
+        slow = boxes.add("slow", link_to=coord, mbit=args.mbit)
+        start = boxes.popen(coord, [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--config", str(cfg),
+                                    "--host", "0.0.0.0", "--port", str(port)], work / f"{size}-{mode}.log", env=env,
+                            cwd=ROOT)  # fmt: skip
+        boxes.popen(slow, [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"{slow.peer}:{port}", "--name",
+                           "slow", "--cache", str(work / f"cache-{size}-{mode}")], work / f"{size}-{mode}-w.log",
+                    env=env, cwd=ROOT)  # fmt: skip
+        code = start.wait(args.rounds * (args.round_seconds * 1.5 + 900) + 300)
+        if code != 0:
+            raise SystemExit(f"{size} {mode}: start exited {code}; see {work / f'{size}-{mode}.log'}")
+    finally:
+        boxes.close()
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if m["type"] == "round"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="124K,1M")
+    ap.add_argument("--modes", default="weights,log")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--round-seconds", type=float, default=60.0)
+    ap.add_argument("--mbit", type=float, default=1.0)
+    ap.add_argument("--experts", type=int, default=2)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (network namespaces, veth, tc)")
+    print(f"machine: {platform.platform()}, {os.cpu_count()} cores; link {args.mbit:g} Mbit/s; "
+          f"{args.rounds} rounds of {args.round_seconds:g} s; {args.experts} experts on the slow worker")  # fmt: skip
+    print(f"{'expert':>6} {'mode':>7} {'round':>5} {'wall s':>7} {'compute s':>9} {'share':>6} {'down B':>11} {'up B':>11}")
+    work = Path(tempfile.mkdtemp(prefix="soma-slow-link-"))
+    for size in args.sizes.split(","):
+        for mode in args.modes.split(","):
+            t0 = time.time()
+            rounds = one(size, mode, args, work)
+            for r in rounds:
+                comp = sum((r.get("compute_seconds") or {}).values())
+                print(f"{size:>6} {mode:>7} {r['round']:>5} {r['round_seconds_total']:>7.1f} {comp:>9.1f} "
+                      f"{100 * r['compute_share']:>5.1f}% {r['bytes_down']:>11,} {r['bytes_up']:>11,}", flush=True)  # fmt: skip
+            later = rounds[1:] or rounds
+            share = sum(r["compute_share"] for r in later) / len(later)
+            print(f"{size:>6} {mode:>7} rounds 2+: compute share {100 * share:.1f}% ({time.time() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
