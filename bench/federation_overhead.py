@@ -90,7 +90,7 @@ SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}  # (embed, hidde
 
 def log_bytes(seconds: float) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from soma_edge import codec, corpus, params, protocol, spsa
+    from soma_edge import codec, corpus, params, protocol, spsa, steps
     from soma_edge.config import Config, ModelConfig
     from soma_edge.runtime import evaluator_for
     from worker.trainer import train
@@ -107,14 +107,14 @@ def log_bytes(seconds: float) -> list[dict]:
             start = spsa.State(params.init(cfg.model, cfg.seed))
             state = spsa.State(start.weights.copy())
             rep = train(state, data, cfg, evaluator_for(cfg, "cpu"), steps=None, seconds=seconds)
-            ulog = spsa.record_log(0, 1.0, rep.grads, state, lay.body if decoder == "delta" else 0)
+            ulog = spsa.record_log(0, 1.0, rep.grads, state, steps.log_body(cfg))
             common = {"expert": 0, "base_sha256": "0" * 64, "version": 1, "step": state.step, "steps": rep.steps,
                       "forward_evals": rep.forward_evals, "seconds": rep.seconds, "train_loss": rep.loss,
                       "sha256": protocol.weights_sha256(state.weights)}  # fmt: skip
             as_weights = len(codec.encode({**common, "weights": state.weights, "opt": state.opt.to_record()}, "r"))
             as_log = len(codec.encode({**common, "weights": None, "opt": None, "log": ulog.to_record()}, "r"))
             t0 = time.perf_counter()
-            got = spsa.replay(cfg.spsa, start, ulog, seed=cfg.seed, expert=0, body=lay.body, dense=lay.dense())
+            got = steps.replay(cfg, start, ulog, 0)
             replay_s = time.perf_counter() - t0
             same = got.weights.tobytes() == state.weights.tobytes()
             parts = ulog.nbytes()

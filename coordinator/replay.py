@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_edge import params
+from soma_edge import steps as expert_steps
 from soma_edge.config import Config
 from soma_edge.errors import ValidationError
-from soma_edge.spsa import State, Stepper, UpdateLog, mean_decoder_grad, replay, schedule
+from soma_edge.spsa import State, Stepper, UpdateLog, mean_decoder_grad, schedule
 
 G_TOLERANCE = 1e-2  # |g - claimed| <= tol * (1 + |claimed|): a forward on another box differs by ~1e-6 in loss
 DECODER_TOLERANCE = 1e-3  # max |decoder - claimed| after a rebuilt round, in weight units
@@ -27,9 +27,8 @@ DECODER_TOLERANCE = 1e-3  # max |decoder - claimed| after a rebuilt round, in we
 
 def rebuild(cfg: Config, base: State, log: UpdateLog, expert: int) -> State:
     """The version the log leads to from `base` (ValidationError if the log does not fit it)."""
-    lay = params.layout(cfg.model)
     try:
-        return replay(cfg.spsa, base, log, seed=cfg.seed, expert=expert, body=lay.body, dense=lay.dense())
+        return expert_steps.replay(cfg, base, log, expert)
     except ValueError as e:
         raise ValidationError(f"expert {expert}: {e}") from None
 
@@ -38,11 +37,7 @@ def audit(cfg: Config, base: State, log: UpdateLog, expert: int, data: np.ndarra
     """Recompute the scalars of `steps` (indices into the log) from forward passes; ValidationError on
     the first that the worker did not compute. `evaluator` is a `LossEvaluator` of the run's model (with
     the decoder-gradient graph when the decoder learns by the delta rule)."""
-    from worker.trainer import objectives  # the worker's own batches, drawn from the same keys
-
-    lay = params.layout(cfg.model)
-    s = cfg.spsa
-    stepper = Stepper(s, seed=cfg.seed, expert=expert, parallel=1, body=lay.body, dense=lay.dense())
+    stepper = expert_steps.stepper(cfg, expert)
     state = State(base.weights.copy(), step=base.step, opt=base.opt.copy())
     state.opt.lr_scale = log.lr_scale
     body, delta = stepper._split(state.weights.size)
@@ -51,15 +46,15 @@ def audit(cfg: Config, base: State, log: UpdateLog, expert: int, data: np.ndarra
         for i, g in enumerate(log.grads):
             if not delta and i > last:
                 return  # every audited step is checked, and nothing dense needs rebuilding
-            objs = objectives(data, cfg, evaluator, expert, state.step)
+            objs = expert_steps.objectives(data, cfg, evaluator, expert, state.step)  # the worker's own batches
             if i in wanted:
-                _check_step(stepper, state, objs, g, body, i, expert, s.directions)
+                _check_step(stepper, state, objs, g, body, i, expert, cfg.spsa.directions)
             dec = mean_decoder_grad([o.clean(state.weights)[1] for o in objs]) if delta else None
             stepper.replay(state, g, dec)
     finally:
         stepper.close()
     if delta and log.steps:
-        worst = float(np.max(np.abs(state.weights[lay.body:] - log.decoder)))
+        worst = float(np.max(np.abs(state.weights[stepper.body:] - log.decoder)))
         if not worst <= DECODER_TOLERANCE:
             raise ValidationError(f"expert {expert}: the decoder that its steps lead to differs from the one it sent "
                                   f"by {worst:.3g} (tolerance {DECODER_TOLERANCE:g})")  # fmt: skip

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from soma_edge import checkpoint, params, protocol, spsa
+from soma_edge import checkpoint, params, protocol, spsa, steps
 from soma_edge.config import Config, from_dict
 from soma_edge.errors import CheckpointError
 
@@ -45,16 +45,15 @@ def _train(cfg: Config, expert: int, start: spsa.State) -> tuple[spsa.State, sps
     state = spsa.State(start.weights.copy(), step=start.step, opt=start.opt.copy())
     state.opt.lr_scale = 0.5  # the coordinator's plateau factor for the round: the log carries it
     data = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
-    lay = params.layout(cfg.model)
     rep = train(state, data, cfg, evaluator_for(cfg, threads=1, parallel=1), expert=expert, steps=STEPS)
     assert rep.steps == STEPS
-    return state, spsa.record_log(start.step, 0.5, rep.grads, state, lay.body if cfg.spsa.decoder == "delta" else 0)
+    return state, spsa.record_log(start.step, 0.5, rep.grads, state, steps.log_body(cfg))
 
 
 REPLAY_CHILD = """
 import sys
 import numpy as np
-from soma_edge import checkpoint, params, protocol, spsa
+from soma_edge import checkpoint, params, protocol, spsa, steps
 from soma_edge.config import from_dict
 jobs = checkpoint.load(sys.argv[1], "replay_jobs")
 out = {}

@@ -31,7 +31,7 @@ from soma_edge import __version__, codec, protocol  # noqa: E402
 from soma_edge import config as config_mod  # noqa: E402
 from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
 from soma_edge.errors import CheckpointError, SomaError, ValidationError  # noqa: E402
-from soma_edge.params import layout  # noqa: E402
+from soma_edge import steps  # noqa: E402
 from soma_edge.spsa import OptState, State, record_log  # noqa: E402
 from soma_edge.logs import role_logger  # noqa: E402
 from worker import probe  # noqa: E402
@@ -101,7 +101,7 @@ def capabilities(msg: Message, context: Context) -> Message:
 def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, errors: list[str]) -> dict[str, Any] | None:
     """The task's base version rebuilt from a version this node holds and the log the coordinator sent in
     place of the weights (`base_log`), cached like sent weights; None (reported missing) if that fails."""
-    from soma_edge.spsa import UpdateLog, replay
+    from soma_edge.spsa import UpdateLog
 
     sent = t.get("base_log")
     if not isinstance(sent, dict):
@@ -113,8 +113,7 @@ def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, erro
         ulog = UpdateLog.from_record(sent.get("log"), f"expert {t['expert']}: downstream log")
         w0 = protocol.decode_weights(prev["weights"])
         start = State(w0, step=int(prev["step"]), opt=OptState.from_record(prev.get("opt"), w0.size))
-        lay = layout(cfg.model)
-        got = replay(cfg.spsa, start, ulog, seed=cfg.seed, expert=t["expert"], body=lay.body, dense=lay.dense())
+        got = steps.replay(cfg, start, ulog, t["expert"])
     except (CheckpointError, ValueError, KeyError, TypeError) as e:
         errors.append(f"expert {t['expert']}: the downstream log does not replay here ({e})")
         return None
@@ -132,10 +131,9 @@ def _as_sent(t: dict[str, Any], state: State, reply_dtype: str) -> np.ndarray:
     return state.weights if t.get("reply", "weights") == "log" else state.weights.astype(reply_dtype)
 
 
-def _result(t: dict[str, Any], state: State, start: int, rep, cfg, reply_dtype: str) -> dict[str, Any]:
-    """One expert's result in the form its task asked for: weights, update log, or both."""
-    mode, out = t.get("reply", "weights"), _as_sent(t, state, reply_dtype)
-    sha = protocol.weights_sha256(out)
+def _result(t: dict[str, Any], state: State, out: np.ndarray, start: int, rep, cfg) -> dict[str, Any]:
+    """One expert's result in the form its task asked for (weights `out`, update log, or both)."""
+    mode, sha = t.get("reply", "weights"), protocol.weights_sha256(out)
     log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", t["expert"], t["version"] + 1,
              sha, rep.steps, rep.seconds, rep.loss)  # fmt: skip
     res = {
@@ -144,8 +142,7 @@ def _result(t: dict[str, Any], state: State, start: int, rep, cfg, reply_dtype: 
         "sha256": sha, "weights": out, "opt": state.opt.to_record(),
     }  # fmt: skip
     if mode in ("log", "both"):
-        body = layout(cfg.model).body if cfg.spsa.decoder == "delta" else 0  # a dense decoder rides along
-        res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, body).to_record()
+        res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg)).to_record()
     if mode == "log":
         res["weights"] = res["opt"] = None
     return res
@@ -248,9 +245,10 @@ def train(msg: Message, context: Context) -> Message:
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
         start = state.step
         rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
-        results.append(_result(t, state, start, rep, cfg, reply_dtype))
-        cache.put_weights(results[-1]["sha256"], expert=e, version=t["version"] + 1, step=state.step,
-                          weights=_as_sent(t, state, reply_dtype), opt=state.opt.to_record(), run_id=run_id)  # fmt: skip
+        out = _as_sent(t, state, reply_dtype)
+        results.append(_result(t, state, out, start, rep, cfg))
+        cache.put_weights(results[-1]["sha256"], expert=e, version=t["version"] + 1, step=state.step, weights=out,
+                          opt=state.opt.to_record(), run_id=run_id)  # fmt: skip
     protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
     cache.evict(protect)
     reply = {**header, "results": results, "missing": {"weights": missing_w, "shards": sorted(set(missing_s))},

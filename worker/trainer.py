@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_edge.config import Config
-from soma_edge.corpus import batch_rng, sample_batch
-from soma_edge.params import layout
 from soma_edge.runtime import LossEvaluator
-from soma_edge.spsa import Objective, State, Stepper, evals_per_step
+from soma_edge.spsa import State, evals_per_step
+from soma_edge.steps import objectives, stepper as make_stepper
 
 
 @dataclass
@@ -35,16 +34,6 @@ class TrainReport:
         return self.forward_evals / self.seconds if self.seconds > 0 else 0.0
 
 
-def objectives(data: np.ndarray, cfg: Config, evaluator: LossEvaluator, expert: int, step: int) -> list[Objective]:
-    """The step's `accumulate` minibatches, each drawn from its own key, as SPSA objectives."""
-    out = []
-    for part in range(cfg.spsa.accumulate):
-        x, y = sample_batch(data, cfg.data.batch, cfg.data.seq_len, batch_rng(cfg.seed, expert, step, part))
-        clean = (lambda w, x=x, y=y: evaluator.clean(w, x, y)) if evaluator.train_session is not None else None
-        out.append(Objective(loss=lambda w, x=x, y=y: evaluator.loss(w, x, y), clean=clean))
-    return out
-
-
 def train(
     state: State,
     data: np.ndarray,
@@ -61,9 +50,7 @@ def train(
         raise ValueError("give steps, seconds, or both")
     if cfg.spsa.decoder == "delta" and evaluator.train_session is None:
         raise ValueError("spsa.decoder = 'delta' needs an evaluator built with decoder_grad=True")
-    lay = layout(cfg.model)
-    stepper = Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=evaluator.parallel, body=lay.body,
-                      dense=lay.dense())  # fmt: skip
+    stepper = make_stepper(cfg, expert, evaluator.parallel)
     report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
     t0 = time.perf_counter()
     loss_sum = 0.0

@@ -1,0 +1,43 @@
+"""An expert's SPSA steps as a run's config defines them, shared by whoever takes or retakes them: the
+worker's training loop, the coordinator's replay and audit of update logs, and a worker rebuilding a
+version from a downstream log. Each must use the same stepper (the layout's body and dense gains) and
+the same minibatches (drawn from the step's key), or the bits would differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from soma_edge.config import Config
+from soma_edge.corpus import batch_rng, sample_batch
+from soma_edge.params import layout
+from soma_edge.spsa import Objective, State, Stepper, UpdateLog
+from soma_edge.spsa import replay as replay_log
+
+
+def stepper(cfg: Config, expert: int, parallel: int = 1) -> Stepper:
+    lay = layout(cfg.model)
+    return Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=parallel, body=lay.body, dense=lay.dense())
+
+
+def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int) -> list[Objective]:
+    """The step's `accumulate` minibatches, each drawn from its own key, as SPSA objectives
+    (`evaluator`: a `soma_edge.runtime.LossEvaluator` of the run's model)."""
+    out = []
+    for part in range(cfg.spsa.accumulate):
+        x, y = sample_batch(data, cfg.data.batch, cfg.data.seq_len, batch_rng(cfg.seed, expert, step, part))
+        clean = (lambda w, x=x, y=y: evaluator.clean(w, x, y)) if evaluator.train_session is not None else None
+        out.append(Objective(loss=lambda w, x=x, y=y: evaluator.loss(w, x, y), clean=clean))
+    return out
+
+
+def replay(cfg: Config, state: State, log: UpdateLog, expert: int) -> State:
+    """`soma_edge.spsa.replay` of expert `expert`'s log under the run's config (ValueError if it does not fit)."""
+    lay = layout(cfg.model)
+    return replay_log(cfg.spsa, state, log, seed=cfg.seed, expert=expert, body=lay.body, dense=lay.dense())
+
+
+def log_body(cfg: Config) -> int:
+    """What `spsa.record_log` needs to know of the layout: the body's size when a delta-rule decoder's
+    dense update must ride along with the scalars, else 0."""
+    return layout(cfg.model).body if cfg.spsa.decoder == "delta" else 0
