@@ -127,7 +127,7 @@ def workers_cmd(
     import dataclasses
     import json
 
-    from coordinator import workers
+    from coordinator import guard, workers
     from coordinator.run import RunDir
 
     rd = RunDir(run)
@@ -135,14 +135,14 @@ def workers_cmd(
     state = rd.load_state() if rd.state_path.exists() or rd.prev_state_path.exists() else None
     strikes = (state or {}).get("strikes") or {}
     limit = rd.load_config().federation.max_strikes if rd.has_config() else 0
-    count = {w.fingerprint: int((strikes.get(f"key:{w.fingerprint}") or {}).get("count", 0)) for w in rows}
+    count = {w.fingerprint: guard.count(strikes, guard.key_identity(w.fingerprint)) for w in rows}
     if as_json:
         print(json.dumps({"workers": [dataclasses.asdict(w) | {"strikes": count[w.fingerprint]} for w in rows],
                           "max_strikes": limit}))  # fmt: skip
         return
     print(f"{'name':<16} {'key':<16} {'node id (last start)':>22} {'strikes':>8}")
     for w in rows:
-        mark = " excluded" if limit and count[w.fingerprint] >= limit else ""
+        mark = " excluded" if guard.excluded(strikes, guard.key_identity(w.fingerprint), limit) else ""
         print(f"{w.name:<16} {w.fingerprint:<16} {str(w.node_id or '-'):>22} {count[w.fingerprint]:>8}{mark}")
     print(f"{len(rows)} worker key(s) in {rd.root / workers.REGISTRY}")
 

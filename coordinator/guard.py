@@ -60,8 +60,17 @@ def identity(run: RunDir, node_id: int) -> str:
         registered = []
     for w in registered:
         if w.node_id == node_id:
-            return f"key:{w.fingerprint}"
+            return key_identity(w.fingerprint)
     return f"node:{node_id}"
+
+
+def key_identity(fingerprint: str) -> str:
+    """The strike-table identity of a registered worker key."""
+    return f"key:{fingerprint}"
+
+
+def count(strikes: dict[str, Any], who: str) -> int:
+    return int((strikes.get(who) or {}).get("count", 0))
 
 
 def strike(strikes: dict[str, Any], who: str, label: str, reason: str, round_: int) -> int:
@@ -80,4 +89,4 @@ def forgive(strikes: dict[str, Any], who: str) -> None:
 
 
 def excluded(strikes: dict[str, Any], who: str, limit: int) -> bool:
-    return limit > 0 and int((strikes.get(who) or {}).get("count", 0)) >= limit
+    return limit > 0 and count(strikes, who) >= limit

@@ -372,20 +372,24 @@ class Coordinator:
 
     # --- one round ------------------------------------------------------------------------------------
 
-    def _downstream_log(self, e: int, node: Node) -> dict[str, Any] | None:
-        """For a node that holds the version before expert e's current one: the log between them, when it
-        is shorter than the weights and optimizer state it replaces (downstream logs)."""
+    def _version_bytes(self) -> int:
+        """What a version weighs on the wire: float32 weights and Adam's two moments."""
+        return 3 * 4 * self.size
+
+    def _downstream_log(self, e: int, node: Node) -> tuple[dict[str, Any], int] | None:
+        """For a node that holds the version before expert e's current one: the log between them (and its
+        bytes), when it is shorter than the weights and optimizer state it replaces (downstream logs)."""
         x = self.state["experts"][str(e)]
         rec = self.run.load_log(e, int(x["version"])) if int(x["version"]) > 0 else None
         if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x["sha256"]:
             return None
         try:
-            ulog = UpdateLog.from_record(rec.get("log"))
+            nbytes = sum(UpdateLog.from_record(rec.get("log")).nbytes().values())
         except CheckpointError:
             return None
-        if sum(ulog.nbytes().values()) >= 3 * 4 * self.size:
+        if nbytes >= self._version_bytes():
             return None
-        return {"from_sha256": rec["from_sha256"], "log": rec["log"]}
+        return {"from_sha256": rec["from_sha256"], "log": rec["log"]}, nbytes
 
     def _transfer_seconds(self, e: int, nid: int) -> float:
         """How long node `nid` would take to fetch what expert e needs and its cache lacks (0 while its
@@ -393,7 +397,7 @@ class Coordinator:
         node = self.nodes[nid]
         if not node.link:
             return 0.0
-        nbytes = 0 if self.state["experts"][str(e)]["sha256"] in node.weights else 3 * 4 * self.size
+        nbytes = 0 if self.state["experts"][str(e)]["sha256"] in node.weights else self._version_bytes()
         sizes = self._shard_sizes()
         nbytes += sum(sizes.get(h, 0) for h in self._train_shards(e) if h not in node.shards)
         return nbytes / node.link
@@ -482,7 +486,8 @@ class Coordinator:
         for e in experts:
             x = self.state["experts"][str(e)]
             send_w = x["sha256"] not in node.weights
-            base_log = self._downstream_log(e, node) if send_w else None
+            downstream = self._downstream_log(e, node) if send_w else None
+            base_log, log_bytes = downstream or (None, 0)
             send_w = send_w and base_log is None
             body = self.run.load_expert(x["path"]) if send_w else None
             w = body["weights"] if body else None
@@ -495,7 +500,6 @@ class Coordinator:
             exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e],
                             "lr_scale": scale, "reply": mode}  # fmt: skip
             opt_bytes = stored.nbytes() if stored is not None else 0
-            log_bytes = sum(UpdateLog.from_record(base_log["log"]).nbytes().values()) if base_log else 0
             per_expert[e] = {"weights": log_bytes if w is None else w.nbytes + opt_bytes, "shards": shard_bytes.get(e, 0)}
         fed, config = self.cfg.federation, self._phase_config().to_dict()
         body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=config,
@@ -709,7 +713,7 @@ class Coordinator:
         lay = params.layout(cfg.model)
         dense = 3 * (lay.size - lay.body) if cfg.spsa.decoder == "delta" else 0
         log_bytes = 4 * (steps * cfg.spsa.directions * cfg.spsa.accumulate + dense)
-        if log_bytes >= 4 * 3 * lay.size:  # a log longer than the weights and their Adam moments
+        if log_bytes >= self._version_bytes():  # a log longer than the weights and their Adam moments
             return "weights"
         return "both" if r % fed.weights_every == 0 else "log"
 
