@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/slow_link.py [--sizes 124K,1M] [--modes weights,log] [--rounds 3]
                                              [--round-seconds 60] [--mbit 1] [--experts 2]
+                                             [--deadline-slack 600]
 
 For each expert size and reply mode, a real federation on simulated boxes (tests/netboxes.py: network
 namespaces, a veth link limited with tc htb): the coordinator in one namespace, one worker in another
@@ -44,7 +45,7 @@ experts = {args.experts}
 rounds = {args.rounds}
 round_seconds = {args.round_seconds}
 deadline_factor = 1.5
-deadline_slack = 600.0
+deadline_slack = {args.deadline_slack}
 min_nodes = 1
 reply = "{mode}"
 """)
@@ -59,7 +60,7 @@ reply = "{mode}"
         boxes.popen(slow, [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"{slow.peer}:{port}", "--name",
                            "slow", "--cache", str(work / f"cache-{size}-{mode}")], work / f"{size}-{mode}-w.log",
                     env=env, cwd=ROOT)  # fmt: skip
-        code = start.wait(args.rounds * (args.round_seconds * 1.5 + 900) + 300)
+        code = start.wait(args.rounds * (args.round_seconds * 1.5 + args.deadline_slack + 300) + 300)
         if code != 0:
             raise SystemExit(f"{size} {mode}: start exited {code}; see {work / f'{size}-{mode}.log'}")
     finally:
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--round-seconds", type=float, default=60.0)
     ap.add_argument("--mbit", type=float, default=1.0)
     ap.add_argument("--experts", type=int, default=2)
+    ap.add_argument("--deadline-slack", type=float, default=600.0,
+                    help="seconds past round_seconds x 1.5 a round waits; 8M weights take ~12 min up at 1 Mbit/s")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, veth, tc)")
