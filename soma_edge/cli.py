@@ -18,9 +18,24 @@ from soma_edge.errors import SomaError
 
 def make_app(help: str) -> typer.Typer:
     # rich_markup_mode=None: help strings mention TOML tables like [spsa], which rich would eat as markup.
+    # typer 0.20 still escapes "[default: ...]" for rich when rich is importable, and the plain formatter
+    # then prints the backslash; it escapes only when it believes rich renders the help.
+    typer.core.HAS_RICH = False
     return typer.Typer(
         help=help, pretty_exceptions_enable=False, add_completion=False, no_args_is_help=True, rich_markup_mode=None
     )
+
+
+def console(stderr: bool = False):
+    """A rich console for tables and progress: the terminal's width on a terminal; off one (piped, in a
+    file) $COLUMNS or 160 columns, where rich would assume 80 and cut the tables."""
+    import os
+
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else int(os.environ.get("COLUMNS", "") or 160)
+    return Console(stderr=stderr, width=width, soft_wrap=True)
 
 
 def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -14,6 +14,7 @@ def role_logger(name: str) -> logging.Logger:
     log = logging.getLogger(name)
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
+        handler.setLevel(logging.INFO)
         handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

@@ -35,10 +35,14 @@ STYPE = "soma/msgpack"
 RECORD = "soma"
 QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")
 QUERY_SHARDS = "query.shards"
+QUERY_END = "query.end"  # the run is over: `soma-worker join` exits (or, with --stay, waits for the next)
 TRAIN = "train"
 KIND_QUERY, KIND_CAPS = "capability_query", "capabilities"
 KIND_TRAIN, KIND_REPLY = "train_request", "train_reply"
 KIND_PIECES, KIND_ACK = "shard_pieces", "shard_ack"
+KIND_END = "run_end"
+# What the worker's ClientApp logs on QUERY_END; `soma-worker join` reads its SuperNode's output for it.
+RUN_ENDED = "the coordinator ended the run:"
 REPLY_DTYPES = ("float32", "float16")
 SMALL_BYTES = 1 << 20  # queries, capability replies and acks are tiny; refuse anything larger
 PIECE_BYTES = 32 << 20  # most shard bytes per message (federation.piece_bytes): big enough that Flower's
@@ -91,6 +95,18 @@ def payload_bytes(content) -> int:
 
 def capability_query(config: dict[str, Any], run_id: str) -> dict[str, Any]:
     return {"soma_version": __version__, "run_id": run_id, "config": config}
+
+
+def run_end(run_id: str, rounds: int, of: int, why: str) -> dict[str, Any]:
+    return {"run_id": run_id, "rounds": rounds, "of": of, "why": why}
+
+
+def end_summary(body: dict[str, Any]) -> str:
+    """The worker's one line about a run_end body (fields checked: it came from the network)."""
+    rounds, of, why = body.get("rounds"), body.get("of"), body.get("why")
+    if not (_is_int(rounds) and _is_int(of) and isinstance(why, str)):
+        raise ValidationError("run_end: rounds, of and why must be two integers and a string")
+    return f"{rounds}/{of} rounds, {why[:200]}"
 
 
 def train_request(

@@ -175,6 +175,13 @@ def shard_pieces(msg: Message, context: Context) -> Message:
     return _reply(msg, {"node": context.node_id, "complete": done, "errors": errors}, protocol.KIND_ACK)
 
 
+@app.query("end")
+def run_end(msg: Message, context: Context) -> Message:
+    body = protocol.unpack(msg.content, protocol.KIND_END, protocol.SMALL_BYTES)
+    log.info("%s %s", protocol.RUN_ENDED, protocol.end_summary(body))
+    return _reply(msg, {"node": context.node_id}, protocol.KIND_ACK)
+
+
 def _limit_name(run_id: Any) -> str:
     return "limit-" + "".join(c for c in str(run_id) if c.isalnum())[:64]
 
