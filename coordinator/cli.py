@@ -48,6 +48,10 @@ def start_cmd(
     rounds: Optional[int] = typer.Option(None, "--rounds", min=0, help="Total rounds (a resumed run trains up to this)."),
     round_seconds: Optional[float] = typer.Option(None, "--round-seconds", min=0.1, help="Compute seconds per node per round."),
     local_workers: Optional[int] = typer.Option(None, "--local-workers", min=0, help="SuperNodes to start on this box."),
+    min_nodes: Optional[int] = typer.Option(None, "--min-nodes", min=1, help="Workers round 1 waits for (then "
+                                            "federation.join_grace seconds more for others)."),
+    wait_seconds: Optional[float] = typer.Option(None, "--wait-seconds", min=1.0, help="How long round 1 waits for "
+                                                 "--min-nodes workers before it starts with fewer (none: error)."),
     seed: Optional[int] = typer.Option(None, "--seed", min=0, max=MAX_SEED, help="Seed of initialization, noise, batches and prepare."),
     superlink: Optional[str] = typer.Option(None, "--superlink", help="HOST:PORT of an existing SuperLink (external mode)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Embedded SuperLink: interface to listen on (0.0.0.0 for other boxes)."),
@@ -65,6 +69,7 @@ def start_cmd(
     overrides = {k: v for k, v in {
         "federation.corpus": corpus, "federation.experts": experts, "federation.rounds": rounds,
         "federation.round_seconds": round_seconds, "federation.local_workers": local_workers, "seed": seed,
+        "federation.min_nodes": min_nodes, "federation.wait_seconds": wait_seconds,
     }.items() if v is not None}  # fmt: skip
     if superlink is not None and local_workers:
         raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
@@ -165,9 +170,9 @@ def status_cmd(
     if as_json:
         print(json.dumps(s, default=str))
     else:
-        from rich.console import Console
+        from soma_edge.cli import console
 
-        Console().print(experts_table(s))
+        console().print(experts_table(s))
 
 
 @app.command("app-path")

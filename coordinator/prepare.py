@@ -226,10 +226,10 @@ def _write(
 
 
 def _progress_bar():
-    from rich.console import Console
+    from soma_edge import cli
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    console = cli.console(stderr=True)
     # Transient, and off when stderr is not a terminal: logs and error output stay one clean line each.
     return Progress(
         TextColumn("{task.description:<16}"),
@@ -248,7 +248,7 @@ def _mb(n: int) -> str:
 
 def print_summary(summary: dict, out: Path) -> None:
     """A short table of clusters on stdout: expert, documents, MB per split, largest domain."""
-    from rich.console import Console
+    from soma_edge import cli
     from rich.table import Table
 
     top: dict[int, tuple[str, float]] = {}
@@ -265,7 +265,7 @@ def print_summary(summary: dict, out: Path) -> None:
         name, share = top[c["id"]]
         table.add_row(str(c["id"]), str(c["expert"]), str(c["docs"]), _mb(b["train"]), _mb(b["val"]), _mb(b["test"]),
                       f"{name} ({share:.0%})")  # fmt: skip
-    console = Console()
+    console = cli.console()
     console.print(table)
     purity = "n/a (unlabelled)" if summary["purity"] is None else f"{summary['purity']:.3f}"
     console.print(

@@ -6,9 +6,8 @@ batches 45-60 s late, so the ServerApp writes RUN/status.json and RUN/metrics.js
 
 from __future__ import annotations
 
-import sys
-
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
@@ -16,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from coordinator.run import RunDir
+from soma_edge import cli
 
 
 def last_expert_lines(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -68,7 +68,7 @@ def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Ta
         title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
     t = Table(title=title, title_justify="left")
     for col in ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s"):
-        t.add_column(col, justify="left" if col in ("sha256", "node") else "right", no_wrap=True)
+        t.add_column(col, justify="left" if col in ("sha256", "node") else "right", no_wrap=col == "sha256")
     live_nodes = (status or {}).get("assignment") or {}
     for e, x in s["experts"].items():
         node = live_nodes.get(e) or x.get("node") or "-"
@@ -77,13 +77,49 @@ def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Ta
     return t
 
 
+class Events:
+    """The coordinator's events as they happen (joins, leaves, plans, deadline misses, rejections): the
+    INFO and higher lines that the ServerApp appends to RUN/logs/coordinator.log after we started."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.offset = path.stat().st_size
+        except OSError:
+            self.offset = 0
+        self.partial = b""
+
+    def new(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, 2) < self.offset:  # a new file (another run dir state): start over
+                    self.offset = 0
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [x for x in map(_event, lines) if x]
+
+
+def _event(line: bytes) -> str | None:
+    """'2026-12-01 10:53:05,960 soma.coord WARNING msg' -> '10:53:05 warning: msg'; None for DEBUG lines."""
+    parts = line.decode("utf-8", "replace").split(" ", 4)
+    if len(parts) < 5 or parts[2] != "soma.coord" or parts[3] == "DEBUG":
+        return None
+    level = "" if parts[3] == "INFO" else f"{parts[3].lower()}: "
+    return f"{parts[1].split(',')[0]} {level}{parts[4]}"
+
+
 class Follower:
-    """Draws status.json/metrics.jsonl: a live table on a terminal, one line per round otherwise."""
+    """Draws status.json/metrics.jsonl: a live table on a terminal, one line per round otherwise; and
+    the coordinator's events, one line each, as they happen."""
 
     def __init__(self, run: RunDir, console: Console | None = None):
         self.run = run
-        # Off a terminal rich assumes 80 columns and wraps the per-round lines and the experts table.
-        self.console = console or Console(stderr=False, width=None if sys.stdout.isatty() else 120, soft_wrap=True)
+        self.events = Events(run.logs / "coordinator.log")
+        self.console = console or cli.console()
         self.seen_rounds: set[int] = set()
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                  TimeElapsedColumn(), console=self.console)  # fmt: skip
@@ -105,6 +141,8 @@ class Follower:
 
     def update(self, status: dict[str, Any] | None) -> None:
         s = summary(self.run)
+        for line in self.events.new():
+            (self.live.console if self.live is not None else self.console).print(line, markup=False, highlight=False)
         if self.live is not None:
             self.progress.update(self.task, completed=s["round"], total=s["rounds"])
             if status and status.get("phase") == "round" and status.get("started"):
@@ -114,7 +152,7 @@ class Follower:
                                      description=f"round {status.get('round')} compute (s)")  # fmt: skip
             phase = (status or {}).get("phase", "starting")
             msg = (status or {}).get("message") or ""
-            self.live.update(Group(experts_table(s, status), self.progress, f"[dim]{phase} {msg}[/dim]"))
+            self.live.update(Group(experts_table(s, status), self.progress, f"[dim]{msg or phase}[/dim]"))
             return
         for m in self.run.read_metrics():
             r = int(m.get("round", 0))

@@ -8,9 +8,12 @@ experts (weights and shards only where its cache lacks them; shard bytes beyond 
 `coordinator.replay`), checkpoint accepted versions atomically, compute val losses, and commit the
 round by writing state.msgpack last.
 
-A node that misses the deadline (killed, hung, too slow) is set aside until it answers a capability
-query again, so its experts go to others next round; Flower's own failure report would take ~60 s.
-Error replies come from node 1, so they are mapped to our messages by `reply_to_message_id`.
+The round ends when every node has replied or Flower has reported it gone (NODE_UNAVAILABLE, after two
+of its heartbeats: `soma-worker join` asks for 10 s ones), or at the deadline. A node that fails or
+misses the deadline (killed, hung, too slow) is set aside until it answers a capability query again, so
+its experts go to others: at once to a node that has no work this round, else next round. Nodes that
+join mid-round are probed during it. Error replies come from node 1, so they are mapped to our messages
+by `reply_to_message_id`. At the end, every live node hears that the run is over (`query.end`).
 
 Flower launches this process itself (next to the SuperLink), so progress goes to RUN/status.json and
 RUN/metrics.jsonl, which `soma-coord start` tails.
@@ -19,6 +22,7 @@ RUN/metrics.jsonl, which `soma-coord start` tails.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +44,9 @@ log = role_logger("soma.coord")
 
 POLL_SECONDS = 0.5
 QUERY_SECONDS = 90.0  # a capability query includes the node's throughput probe
+GRACE_QUERY_SECONDS = 30.0  # after join_grace, how long round 1 waits for a node still answering its query
+NODE_UNAVAILABLE = 5  # flwr's ErrorCode: the node missed two heartbeats
+END_SECONDS = 15.0  # how long the end of the run waits for the workers to hear of it
 MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-1 when N = 1)
 
 
@@ -66,7 +73,7 @@ class Node:
 @dataclass
 class Outgoing:
     node: int
-    kind: str  # "query" | "train"
+    kind: str  # "query" | "pieces" | "train" | "end"
     expected: protocol.Expected | None = None
     bytes_down: int = 0
     per_expert: dict[int, dict[str, int]] = field(default_factory=dict)  # expert -> weight/shard bytes sent
@@ -90,7 +97,10 @@ class Coordinator:
         self.run.logs.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(self.run.logs / "coordinator.log")
         handler.setFormatter(logging.Formatter("%(asctime)s soma.coord %(levelname)s %(message)s"))
+        # The file has every line; `soma-coord start` shows its INFO and higher ones (the events), not the
+        # DEBUG ones (each accepted expert, each commit: the table and the round lines show those).
         log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
         try:
             with self.run.lock(wait=lock_wait):
                 if self.setup is not None:
@@ -135,16 +145,38 @@ class Coordinator:
                  run.root, state["round"], fed.rounds)  # fmt: skip
         if self._fan_out():  # a seed that finished in a round whose commit never happened
             self.run.save_state(self.state)
-        self._wait_for_nodes(fed.min_nodes)
+        self._wait_for_nodes(fed.min_nodes, grace=fed.join_grace)
+        why = "complete"
         for r in range(state["round"] + 1, fed.rounds + 1):
             if self._capped() and not self._steps_left():
-                log.info("every expert has its %d steps (federation.max_steps): stopping before round %d",
-                         seed_mod.expert_steps(self.cfg), r)  # fmt: skip
+                why = f"every expert has its {seed_mod.expert_steps(self.cfg)} steps (federation.max_steps)"
+                log.info("%s: stopping before round %d", why, r)
                 break
             self._round(r)
+        self._end_run(why)
         self._status("done")
         log.info("run complete: %d rounds", self.state["round"])
         return self.state
+
+    def _end_run(self, why: str) -> None:
+        """Tell every live node that the run is over, so that its `soma-worker join` exits (or waits for
+        the next run); wait up to END_SECONDS for them to hear it, as Flower drops a finished run's messages."""
+        body = protocol.run_end(self.state["run_id"], self.state["round"], self.cfg.federation.rounds, why)
+        self._push([(self._message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind="end"))
+                    for nid in sorted(self._live_ids())])  # fmt: skip
+        deadline, heard = self.clock() + END_SECONDS, set()
+
+        def ack(mid: str, reply, o: Outgoing) -> None:
+            if o.kind == "end" and not reply.has_error():
+                heard.add(o.node)
+
+        # Only for nodes that were working: one that missed a deadline may be dead, and Flower takes as long
+        # as its heartbeat patience to say so.
+        waited = {nid for nid, n in self.nodes.items() if n.status == "active"}
+        while any(o.kind == "end" and o.node in waited for o in self.out.values()) and self.clock() < deadline:
+            self.sleep(POLL_SECONDS)
+            self._pull(ack)
+        log.info("run over (%s): %d worker(s) told", why, len(heard))
 
     # --- state ----------------------------------------------------------------------------------------
 
@@ -352,16 +384,25 @@ class Coordinator:
                 node.status = "gone"
         return {nid: n for nid, n in self.nodes.items() if n.status == "active" and nid in live}
 
-    def _wait_for_nodes(self, want: int) -> dict[int, Node]:
+    def _wait_for_nodes(self, want: int, grace: float = 0.0) -> dict[int, Node]:
+        """Wait (up to wait_seconds) for `want` active nodes; then `grace` seconds more, and for any node
+        still answering its capability query, so that workers started together all get round 1's work."""
         fed = self.cfg.federation
-        deadline = self.clock() + fed.wait_seconds
+        deadline, enough_at = self.clock() + fed.wait_seconds, None
         self._status("waiting", message=f"waiting for {want} worker(s)")
         while True:
             self._query_new_nodes()
             self._pull(lambda mid, reply, o: None)
             active = self._active()
-            if len(active) >= want:
-                return active
+            if len(active) >= want and enough_at is None:
+                enough_at = self.clock()
+                if grace > 0:
+                    log.info("%d worker(s) in; waiting %.0f s more for others (federation.join_grace)", len(active), grace)
+            if enough_at is not None:
+                waited = self.clock() - enough_at
+                querying = any(n.status == "querying" for n in self.nodes.values())
+                if waited >= grace and (not querying or waited >= grace + GRACE_QUERY_SECONDS) or self.clock() >= deadline:
+                    return active
             if self.clock() >= deadline:
                 if active:
                     log.warning("only %d of %d wanted workers after %.0f s; going on", len(active), want, fed.wait_seconds)
@@ -566,6 +607,8 @@ class Coordinator:
 
         while self.clock() < deadline and (ctx.waiting or any(mid in self.out for mid in ctx.train_mids)):
             self._pull(handle)
+            self._query_new_nodes()  # a worker that joins now is probed, and ready for the next plan
+            self._give_idle(ctx)
             if ctx.waiting or any(mid in self.out for mid in ctx.train_mids):
                 self.sleep(POLL_SECONDS)
         ctx.t_done = self.clock()
@@ -582,12 +625,47 @@ class Coordinator:
                 ctx.failed.setdefault(e, f"node {node.label} missed the round deadline")
         self._commit(r, ctx, t_round)
 
+    def _give_idle(self, ctx: "_RoundCtx") -> None:
+        """Experts left idle this round, because their node left or failed, go at once to a node without
+        work this round (a worker that joined since the plan), when a whole round_seconds of training
+        still fits before the deadline. The round then waits for that node's reply too."""
+        fed = self.cfg.federation
+        if ctx.deadline - self.clock() - fed.deadline_slack < fed.round_seconds:
+            return
+        idle = sorted(e for e, why in ctx.failed.items()
+                      if not why.startswith("rejected") and e not in ctx.accepted and e not in ctx.pending_resend)  # fmt: skip
+        busy = set(ctx.plan.assignment.values())
+        free = [nid for nid in self._active() if nid not in busy]
+        if not idle or not free:
+            return
+        nid = max(free, key=lambda n: (self.nodes[n].rate, -n))
+        per = scheduler.steps_for(self.nodes[nid].rate, len(idle), fed.round_seconds,
+                                  evals_per_step(self._phase_config().spsa))  # fmt: skip
+        steps = {e: min(scheduler.MAX_STEPS, math.ceil(scheduler.HEADROOM * per)) for e in idle}
+        if self._capped():
+            left = self._steps_left()
+            steps = {e: min(s, left[e]) for e, s in steps.items() if left.get(e)}
+        if not steps:
+            return
+        for e in steps:
+            ctx.failed.pop(e)
+            ctx.plan.assignment[e] = nid
+            ctx.plan.moved = sorted(set(ctx.plan.moved) | {e})
+        ctx.plan.steps.update(steps)
+        log.info("round %d: idle experts %s go to %s, which has no work this round", ctx.r, sorted(steps),
+                 self.nodes[nid].label)  # fmt: skip
+        self._send_train(ctx, nid, sorted(steps), steps, max_seconds=fed.round_seconds)
+
     def _on_train(self, mid: str, reply, o: Outgoing, ctx: "_RoundCtx") -> None:
         node, exp = self.nodes[o.node], o.expected
         ctx.bytes_down += o.bytes_down
         if reply.has_error():
-            log.warning("round %d: node %s (%s) failed: code %s, %s", ctx.r, o.node, node.name,
-                        reply.error.code, reply.error.reason)  # fmt: skip
+            if reply.error.code == NODE_UNAVAILABLE:
+                log.warning("round %d: node %s (%s) is gone (no heartbeat); its experts %s go to other nodes", ctx.r,
+                            o.node, node.name, sorted(exp.tasks))  # fmt: skip
+            else:
+                log.warning("round %d: node %s (%s) failed: code %s, %s", ctx.r, o.node, node.name,
+                            reply.error.code, reply.error.reason)  # fmt: skip
             node.status = "probation"
             for e in exp.tasks:
                 ctx.failed.setdefault(e, f"node {node.label} error {reply.error.code}")
@@ -763,7 +841,7 @@ class Coordinator:
         }  # fmt: skip
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
-        log.info("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
+        log.debug("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
                  ctx.r, e, res["version"], node.label, res["train_loss"], val, res["steps"], res["seconds"])  # fmt: skip
         self._status("round", round=ctx.r)
 
@@ -879,7 +957,7 @@ class Coordinator:
         self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
         fallback, self._committed = self._committed, self._kept()
         self._prune(fallback)
-        log.info("round %d/%d committed: %d/%d experts advanced, mean val %.4f, mixture val %s, compute share %.0f%%",
+        log.debug("round %d/%d committed: %d/%d experts advanced, mean val %.4f, mixture val %s, compute share %.0f%%",
                  r, fed.rounds, len(ctx.accepted), len(self.expert_ids()), lines[-1]["val_loss_mean"] or float("nan"),
                  "n/a" if mix is None else f"{mix:.4f}", 100 * lines[-1]["compute_share"])  # fmt: skip
         self._status("committed", round=r)

@@ -83,6 +83,7 @@ class FederationConfig:
     local_workers: int = 0  # SuperNodes that `soma-coord start` launches on this box
     min_nodes: int = 1  # round 1 waits (up to `wait_seconds`) for this many live nodes
     wait_seconds: float = 120.0
+    join_grace: float = 5.0  # once min_nodes are in, round 1 waits this much longer for more (0: none)
     keep_versions: int = 3  # checkpoints kept per expert; older versions are pruned
     reply_dtype: str = "float32"  # or "float16": workers send that, the coordinator stores it as received
     deadline_factor: float = 1.5  # a node misses the round when it has not replied by
@@ -246,6 +247,7 @@ def validate(cfg: Config) -> Config:
     _check(0 <= f.local_workers <= 64, "federation.local_workers", "between 0 and 64", f.local_workers)
     _check(f.min_nodes >= 1, "federation.min_nodes", ">= 1", f.min_nodes)
     _check(f.wait_seconds > 0, "federation.wait_seconds", "> 0", f.wait_seconds)
+    _check(0 <= f.join_grace <= 600, "federation.join_grace", "in [0, 600]", f.join_grace)
     _check(f.keep_versions >= 1, "federation.keep_versions", ">= 1", f.keep_versions)
     _check(f.reply_dtype in ("float32", "float16"), "federation.reply_dtype", "'float32' or 'float16'", f.reply_dtype)
     _check(f.deadline_factor >= 1, "federation.deadline_factor", ">= 1", f.deadline_factor)

@@ -3,6 +3,7 @@ round-loop tests train with. Only Flower's transport is replaced: training runs 
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -21,7 +22,7 @@ TINY = {
     "spsa": {"directions": 2, "lr": 5e-3, "warmup_steps": 0},
     "device": "cpu",
     "federation": {"experts": 4, "rounds": 2, "round_seconds": 0.4, "deadline_factor": 1.0,
-                   "deadline_slack": 3.0, "val_windows": 4, "min_nodes": 2, "wait_seconds": 5.0,
+                   "deadline_slack": 3.0, "val_windows": 4, "min_nodes": 2, "wait_seconds": 5.0, "join_grace": 0.0,
                    "guard_tolerance": 1.0},  # 4 val windows of 32 bytes are noisy: tests of the guard set their own
 }  # fmt: skip
 
@@ -38,6 +39,9 @@ class FakeGrid(Grid):
                                  "probe-seconds": 0.05} for i, n in enumerate(names)}  # fmt: skip
         self.dead: set[int] = set()  # nodes that never answer (killed mid-round)
         self.gone: set[int] = set()  # nodes no longer listed
+        self.delay: dict[int, float] = {}  # node -> seconds before its replies can be pulled (a slow node)
+        self.pushed_at: dict[str, float] = {}
+        self.unavailable: set[int] = set()  # nodes Flower reports gone: their messages get error replies (code 5)
         self.tamper = tamper  # fn(node_id, body) -> body, applied to train replies
         self.pending: dict[str, Message] = {}
         self.sent: list[Message] = []
@@ -61,6 +65,7 @@ class FakeGrid(Grid):
             mid = uuid.uuid4().hex
             m.metadata.__dict__["_message_id"] = mid
             self.pending[mid] = m
+            self.pushed_at[mid] = time.monotonic()
             self.sent.append(m)
             ids.append(mid)
         return ids
@@ -71,8 +76,17 @@ class FakeGrid(Grid):
             m = self.pending.get(mid)
             if m is None or m.metadata.dst_node_id in self.dead:
                 continue
+            if time.monotonic() - self.pushed_at[mid] < self.delay.get(m.metadata.dst_node_id, 0.0):
+                continue
             del self.pending[mid]
             nid = m.metadata.dst_node_id
+            if nid in self.unavailable:
+                from flwr.app import Error
+
+                reply = Message(error=Error(code=5, reason="Error: Node Unavailable"), reply_to=m)
+                reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                out.append(reply)
+                continue
             ctx = Context(run_id=1, node_id=nid, node_config=self.nodes[nid], state=RecordDict(), run_config={})
             reply = client_app.app(m, ctx)
             if self.tamper and m.metadata.message_type == protocol.TRAIN:

@@ -789,7 +789,8 @@ def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
     state = Coordinator(grid, run).main()
     assert all(x["version"] == 1 for x in state["experts"].values())
     for nid, name in ((1000, "a"), (1001, "b")):
-        mine = [m for m in grid.sent if m.metadata.dst_node_id == nid and m.metadata.message_type != protocol.QUERY_CAPABILITIES]
+        mine = [m for m in grid.sent if m.metadata.dst_node_id == nid
+                and m.metadata.message_type not in (protocol.QUERY_CAPABILITIES, protocol.QUERY_END)]
         kinds = [m.metadata.message_type for m in mine]
         assert kinds.count(protocol.QUERY_SHARDS) >= 2 and kinds[-1] == protocol.TRAIN, kinds
         for m in mine:
