@@ -113,14 +113,13 @@ def _event(line: bytes) -> str | None:
 
 
 class Follower:
-    """Draws status.json/metrics.jsonl: a live table on a terminal, one line per round otherwise; and
-    the coordinator's events, one line each, as they happen."""
+    """The coordinator's events, one line each as they happen (each round's commit among them), and on a
+    terminal a live experts table (status.json, metrics.jsonl) under them."""
 
     def __init__(self, run: RunDir, console: Console | None = None):
         self.run = run
         self.events = Events(run.logs / "coordinator.log")
         self.console = console or cli.console()
-        self.seen_rounds: set[int] = set()
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                  TimeElapsedColumn(), console=self.console)  # fmt: skip
         self.task = self.progress.add_task("rounds", total=None)
@@ -140,10 +139,10 @@ class Follower:
             self.live.__exit__(*exc)
 
     def update(self, status: dict[str, Any] | None) -> None:
-        s = summary(self.run)
         for line in self.events.new():
             (self.live.console if self.live is not None else self.console).print(line, markup=False, highlight=False)
         if self.live is not None:
+            s = summary(self.run)
             self.progress.update(self.task, completed=s["round"], total=s["rounds"])
             if status and status.get("phase") == "round" and status.get("started"):
                 total = float(status.get("round_seconds") or 1)
@@ -153,19 +152,6 @@ class Follower:
             phase = (status or {}).get("phase", "starting")
             msg = (status or {}).get("message") or ""
             self.live.update(Group(experts_table(s, status), self.progress, f"[dim]{msg or phase}[/dim]"))
-            return
-        for m in self.run.read_metrics():
-            r = int(m.get("round", 0))
-            if m.get("type") == "round" and r not in self.seen_rounds:
-                self.seen_rounds.add(r)
-                mix = m.get("mixture_val_loss")
-                what = "seed run" if m.get("phase") == "seed" else f"{m.get('accepted')} experts advanced"
-                what += ", seed done: the experts start from it" if m.get("seed_done") else ""
-                self.console.print(
-                    f"round {r}/{m.get('rounds')}: {what}, mean val "
-                    f"{_f(m.get('val_loss_mean'))}, routed val {_f(mix)} nats/byte, "
-                    f"{m.get('round_seconds_total', 0):.1f} s, compute {100 * (m.get('compute_share') or 0):.0f}%"
-                )
 
     def final(self) -> None:
         s = summary(self.run)

@@ -213,7 +213,7 @@ def test_join_says_the_coordinator_is_gone_when_it_stops_answering(tmp_path):
                                                                  "answer for "), errors  # fmt: skip
     assert errors[0].endswith("s (it stopped, or the network to it is down); start this worker again once it is back")
     assert time.monotonic() - t0 < 15
-    assert not any(p.isdigit() and b"flower-supernode" in _cmdline(p) and str(tmp_path).encode() in _cmdline(p)
+    assert not any(p.isdigit() and b"worker.supernode" in _cmdline(p) and str(tmp_path).encode() in _cmdline(p)
                    for p in os.listdir("/proc"))  # the SuperNode was stopped too  # fmt: skip
 
 

@@ -127,7 +127,7 @@ def _kill_worker(run: Path, name: str) -> None:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if needle in cmd and (b"join" in cmd or b"flower-supernode" in cmd):
+            if needle in cmd and (b"join" in cmd or b"worker.supernode" in cmd):
                 groups.add(os.getpgid(int(pid)))
         except OSError:
             continue
@@ -171,12 +171,12 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
     versions_before = {e: x["version"] for e, x in rd.load_state()["experts"].items()}
     proc = _start(fed, "--rounds", str(r0 + 2))
     w1_log = fed["run"] / "logs" / "w1.log"
-    trains_before = w1_log.read_text(errors="replace").count("Receiving: train message")
+    trains_before = w1_log.read_text(errors="replace").count("training experts")
 
     def w1_training():
         st = rd.read_status() or {}
         return (st.get("phase") == "round" and st.get("round") == r0 + 1
-                and w1_log.read_text(errors="replace").count("Receiving: train message") > trains_before)  # fmt: skip
+                and w1_log.read_text(errors="replace").count("training experts") > trains_before)  # fmt: skip
 
     try:
         _wait(w1_training, 120, "w1 to start training in the round")
@@ -190,7 +190,9 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
     assert state["round"] == r0 + 2
     lines = _metrics(rd, "expert")
     killed = [m for m in lines if m["round"] == r0 + 1 and m["node"] == "w1"]
-    assert killed and all(not m["accepted"] and "deadline" in m["reason"] for m in killed)
+    # Flower reports the dead node after two 10 s heartbeats, or the round's deadline (21 s) comes first.
+    assert killed and all(not m["accepted"] and ("deadline" in m["reason"] or "w1 is gone" in m["reason"])
+                          for m in killed)  # fmt: skip
     after = [m for m in lines if m["round"] == r0 + 2]
     assert all(m["accepted"] and m["node"] == "w0" for m in after)  # reassigned, and trained
     for e, x in state["experts"].items():

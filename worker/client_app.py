@@ -245,6 +245,9 @@ def train(msg: Message, context: Context) -> Message:
     results = []
     evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel) if runnable else None
     budget = float(body["max_seconds"])
+    if runnable:
+        log.info("round %s: training experts %s for up to %.0f s", body["round"], [t["expert"] for t, *_ in runnable],
+                 budget)  # fmt: skip
     for i, (t, state, shards) in enumerate(runnable):
         e = t["expert"]
         remaining = budget - (time.perf_counter() - t_start)

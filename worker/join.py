@@ -85,10 +85,7 @@ def _serve(j: Join) -> int:
         if relay.ended is not None and not j.stay:
             j.say(f"the run ended ({relay.ended}); exiting")
             return 0
-        if code == _GONE:
-            if not j.stay:
-                raise LinkError(f"the coordinator at {j.address} is gone: no answer for {j.patience:.0f} s or more (it "
-                                "stopped, or the network to it is down); start this worker again once it is back")  # fmt: skip
+        if code == _GONE:  # only with --stay; without, supervise's LinkError ends `join`
             j.say(f"the coordinator at {j.address} is gone; waiting for it to come back (--stay)")
             preflight(j.host, j.port, None, wait=float("inf"), tls_check=False)
             continue
@@ -130,6 +127,8 @@ def _serve_once(j: Join) -> tuple[int, "Relay"]:
     try:
         return supervise(proc, j.host, j.port, gone_after=j.patience, stop_when=None if j.stay else relay.done), relay
     except LinkError:
+        if not j.stay:
+            raise
         return _GONE, relay
     finally:
         signal.signal(signal.SIGTERM, _stopped)
