@@ -120,8 +120,9 @@ MIN_PROBE_BYTES = 256 << 10  # smaller messages say nothing about a link: Flower
 
 
 def link_rate(old: float | None, nbytes: int, elapsed: float, compute: float) -> float | None:
-    """A node's download rate (bytes/s) blended with what one train message showed: its bytes over the
-    time the reply took beyond the node's compute and Flower's own overhead. Unknown (None) until a
+    """A node's link rate (bytes/s) blended with what one train exchange showed: the bytes of the request
+    and its reply over the time the reply took beyond the node's compute and Flower's own overhead
+    (as if the link were as fast both ways). Unknown (None) until a
     message of at least MIN_PROBE_BYTES has been timed."""
     if nbytes < MIN_PROBE_BYTES or not math.isfinite(elapsed) or not math.isfinite(compute):
         return old

@@ -97,8 +97,8 @@ class Coordinator:
         self.run.logs.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(self.run.logs / "coordinator.log")
         handler.setFormatter(logging.Formatter("%(asctime)s soma.coord %(levelname)s %(message)s"))
-        # The file has every line; `soma-coord start` shows its INFO and higher ones (the events), not the
-        # DEBUG ones (each accepted expert, each commit: the table and the round lines show those).
+        # The file has every line; `soma-coord start` shows its INFO and higher ones (the events, the
+        # commits), not the DEBUG ones (each accepted expert: the experts table shows those).
         log.addHandler(handler)
         log.setLevel(logging.DEBUG)
         try:
@@ -592,9 +592,10 @@ class Coordinator:
                  ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()), plan.makespan,
                  plan.moved or "none")  # fmt: skip
 
-        # A node that must first fetch weights or shards over a slow link gets that time on top.
-        fetch = max(plan.transfer.values(), default=0.0)
-        deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + fetch
+        # A node on a slow link gets the time to fetch what it lacks (weights, shards) and to send its reply.
+        transfer = max((plan.transfer.get(n, 0.0) + self._reply_seconds(n, es, r, plan.steps) for n, es in by_node.items()),
+                       default=0.0)  # fmt: skip
+        deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + transfer
         ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock(), late=list(late.accepted.values()),
                         rejected=late.rejected, bytes_up=late.bytes_up, bytes_down=late.bytes_down)  # fmt: skip
         for nid, es in sorted(by_node.items()):
@@ -667,8 +668,9 @@ class Coordinator:
                 log.warning("round %d: node %s (%s) failed: code %s, %s", ctx.r, o.node, node.name,
                             reply.error.code, reply.error.reason)  # fmt: skip
             node.status = "probation"
+            gone = reply.error.code == NODE_UNAVAILABLE
             for e in exp.tasks:
-                ctx.failed.setdefault(e, f"node {node.label} error {reply.error.code}")
+                ctx.failed.setdefault(e, f"node {node.label} is gone" if gone else f"node {node.label} error {reply.error.code}")
             return
         ctx.bytes_up += protocol.payload_bytes(reply.content)
         try:
@@ -703,8 +705,9 @@ class Coordinator:
         if secs > 0:
             node.rate = scheduler.update_rate(node.rate, evals / secs)
         took = body.get("seconds_total")
-        node.link = scheduler.link_rate(node.link, o.bytes_down, self.clock() - o.sent_at,
-                                        float(took) if protocol.is_number(took) else secs)  # fmt: skip
+        # The exchange moved the request down and the reply up, one after the other, over the same link.
+        node.link = scheduler.link_rate(node.link, o.bytes_down + protocol.payload_bytes(reply.content),
+                                        self.clock() - o.sent_at, float(took) if protocol.is_number(took) else secs)  # fmt: skip
         ctx.compute[node.id] = ctx.compute.get(node.id, 0.0) + secs
         for err in body.get("errors") or []:
             log.warning("round %d: node %s (%s) reports: %s", ctx.r, o.node, node.name, err)
@@ -788,12 +791,25 @@ class Coordinator:
             return "weights"  # numpy does not promise the same Gaussian stream from one version to the next
         if fed.reply == "log":
             return "log"
-        lay = params.layout(cfg.model)
-        dense = 3 * (lay.size - lay.body) if cfg.spsa.decoder == "delta" else 0
-        log_bytes = 4 * (steps * cfg.spsa.directions * cfg.spsa.accumulate + dense)
-        if log_bytes >= self._version_bytes():  # a log longer than the weights and their Adam moments
+        if self._log_bytes(steps) >= self._version_bytes():  # a log longer than the weights and their Adam moments
             return "weights"
         return "both" if r % fed.weights_every == 0 else "log"
+
+    def _log_bytes(self, steps: int) -> int:
+        """An update log's size: 4 bytes per direction per step, and a delta-rule decoder's weights and moments."""
+        cfg = self._phase_config()
+        lay = params.layout(cfg.model)
+        dense = 3 * (lay.size - lay.body) if cfg.spsa.decoder == "delta" else 0
+        return 4 * (steps * cfg.spsa.directions * cfg.spsa.accumulate + dense)
+
+    def _reply_seconds(self, nid: int, experts: list[int], r: int, steps: dict[int, int]) -> float:
+        """How long node `nid`'s reply for `experts` takes up its link (0 while the link is unmeasured)."""
+        node = self.nodes[nid]
+        if not node.link:
+            return 0.0
+        mode = self._reply_mode(node, r, max(steps[e] for e in experts))  # as _tasks_for asks
+        weights = self._version_bytes() if mode in ("weights", "both") else 0
+        return sum(weights + (self._log_bytes(steps[e]) if mode in ("log", "both") else 0) for e in experts) / node.link
 
     def _accept(self, ctx: "_RoundCtx", node: Node, res: dict, w: np.ndarray, opt: OptState, sent: dict[str, int],
                 reply: dict, ulog: UpdateLog | None = None) -> None:  # fmt: skip
@@ -957,9 +973,10 @@ class Coordinator:
         self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
         fallback, self._committed = self._committed, self._kept()
         self._prune(fallback)
-        log.debug("round %d/%d committed: %d/%d experts advanced, mean val %.4f, mixture val %s, compute share %.0f%%",
-                 r, fed.rounds, len(ctx.accepted), len(self.expert_ids()), lines[-1]["val_loss_mean"] or float("nan"),
-                 "n/a" if mix is None else f"{mix:.4f}", 100 * lines[-1]["compute_share"])  # fmt: skip
+        log.info("round %d/%d committed: %d/%d experts advanced, mean val %.4f, routed val %s nats/byte, %.1f s, "
+                 "compute share %.0f%%", r, fed.rounds, len(ctx.accepted), len(self.expert_ids()),
+                 lines[-1]["val_loss_mean"] or float("nan"), "n/a" if mix is None else f"{mix:.4f}", round_total,
+                 100 * lines[-1]["compute_share"])  # fmt: skip
         self._status("committed", round=r)
 
     def _status(self, phase: str, **extra: Any) -> None:

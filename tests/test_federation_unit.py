@@ -460,6 +460,23 @@ def test_link_rate_is_measured_from_large_messages_only():
     assert scheduler.link_rate(seen, 1_000_000, float("nan"), 5.0) == seen
 
 
+def test_a_round_deadline_prices_the_reply_up_a_measured_link(run, tmp_path):
+    """Weights mode sends weights and Adam moments up; log mode a few bytes per step; an unmeasured link
+    adds nothing. The round deadline adds what the slowest node's fetch and reply take."""
+    set_fed(run, rounds=1)
+    coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run)
+    coord.main()
+    a = coord.nodes[1000]
+    a.link, steps = None, {0: 1000, 1: 1000}
+    assert coord._reply_seconds(1000, [0, 1], 2, steps) == 0.0
+    a.link = 1e5
+    assert coord._reply_seconds(1000, [0, 1], 2, steps) == pytest.approx(2 * 12 * coord.size / 1e5)
+    set_fed(run, reply="log")
+    coord.cfg = run.load_config()
+    assert coord._reply_seconds(1000, [0, 1], 2, steps) == pytest.approx(2 * coord._log_bytes(1000) / 1e5)
+    assert coord._log_bytes(1000) < 12 * coord.size
+
+
 def test_scheduler_bounds_claimed_rates_and_steps():
     """A node claiming 1e300 evals/s gets a bounded rate and step counts that msgpack can encode."""
     from soma_edge import codec
