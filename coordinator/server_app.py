@@ -9,7 +9,7 @@ experts (weights and shards only where its cache lacks them; shard bytes beyond 
 round by writing state.msgpack last.
 
 The round ends when every node has replied or Flower has reported it gone (NODE_UNAVAILABLE, after two
-of its heartbeats: `soma-worker join` asks for 10 s ones), or at the deadline. A node that fails or
+of its heartbeats: 10 s ones where `_heartbeat` finds the node's link fast), or at the deadline. A node that fails or
 misses the deadline (killed, hung, too slow) is set aside until it answers a capability query again, so
 its experts go to others: at once to a node that has no work this round, else next round. Nodes that
 join mid-round are probed during it. Error replies come from node 1, so they are mapped to our messages
@@ -443,6 +443,16 @@ class Coordinator:
         nbytes += sum(sizes.get(h, 0) for h in self._train_shards(e) if h not in node.shards)
         return nbytes / node.link
 
+    def _heartbeat(self, nid: int) -> float:
+        """The heartbeat interval to advise node `nid`: 10 s where its measured link moves the largest
+        message it may get (a version and a piece of shards) or send (a version) within 10 s, else 30 s:
+        a saturated slow link queues heartbeats for longer than two 10 s intervals, and the SuperLink
+        would declare a node gone in the middle of a download."""
+        link = self.nodes[nid].link
+        biggest = self._version_bytes() + min(self.cfg.federation.piece_bytes, sum(self._shard_sizes().values()))
+        fast = link is not None and biggest / link <= protocol.HEARTBEAT_FAST
+        return protocol.HEARTBEAT_FAST if fast else protocol.HEARTBEAT_SLOW
+
     def _shard_sizes(self) -> dict[str, int]:
         if getattr(self, "_sizes", None) is None:
             self._sizes = {c["shards"][s]: int(c["bytes"][s]) for c in self.prep["clusters"] for s in c["shards"]}
@@ -545,7 +555,7 @@ class Coordinator:
         fed, config = self.cfg.federation, self._phase_config().to_dict()
         body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=config,
                                       reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
-                                      tasks=tasks, pieces=pieces)  # fmt: skip
+                                      tasks=tasks, pieces=pieces, heartbeat=self._heartbeat(nid))  # fmt: skip
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=self.size, reply_dtype=fed.reply_dtype)
         msg = self._message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind="train", expected=expected, per_expert=per_expert)

@@ -41,6 +41,9 @@ KIND_QUERY, KIND_CAPS = "capability_query", "capabilities"
 KIND_TRAIN, KIND_REPLY = "train_request", "train_reply"
 KIND_PIECES, KIND_ACK = "shard_pieces", "shard_ack"
 KIND_END = "run_end"
+# Heartbeat intervals (s) the coordinator advises: fast where the node's largest message moves within
+# HEARTBEAT_FAST, else Flower's 30 s (a slow link's queue can hold off heartbeats for longer than 2 x 10 s).
+HEARTBEAT_FAST, HEARTBEAT_SLOW = 10.0, 30.0
 # What the worker's ClientApp logs on QUERY_END; `soma-worker join` reads its SuperNode's output for it.
 RUN_ENDED = "the coordinator ended the run:"
 REPLY_DTYPES = ("float32", "float16")
@@ -111,13 +114,21 @@ def end_summary(body: dict[str, Any]) -> str:
 
 def train_request(
     *, round: int, node: int, run_id: str, config: dict[str, Any], reply_dtype: str, max_seconds: float,
-    tasks: list[dict[str, Any]], pieces: list[dict[str, Any]],
+    tasks: list[dict[str, Any]], pieces: list[dict[str, Any]], heartbeat: float = HEARTBEAT_SLOW,
 ) -> dict[str, Any]:  # fmt: skip
-    """One node's work for one round. `pieces` holds the last piece of the shard bytes the node lacked."""
+    """One node's work for one round. `pieces` holds the last piece of the shard bytes the node lacked;
+    `heartbeat` is the interval the node's SuperNode should report from now on (`join --heartbeat auto`)."""
     return {
         "soma_version": __version__, "round": round, "node": node, "run_id": run_id, "config": config,
         "reply_dtype": reply_dtype, "max_seconds": float(max_seconds), "tasks": tasks, "pieces": pieces,
+        "heartbeat": float(heartbeat),
     }  # fmt: skip
+
+
+def heartbeat_advice(body: dict[str, Any]) -> float | None:
+    """A train request's heartbeat interval, if it is one Flower accepts."""
+    x = body.get("heartbeat")
+    return float(x) if _is_number(x) and HEARTBEAT_FAST <= x <= 1800 else None
 
 
 def train_request_limit(cfg) -> int:

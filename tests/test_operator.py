@@ -194,12 +194,62 @@ def test_supernode_launcher_sets_the_heartbeat_flower_uses():
 
     from worker import supernode
 
-    before = heartbeat.HEARTBEAT_DEFAULT_INTERVAL
+    before = heartbeat.HEARTBEAT_DEFAULT_INTERVAL, fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL
     try:
-        supernode.set_heartbeat(10.0)
-        assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL == 10.0
+        supernode.set_heartbeat(30.0)  # reported 30 s, sent every ~4 s (the period of a 10 s interval)
+        assert fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL == 30.0 and heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10.0
     finally:
-        supernode.set_heartbeat(before)
-    bad = subprocess.run([sys.executable, "-m", "worker.supernode", "5"], capture_output=True, text=True,
+        heartbeat.HEARTBEAT_DEFAULT_INTERVAL, fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL = before
+    bad = subprocess.run([sys.executable, "-m", "worker.supernode", "5", "cache"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: heartbeat 5 s")
+
+
+def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
+    """The coordinator advises 30 s until it has measured a node's link, 10 s for a fast link, 30 s for
+    a slow one; the ClientApp leaves the advice in the cache; the SuperNode's thread applies it."""
+    import threading
+
+    from flwr.supernode import fleet_http_connection as heartbeat  # where the reported interval lives
+
+    from worker import supernode
+    from worker.cache import HEARTBEAT_ADVICE, Cache
+
+    set_fed(run, rounds=1)
+    coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run)
+    coord.main()
+    sent = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in coord.grid.sent
+            if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000]  # fmt: skip
+    assert sent and protocol.heartbeat_advice(sent[0]) == 30.0  # round 1: the link is not measured yet
+    assert Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == 30.0
+    a = coord.nodes[1000]
+    biggest = coord._version_bytes() + sum(coord._shard_sizes().values())  # this tiny run's largest message
+    for link, advice in ((None, 30.0), (biggest / 5, 10.0), (biggest / 20, 30.0)):  # it takes 5 s, 20 s
+        a.link = link
+        assert coord._heartbeat(1000) == advice, link
+
+    before, stop = heartbeat.HEARTBEAT_DEFAULT_INTERVAL, threading.Event()
+    cache = Cache(tmp_path / "w")
+    cache.put_json(HEARTBEAT_ADVICE, 10.0)
+    t = threading.Thread(target=supernode.follow_advice, args=(tmp_path / "w", stop, 0.02))
+    t.start()
+    try:
+        assert _until(lambda: heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10.0)
+        cache.put_json(HEARTBEAT_ADVICE, 5.0)  # not one Flower accepts: ignored
+        time.sleep(0.1)
+        assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10.0
+        cache.put_json(HEARTBEAT_ADVICE, 30.0)
+        assert _until(lambda: heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 30.0)
+    finally:
+        stop.set()
+        t.join()
+        supernode.set_heartbeat(before)  # (the sender's period stays at 10 s's in this test process)
+
+
+def _until(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False

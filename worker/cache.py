@@ -28,6 +28,7 @@ from soma_edge.protocol import weights_sha256
 
 KIND = "worker_weights"
 DEFAULT_MAX_BYTES = 2 << 30
+HEARTBEAT_ADVICE = "heartbeat"  # get_json/put_json name: the coordinator's advised heartbeat interval (s)
 
 
 @dataclass

@@ -136,9 +136,9 @@ def join_cmd(
                                    "worker joins or after, until it gives up with an error."),
     stay: bool = typer.Option(False, "--stay", help="When the run ends, or the coordinator goes, wait for the next "
                               "run instead of exiting."),
-    heartbeat: float = typer.Option(join.HEARTBEAT, min=10.0, max=1800.0, help="Seconds between this worker's "
-                                    "liveness reports to Flower; the coordinator notices a dead worker within twice "
-                                    "that. Raise it on links whose queues hold seconds of data."),
+    heartbeat: str = typer.Option("auto", help="Seconds between this worker's liveness reports to Flower (10 to "
+                                  "1800); the coordinator notices a dead worker within twice that. auto: what the "
+                                  "coordinator advises, 10 on a fast link, 30 on a slow one or until it has measured."),
     log_level: str = typer.Option("info", help="info: this worker's own lines and Flower's warnings | debug: also "
                                   "Flower's per-message lines | warning: warnings and errors only."),
 ) -> None:
@@ -148,6 +148,8 @@ def join_cmd(
     host, sep, port_s = coordinator.rpartition(":")
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT, for example 10.0.0.5:9092")
+    if heartbeat != "auto" and not (heartbeat.replace(".", "", 1).isdigit() and 10 <= float(heartbeat) <= 1800):
+        raise ConfigError(f"--heartbeat {heartbeat!r}: expected auto, or seconds from 10 to 1800")
     if log_level not in ("info", "debug", "warning"):
         raise ConfigError(f"--log-level {log_level!r}: expected info, debug or warning")
     try:
@@ -176,8 +178,8 @@ def join_cmd(
         port = free_port()
     node_config = (f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
                    f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}")  # fmt: skip
-    cmd = [sys.executable, "-m", "worker.supernode", f"{heartbeat:g}", "--superlink", coordinator, "--port", str(port),
-           "--node-config", node_config]  # fmt: skip
+    cmd = [sys.executable, "-m", "worker.supernode", heartbeat, str(cache), "--superlink", coordinator, "--port",
+           str(port), "--node-config", node_config]  # fmt: skip
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")

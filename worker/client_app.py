@@ -35,7 +35,7 @@ from soma_edge import steps  # noqa: E402
 from soma_edge.spsa import OptState, State, record_log  # noqa: E402
 from soma_edge.logs import role_logger  # noqa: E402
 from worker import probe  # noqa: E402
-from worker.cache import Cache  # noqa: E402
+from worker.cache import HEARTBEAT_ADVICE, Cache  # noqa: E402
 from worker.trainer import train as train_loop  # noqa: E402
 
 log = role_logger("soma.worker")
@@ -208,6 +208,9 @@ def train(msg: Message, context: Context) -> Message:
     if reply_dtype not in protocol.REPLY_DTYPES:
         raise SomaError(f"unknown reply dtype {reply_dtype!r}")
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
+    advice = protocol.heartbeat_advice(body)
+    if advice is not None and cache.get_json(HEARTBEAT_ADVICE) != advice:
+        cache.put_json(HEARTBEAT_ADVICE, advice)  # `join --heartbeat auto`'s SuperNode reads it (worker.supernode)
     run_id = str(body.get("run_id"))  # versions are pruned per run: a cache serves many runs
     _, errors = _store_pieces(cache, body.get("pieces", []))
 

@@ -34,7 +34,6 @@ CONNECT_SECONDS = 5.0
 # coordinator gone: that verdict waits this much longer than for a refused or unreachable port.
 SLOW_LINK_SECONDS = 120.0
 END_ANSWER_SECONDS = 5.0
-HEARTBEAT = 10.0  # seconds; the SuperLink gives up on a node after two (worker.supernode)
 
 
 @dataclass

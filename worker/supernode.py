@@ -1,22 +1,32 @@
-"""`flower-supernode`, asking the SuperLink for a shorter heartbeat interval than Flower's 30 s.
+"""`flower-supernode`, with a heartbeat interval of our choosing instead of Flower's fixed 30 s.
 
 The SuperLink declares a node gone after two missed intervals, and only then answers its pending
 messages with NODE_UNAVAILABLE: with 30 s, a killed worker holds its round for a minute. The interval is
-the node's to choose (the SuperLink accepts 10 s to 30 min), but flwr 1.42's SuperNode has no option for
-it, only a module constant, which this launcher sets before running Flower's own entry point.
+the node's to choose (the SuperLink accepts 10 s to 30 min, and takes the one each heartbeat reports),
+but flwr 1.42's SuperNode has no option for it, only a module constant, which this launcher sets before
+running Flower's own entry point, and, with `auto`, keeps setting to what the coordinator advises: 10 s
+where the node's link is fast, 30 s on a slow one (its queue can hold heartbeats off for longer than
+2 x 10 s during a large transfer). The advice arrives with each train request; the ClientApp leaves it
+in the cache, where a thread here reads it.
 
-    python -m worker.supernode HEARTBEAT_SECONDS [flower-supernode arguments...]
+    python -m worker.supernode SECONDS|auto CACHE [flower-supernode arguments...]
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+from pathlib import Path
 
 MIN_SECONDS, MAX_SECONDS = 10.0, 1800.0  # what flwr's fleet API accepts (HEARTBEAT_MIN/MAX_INTERVAL)
+AUTO_START = 30.0  # until the coordinator has measured the link: Flower's own default
+POLL_SECONDS = 2.0
 
 
 def set_heartbeat(seconds: float) -> None:
-    """Make this process's SuperNode report (and be judged on) a `seconds` heartbeat interval."""
+    """Make this process's SuperNode report (and be judged on) a `seconds` heartbeat interval. It sends
+    one every ~4 s whatever it reports (Flower's sender waits 0.8 x (interval - 5 s) between them), so a
+    new interval counts within seconds, and a slow link gets many tries."""
     from flwr.supercore import heartbeat
     from flwr.supernode import fleet_http_connection
 
@@ -24,17 +34,40 @@ def set_heartbeat(seconds: float) -> None:
         if not hasattr(module, "HEARTBEAT_DEFAULT_INTERVAL"):  # a flwr whose SuperNode no longer reads it there
             raise SystemExit(f"error: {module.__name__} has no HEARTBEAT_DEFAULT_INTERVAL; this flwr is not the "
                              "1.42 that soma-edge pins: reinstall soma-edge")  # fmt: skip
-        module.HEARTBEAT_DEFAULT_INTERVAL = seconds
+    fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL = seconds  # what each heartbeat reports
+    heartbeat.HEARTBEAT_DEFAULT_INTERVAL = MIN_SECONDS  # what the sender's period is computed from
+
+
+def follow_advice(cache: Path, stop: threading.Event, poll: float = POLL_SECONDS) -> None:
+    """Apply the coordinator's advised interval whenever it changes, until `stop` is set."""
+    from worker.cache import HEARTBEAT_ADVICE, Cache
+
+    store, current = Cache(cache), None
+    while not stop.wait(poll):
+        advice = store.get_json(HEARTBEAT_ADVICE)
+        if isinstance(advice, (int, float)) and MIN_SECONDS <= advice <= MAX_SECONDS and advice != current:
+            set_heartbeat(float(advice))
+            current = advice
 
 
 def main() -> None:
-    seconds = float(sys.argv[1])
-    if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-        raise SystemExit(f"error: heartbeat {seconds:g} s: Flower accepts {MIN_SECONDS:g} to {MAX_SECONDS:g} s")
-    set_heartbeat(seconds)
+    if len(sys.argv) < 3:
+        raise SystemExit("usage: python -m worker.supernode SECONDS|auto CACHE [flower-supernode arguments...]")
+    mode, cache = sys.argv[1], Path(sys.argv[2])
+    if mode == "auto":
+        from worker.cache import HEARTBEAT_ADVICE, Cache
+
+        Cache(cache).put_json(HEARTBEAT_ADVICE, AUTO_START)  # not a previous session's advice: links change
+        set_heartbeat(AUTO_START)
+        threading.Thread(target=follow_advice, args=(cache, threading.Event()), daemon=True).start()
+    else:
+        seconds = float(mode)
+        if not MIN_SECONDS <= seconds <= MAX_SECONDS:
+            raise SystemExit(f"error: heartbeat {seconds:g} s: Flower accepts {MIN_SECONDS:g} to {MAX_SECONDS:g} s")
+        set_heartbeat(seconds)
     from flwr.supernode.cli import flower_supernode
 
-    sys.argv = ["flower-supernode", *sys.argv[2:]]
+    sys.argv = ["flower-supernode", *sys.argv[3:]]
     sys.exit(flower_supernode())
 
 
