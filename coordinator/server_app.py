@@ -607,7 +607,8 @@ class Coordinator:
                        default=0.0)  # fmt: skip
         deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + transfer
         ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock(), late=list(late.accepted.values()),
-                        rejected=late.rejected, bytes_up=late.bytes_up, bytes_down=late.bytes_down)  # fmt: skip
+                        rejected=late.rejected, excluded=late.excluded, bytes_up=late.bytes_up,
+                        bytes_down=late.bytes_down)  # fmt: skip
         for nid, es in sorted(by_node.items()):
             self._send_train(ctx, nid, es, plan.steps)
         self._status("round", round=r, started=time.time(), deadline_in=deadline - self.clock(),

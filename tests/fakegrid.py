@@ -100,6 +100,30 @@ class FakeGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
+def hold_first_train_reply(grid: FakeGrid, coord, node: int) -> None:
+    """Node `node` answers its first train request only once the round has given up on it: its reply is
+    there when the next round collects late replies (`Coordinator._collect_late`)."""
+    real_pull, real_collect = grid.pull_messages, coord._collect_late
+    first: list[str] = []
+    collecting: list[int] = []
+
+    def pull(ids):
+        for mid in ids:
+            m = grid.pending.get(mid)
+            if not first and m is not None and m.metadata.dst_node_id == node and m.metadata.message_type == protocol.TRAIN:
+                first.append(mid)
+        return real_pull([mid for mid in ids if mid not in first or collecting])
+
+    def collect(r):
+        collecting.append(r)
+        try:
+            return real_collect(r)
+        finally:
+            collecting.pop()
+
+    grid.pull_messages, coord._collect_late = pull, collect
+
+
 def set_fed(rd: RunDir, **fed) -> None:
     cfg = rd.load_config()
     for k, v in fed.items():

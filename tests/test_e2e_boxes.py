@@ -23,6 +23,7 @@ seq_len = 64
 [spsa]
 decoder = "spsa"
 [federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
 experts = 2
 rounds = 4
 round_seconds = 5.0

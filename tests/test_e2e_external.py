@@ -27,6 +27,7 @@ hidden = 16
 batch = 4
 seq_len = 32
 [federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
 experts = 2
 round_seconds = 3.0
 deadline_factor = 1.0

@@ -41,6 +41,7 @@ seq_len = 64
 directions = 4
 warmup_steps = 0
 [federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
 experts = 4
 rounds = 2
 round_seconds = 6.0
@@ -284,6 +285,7 @@ seq_len = 64
 [spsa]
 warmup_steps = 0
 [federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
 experts = 4
 rounds = 3
 round_seconds = 4.0
@@ -360,6 +362,7 @@ hidden = 16
 batch = 4
 seq_len = 32
 [federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
 experts = 2
 rounds = 6
 round_seconds = 3.0

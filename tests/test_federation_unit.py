@@ -25,7 +25,7 @@ from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.spsa import OptState
 from worker import client_app
 from worker.cache import Cache
-from fakegrid import FakeGrid, equal_rates, set_fed
+from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 
 
 
@@ -882,25 +882,7 @@ def test_a_reply_after_the_deadline_but_before_the_next_plan_is_accepted(run, tm
     set_fed(run, rounds=2, deadline_slack=0.5)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     coord = Coordinator(grid, run)
-    real_pull, real_collect = grid.pull_messages, coord._collect_late
-    first: list[str] = []  # b's first train request
-    collecting: list[int] = []
-
-    def pull(ids):  # b's first answer comes only once round 1 has given up on it
-        for mid in ids:
-            m = grid.pending.get(mid)
-            if not first and m is not None and m.metadata.dst_node_id == 1001 and m.metadata.message_type == protocol.TRAIN:
-                first.append(mid)
-        return real_pull([mid for mid in ids if mid not in first or collecting])
-
-    def collect(r):
-        collecting.append(r)
-        try:
-            return real_collect(r)
-        finally:
-            collecting.pop()
-
-    grid.pull_messages, coord._collect_late = pull, collect
+    hold_first_train_reply(grid, coord, 1001)
     state = coord.main()
     lines = [m for m in run.read_metrics() if m["type"] == "expert"]
     r1 = {m["expert"]: m for m in lines if m["round"] == 1 and not m.get("late")}

@@ -12,7 +12,7 @@ import pytest
 
 from coordinator import guard
 from coordinator.server_app import Coordinator
-from fakegrid import FakeGrid, equal_rates, set_fed
+from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 from soma_edge import checkpoint, protocol
 
 TOL = 0.3  # wide enough for the honest node's noise on TINY's 4 val windows
@@ -108,6 +108,21 @@ def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, mon
         assert best.val_loss <= v0[e] and x["val_loss"] <= best.val_loss + TOL
         body = checkpoint.load(run.root / best.path, "expert")
         assert protocol.weights_sha256(body["weights"]) == best.sha256 and body["val_loss"] == best.val_loss
+
+
+def test_a_late_poisoned_reply_strikes_and_excludes_its_node_in_the_round_that_settles_it(run, tmp_path, monkeypatch):
+    """b's x10 reply to round 1 comes after its deadline; round 2 settles it: refused, b struck out, and
+    round 2's metrics line says so (found when a slow CI box made the poisoned e2e worker miss round 1)."""
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=2, deadline_slack=0.5, guard_tolerance=TOL, max_strikes=1)
+    box: list = []
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, _scale10))
+    coord = Coordinator(grid, run)
+    box.append(coord)
+    hold_first_train_reply(grid, coord, 1001)
+    coord.main()
+    r2 = next(m for m in run.read_metrics() if m["type"] == "round" and m["round"] == 2)
+    assert r2["rejected"] and all(x["node"] == "b" for x in r2["rejected"]) and r2["excluded"] == ["b"], r2
 
 
 def test_strikes_persist_across_a_coordinator_restart(run, tmp_path, monkeypatch):
