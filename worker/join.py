@@ -33,7 +33,10 @@ CONNECT_SECONDS = 5.0
 # A connect that only times out may be a saturated slow link (its queue can hold seconds of data), not a
 # coordinator gone: that verdict waits this much longer than for a refused or unreachable port.
 SLOW_LINK_SECONDS = 120.0
-END_ANSWER_SECONDS = 5.0
+END_ANSWER_SECONDS = 5.0  # after the run's end, how long the SuperNode may take to send our answer
+# ... and how long it stays up after that: the SuperLink answers every message to a node that signed off
+# with NODE_UNAVAILABLE, our answer included, until the coordinator (polling every 0.5 s) has pulled it.
+END_LINGER_SECONDS = 3.0
 
 
 @dataclass
@@ -160,7 +163,7 @@ class Relay:
     def __init__(self, proc, j: Join) -> None:
         self.refused = self.stopped = False
         self.ended: str | None = None  # the coordinator's summary, once it ended the run
-        self.ended_at, self.answered = 0.0, False  # when; whether Flower has sent our answer since
+        self.ended_at, self.answered_at = 0.0, None  # when; when Flower had sent our answer (None: not yet)
         self._j, self._marker = j, j.marker
         self._colour = sys.stdout.isatty()
         self._thread = threading.Thread(target=self._run, args=(proc.stdout,), daemon=True)
@@ -174,8 +177,8 @@ class Relay:
                 self._marker.parent.mkdir(parents=True, exist_ok=True)
                 self._marker.touch()
                 self._marker = None
-            if self.ended is not None and self.SENT in plain:
-                self.answered = True
+            if self.ended is not None and self.answered_at is None and self.SENT in plain:
+                self.answered_at = time.monotonic()
             if self.ENDED in plain:
                 self.ended = plain.split(self.ENDED, 1)[1].strip().decode("utf-8", "replace")
                 self.ended_at = time.monotonic()
@@ -186,10 +189,15 @@ class Relay:
                 sys.stdout.buffer.write(out)
                 sys.stdout.flush()
 
-    def done(self) -> bool:
-        """The run ended and the coordinator has our answer (or 5 s passed): the SuperNode may stop.
-        Stopping it at once would leave the coordinator without our answer."""
-        return self.ended is not None and (self.answered or time.monotonic() - self.ended_at > END_ANSWER_SECONDS)
+    def done(self, now: float | None = None) -> bool:
+        """The run ended and our answer went out END_LINGER_SECONDS ago (or it never did, in
+        END_ANSWER_SECONDS): the SuperNode may stop."""
+        now = time.monotonic() if now is None else now
+        if self.ended is None:
+            return False
+        if self.answered_at is not None:
+            return now - self.answered_at >= END_LINGER_SECONDS
+        return now - self.ended_at > END_ANSWER_SECONDS
 
     def _shown(self, line: bytes, plain: bytes) -> bytes | None:
         if self._j.log_level == "debug":
