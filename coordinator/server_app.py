@@ -57,7 +57,7 @@ class Node:
     label: str = "?"  # the name, plus "#id" when another live node has the same name (both default to the host name)
     status: str = "new"  # new | querying | active | probation (missed a deadline) | excluded
     rate: float = 0.0  # forward evaluations/s, probed then updated from real rounds
-    link: float | None = None  # download bytes/s, measured from large train messages (None: not yet)
+    link: float | None = None  # bytes/s, measured from large train exchanges, both ways (None: not yet)
     weights: set[str] = field(default_factory=set)  # version hashes its cache holds (as far as we know)
     shards: set[str] = field(default_factory=set)
     caps: dict[str, Any] = field(default_factory=dict)
@@ -646,9 +646,11 @@ class Coordinator:
             return
         idle = sorted(e for e, why in ctx.failed.items()
                       if not why.startswith("rejected") and e not in ctx.accepted and e not in ctx.pending_resend)  # fmt: skip
+        if not idle:  # the usual case: no need to ask the SuperLink for its nodes on every poll
+            return
         busy = set(ctx.plan.assignment.values())
         free = [nid for nid in self._active() if nid not in busy]
-        if not idle or not free:
+        if not free:
             return
         nid = max(free, key=lambda n: (self.nodes[n].rate, -n))
         per = scheduler.steps_for(self.nodes[nid].rate, len(idle), fed.round_seconds,
@@ -672,14 +674,14 @@ class Coordinator:
         node, exp = self.nodes[o.node], o.expected
         ctx.bytes_down += o.bytes_down
         if reply.has_error():
-            if reply.error.code == NODE_UNAVAILABLE:
+            gone = reply.error.code == NODE_UNAVAILABLE
+            if gone:
                 log.warning("round %d: node %s (%s) is gone (no heartbeat); its experts %s go to other nodes", ctx.r,
                             o.node, node.name, sorted(exp.tasks))  # fmt: skip
             else:
                 log.warning("round %d: node %s (%s) failed: code %s, %s", ctx.r, o.node, node.name,
                             reply.error.code, reply.error.reason)  # fmt: skip
             node.status = "probation"
-            gone = reply.error.code == NODE_UNAVAILABLE
             for e in exp.tasks:
                 ctx.failed.setdefault(e, f"node {node.label} is gone" if gone else f"node {node.label} error {reply.error.code}")
             return

@@ -44,6 +44,7 @@ KIND_END = "run_end"
 # Heartbeat intervals (s) the coordinator advises: fast where the node's largest message moves within
 # HEARTBEAT_FAST, else Flower's 30 s (a slow link's queue can hold off heartbeats for longer than 2 x 10 s).
 HEARTBEAT_FAST, HEARTBEAT_SLOW = 10.0, 30.0
+HEARTBEAT_MIN, HEARTBEAT_MAX = 10.0, 1800.0  # the intervals flwr's fleet API accepts (HEARTBEAT_MIN/MAX_INTERVAL)
 # What the worker's ClientApp logs on QUERY_END; `soma-worker join` reads its SuperNode's output for it.
 RUN_ENDED = "the coordinator ended the run:"
 REPLY_DTYPES = ("float32", "float16")
@@ -128,7 +129,7 @@ def train_request(
 def heartbeat_advice(body: dict[str, Any]) -> float | None:
     """A train request's heartbeat interval, if it is one Flower accepts."""
     x = body.get("heartbeat")
-    return float(x) if _is_number(x) and HEARTBEAT_FAST <= x <= 1800 else None
+    return float(x) if _is_number(x) and HEARTBEAT_MIN <= x <= HEARTBEAT_MAX else None
 
 
 def train_request_limit(cfg) -> int:

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import typer
 
-from soma_edge import checkpoint, corpus, params
+from soma_edge import checkpoint, corpus, params, protocol
 from soma_edge import config as config_mod
 from soma_edge.cli import entry, make_app
 from soma_edge.config import MAX_SEED
@@ -148,8 +148,9 @@ def join_cmd(
     host, sep, port_s = coordinator.rpartition(":")
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT, for example 10.0.0.5:9092")
-    if heartbeat != "auto" and not (heartbeat.replace(".", "", 1).isdigit() and 10 <= float(heartbeat) <= 1800):
-        raise ConfigError(f"--heartbeat {heartbeat!r}: expected auto, or seconds from 10 to 1800")
+    lo, hi = protocol.HEARTBEAT_MIN, protocol.HEARTBEAT_MAX
+    if heartbeat != "auto" and not (heartbeat.replace(".", "", 1).isdigit() and lo <= float(heartbeat) <= hi):
+        raise ConfigError(f"--heartbeat {heartbeat!r}: expected auto, or seconds from {lo:g} to {hi:g}")
     if log_level not in ("info", "debug", "warning"):
         raise ConfigError(f"--log-level {log_level!r}: expected info, debug or warning")
     try:

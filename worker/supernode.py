@@ -18,8 +18,9 @@ import sys
 import threading
 from pathlib import Path
 
-MIN_SECONDS, MAX_SECONDS = 10.0, 1800.0  # what flwr's fleet API accepts (HEARTBEAT_MIN/MAX_INTERVAL)
-AUTO_START = 30.0  # until the coordinator has measured the link: Flower's own default
+from soma_edge.protocol import HEARTBEAT_MAX, HEARTBEAT_MIN, HEARTBEAT_SLOW
+
+AUTO_START = HEARTBEAT_SLOW  # until the coordinator has measured the link: Flower's own default
 POLL_SECONDS = 2.0
 
 
@@ -35,7 +36,7 @@ def set_heartbeat(seconds: float) -> None:
             raise SystemExit(f"error: {module.__name__} has no HEARTBEAT_DEFAULT_INTERVAL; this flwr is not the "
                              "1.42 that soma-edge pins: reinstall soma-edge")  # fmt: skip
     fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL = seconds  # what each heartbeat reports
-    heartbeat.HEARTBEAT_DEFAULT_INTERVAL = MIN_SECONDS  # what the sender's period is computed from
+    heartbeat.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_MIN  # what the sender's period is computed from
 
 
 def follow_advice(cache: Path, stop: threading.Event, poll: float = POLL_SECONDS) -> None:
@@ -45,7 +46,7 @@ def follow_advice(cache: Path, stop: threading.Event, poll: float = POLL_SECONDS
     store, current = Cache(cache), None
     while not stop.wait(poll):
         advice = store.get_json(HEARTBEAT_ADVICE)
-        if isinstance(advice, (int, float)) and MIN_SECONDS <= advice <= MAX_SECONDS and advice != current:
+        if isinstance(advice, (int, float)) and HEARTBEAT_MIN <= advice <= HEARTBEAT_MAX and advice != current:
             set_heartbeat(float(advice))
             current = advice
 
@@ -62,8 +63,8 @@ def main() -> None:
         threading.Thread(target=follow_advice, args=(cache, threading.Event()), daemon=True).start()
     else:
         seconds = float(mode)
-        if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-            raise SystemExit(f"error: heartbeat {seconds:g} s: Flower accepts {MIN_SECONDS:g} to {MAX_SECONDS:g} s")
+        if not HEARTBEAT_MIN <= seconds <= HEARTBEAT_MAX:
+            raise SystemExit(f"error: heartbeat {seconds:g} s: Flower accepts {HEARTBEAT_MIN:g} to {HEARTBEAT_MAX:g} s")
         set_heartbeat(seconds)
     from flwr.supernode.cli import flower_supernode
 
