@@ -6,7 +6,9 @@ experts (weights and shards only where its cache lacks them; shard bytes beyond 
 `query.shards` messages), collect replies until the round deadline, validate every result
 (`soma_edge.protocol.check_result`, the guard in `coordinator.guard`, log replies replayed by
 `coordinator.replay`), checkpoint accepted versions atomically, compute val losses, and commit the
-round by writing state.msgpack last.
+round by writing state.msgpack last. Where every reply is in (and `federation.pipeline`), the next round
+is planned and sent before those checks, from the versions the replies claim (`_start_round` with
+`ahead`), so the workers train while the coordinator checks and commits.
 
 The round ends when every node has replied or Flower has reported it gone (NODE_UNAVAILABLE, after two
 of its heartbeats: 10 s ones where `_heartbeat` finds the node's link fast), or at the deadline. A node that fails or
@@ -89,6 +91,8 @@ class Coordinator:
         self.nodes: dict[int, Node] = {}
         self.out: dict[str, Outgoing] = {}  # message id -> what it was
         self.late: dict[str, Outgoing] = {}  # train requests of the last round that missed its deadline
+        self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
+        self._ahead: _RoundCtx | None = None  # while planning a round ahead of the last one's checks
 
     # --- entry ----------------------------------------------------------------------------------------
 
@@ -146,13 +150,15 @@ class Coordinator:
         if self._fan_out():  # a seed that finished in a round whose commit never happened
             self.run.save_state(self.state)
         self._wait_for_nodes(fed.min_nodes, grace=fed.join_grace)
-        why = "complete"
+        why, ctx = "complete", None
         for r in range(state["round"] + 1, fed.rounds + 1):
-            if self._capped() and not self._steps_left():
-                why = f"every expert has its {seed_mod.expert_steps(self.cfg)} steps (federation.max_steps)"
-                log.info("%s: stopping before round %d", why, r)
-                break
-            self._round(r)
+            if ctx is None:
+                if self._capped() and not self._steps_left():
+                    why = f"every expert has its {seed_mod.expert_steps(self.cfg)} steps (federation.max_steps)"
+                    log.info("%s: stopping before round %d", why, r)
+                    break
+                ctx = self._start_round(r)
+            ctx = self._round(ctx)
         self._end_run(why)
         self._status("done")
         log.info("run complete: %d rounds", self.state["round"])
@@ -255,7 +261,7 @@ class Coordinator:
         """Steps each expert may still take (experts with none left omitted): the seed's seed_steps, else
         federation.max_steps less the seed's share."""
         cap = self.cfg.federation.seed_steps if self._seeding() else seed_mod.expert_steps(self.cfg)
-        left = {e: cap - int(self.state["experts"][str(e)]["step"]) for e in self.expert_ids()}
+        left = {e: cap - int(self._base(e)["step"]) for e in self.expert_ids()}
         return {e: n for e, n in left.items() if n > 0}
 
     def _kept(self, state: dict[str, Any] | None = None) -> dict[int, set[int]]:
@@ -438,7 +444,7 @@ class Coordinator:
         node = self.nodes[nid]
         if not node.link:
             return 0.0
-        nbytes = 0 if self.state["experts"][str(e)]["sha256"] in node.weights else self._version_bytes()
+        nbytes = 0 if self._holds(nid, e) else self._version_bytes()
         sizes = self._shard_sizes()
         nbytes += sum(sizes.get(h, 0) for h in self._train_shards(e) if h not in node.shards)
         return nbytes / node.link
@@ -461,19 +467,34 @@ class Coordinator:
     def _previous(self, active: dict[int, Node]) -> dict[int, int]:
         """Where each expert's current version already is: last round's node, else any node caching it."""
         prev: dict[int, int] = {}
-        last = {int(e): n for e, n in self.state.get("assignment", {}).items()}
+        last: dict[int, int | str] = {int(e): n for e, n in self.state.get("assignment", {}).items()}
+        last.update(self._ahead.plan.assignment if self._ahead else {})
         by_label = {n.label: nid for nid, n in active.items()}
-        for e, sha in self.current_sha().items():
+        for e in self.expert_ids():
             nid = last.get(e)
             if isinstance(nid, str):
                 nid = by_label.get(nid)
-            if nid in active and sha in active[nid].weights:
+            if nid in active and self._holds(nid, e):
                 prev[e] = nid
                 continue
-            holders = sorted(nid for nid, n in active.items() if sha in n.weights)
+            holders = sorted(nid for nid in active if self._holds(nid, e))
             if holders:
                 prev[e] = holders[0]
         return prev
+
+    def _base(self, e: int) -> dict[str, Any]:
+        """The version expert e trains from next: its current one or, while a round is planned ahead of
+        the last one's checks, the version a result of that round claims (not stored yet: no path)."""
+        x = self.state["experts"][str(e)]
+        c = self._ahead.claims.get(e) if self._ahead else None
+        if c is None:
+            return x
+        return {**x, "version": c.res["version"], "sha256": c.res["sha256"], "step": c.res["step"], "path": None}
+
+    def _holds(self, nid: int, e: int) -> bool:
+        """Whether node `nid` holds the version expert e trains from next (a claimed one: the node that made it)."""
+        c = self._ahead.claims.get(e) if self._ahead else None
+        return c.node == nid if c is not None else self._base(e)["sha256"] in self.nodes[nid].weights
 
     def _send_train(self, ctx: "_RoundCtx", nid: int, experts: list[int], steps: dict[int, int],
                     max_seconds: float | None = None) -> None:  # fmt: skip
@@ -535,8 +556,8 @@ class Coordinator:
         tasks, per_expert, exp_tasks = [], {}, {}
         mode = self._reply_mode(node, r, max((steps[e] for e in experts), default=0))
         for e in experts:
-            x = self.state["experts"][str(e)]
-            send_w = x["sha256"] not in node.weights
+            x = self._base(e)
+            send_w = not self._holds(nid, e)
             downstream = self._downstream_log(e, node) if send_w else None
             base_log, log_bytes = downstream or (None, 0)
             send_w = send_w and base_log is None
@@ -572,6 +593,7 @@ class Coordinator:
         self._pull(lambda mid, reply, o: self._on_train(mid, reply, o, ctx) if mid in late else None)
         for mid in late:
             self.out.pop(mid, None)
+        self._settle_all(ctx)
         for line in ctx.accepted.values():
             line["late"] = True
             log.info("round %d: accepted expert %d v%d from %s after the last round's deadline", r, line["expert"],
@@ -579,7 +601,11 @@ class Coordinator:
             self.nodes[line["node_id"]].status = "active"  # it answered after all
         return ctx
 
-    def _round(self, r: int) -> None:
+    def _start_round(self, r: int, ahead: "_RoundCtx | None" = None) -> "_RoundCtx":
+        """Plan round r and send it. With `ahead` (round r - 1, every reply in but not all of them checked
+        yet: pipelining), an expert with an unchecked result trains on from the version it claims, on the
+        node that made it, which holds it; a node given an expert whose claimed version it does not hold
+        gets its request only once round r - 1 has committed (`_send_deferred`)."""
         fed = self.cfg.federation
         t_round = self.clock()
         late = self._collect_late(r)
@@ -588,41 +614,99 @@ class Coordinator:
         active = self._active()
         if not active:
             active = self._wait_for_nodes(1)
-        rates = {nid: n.rate for nid, n in active.items()}
-        plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
-                              evals_per_step(self._phase_config().spsa), self._transfer_seconds)  # fmt: skip
-        if self._capped():  # a fixed budget: never past it; experts that have it all sit the round out
-            left = self._steps_left()
-            plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
-        by_node: dict[int, list[int]] = {}
-        for e, nid in sorted(plan.assignment.items()):
-            if e in plan.steps:
-                by_node.setdefault(nid, []).append(e)
-        log.info("round %d/%d: %s (predicted compute %.1f s; moved: %s)", r, fed.rounds,
-                 ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()), plan.makespan,
-                 plan.moved or "none")  # fmt: skip
+        self._ahead = ahead
+        try:
+            rates = {nid: n.rate for nid, n in active.items()}
+            plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
+                                  evals_per_step(self._phase_config().spsa), self._transfer_seconds)  # fmt: skip
+            if self._capped():  # a fixed budget: never past it; experts that have it all sit the round out
+                left = self._steps_left()
+                plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
+            by_node: dict[int, list[int]] = {}
+            for e, nid in sorted(plan.assignment.items()):
+                if e in plan.steps:
+                    by_node.setdefault(nid, []).append(e)
+            log.info("round %d/%d: %s (predicted compute %.1f s; moved: %s%s)", r, fed.rounds,
+                     ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()), plan.makespan,
+                     plan.moved or "none", "; before round %d's checks" % (r - 1) if ahead else "")  # fmt: skip
 
-        # A node on a slow link gets the time to fetch what it lacks (weights, shards) and to send its reply.
-        transfer = max((plan.transfer.get(n, 0.0) + self._reply_seconds(n, es, r, plan.steps) for n, es in by_node.items()),
-                       default=0.0)  # fmt: skip
-        deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + transfer
-        ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock(), late=list(late.accepted.values()),
-                        rejected=late.rejected, excluded=late.excluded, bytes_up=late.bytes_up,
-                        bytes_down=late.bytes_down)  # fmt: skip
-        for nid, es in sorted(by_node.items()):
-            self._send_train(ctx, nid, es, plan.steps)
-        self._status("round", round=r, started=time.time(), deadline_in=deadline - self.clock(),
-                     assignment={str(e): self.nodes[n].label for e, n in plan.assignment.items()})  # fmt: skip
+            # A node on a slow link gets the time to fetch what it lacks (weights, shards) and to send its reply.
+            transfer = max((plan.transfer.get(n, 0.0) + self._reply_seconds(n, es, r, plan.steps)
+                            for n, es in by_node.items()), default=0.0)  # fmt: skip
+            deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + transfer
+            ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock(), t_round=t_round,
+                            late=list(late.accepted.values()), rejected=late.rejected, excluded=late.excluded,
+                            bytes_up=late.bytes_up, bytes_down=late.bytes_down)  # fmt: skip
+            for nid, es in sorted(by_node.items()):
+                if ahead and any(e in ahead.claims and ahead.claims[e].node != nid for e in es):
+                    ctx.deferred[nid] = es
+                else:
+                    self._send_train(ctx, nid, es, plan.steps)
+        finally:
+            self._ahead = None
+        self._round_status(ctx)
+        return ctx
+
+    def _send_deferred(self, ctx: "_RoundCtx") -> None:
+        """The requests `_start_round` held back for the last round's commit; the round's deadline moves
+        by the wait."""
+        if not ctx.deferred:
+            return
+        ctx.deadline += self.clock() - ctx.t_sent
+        for nid, es in sorted(ctx.deferred.items()):
+            self._send_train(ctx, nid, es, ctx.plan.steps)
+        ctx.deferred.clear()
+
+    def _round_status(self, ctx: "_RoundCtx") -> None:
+        self._status("round", round=ctx.r, started=time.time() - (self.clock() - ctx.t_sent),
+                     deadline_in=ctx.deadline - self.clock(),
+                     assignment={str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()})  # fmt: skip
+
+    def _round(self, ctx: "_RoundCtx") -> "_RoundCtx | None":
+        """Collect round ctx.r's replies, start the next round where it can go ahead of this one's checks
+        (`_pipelines`), then check what came back and commit. Returns the next round, if started."""
+        self._collect(ctx)
+        nxt = self._start_round(ctx.r + 1, ahead=ctx) if self._pipelines(ctx) else None
+        self._settle_all(ctx)
+        self._commit(ctx.r, ctx, nxt.t_round if nxt else None)
+        if nxt is not None:
+            self._send_deferred(nxt)
+            self._round_status(nxt)
+        return nxt
+
+    def _pipelines(self, ctx: "_RoundCtx") -> bool:
+        """Whether the next round may start before this one's results are checked: only when every reply
+        is in (none may still come late), outside the seed phase (its commit may fan out), and when a
+        round is left to run with steps to take and a node to take them."""
+        fed = self.cfg.federation
+        if not fed.pipeline or ctx.r >= fed.rounds or self.late or self._seeding() or not self._active():
+            return False
+        self._ahead = ctx
+        try:
+            return not self._capped() or bool(self._steps_left())
+        finally:
+            self._ahead = None
+
+    def _collect(self, ctx: "_RoundCtx") -> None:
+        """Pull replies until every request is answered or the deadline passes, checking the results that
+        are in while waiting for the rest; a node that misses the deadline is set aside."""
+        r = ctx.r
 
         def handle(mid: str, reply, o: Outgoing) -> None:
             (self._on_pieces if o.kind == "pieces" else self._on_train)(mid, reply, o, ctx)
 
-        while self.clock() < deadline and (ctx.waiting or any(mid in self.out for mid in ctx.train_mids)):
+        def waiting() -> bool:
+            return bool(ctx.waiting) or any(mid in self.out for mid in ctx.train_mids)
+
+        while self.clock() < ctx.deadline and waiting():
             self._pull(handle)
             self._query_new_nodes()  # a worker that joins now is probed, and ready for the next plan
             self._give_idle(ctx)
-            if ctx.waiting or any(mid in self.out for mid in ctx.train_mids):
-                self.sleep(POLL_SECONDS)
+            if waiting():
+                if ctx.claims:  # use the wait: check a result that is in
+                    self._settle(ctx, next(iter(ctx.claims)))
+                else:
+                    self.sleep(POLL_SECONDS)
         ctx.t_done = self.clock()
         late = [self.out.pop(mid) for mid in sorted(self.out) if self.out[mid].kind in ("train", "pieces")]
         self.late = {o.mid: o for o in late if o.kind == "train"}  # their replies may still come in time (_collect_late)
@@ -635,7 +719,6 @@ class Coordinator:
             node.status = "probation"
             for e in tasks:
                 ctx.failed.setdefault(e, f"node {node.label} missed the round deadline")
-        self._commit(r, ctx, t_round)
 
     def _give_idle(self, ctx: "_RoundCtx") -> None:
         """Experts left idle this round, because their node left or failed, go at once to a node without
@@ -686,6 +769,10 @@ class Coordinator:
                 ctx.failed.setdefault(e, f"node {node.label} is gone" if gone else f"node {node.label} error {reply.error.code}")
             return
         ctx.bytes_up += protocol.payload_bytes(reply.content)
+        if node.status == "excluded":  # struck out after this request went (it went ahead of the checks)
+            for e in exp.tasks:
+                ctx.failed.setdefault(e, f"node {node.label} is excluded")
+            return
         try:
             body = protocol.unpack(reply.content, protocol.KIND_REPLY, exp.max_reply_bytes())
             protocol.check_reply_header(body, exp, reply.metadata.src_node_id)
@@ -701,18 +788,21 @@ class Coordinator:
                 if e in exp.tasks:
                     ctx.failed.setdefault(e, f"node {node.label} is excluded")
                 continue
+            if e in exp.tasks and exp.tasks[e]["base_sha256"] in self.refused:
+                seen.add(e)  # trained on from a claimed version that its checks then refused (pipelining)
+                ctx.failed.setdefault(e, f"trained from v{exp.tasks[e]['version']}, which was refused")
+                continue
             try:
                 if e in seen:
                     raise ValidationError(f"expert {e} appears twice in one reply")
                 w, opt = protocol.check_result(res, exp, self.current_sha())
                 ulog = protocol.check_log(res, exp)
-                if ulog is not None:
-                    w, opt = self._from_log(res, ulog, w, opt)
             except ValidationError as err:
                 self._reject(ctx, node, [e], str(err))
                 continue
-            seen.add(e)
-            self._accept(ctx, node, res, w, opt, o.per_expert.get(e, {}), body, ulog)
+            seen.add(e)  # checked for what it claims; its replay, audit and val loss come in _settle
+            ctx.claims[e] = Claim(node.id, res, w, opt, o.per_expert.get(e, {}), body, ulog)
+            node.shards |= set(self._train_shards(e))  # it trained on them, whatever its result's checks say
             evals += res["forward_evals"]
             secs += float(res["seconds"])
         if secs > 0:
@@ -733,6 +823,27 @@ class Coordinator:
         for e in redo:
             if e not in ctx.accepted and e not in ctx.failed and e not in ctx.pending_resend:
                 ctx.failed[e] = f"node {node.label} returned no result"
+
+    def _settle(self, ctx: "_RoundCtx", e: int) -> None:
+        """Check expert e's claimed result fully (a log's audit and replay, the guard's val loss) and accept
+        or refuse it. A refused claim's sha256 is remembered: the next round may already train from it."""
+        c = ctx.claims.pop(e)
+        node = self.nodes[c.node]
+        if node.status == "excluded":  # struck out by an earlier result of the same node
+            ctx.failed.setdefault(e, f"node {node.label} is excluded")
+        else:
+            try:
+                w, opt = (c.w, c.opt) if c.ulog is None else self._from_log(c.res, c.ulog, c.w, c.opt)
+            except ValidationError as err:
+                self._reject(ctx, node, [e], str(err))
+            else:
+                self._accept(ctx, node, c.res, w, opt, c.sent, c.reply, c.ulog)
+        if e not in ctx.accepted:
+            self.refused.add(c.res["sha256"])
+
+    def _settle_all(self, ctx: "_RoundCtx") -> None:
+        while ctx.claims:
+            self._settle(ctx, next(iter(ctx.claims)))
 
     def _resend(self, ctx: "_RoundCtx", nid: int, experts: list[int]) -> None:
         """The node lacked something it was assumed to cache: send again, with the payload, if time allows."""
@@ -855,7 +966,6 @@ class Coordinator:
                                          "val_loss": val, "node": node.label, "best": best.to_record(),
                                          **_plateau_fields(opt)}  # fmt: skip
         node.weights.add(res["sha256"])
-        node.shards |= set(self._train_shards(e))
         ctx.accepted[e] = {
             "type": "expert", "round": ctx.r, "expert": e, "accepted": True, "version": res["version"],
             "sha256": res["sha256"], "node": node.label, "node_id": node.id, "train_loss": float(res["train_loss"]),
@@ -947,7 +1057,9 @@ class Coordinator:
 
     # --- commit ---------------------------------------------------------------------------------------
 
-    def _commit(self, r: int, ctx: "_RoundCtx", t_round: float) -> None:
+    def _commit(self, r: int, ctx: "_RoundCtx", t_next: float | None) -> None:
+        """Write round r's metrics and state (the commit point). Its span runs from its plan to the next
+        round's plan when that went ahead of this commit (`t_next`), else to now: spans tile the run."""
         fed = self.cfg.federation
         lines = list(ctx.late)
         for e in self.expert_ids():
@@ -964,7 +1076,7 @@ class Coordinator:
         vals = [self.state["experts"][str(e)]["val_loss"] for e in self.expert_ids()]
         vals = [v for v in vals if v is not None]
         wall = max(ctx.t_done - ctx.t_sent, 1e-9)
-        round_total = self.clock() - t_round
+        round_total = (self.clock() if t_next is None else t_next) - ctx.t_round
         planned = set(ctx.plan.assignment.values())  # by id: two workers may share a name
         nodes = sorted(self.nodes[n].label for n in planned)
         lines.append({
@@ -976,6 +1088,7 @@ class Coordinator:
             "compute_share": (sum(ctx.compute.values()) / (len(planned) * round_total))
             if nodes else 0.0, "predicted_makespan": ctx.plan.makespan, "moved": ctx.plan.moved,
             "bytes_down": ctx.bytes_down, "bytes_up": ctx.bytes_up, "nodes": nodes, "time": time.time(),
+            "next_round_ahead": t_next is not None,
         })  # fmt: skip
         self.state["round"] = r
         self.state["assignment"] = {str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()}
@@ -1021,8 +1134,25 @@ class _RoundCtx:
     train_mids: set[str] = field(default_factory=set)  # every train request of the round, resends included
     waiting: dict[int, "_Waiting"] = field(default_factory=dict)  # node -> its train request, held for pieces
     pending_resend: set[int] = field(default_factory=set)
+    claims: dict[int, "Claim"] = field(default_factory=dict)  # expert -> a result in, its checks to come
+    deferred: dict[int, list[int]] = field(default_factory=dict)  # node -> experts sent once the last round commits
+    t_round: float = 0.0  # when the round began: its plan
     bytes_down: int = 0
     bytes_up: int = 0
+
+
+@dataclass
+class Claim:
+    """One expert's result that passed the reply's cheap checks (header, shapes, base version, log
+    structure), waiting for the costly ones (`Coordinator._settle`)."""
+
+    node: int
+    res: dict[str, Any]
+    w: np.ndarray | None  # as received (None for a log alone)
+    opt: OptState | None
+    sent: dict[str, int]  # weight and shard bytes sent down for it
+    reply: dict[str, Any]
+    ulog: UpdateLog | None
 
 
 @dataclass

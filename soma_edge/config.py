@@ -104,6 +104,10 @@ class FederationConfig:
     reply: str = "weights"
     weights_every: int = 10
     audit_steps: int = 0  # steps per log reply whose losses the coordinator recomputes to check its scalars
+    # Start the next round as soon as every reply of this one is in, from the versions the replies claim,
+    # while the coordinator replays, audits and evaluates them; a version its checks refuse costs its
+    # expert the next round too. false: each round waits for the last one's checks and commit.
+    pipeline: bool = True
 
 
 @dataclass

@@ -110,17 +110,17 @@ class Injector:
         from soma_edge import checkpoint
 
         inj = self
-        real_round, real_commit = server_app.Coordinator._round, server_app.Coordinator._commit
+        real_round, real_commit = server_app.Coordinator._start_round, server_app.Coordinator._commit
         real_atomic, real_replace = checkpoint._atomic_write, os.replace
         real_save_state, real_prune, real_unlink = RunDir.save_state, RunDir.prune, Path.unlink
 
-        def _round(self, r):
+        def _round(self, r, ahead=None):
             inj.current_round = r
-            return real_round(self, r)
+            return real_round(self, r, ahead)
 
-        def _commit(self, r, ctx, t_round):
+        def _commit(self, r, ctx, t_next):
             inj.unlinks_this_commit = 0
-            return real_commit(self, r, ctx, t_round)
+            return real_commit(self, r, ctx, t_next)
 
         def _atomic_write(path, data, mode=None):
             mine = inj.phase in ("experts", "metrics", "state") and inj.target(path)
@@ -174,7 +174,7 @@ class Injector:
             if mine and inj.point == "after_unlink":
                 inj.hit(f"unlink {self} done")
 
-        server_app.Coordinator._round = _round
+        server_app.Coordinator._start_round = _round
         server_app.Coordinator._commit = _commit
         checkpoint._atomic_write = _atomic_write
         os.replace = replace

@@ -297,13 +297,13 @@ def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(r
     set_fed(run, rounds=3, reply="log", min_nodes=1)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     coord = Coordinator(grid, run)
-    real_round = coord._round
+    real_start = coord._start_round
 
-    def round_(r):
+    def start(r, ahead=None):
         grid.gone = {1: set(), 2: {1000}, 3: {1001}}[r]
-        return real_round(r)
+        return real_start(r, ahead)
 
-    coord._round = round_
+    coord._start_round = start
     state = coord.main()
     lines = [m for m in run.read_metrics() if m["type"] == "expert"]
     assert all(m["accepted"] for m in lines) and state["round"] == 3
