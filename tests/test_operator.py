@@ -207,6 +207,41 @@ def test_supernode_launcher_sets_the_heartbeat_flower_uses():
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: heartbeat 5 s")
 
 
+def test_supernode_polls_eagerly_for_a_while_after_each_reply(monkeypatch):
+    """Flower's SuperNode waits a bare time.sleep(3) after a pull that found nothing; the launcher makes
+    that 0.5 s for 20 s after each reply it pushes, and leaves every other sleep alone."""
+    import inspect
+
+    from flwr.supernode import start_client_internal as sci
+
+    from worker import supernode
+
+    assert "time.sleep(3)" in inspect.getsource(sci.start_client_internal)  # what eager_polls shortens
+    now, slept, pushed = [100.0], [], []
+
+    class FakeTime:
+        @staticmethod
+        def monotonic():
+            return now[0]
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+
+    monkeypatch.setattr(sci, "time", FakeTime)
+    monkeypatch.setattr(sci, "_push_messages", lambda *a, **k: pushed.append(a))
+    supernode.eager_polls()
+    sci.time.sleep(3)  # no reply yet: Flower's poll
+    sci._push_messages("state")
+    now[0] += 5.0
+    sci.time.sleep(3)
+    sci.time.sleep(0.5)  # the reply wait inside _push_messages: untouched
+    now[0] += supernode.EAGER_SECONDS
+    sci.time.sleep(3)
+    assert pushed == [("state",)] and slept == [3, supernode.EAGER_POLL, 0.5, 3]
+    assert sci.time.monotonic() == now[0]  # everything else is the real module's
+
+
 def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
     """The coordinator advises 30 s until it has measured a node's link, 10 s for a fast link, 30 s for
     a slow one; the ClientApp leaves the advice in the cache; the SuperNode's thread applies it."""
