@@ -8,7 +8,9 @@ For each expert size and reply mode, a real federation on simulated boxes (tests
 namespaces, a veth link limited with tc htb): the coordinator in one namespace, one worker in another
 behind `--mbit` Mbit/s, `--experts` experts (all on that worker), `spsa.decoder = "spsa"` (no dense
 decoder). Prints, per round, the round's wall time, the worker's compute seconds, the compute share,
-and the bytes down and up; then the mean share of the rounds after the first. Needs root.
+and the bytes down and up; then the mean share of the rounds after the first, and of those before
+the last (with pipelined rounds, a round's span ends where the next one starts; the last one's ends
+after its checks, which no next round overlaps). Needs root.
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def main() -> None:
             later = rounds[1:] or rounds
             share = sum(r["compute_share"] for r in later) / len(later)
             print(f"{size:>6} {mode:>7} rounds 2+: compute share {100 * share:.1f}% ({time.time() - t0:.0f} s)", flush=True)
+            steady = rounds[1:-1]  # the last round's checks have no next round to overlap (pipelining)
+            if steady:
+                share = sum(r["compute_share"] for r in steady) / len(steady)
+                print(f"{size:>6} {mode:>7} rounds 2..{len(rounds) - 1}: compute share {100 * share:.1f}%", flush=True)
 
 
 if __name__ == "__main__":
