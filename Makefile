@@ -18,7 +18,8 @@ test: setup
 	$(PY) -m pytest -q tests
 
 # The demo: an embedded SuperLink, 2 local workers, 4 experts, a few rounds on the default corpus, then
-# the ONNX deploy bundle and its held-out (test split) nats/byte, which is the last line printed.
+# the ONNX deploy bundle, the run's report (its path is printed), and its held-out (test split)
+# nats/byte, which is the last line printed.
 DEMO_RUN ?= runs/demo
 DEMO_ROUNDS ?= 4
 DEMO_ROUND_SECONDS ?= 55
@@ -30,6 +31,7 @@ demo: setup
 	$(VENV)/bin/soma-coord start --run $(DEMO_RUN) --config examples/demo.toml --local-workers 2 --experts 4 \
 		--rounds $(DEMO_ROUNDS) --round-seconds $(DEMO_ROUND_SECONDS) --port 0
 	$(VENV)/bin/soma-export onnx $(DEMO_RUN) --out $(DEMO_RUN)/deploy --force
+	$(VENV)/bin/soma-coord report $(DEMO_RUN)
 	$(VENV)/bin/soma-export eval $(DEMO_RUN)/deploy $$($(PY) -c '$(HELDOUT)' $(DEMO_RUN))
 
 clean:

@@ -15,11 +15,6 @@ from soma_edge.config import MAX_SEED
 app = make_app("soma-edge coordinator: prepare data clusters, orchestrate training over Flower.")
 
 
-@app.callback()
-def _root() -> None:
-    """soma-edge coordinator."""
-
-
 @app.command("prepare")
 def prepare_cmd(
     corpus: str = typer.Argument(..., help="`default`, `debian` (built as root), a text file or folder, or a .jsonl."),
@@ -156,16 +151,25 @@ def workers_cmd(
 def status_cmd(
     run: Path = typer.Argument(..., help="Run directory."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    watch: bool = typer.Option(False, "--watch", help="Follow the running coordinator (events and live table, "
+                               "as `start` shows them) until it stops."),
+    every: float = typer.Option(1.0, "--every", min=0.1, help="With --watch: seconds between redraws."),
 ) -> None:
     """The experts table of a run, from its checkpoint (no server needed)."""
     from soma_edge.errors import CheckpointError
 
     from coordinator.progress import experts_table, summary
+    from coordinator.progress import watch as watch_run
     from coordinator.run import RunDir
 
     rd = RunDir(run)
-    if not rd.state_path.exists():
+    if not rd.state_path.exists() and not (watch and rd.is_locked()):
         raise CheckpointError(f"{run}: no state.msgpack, so no training has started in this directory")
+    if watch:
+        if as_json:
+            raise ConfigError("--watch draws a live table: it does not go with --json")
+        watch_run(rd, every)
+        return
     s = summary(rd)
     if as_json:
         print(json.dumps(s, default=str))
@@ -173,6 +177,44 @@ def status_cmd(
         from soma_edge.cli import console
 
         console().print(experts_table(s))
+
+
+@app.command("report")
+def report_cmd(
+    run: Path = typer.Argument(..., help="Run directory."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for report.html and its PNGs (default: RUN/report)."),
+) -> None:
+    """One HTML page about RUN: loss curves, a node timeline, throughput per node, the experts table."""
+    from coordinator import report
+    from coordinator.run import RunDir
+
+    r = report.write(RunDir(run), out)
+    print(f"report: {r.html}")
+
+
+@app.command("stop")
+def stop_cmd(
+    run: Path = typer.Argument(..., help="Run directory of a running coordinator."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the coordinator has stopped."),
+) -> None:
+    """Stop RUN's coordinator once the round in progress has committed; `start --run RUN` resumes it."""
+    import time
+
+    from coordinator.run import RunDir
+    from soma_edge.errors import SomaError
+
+    rd = RunDir(run)
+    if not rd.is_locked():
+        raise SomaError(f"{run}: no coordinator is running on it, so there is nothing to stop")
+    rd.request_stop()
+    print(f"stop requested: the coordinator of {rd.root} (pid {rd.lock_holder()}) stops once the round in "
+          "progress has committed", flush=True)  # fmt: skip
+    if not wait:
+        return
+    while rd.is_locked():
+        time.sleep(0.5)
+    rounds = rd.load_config().federation.rounds
+    print(f"stopped after round {rd.load_state()['round']} of {rounds}; `soma-coord start --run {run}` resumes it")
 
 
 @app.command("app-path")

@@ -81,8 +81,8 @@ class Events:
     """The coordinator's events as they happen (joins, leaves, plans, deadline misses, rejections): the
     INFO and higher lines that the ServerApp appends to RUN/logs/coordinator.log after we started."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, level: str = "info") -> None:
+        self.path, self.shown = path, _LEVELS[_LEVELS.index(level.upper()):]
         try:
             self.offset = path.stat().st_size
         except OSError:
@@ -100,13 +100,16 @@ class Events:
             return []
         self.offset += len(data)
         *lines, self.partial = (self.partial + data).split(b"\n")
-        return [x for x in map(_event, lines) if x]
+        return [x for x in (_event(line, self.shown) for line in lines) if x]
 
 
-def _event(line: bytes) -> str | None:
-    """'2026-12-01 10:53:05,960 soma.coord WARNING msg' -> '10:53:05 warning: msg'; None for DEBUG lines."""
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _event(line: bytes, shown: tuple[str, ...] = _LEVELS[1:]) -> str | None:
+    """'2026-12-01 10:53:05,960 soma.coord WARNING msg' -> '10:53:05 warning: msg'; None for other levels."""
     parts = line.decode("utf-8", "replace").split(" ", 4)
-    if len(parts) < 5 or parts[2] != "soma.coord" or parts[3] == "DEBUG":
+    if len(parts) < 5 or parts[2] != "soma.coord" or parts[3] not in shown:
         return None
     level = "" if parts[3] == "INFO" else f"{parts[3].lower()}: "
     return f"{parts[1].split(',')[0]} {level}{parts[4]}"
@@ -118,7 +121,7 @@ class Follower:
 
     def __init__(self, run: RunDir, console: Console | None = None):
         self.run = run
-        self.events = Events(run.logs / "coordinator.log")
+        self.events = Events(run.logs / "coordinator.log", cli.log_level())
         self.console = console or cli.console()
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                  TimeElapsedColumn(), console=self.console)  # fmt: skip
@@ -157,3 +160,23 @@ class Follower:
         s = summary(self.run)
         if self.live is None:
             self.console.print(experts_table(s))
+
+
+def watch(run: RunDir, every: float = 1.0) -> None:
+    """Follow a run from another terminal: `start`'s event lines and live table, until its coordinator
+    stops (or Ctrl-C); then the experts table."""
+    if not run.is_locked():
+        print(f"no coordinator is running on {run.root}; its last checkpoint:")
+    else:
+        try:
+            with Follower(run) as view:
+                while True:
+                    view.update(run.read_status())
+                    if not run.is_locked():
+                        break
+                    time.sleep(every)
+        except KeyboardInterrupt:
+            pass
+        if (run.read_status() or {}).get("phase") == "done" and not run.is_locked():
+            print("the coordinator has stopped; its last checkpoint:")
+    Follower(run).final()

@@ -8,13 +8,16 @@
     RUN/experts/<e>/l<n>.msgpack   the update log that made version n (log replies), for downstream logs
     RUN/state.msgpack        round, versions, assignment: the commit point of a round
     RUN/metrics.jsonl        one line per expert per round, one per round
+    RUN/tb/                  TensorBoard event files: the same numbers (coordinator.board)
     RUN/status.json          live progress for `soma-coord start` to draw
+    RUN/stop.json            a request (`soma-coord stop`) to stop once the round in progress commits
     RUN/logs/                logs of every process `start` launched
     RUN/flwr/                FLWR_HOME of the embedded SuperLink and the `flwr` CLI
     RUN/run.lock             held by the one ServerApp writing this directory
 
-Round r commits by writing state.msgpack last: expert files and metrics written before it are
-either overwritten by the same round's retry after a crash or truncated on resume, so a resumed run
+Round r commits by writing state.msgpack last: expert files written before it are overwritten by the
+same round's retry after a crash, and metrics.jsonl, which only grows during a run (each commit appends
+its lines), is truncated on resume to the committed rounds, a torn last line dropped, so a resumed run
 neither repeats nor skips a round.
 """
 
@@ -56,7 +59,9 @@ class RunDir:
     state_path = property(lambda self: self.root / "state.msgpack")
     prev_state_path = property(lambda self: self.root / "state.prev.msgpack")  # the commit before, kept as fallback
     metrics_path = property(lambda self: self.root / "metrics.jsonl")
+    tb = property(lambda self: self.root / "tb")
     status_path = property(lambda self: self.root / "status.json")
+    stop_path = property(lambda self: self.root / "stop.json")  # `soma-coord stop`: stop after the round in progress
     logs = property(lambda self: self.root / "logs")
     flwr_home = property(lambda self: self.root / "flwr")
     lock_path = property(lambda self: self.root / "run.lock")
@@ -210,19 +215,61 @@ class RunDir:
                 continue  # a torn tail cannot happen with atomic rewrites, but never fail on a log
         return out
 
+    def append_metrics(self, lines: list[dict[str, Any]]) -> None:
+        """Add a commit's lines in one write, then fsync: the file only grows while a run goes on, so what
+        tails it never sees it rewritten. A crash may tear the last line (`truncate_metrics` drops it)."""
+        new = not self.metrics_path.exists()
+        try:
+            with open(self.metrics_path, "ab") as f:
+                f.write(metrics_bytes(lines))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise CheckpointError(f"{self.metrics_path}: cannot append ({e.strerror or e})") from None
+        if new:
+            checkpoint.fsync_dir(self.root)
+
     def write_metrics(self, lines: list[dict[str, Any]]) -> None:
-        # The file is small (a line per expert per round), so each update rewrites it atomically.
-        text = "".join(json.dumps(line, default=_json_default) + "\n" for line in lines)
-        checkpoint.atomic_write(self.metrics_path, text.encode())
+        checkpoint.atomic_write(self.metrics_path, metrics_bytes(lines))
 
     def truncate_metrics(self, last_round: int) -> None:
-        lines = self.read_metrics()
+        """On resume: keep the lines of committed rounds (a crash may have cut a commit short after its
+        metrics went in) and drop a torn last line; rewritten atomically, and only if something goes."""
+        try:
+            raw = self.metrics_path.read_bytes()
+        except FileNotFoundError:
+            return
+        *whole, tail = raw.split(b"\n")  # what follows the last newline is torn (or nothing)
+        lines = []
+        for line in whole:
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
         kept = [m for m in lines if int(m.get("round", 0)) <= last_round]
-        if len(kept) != len(lines):
+        if tail or len(kept) != len(whole):
             self.write_metrics(kept)
 
     def write_status(self, status: dict[str, Any]) -> None:
         checkpoint.atomic_write(self.status_path, json.dumps(status, default=_json_default).encode())
+
+    def request_stop(self) -> None:
+        checkpoint.atomic_write(self.stop_path, json.dumps({"time": time.time(), "pid": os.getpid()}).encode())
+
+    def stop_requested(self) -> bool:
+        return self.stop_path.exists()
+
+    def clear_stop(self, before: float | None = None) -> None:
+        """Remove the stop request; with `before`, only one made before that time (or unreadable)."""
+        if before is not None:
+            try:
+                if float(json.loads(self.stop_path.read_text())["time"]) >= before:
+                    return
+            except FileNotFoundError:
+                return
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        self.stop_path.unlink(missing_ok=True)
 
     def read_status(self) -> dict[str, Any] | None:
         try:
@@ -274,6 +321,10 @@ class RunDir:
             return True
         finally:
             os.close(fd)
+
+
+def metrics_bytes(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line, default=_json_default) + "\n" for line in lines).encode()
 
 
 def _json_default(obj: Any) -> Any:

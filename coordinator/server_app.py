@@ -38,7 +38,7 @@ from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CheckpointError, CodecError, CorpusError, SomaError, ValidationError
 from soma_edge.logs import role_logger
-from soma_edge.spsa import OptState, State, UpdateLog, evals_per_step, plateau
+from soma_edge.spsa import OptState, State, UpdateLog, evals_per_step, plateau, schedule
 from coordinator import guard, scheduler
 from coordinator.run import RunDir, RunLockedError
 
@@ -50,6 +50,7 @@ GRACE_QUERY_SECONDS = 30.0  # after join_grace, how long round 1 waits for a nod
 NODE_UNAVAILABLE = 5  # flwr's ErrorCode: the node missed two heartbeats
 END_SECONDS = 15.0  # how long the end of the run waits for the workers to hear of it
 MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-1 when N = 1)
+STOPPED = "stopped (soma-coord stop)"
 
 
 @dataclass
@@ -92,7 +93,9 @@ class Coordinator:
         self.out: dict[str, Outgoing] = {}  # message id -> what it was
         self.late: dict[str, Outgoing] = {}  # train requests of the last round that missed its deadline
         self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
+        self.board = None  # RUN/tb/'s event writer (coordinator.board), when federation.tensorboard
         self._ahead: _RoundCtx | None = None  # while planning a round ahead of the last one's checks
+        self._locked_at = math.inf  # when this coordinator took the run lock (`main`)
 
     # --- entry ----------------------------------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class Coordinator:
         log.setLevel(logging.DEBUG)
         try:
             with self.run.lock(wait=lock_wait):
+                self._locked_at = time.time()
                 if self.setup is not None:
                     self.setup()
                 return self._main()
@@ -116,6 +120,8 @@ class Coordinator:
                 self._status("failed", message=f"{type(e).__name__}: {e}", user_error=isinstance(e, SomaError))
             raise
         finally:
+            if self.board is not None:
+                self.board.close()
             log.removeHandler(handler)
             handler.close()
 
@@ -140,7 +146,11 @@ class Coordinator:
             log.info("removed the temp files of writes a crash interrupted")
         self._prune(self._kept_in(run.prev_state_path))  # a prune that a crash after the commit cut short
         run.truncate_metrics(state["round"])
-        self.metrics = run.read_metrics()
+        run.clear_stop(before=self._locked_at)  # a stop addresses the coordinator that held the lock then
+        if fed.tensorboard:
+            from coordinator.board import Board
+
+            self.board = Board(run.tb, state["round"])
         if state["round"] >= fed.rounds:
             log.info("run %s already completed its %d rounds", run.root, fed.rounds)
             self._status("done")
@@ -149,10 +159,14 @@ class Coordinator:
                  run.root, state["round"], fed.rounds)  # fmt: skip
         if self._fan_out():  # a seed that finished in a round whose commit never happened
             self.run.save_state(self.state)
-        self._wait_for_nodes(fed.min_nodes, grace=fed.join_grace)
+        self._wait_for_nodes(fed.min_nodes, grace=fed.join_grace, stoppable=True)
         why, ctx = "complete", None
         for r in range(state["round"] + 1, fed.rounds + 1):
             if ctx is None:
+                if self.run.stop_requested():
+                    why = STOPPED
+                    log.info("stop requested (soma-coord stop): stopping after round %d of %d", r - 1, fed.rounds)
+                    break
                 if self._capped() and not self._steps_left():
                     why = f"every expert has its {seed_mod.expert_steps(self.cfg)} steps (federation.max_steps)"
                     log.info("%s: stopping before round %d", why, r)
@@ -160,8 +174,14 @@ class Coordinator:
                 ctx = self._start_round(r)
             ctx = self._round(ctx)
         self._end_run(why)
-        self._status("done")
-        log.info("run complete: %d rounds", self.state["round"])
+        if why == STOPPED:
+            self.run.clear_stop()
+            self._status("done", stopped=True)
+            log.info("run stopped after round %d of %d: `soma-coord start --run %s` resumes it", self.state["round"],
+                     fed.rounds, run.root)  # fmt: skip
+        else:
+            self._status("done")
+            log.info("run complete: %d rounds", self.state["round"])
         return self.state
 
     def _end_run(self, why: str) -> None:
@@ -390,9 +410,10 @@ class Coordinator:
                 node.status = "gone"
         return {nid: n for nid, n in self.nodes.items() if n.status == "active" and nid in live}
 
-    def _wait_for_nodes(self, want: int, grace: float = 0.0) -> dict[int, Node]:
+    def _wait_for_nodes(self, want: int, grace: float = 0.0, stoppable: bool = False) -> dict[int, Node]:
         """Wait (up to wait_seconds) for `want` active nodes; then `grace` seconds more, and for any node
-        still answering its capability query, so that workers started together all get round 1's work."""
+        still answering its capability query, so that workers started together all get round 1's work.
+        `stoppable`: a stop request (`soma-coord stop`) ends the wait too."""
         fed = self.cfg.federation
         deadline, enough_at = self.clock() + fed.wait_seconds, None
         self._status("waiting", message=f"waiting for {want} worker(s)")
@@ -400,6 +421,8 @@ class Coordinator:
             self._query_new_nodes()
             self._pull(lambda mid, reply, o: None)
             active = self._active()
+            if stoppable and self.run.stop_requested():
+                return active
             if len(active) >= want and enough_at is None:
                 enough_at = self.clock()
                 if grace > 0:
@@ -648,10 +671,9 @@ class Coordinator:
         return ctx
 
     def _send_deferred(self, ctx: "_RoundCtx") -> None:
-        """The requests `_start_round` held back for the last round's commit; the round's deadline moves
-        by the wait."""
-        if not ctx.deferred:
-            return
+        """After the last round's commit: the requests `_start_round` held back for it go out, and the
+        round's deadline moves by the time the coordinator spent on that round's checks and commit (it
+        pulled no replies meanwhile, and the held-back requests went out only now)."""
         ctx.deadline += self.clock() - ctx.t_sent
         for nid, es in sorted(ctx.deferred.items()):
             self._send_train(ctx, nid, es, ctx.plan.steps)
@@ -676,10 +698,12 @@ class Coordinator:
 
     def _pipelines(self, ctx: "_RoundCtx") -> bool:
         """Whether the next round may start before this one's results are checked: only when every reply
-        is in (none may still come late), outside the seed phase (its commit may fan out), and when a
-        round is left to run with steps to take and a node to take them."""
+        is in (none may still come late), outside the seed phase (its commit may fan out), with no stop
+        requested, and when a round is left to run with steps to take and a node to take them."""
         fed = self.cfg.federation
-        if not fed.pipeline or ctx.r >= fed.rounds or self.late or self._seeding() or not self._active():
+        if not fed.pipeline or ctx.r >= fed.rounds or self.late or self._seeding() or self.run.stop_requested():
+            return False
+        if not self._active():
             return False
         self._ahead = ctx
         try:
@@ -707,6 +731,8 @@ class Coordinator:
                     self._settle(ctx, next(iter(ctx.claims)))
                 else:
                     self.sleep(POLL_SECONDS)
+        if waiting():
+            self._pull(handle)  # what came in while a long check ran past the deadline
         ctx.t_done = self.clock()
         late = [self.out.pop(mid) for mid in sorted(self.out) if self.out[mid].kind in ("train", "pieces")]
         self.late = {o.mid: o for o in late if o.kind == "train"}  # their replies may still come in time (_collect_late)
@@ -966,6 +992,7 @@ class Coordinator:
                                          "val_loss": val, "node": node.label, "best": best.to_record(),
                                          **_plateau_fields(opt)}  # fmt: skip
         node.weights.add(res["sha256"])
+        self.refused.discard(res["sha256"])  # the same version made again and accepted (refused for its node)
         ctx.accepted[e] = {
             "type": "expert", "round": ctx.r, "expert": e, "accepted": True, "version": res["version"],
             "sha256": res["sha256"], "node": node.label, "node_id": node.id, "train_loss": float(res["train_loss"]),
@@ -977,6 +1004,7 @@ class Coordinator:
             "log_bytes_up": ulog.nbytes() if ulog is not None else None,
             "torch_importable": reply.get("torch_importable"),
             "lr_scale": trained_at, "next_lr_scale": opt.lr_scale, "best_version": best.version,
+            "step": res["step"], **dict(zip(("lr", "eps"), schedule(self._phase_config().spsa, res["step"] - 1, trained_at))),
         }  # fmt: skip
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
@@ -1094,8 +1122,9 @@ class Coordinator:
         self.state["assignment"] = {str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()}
         if self._fan_out():
             lines[-1]["seed_done"] = {k: self.state["seed"][k] for k in ("expert", "step", "version", "sha256")}
-        self.metrics = [m for m in self.metrics if int(m.get("round", 0)) < r] + lines
-        self.run.write_metrics(self.metrics)
+        self.run.append_metrics(lines)  # the resume's truncate_metrics removed any line of round r
+        if self.board is not None:
+            self.board.commit(lines)
         self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
         fallback, self._committed = self._committed, self._kept()
         self._prune(fallback)

@@ -243,6 +243,9 @@ def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) 
                     _fail(run, f"the ServerApp did not start within {STATUS_GRACE:.0f} s")
             time.sleep(1.0)
     view.final()
+    if status.get("stopped"):
+        print(f"stopped after round {status.get('round')} of {status.get('rounds')} (soma-coord stop); "
+              f"`soma-coord start --run {run.root}` resumes it", flush=True)  # fmt: skip
     return 0
 
 

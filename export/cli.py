@@ -21,11 +21,6 @@ app = make_app("soma-edge export: ONNX deploy bundles with routed top-k eval and
 DEVICE_HELP = "auto | cpu | cuda[:i] | an ORT execution provider."
 
 
-@app.callback()
-def _root() -> None:
-    """soma-edge export."""
-
-
 @app.command("onnx")
 def onnx_cmd(
     run: Path = typer.Argument(..., help="Run directory written by `soma-coord start`."),

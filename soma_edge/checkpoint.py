@@ -55,8 +55,13 @@ def _atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
         except FileNotFoundError:
             pass
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable."""
     try:
-        dfd = os.open(path.parent, os.O_RDONLY)
+        dfd = os.open(folder, os.O_RDONLY)
     except OSError:
         return  # no directory fsync on this platform
     try:

@@ -13,7 +13,11 @@ from typing import Callable
 import click
 import typer
 
-from soma_edge.errors import SomaError
+from soma_edge.errors import ConfigError, SomaError
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_log_level = ["info"]
 
 
 def make_app(help: str) -> typer.Typer:
@@ -21,9 +25,48 @@ def make_app(help: str) -> typer.Typer:
     # typer 0.20 still escapes "[default: ...]" for rich when rich is importable, and the plain formatter
     # then prints the backslash; it escapes only when it believes rich renders the help.
     typer.core.HAS_RICH = False
-    return typer.Typer(
+    app = typer.Typer(
         help=help, pretty_exceptions_enable=False, add_completion=False, no_args_is_help=True, rich_markup_mode=None
     )
+
+    @app.callback()
+    def _root(
+        log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error: what this "
+                                      "command logs; any command takes it, before or after its name."),
+    ) -> None:  # fmt: skip
+        pass  # `run` took it out of the arguments already (typer would accept it only before the command)
+
+    return app
+
+
+def log_level() -> str:
+    """This invocation's --log-level."""
+    return _log_level[0]
+
+
+def _take_log_level(argv: list[str]) -> list[str]:
+    """The arguments without --log-level LEVEL (anywhere before a `--`), whose value becomes log_level()."""
+    out, i = [], 0
+    _log_level[0] = "info"
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            out += argv[i:]
+            break
+        if a == "--log-level" or a.startswith("--log-level="):
+            if "=" in a:
+                value = a.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            else:
+                raise ConfigError("--log-level needs a value: debug, info, warning or error")
+            if value not in LOG_LEVELS:
+                raise ConfigError(f"--log-level {value!r}: expected debug, info, warning or error")
+            _log_level[0] = value
+        else:
+            out.append(a)
+        i += 1
+    return out
 
 
 def console(stderr: bool = False):
@@ -40,8 +83,10 @@ def console(stderr: bool = False):
 
 def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a typer app under the exit-code contract; returns the exit code."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
+        argv = _take_log_level(sys.argv[1:] if argv is None else list(argv))
+        logging.basicConfig(level=getattr(logging, log_level().upper()), stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
         result = app(args=argv, prog_name=prog, standalone_mode=False)
         return int(result or 0)
     except SomaError as e:

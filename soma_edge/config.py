@@ -108,6 +108,7 @@ class FederationConfig:
     # while the coordinator replays, audits and evaluates them; a version its checks refuse costs its
     # expert the next round too. false: each round waits for the last one's checks and commit.
     pipeline: bool = True
+    tensorboard: bool = True  # RUN/tb/: TensorBoard event files of the metrics (`tensorboard --logdir runs/`)
 
 
 @dataclass

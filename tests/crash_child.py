@@ -7,11 +7,15 @@ under NODES). With --phase it exits at once with `os._exit(CRASH_CODE)` at the k
 phase/point counted from the start of round R (later rounds count on: the k-th such call at or after R),
 after writing what it crashed on to --info. Phases and points (see `POINTS`):
 
-  experts, metrics  (an `atomic_write` of experts/<e>/v<n>.msgpack, or of metrics.jsonl)
+  experts  (an `atomic_write` of experts/<e>/v<n>.msgpack)
       before_tmp     at the entry of the atomic write: nothing of it on disk yet
       after_tmp      the temp file written and fsynced, before its os.replace onto the target
       after_replace  right after that os.replace, before the folder's fsync
       after_write    after the atomic write returned
+  metrics  (`RunDir.append_metrics`: a commit's lines appended to metrics.jsonl)
+      before_append  nothing of the commit's lines written yet
+      torn_append    the first half of their bytes written (a torn last line), the rest never
+      after_append   after the append returned
   state  (`RunDir.save_state`)
       before_prev_rename  before os.replace(state.msgpack -> state.prev.msgpack)
       after_prev_rename   after it, before the new state.msgpack is written
@@ -47,7 +51,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 CRASH_CODE = 86
 POINTS = {
     "experts": ("before_tmp", "after_tmp", "after_replace", "after_write"),
-    "metrics": ("before_tmp", "after_tmp", "after_replace", "after_write"),
+    "metrics": ("before_append", "torn_append", "after_append"),
     "state": ("before_prev_rename", "after_prev_rename", "after_tmp", "after_replace", "after_save"),
     "prune": ("before_unlink", "between_unlinks", "after_unlink", "after_prune"),
 }
@@ -106,6 +110,7 @@ class Injector:
 
     def install(self) -> None:
         from coordinator import server_app
+        from coordinator import run as run_mod
         from coordinator.run import RunDir
         from soma_edge import checkpoint
 
@@ -113,6 +118,7 @@ class Injector:
         real_round, real_commit = server_app.Coordinator._start_round, server_app.Coordinator._commit
         real_atomic, real_replace = checkpoint._atomic_write, os.replace
         real_save_state, real_prune, real_unlink = RunDir.save_state, RunDir.prune, Path.unlink
+        real_append = RunDir.append_metrics
 
         def _round(self, r, ahead=None):
             inj.current_round = r
@@ -146,6 +152,19 @@ class Injector:
             if prev and inj.point == "after_prev_rename":
                 inj.hit(f"replace {src} -> {dst} done")
 
+        def append_metrics(self, lines):
+            if inj.phase == "metrics" and inj.point == "before_append":
+                inj.hit("append_metrics")
+            if inj.phase == "metrics" and inj.point == "torn_append":
+                if inj.armed() and inj.count + 1 == inj.k:  # the call that crashes: half of it first
+                    data = run_mod.metrics_bytes(lines)
+                    with open(self.metrics_path, "ab") as f:
+                        f.write(data[: len(data) // 2])
+                inj.hit("append_metrics, half written")
+            real_append(self, lines)
+            if inj.phase == "metrics" and inj.point == "after_append":
+                inj.hit("append_metrics returned")
+
         def save_state(self, state):
             inj.in_save_state = True
             try:
@@ -177,6 +196,7 @@ class Injector:
         server_app.Coordinator._start_round = _round
         server_app.Coordinator._commit = _commit
         checkpoint._atomic_write = _atomic_write
+        RunDir.append_metrics = append_metrics
         os.replace = replace
         RunDir.save_state = save_state
         RunDir.prune = prune

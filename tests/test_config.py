@@ -119,3 +119,53 @@ def test_shipped_example_configs_load(name):
     if name == "paper.toml":  # the paper's setting: its expert, a seed run, E frozen after it
         assert (cfg.model.kind, cfg.model.hidden, cfg.model.layers, cfg.model.seed_decoder) == ("soma", 32, 2, "frozen")
         assert cfg.federation.seed_steps > 0
+
+
+def test_the_readme_table_lists_every_setting_with_its_default():
+    """README's "Every setting" table: one row per config key, each default the dataclasses' own."""
+    import dataclasses
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from soma_edge.config import Config
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("### Every setting", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    rows = [re.match(r"\| `([\w.]+)` \| `(.+?)` \| (.+) \|$", line) for line in section.splitlines()[2:]]
+    assert rows and all(rows), section
+    documented = {m.group(1): tomllib.loads(f"v = {m.group(2)}")["v"] for m in rows}
+    assert len(documented) == len(rows)  # no key twice
+    cfg, expected = Config(), {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            expected |= {f"{f.name}.{g.name}": getattr(v, g.name) for g in dataclasses.fields(v)}
+        else:
+            expected[f.name] = v
+    assert documented.keys() == expected.keys(), set(documented) ^ set(expected)
+    for key, default in expected.items():
+        assert documented[key] == default and type(documented[key]) is type(default), (key, documented[key], default)
+
+
+@pytest.mark.parametrize("argv,rest,level", [
+    (["status", "RUN", "--log-level", "debug"], ["status", "RUN"], "debug"),
+    (["--log-level=warning", "stop", "RUN"], ["stop", "RUN"], "warning"),
+    (["eval", "B", "--", "--log-level", "x"], ["eval", "B", "--", "--log-level", "x"], "info"),
+    (["status", "RUN"], ["status", "RUN"], "info"),
+])  # fmt: skip
+def test_every_command_takes_log_level_anywhere(argv, rest, level):
+    from soma_edge import cli
+
+    cli._log_level[0] = "error"  # a level left over from an earlier call does not stick
+    assert cli._take_log_level(argv) == rest and cli.log_level() == level
+
+
+@pytest.mark.parametrize("argv", [["status", "--log-level"], ["status", "--log-level", "loud"]])
+def test_a_bad_log_level_is_one_error_line(argv, capsys):
+    from soma_edge import cli
+    from coordinator.cli import app
+
+    assert cli.run(app, argv, "soma-coord") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --log-level") and "\n" not in err

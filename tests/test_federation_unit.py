@@ -7,6 +7,7 @@ for real on ORT; only Flower's transport is replaced. Real-process tests are in 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import sys
@@ -210,6 +211,27 @@ def test_resume_continues_without_repeating_rounds(run, tmp_path):
     assert state["run_id"] == s1["run_id"]
     r2 = [x for x in run.read_metrics() if x["type"] == "expert" and x["round"] == 2]
     assert sum(x["weights_bytes_down"] for x in r2) == 0  # the restarted nodes reported their caches
+
+
+def test_metrics_only_grow_during_a_run_and_a_torn_last_line_goes_on_resume(run, tmp_path):
+    set_fed(run, rounds=2)
+    sizes, real = [], run.append_metrics
+
+    def append(lines):
+        real(lines)
+        sizes.append(run.metrics_path.read_bytes())
+
+    run.append_metrics = append
+    Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    assert len(sizes) == 2 and sizes[1].startswith(sizes[0]) and sizes[1] == run.metrics_path.read_bytes()
+    # A crash tore the last line of a third commit's append, which never reached state.msgpack.
+    with open(run.metrics_path, "ab") as f:
+        f.write(b'{"type": "expert", "round": 3, "exp')
+    assert run.read_metrics() == [json.loads(x) for x in sizes[1].splitlines()]  # readers skip it
+    run.truncate_metrics(2)
+    assert run.metrics_path.read_bytes() == sizes[1]
+    run.truncate_metrics(1)  # and whole lines of an uncommitted round go too
+    assert [m["round"] for m in run.read_metrics()] == [1] * 5
 
 
 def _train_tasks(grid: FakeGrid) -> list[dict]:

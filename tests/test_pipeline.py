@@ -40,6 +40,9 @@ def test_pipelining_changes_when_rounds_start_not_what_they_compute(run, tmp_pat
     each other's checks end; and the rounds' spans tile the run."""
     equal_rates(monkeypatch)
     set_fed(run, rounds=3)
+    cfg = run.load_config()
+    cfg.spsa.plateau = False  # pipelined, a plateau's lr decision would apply a round later
+    run.save_config(cfg)
     ends = {}
     for pipeline in (True, False):
         rd = type(run)(tmp_path / f"copy-{pipeline}")

@@ -14,7 +14,7 @@ import typer
 
 from soma_edge import checkpoint, corpus, params, protocol
 from soma_edge import config as config_mod
-from soma_edge.cli import entry, make_app
+from soma_edge.cli import entry, log_level, make_app
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError
 from soma_edge.procs import flower_env, free_port
@@ -25,11 +25,6 @@ from worker import join
 from worker.trainer import train as train_loop
 
 app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on ONNX Runtime.")
-
-
-@app.callback()
-def _root() -> None:
-    """soma-edge worker."""
 
 
 @app.command("train")
@@ -139,10 +134,10 @@ def join_cmd(
     heartbeat: str = typer.Option("auto", help="Seconds between this worker's liveness reports to Flower (10 to "
                                   "1800); the coordinator notices a dead worker within twice that. auto: what the "
                                   "coordinator advises, 10 on a fast link, 30 on a slow one or until it has measured."),
-    log_level: str = typer.Option("info", help="info: this worker's own lines and Flower's warnings | debug: also "
-                                  "Flower's per-message lines | warning: warnings and errors only."),
 ) -> None:
-    """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until the run ends."""
+    """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until the run ends.
+    With --log-level info (the default) it prints its own lines and Flower's warnings; debug adds Flower's
+    per-message lines; warning or error keeps warnings and errors only."""
     from soma_edge.runtime import parse_device
 
     host, sep, port_s = coordinator.rpartition(":")
@@ -151,8 +146,6 @@ def join_cmd(
     lo, hi = protocol.HEARTBEAT_MIN, protocol.HEARTBEAT_MAX
     if heartbeat != "auto" and not (heartbeat.replace(".", "", 1).isdigit() and lo <= float(heartbeat) <= hi):
         raise ConfigError(f"--heartbeat {heartbeat!r}: expected auto, or seconds from {lo:g} to {hi:g}")
-    if log_level not in ("info", "debug", "warning"):
-        raise ConfigError(f"--log-level {log_level!r}: expected info, debug or warning")
     try:
         parse_device(device)
     except ConfigError as e:
@@ -186,7 +179,7 @@ def join_cmd(
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
     marker = join.accepted_marker(cache, auth_key, coordinator) if auth_key else None
     j = join.Join(name=name, host=host, port=int(port_s), cmd=cmd, env=env, patience=patience, marker=marker, stay=stay,
-                  log_level=log_level)  # fmt: skip
+                  log_level="warning" if log_level() == "error" else log_level())  # fmt: skip
     j.say(f"joining {coordinator} (device {device}, threads {threads}, cache {cache})")
     raise typer.Exit(join.serve(j))
 

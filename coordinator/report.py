@@ -1,0 +1,164 @@
+"""`soma-coord report`: one HTML page about a run, its plots (PNG, matplotlib) embedded as data URIs.
+
+    losses.png      train and val loss per expert, and the routed mixture's val loss, per round
+    timeline.png    which node held which expert in each round; missed deadlines and refusals marked
+    throughput.png  forward evaluations per second of each node, per round
+    and the final experts table (`soma-coord status`).
+
+Everything comes from RUN/metrics.jsonl and state.msgpack, so a report can be made during a run or long
+after it. The PNGs are also written next to the page. matplotlib is the `report` extra, not the base
+install: a worker does not need it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.progress import summary
+from coordinator.run import RunDir
+from soma_edge import checkpoint
+from soma_edge.errors import CheckpointError, ConfigError
+
+
+@dataclass
+class Report:
+    html: Path
+    images: list[Path]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("soma-coord report draws with matplotlib, which is not installed: "
+                          "pip install 'soma-edge[report]'") from None  # fmt: skip
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _lines(metrics: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [m for m in metrics if m.get("type") == kind]
+
+
+def _losses(plt, metrics: list[dict[str, Any]]):
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    experts = _lines(metrics, "expert")
+    for e in sorted({m["expert"] for m in experts}):
+        got = [m for m in experts if m["expert"] == e and m.get("accepted")]
+        line, = ax.plot([m["round"] for m in got], [m["val_loss"] for m in got], marker="o", ms=3, label=f"expert {e} val")
+        ax.plot([m["round"] for m in got], [m["train_loss"] for m in got], ls=":", color=line.get_color(), lw=1)
+    mix = [m for m in _lines(metrics, "round") if m.get("mixture_val_loss") is not None]
+    if mix:
+        ax.plot([m["round"] for m in mix], [m["mixture_val_loss"] for m in mix], color="black", lw=2.5,
+                label="routed mixture val")  # fmt: skip
+    ax.set_xticks(sorted({m["round"] for m in experts}))
+    ax.set(xlabel="round", ylabel="nats/byte", title="Loss (solid: val, dotted: train)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    return fig
+
+
+def _timeline(plt, metrics: list[dict[str, Any]]):
+    experts = _lines(metrics, "expert")
+    nodes = sorted({m["node"] for m in experts if m.get("node")})
+    rounds = sorted({m["round"] for m in experts})
+    ids = sorted({m["expert"] for m in experts})
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(ids) + 1.6))
+    colors = plt.get_cmap("tab10")
+    for m in experts:
+        y, c = ids.index(m["expert"]), colors(nodes.index(m["node"]) % 10) if m.get("node") in nodes else "lightgrey"
+        ax.barh(y, 0.9, left=m["round"] - 0.45, color=c, alpha=1.0 if m.get("accepted") else 0.35)
+        why = str(m.get("reason") or "")
+        if "deadline" in why or "gone" in why:
+            ax.plot(m["round"], y, marker="x", color="black", ms=9, mew=2)
+        elif not m.get("accepted") and (why.startswith("rejected") or "refused" in why):
+            ax.plot(m["round"], y, marker="o", mfc="none", color="red", ms=10, mew=2)
+    for i, n in enumerate(nodes):
+        ax.barh(0, 0, color=colors(i % 10), label=n)
+    ax.plot([], [], marker="x", color="black", ls="", label="missed deadline / node gone")
+    ax.plot([], [], marker="o", mfc="none", color="red", ls="", label="refused")
+    ax.set_yticks(range(len(ids)), [f"expert {e}" for e in ids])
+    ax.set_xticks(rounds)
+    ax.set(xlabel="round", title="Who trained what (faded: not accepted)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def _throughput(plt, metrics: list[dict[str, Any]]):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    per: dict[str, dict[int, list[float]]] = {}
+    for m in _lines(metrics, "expert"):
+        if m.get("accepted") and m.get("seconds"):
+            evals, secs = per.setdefault(m["node"], {}).setdefault(m["round"], [0.0, 0.0]), float(m["seconds"])
+            evals[0] += float(m.get("forward_evals") or 0)
+            evals[1] += secs
+    for node, by_round in sorted(per.items()):
+        rs = sorted(by_round)
+        ax.plot(rs, [by_round[r][0] / by_round[r][1] for r in rs], marker="o", label=node)
+    ax.set_xticks(sorted({r for by_round in per.values() for r in by_round}))
+    ax.set(xlabel="round", ylabel="forward evaluations / s", title="Throughput per node (accepted work)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _png(fig, path: Path) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    data = buf.getvalue()
+    checkpoint.atomic_write(path, data, mode=0o644)
+    return data
+
+
+def _table(s: dict[str, Any]) -> str:
+    cols = ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s")
+    rows = []
+    for e, x in s["experts"].items():
+        vals = (e, x["version"], x["sha256"][:12], x.get("step"), x.get("train_loss"), x.get("val_loss"), x.get("node"),
+                x.get("steps_per_s"))  # fmt: skip
+        rows.append("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in vals) + "</tr>")
+    head = "".join(f"<th>{c}</th>" for c in cols)
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def write(run: RunDir, out: Path | None = None) -> Report:
+    """Write OUT/report.html (default RUN/report/) and its PNGs; returns their paths."""
+    metrics = run.read_metrics()
+    if not run.state_path.exists() or not _lines(metrics, "round"):
+        raise CheckpointError(f"{run.root}: no committed round yet, so nothing to report")
+    plt = _pyplot()
+    out = out or run.root / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    s = summary(run)
+    parts, images = [], []
+    for name, draw, caption in (("losses", _losses, "Loss per expert and of the routed mixture"),
+                                ("timeline", _timeline, "Node timeline"),
+                                ("throughput", _throughput, "Throughput per node")):  # fmt: skip
+        fig = draw(plt, metrics)
+        path = out / f"{name}.png"
+        data = _png(fig, path)
+        plt.close(fig)
+        images.append(path)
+        uri = "data:image/png;base64," + base64.b64encode(data).decode()
+        parts.append(f"<h2>{caption}</h2><img alt='{name}' src='{uri}'>")
+    mix = s.get("mixture_val_loss")
+    title = f"{s['run']}: round {s['round']} of {s['rounds']}" + (f", routed val {mix:.4f} nats/byte" if mix else "")
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+            "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}img{max-width:100%}</style></head>"
+            f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}<h2>Experts</h2>{_table(s)}</body></html>")  # fmt: skip
+    page_path = out / "report.html"
+    checkpoint.atomic_write(page_path, page.encode(), mode=0o644)
+    return Report(page_path, images)
