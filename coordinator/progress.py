@@ -67,14 +67,24 @@ def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Ta
     elif s.get("mixture_val_loss") is not None:
         title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
     t = Table(title=title, title_justify="left")
-    for col in ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s"):
+    for col in EXPERT_COLUMNS:
         t.add_column(col, justify="left" if col in ("sha256", "node") else "right", no_wrap=col == "sha256")
-    live_nodes = (status or {}).get("assignment") or {}
-    for e, x in s["experts"].items():
-        node = live_nodes.get(e) or x.get("node") or "-"
-        t.add_row(f"{e} (seed)" if s.get("phase") == "seed" else e, str(x["version"]), x["sha256"][:12], str(x.get("step", "-")), _f(x.get("train_loss")),
-                  _f(x.get("val_loss")), node, _f(x.get("steps_per_s"), 2))  # fmt: skip
+    for row in expert_rows(s, status):
+        t.add_row(*row)
     return t
+
+
+EXPERT_COLUMNS = ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s")
+
+
+def expert_rows(s: dict[str, Any], status: dict[str, Any] | None = None) -> list[tuple[str, ...]]:
+    """The experts table's cells (`EXPERT_COLUMNS`) of a `summary`; the node is the live assignment's
+    where a running round has one."""
+    live_nodes = (status or {}).get("assignment") or {}
+    return [(f"{e} (seed)" if s.get("phase") == "seed" else e, str(x["version"]), x["sha256"][:12],
+             str(x.get("step", "-")), _f(x.get("train_loss")), _f(x.get("val_loss")),
+             live_nodes.get(e) or x.get("node") or "-", _f(x.get("steps_per_s"), 2))
+            for e, x in s["experts"].items()]  # fmt: skip
 
 
 class Events:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.progress import summary
+from coordinator.progress import EXPERT_COLUMNS, expert_rows, summary
 from coordinator.run import RunDir
 from soma_edge import checkpoint
 from soma_edge.errors import CheckpointError, ConfigError
@@ -119,18 +119,9 @@ def _png(fig, path: Path) -> bytes:
 
 
 def _table(s: dict[str, Any]) -> str:
-    cols = ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s")
-    rows = []
-    for e, x in s["experts"].items():
-        vals = (e, x["version"], x["sha256"][:12], x.get("step"), x.get("train_loss"), x.get("val_loss"), x.get("node"),
-                x.get("steps_per_s"))  # fmt: skip
-        rows.append("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in vals) + "</tr>")
-    head = "".join(f"<th>{c}</th>" for c in cols)
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
-
-
-def _cell(v: Any) -> str:
-    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+    head = "".join(f"<th>{c}</th>" for c in EXPERT_COLUMNS)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in expert_rows(s))
+    return f"<table><tr>{head}</tr>{rows}</table>"
 
 
 def write(run: RunDir, out: Path | None = None) -> Report:

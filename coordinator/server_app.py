@@ -27,8 +27,9 @@ import logging
 import math
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -147,14 +148,14 @@ class Coordinator:
         self._prune(self._kept_in(run.prev_state_path))  # a prune that a crash after the commit cut short
         run.truncate_metrics(state["round"])
         run.clear_stop(before=self._locked_at)  # a stop addresses the coordinator that held the lock then
-        if fed.tensorboard:
-            from coordinator.board import Board
-
-            self.board = Board(run.tb, state["round"])
         if state["round"] >= fed.rounds:
             log.info("run %s already completed its %d rounds", run.root, fed.rounds)
             self._status("done")
             return state
+        if fed.tensorboard:
+            from coordinator.board import Board
+
+            self.board = Board(run.tb, state["round"])
         log.info("run %s: resuming after round %d of %d" if state["round"] else "run %s: starting, round %d of %d",
                  run.root, state["round"], fed.rounds)  # fmt: skip
         if self._fan_out():  # a seed that finished in a round whose commit never happened
@@ -517,7 +518,7 @@ class Coordinator:
     def _holds(self, nid: int, e: int) -> bool:
         """Whether node `nid` holds the version expert e trains from next (a claimed one: the node that made it)."""
         c = self._ahead.claims.get(e) if self._ahead else None
-        return c.node == nid if c is not None else self._base(e)["sha256"] in self.nodes[nid].weights
+        return c.node == nid if c is not None else self.state["experts"][str(e)]["sha256"] in self.nodes[nid].weights
 
     def _send_train(self, ctx: "_RoundCtx", nid: int, experts: list[int], steps: dict[int, int],
                     max_seconds: float | None = None) -> None:  # fmt: skip
@@ -637,8 +638,7 @@ class Coordinator:
         active = self._active()
         if not active:
             active = self._wait_for_nodes(1)
-        self._ahead = ahead
-        try:
+        with self._planning(ahead):
             rates = {nid: n.rate for nid, n in active.items()}
             plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
                                   evals_per_step(self._phase_config().spsa), self._transfer_seconds)  # fmt: skip
@@ -665,8 +665,6 @@ class Coordinator:
                     ctx.deferred[nid] = es
                 else:
                     self._send_train(ctx, nid, es, plan.steps)
-        finally:
-            self._ahead = None
         self._round_status(ctx)
         return ctx
 
@@ -705,9 +703,15 @@ class Coordinator:
             return False
         if not self._active():
             return False
-        self._ahead = ctx
-        try:
+        with self._planning(ctx):
             return not self._capped() or bool(self._steps_left())
+
+    @contextmanager
+    def _planning(self, ahead: "_RoundCtx | None") -> Iterator[None]:
+        """While planning ahead of round `ahead`'s checks, `_base` and `_holds` see its claims."""
+        self._ahead = ahead
+        try:
+            yield
         finally:
             self._ahead = None
 
@@ -984,6 +988,7 @@ class Coordinator:
         if ulog is not None and w.dtype == np.float32:  # then the stored weights are the log's replay
             self.run.save_log(e, res["version"], {"from_sha256": res["base_sha256"], "sha256": res["sha256"],
                                                   "log": ulog.to_record()})  # fmt: skip
+        lr, eps = schedule(self._phase_config().spsa, res["step"] - 1, trained_at)  # at the round's last step
         if val < best.val_loss:
             best = guard.Best(res["version"], res["sha256"], rel, val)
             guard.forgive(self.state["strikes"], node.who)
@@ -1004,7 +1009,7 @@ class Coordinator:
             "log_bytes_up": ulog.nbytes() if ulog is not None else None,
             "torch_importable": reply.get("torch_importable"),
             "lr_scale": trained_at, "next_lr_scale": opt.lr_scale, "best_version": best.version,
-            "step": res["step"], **dict(zip(("lr", "eps"), schedule(self._phase_config().spsa, res["step"] - 1, trained_at))),
+            "step": res["step"], "lr": lr, "eps": eps,
         }  # fmt: skip
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
