@@ -4,8 +4,10 @@ the training loop is wrapped: it trains honestly, then replaces the weights befo
 sent. The replies stay well-formed (right shape, dtype, finite, hashes that match); only the guard can
 tell. There is no such switch in the product: this file exists in the test tree alone.
 
-SOMA_TEST_POISON: scale10 (the trained weights x 10) | random (noise of the weights' scale) | mixed
-(scale10 for even experts, random for odd ones).
+SOMA_TEST_POISON: scale10 (the trained weights x 10) | random (noise at 3x the weights' scale) | mixed
+(scale10 for even experts, random for odd ones). Noise at the weights' own scale would be no lie the guard
+must refuse: it is a fresh init, whose loss (~5.7-6.1 nats/byte at the e2e size) sits within a 0.5
+tolerance of a young expert's best; at 3x it is 8-10.5, like scale10.
 """
 
 import importlib.abc
@@ -26,7 +28,7 @@ def _lie(train):
         if mode == "scale10":
             w[:] = w * 10
         elif mode == "random":
-            w[:] = np.random.default_rng(state.step).standard_normal(w.size).astype(np.float32) * float(w.std())
+            w[:] = np.random.default_rng(state.step).standard_normal(w.size).astype(np.float32) * float(3 * w.std())
         print(f"poison: expert {expert} step {state.step}: weights replaced ({mode})", file=sys.stderr, flush=True)
         return rep
 
