@@ -173,6 +173,11 @@ class Coordinator:
                     log.info("%s: stopping before round %d", why, r)
                     break
                 ctx = self._start_round(r)
+                if ctx is None:
+                    why = STOPPED
+                    log.info("stop requested (soma-coord stop) while no worker was left: stopping after round %d "
+                             "of %d", r - 1, fed.rounds)  # fmt: skip
+                    break
             ctx = self._round(ctx)
         self._end_run(why)
         if why == STOPPED:
@@ -625,11 +630,12 @@ class Coordinator:
             self.nodes[line["node_id"]].status = "active"  # it answered after all
         return ctx
 
-    def _start_round(self, r: int, ahead: "_RoundCtx | None" = None) -> "_RoundCtx":
+    def _start_round(self, r: int, ahead: "_RoundCtx | None" = None) -> "_RoundCtx | None":
         """Plan round r and send it. With `ahead` (round r - 1, every reply in but not all of them checked
         yet: pipelining), an expert with an unchecked result trains on from the version it claims, on the
         node that made it, which holds it; a node given an expert whose claimed version it does not hold
-        gets its request only once round r - 1 has committed (`_send_deferred`)."""
+        gets its request only once round r - 1 has committed (`_send_deferred`). None: no worker was left
+        and a stop was requested while waiting for one."""
         fed = self.cfg.federation
         t_round = self.clock()
         late = self._collect_late(r)
@@ -637,7 +643,9 @@ class Coordinator:
         self._pull(lambda mid, reply, o: None)
         active = self._active()
         if not active:
-            active = self._wait_for_nodes(1)
+            active = self._wait_for_nodes(1, stoppable=True)
+            if not active:
+                return None
         with self._planning(ahead):
             rates = {nid: n.rate for nid, n in active.items()}
             plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,

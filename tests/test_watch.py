@@ -4,6 +4,8 @@ each commit, read back with TensorBoard's own EventAccumulator against metrics.j
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from coordinator.board import Board
@@ -88,3 +90,30 @@ def test_a_stop_request_ends_the_run_after_the_round_in_progress(run, tmp_path, 
     assert len(ends) == 2 and all("soma-coord stop" in e["why"] for e in ends)
     assert run.read_status()["stopped"] and not run.stop_path.exists()
     assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()["round"] == 6  # and it resumes
+
+
+def test_a_stop_request_ends_a_wait_for_workers_when_none_is_left(run, tmp_path):
+    """Every worker gone after round 1: round 2 waits for one (up to wait_seconds, then the run would fail);
+    a stop request ends that wait, and the run stops after round 1 and resumes later."""
+    set_fed(run, rounds=4, pipeline=False, wait_seconds=60.0)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    coord = Coordinator(grid, run)
+    real_commit, real_wait, waits = coord._commit, coord._wait_for_nodes, []
+
+    def commit(r, ctx, t_next):
+        real_commit(r, ctx, t_next)
+        if r == 1:
+            grid.gone.update(grid.nodes)
+
+    def wait(want, grace=0.0, stoppable=False):
+        waits.append(want)
+        if want == 1:
+            run.request_stop()
+        return real_wait(want, grace, stoppable)
+
+    coord._commit, coord._wait_for_nodes = commit, wait
+    t0 = time.monotonic()
+    state = coord.main()
+    assert state["round"] == 1 and waits[-1] == 1 and time.monotonic() - t0 < 30
+    assert run.read_status()["stopped"] and not run.stop_path.exists()
+    assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()["round"] == 4
