@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # The demo: an embedded SuperLink, 2 local workers, 4 experts, a few rounds on the default corpus, then
 # the ONNX deploy bundle, the run's report (its path is printed), and its held-out (test split)

@@ -78,18 +78,25 @@ def _finish(fed, proc: subprocess.Popen) -> None:
         code = proc.wait(START_TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise
+        raise AssertionError(f"start did not finish within {START_TIMEOUT} s" + _log_tails(fed)) from None
     tail = (fed["root"] / "start.log").read_text(errors="replace")[-3000:]
     assert code == 0, tail
 
 
-def _wait(cond, timeout: float, what: str) -> None:
+def _wait(cond, timeout: float, what: str, fed=None) -> None:
+    """Poll `cond` until it holds; on a timeout with `fed`, the message carries the tails of the run's logs
+    (a hang seen once in a whole-suite run left nothing else to go on)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return
         time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (_log_tails(fed) if fed else ""))
+
+
+def _log_tails(fed, chars: int = 1500) -> str:
+    logs = [fed["root"] / "start.log", *sorted((fed["run"] / "logs").glob("*.log"))]
+    return "".join(f"\n--- {p.name} (end) ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs if p.exists())
 
 
 def _sent(run: Path) -> dict[tuple[int, int], str]:
@@ -181,7 +188,7 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
                 and w1_log.read_text(errors="replace").count("training experts") > trains_before)  # fmt: skip
 
     try:
-        _wait(w1_training, 120, "w1 to start training in the round")
+        _wait(w1_training, 120, "w1 to start training in the round", fed)
         time.sleep(1.0)
         _kill_worker(fed["run"], "w1")
         _finish(fed, proc)
@@ -227,7 +234,7 @@ def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
     proc = _start(fed, "--rounds", str(target))
     try:
         _wait(lambda: (rd.read_status() or {}).get("phase") == "round" and (rd.read_status() or {}).get("round") == r,
-              180, f"round {r} to start")  # fmt: skip
+              180, f"round {r} to start", fed)  # fmt: skip
         time.sleep(2.0)
         proc.send_signal(sig)
         code = proc.wait(60)
@@ -236,8 +243,8 @@ def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
             proc.kill()
     # Everything that `start` launched goes away (Ctrl-C: stopped by it; kill -9: by the kernel's parent-death
     # signal and Flower's parent watch), and with the ServerApp goes the run lock.
-    _wait(lambda: not _leftovers(fed["run"]), 60, f"no processes of the run left: {_leftovers(fed['run'])}")
-    _wait(lambda: not rd.is_locked(), 30, "the run lock to be released")
+    _wait(lambda: not _leftovers(fed["run"]), 60, f"no processes of the run left: {_leftovers(fed['run'])}", fed)
+    _wait(lambda: not rd.is_locked(), 30, "the run lock to be released", fed)
     return code
 
 
