@@ -231,10 +231,17 @@ def _leftovers(run: Path) -> list[str]:
 
 
 def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
+    t0 = time.time()
     proc = _start(fed, "--rounds", str(target))
+
+    def in_round() -> bool:
+        # Fresh status only: a coordinator interrupted in round r left "round r" behind, and the signal
+        # would then hit this one in its start-up instead of in round r.
+        st = rd.read_status() or {}
+        return st.get("time", 0) >= t0 and st.get("phase") == "round" and st.get("round") == r
+
     try:
-        _wait(lambda: (rd.read_status() or {}).get("phase") == "round" and (rd.read_status() or {}).get("round") == r,
-              180, f"round {r} to start", fed)  # fmt: skip
+        _wait(in_round, 180, f"round {r} to start", fed)
         time.sleep(2.0)
         proc.send_signal(sig)
         code = proc.wait(60)
