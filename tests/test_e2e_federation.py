@@ -79,8 +79,7 @@ def _finish(fed, proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError(f"start did not finish within {START_TIMEOUT} s" + _log_tails(fed)) from None
-    tail = (fed["root"] / "start.log").read_text(errors="replace")[-3000:]
-    assert code == 0, tail
+    assert code == 0, f"start exited {code}" + _log_tails(fed, 3000)
 
 
 def _wait(cond, timeout: float, what: str, fed=None) -> None:
