@@ -129,7 +129,11 @@ class ProtocolScores:
     stream_on_paper: float | None  # the stream protocol on the paper protocol's scored bytes
 
     def arm_fields(self) -> dict[str, float | None]:
-        return {"test_nats_per_byte": self.stream, "test_paper": self.paper, "test_stream_paper_bytes": self.stream_on_paper}
+        return {
+            "test_nats_per_byte": self.stream,
+            "test_paper": self.paper,
+            "test_stream_paper_bytes": self.stream_on_paper,
+        }
 
 
 def protocol_scores(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -> ProtocolScores:
@@ -137,8 +141,13 @@ def protocol_scores(router, fns: dict[int, Callable], data: np.ndarray, seq: int
     if data.size < mixture.PAPER_WINDOW:
         return ProtocolScores(stream.nats_per_byte, stream.bytes, None, 0, None)
     paper = mixture.evaluate_paper(router, fns, data, min(4, len(fns)), router.temperature, uniform=True)
-    return ProtocolScores(stream.nats_per_byte, stream.bytes, paper.nats_per_byte, paper.bytes,
-                          float(-stream.logprobs[paper.positions].mean()))  # fmt: skip
+    return ProtocolScores(
+        stream.nats_per_byte,
+        stream.bytes,
+        paper.nats_per_byte,
+        paper.bytes,
+        float(-stream.logprobs[paper.positions].mean()),
+    )
 
 
 def prepared(work: Path, corpus_name: str, n: int, seed: int) -> RunDir:
@@ -170,8 +179,9 @@ def sweep_val(rd: RunDir) -> np.ndarray:
 # --- learning-rate sweeps (short, one expert, in-process) --------------------------------------------
 
 
-def sweep_spsa(rd: RunDir, m: ModelConfig, n: int, lrs: list[float], steps: int, corpus_name: str,
-               seed: int) -> dict[float, float]:  # fmt: skip
+def sweep_spsa(
+    rd: RunDir, m: ModelConfig, n: int, lrs: list[float], steps: int, corpus_name: str, seed: int
+) -> dict[float, float]:
     """Val nats/byte of expert 0 after `steps` SPSA steps (cosine over them) at each lr."""
     train, val = shard_stream(rd, 0, "train"), sweep_val(rd)
     x, y = corpus.eval_windows(val, Config().data.seq_len, SWEEP_VAL_WINDOWS)
@@ -186,8 +196,9 @@ def sweep_spsa(rd: RunDir, m: ModelConfig, n: int, lrs: list[float], steps: int,
     return out
 
 
-def sweep_adam(rd: RunDir, m: ModelConfig, lrs: list[float], steps: int, batch: int, seq: int,
-               seed: int) -> dict[float, float]:  # fmt: skip
+def sweep_adam(
+    rd: RunDir, m: ModelConfig, lrs: list[float], steps: int, batch: int, seq: int, seed: int
+) -> dict[float, float]:
     train, val = shard_stream(rd, 0, "train"), sweep_val(rd)
     x, y = corpus.eval_windows(val, seq, SWEEP_VAL_WINDOWS)
     out = {}
@@ -209,8 +220,16 @@ def lr_at(step: int, total: int, lr: float, warmup: int, min_frac: float = 0.1) 
     return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def adam_train(m: ModelConfig, data: np.ndarray, lr: float, steps: int, batch: int, seq: int, seed: int,
-               on_step: Callable[[int, Any], None] | None = None):  # fmt: skip
+def adam_train(
+    m: ModelConfig,
+    data: np.ndarray,
+    lr: float,
+    steps: int,
+    batch: int,
+    seq: int,
+    seed: int,
+    on_step: Callable[[int, Any], None] | None = None,
+):
     import torch
 
     from bench.torch_ref import TorchExpert
@@ -238,7 +257,10 @@ def torch_eval_loss(model, x: np.ndarray, y: np.ndarray, batch: int = 64) -> flo
     total = 0.0
     with torch.no_grad():
         for i in range(0, len(x), batch):
-            total += float(model(torch.from_numpy(x[i : i + batch]), torch.from_numpy(y[i : i + batch]))) * x[i : i + batch].size
+            total += (
+                float(model(torch.from_numpy(x[i : i + batch]), torch.from_numpy(y[i : i + batch])))
+                * x[i : i + batch].size
+            )
     return total / x.size
 
 
@@ -267,8 +289,16 @@ def soma_coord_start(run: Path) -> None:
         raise RuntimeError(f"soma-coord start failed (exit {rc}) on {run}:\n{tail}")
 
 
-def run_spsa_arm(work: Path, prep: RunDir, cfg: Config, federate: Federate, curve_data: np.ndarray,
-                 test_data: np.ndarray, round_seconds: float, name: str) -> dict[str, Any]:  # fmt: skip
+def run_spsa_arm(
+    work: Path,
+    prep: RunDir,
+    cfg: Config,
+    federate: Federate,
+    curve_data: np.ndarray,
+    test_data: np.ndarray,
+    round_seconds: float,
+    name: str,
+) -> dict[str, Any]:
     import tomli_w
 
     n, m, seq = cfg.federation.experts, cfg.model, cfg.data.seq_len
@@ -305,48 +335,100 @@ def run_spsa_arm(work: Path, prep: RunDir, cfg: Config, federate: Federate, curv
                 versions[x["expert"]] = x["version"]
                 w = rd.load_expert(rd.expert_rel(x["expert"], x["version"]))["weights"]
                 fns[x["expert"]] = ort_logprobs(m, w)
-        points.append({"round": r, "forward_evals": evals, "flops": evals * f1,
-                       "loss": mixture_loss(router, fns, curve_data, seq)})  # fmt: skip
+        points.append(
+            {
+                "round": r,
+                "forward_evals": evals,
+                "flops": evals * f1,
+                "loss": mixture_loss(router, fns, curve_data, seq),
+            }
+        )
     final = {e: ort_logprobs(m, rd.load_expert(state["experts"][str(e)]["path"])["weights"]) for e in range(n)}
     steps = [int(state["experts"][str(e)]["step"]) for e in range(n)]
     return {
-        "arm": name, "kind": "soma" if n > 1 else "monolithic-spsa", "experts": n, "shape": m.__dict__,
-        "params_per_expert": params.count(m), "params_total": n * params.count(m), "lr": cfg.spsa.lr,
-        "directions": cfg.spsa.directions, "steps_per_expert": steps, "forward_evals": evals, "flops": evals * f1,
-        **protocol_scores(router, final, test_data, seq).arm_fields(), "top_k": min(TOP_K, n),
-        "wall_seconds": wall, "compute_seconds": compute, "rounds": len(rounds), "curve": points,
-    }  # fmt: skip
+        "arm": name,
+        "kind": "soma" if n > 1 else "monolithic-spsa",
+        "experts": n,
+        "shape": m.__dict__,
+        "params_per_expert": params.count(m),
+        "params_total": n * params.count(m),
+        "lr": cfg.spsa.lr,
+        "directions": cfg.spsa.directions,
+        "steps_per_expert": steps,
+        "forward_evals": evals,
+        "flops": evals * f1,
+        **protocol_scores(router, final, test_data, seq).arm_fields(),
+        "top_k": min(TOP_K, n),
+        "wall_seconds": wall,
+        "compute_seconds": compute,
+        "rounds": len(rounds),
+        "curve": points,
+    }
 
 
-def run_adam_arm(prep: RunDir, m: ModelConfig, lr: float, steps: int, batch: int, seq: int, seed: int,
-                 curve_data: np.ndarray, test_data: np.ndarray, points_n: int = 10) -> dict[str, Any]:  # fmt: skip
+def run_adam_arm(
+    prep: RunDir,
+    m: ModelConfig,
+    lr: float,
+    steps: int,
+    batch: int,
+    seq: int,
+    seed: int,
+    curve_data: np.ndarray,
+    test_data: np.ndarray,
+    points_n: int = 10,
+) -> dict[str, Any]:
     router = router_mod.load(prep.router)  # one expert: the mixture is the model itself
     train = shard_stream(prep, 0, "train")
     f3 = 3 * forward_flops(m, batch, seq)
     every = max(1, steps // points_n)
     points, eval_s = [], 0.0
     t_init = params.init(m, seed)
-    points.append({"step": 0, "forward_evals": 0, "flops": 0.0,
-                   "loss": mixture_loss(router, {0: ort_logprobs(m, t_init)}, curve_data, seq)})  # fmt: skip
+    points.append(
+        {
+            "step": 0,
+            "forward_evals": 0,
+            "flops": 0.0,
+            "loss": mixture_loss(router, {0: ort_logprobs(m, t_init)}, curve_data, seq),
+        }
+    )
 
     def on_step(s: int, model) -> None:
         nonlocal eval_s
         if s % every == 0 or s == steps:
             t = time.perf_counter()
-            points.append({"step": s, "forward_evals": 3 * s, "flops": s * f3,
-                           "loss": mixture_loss(router, {0: torch_logprobs(model)}, curve_data, seq)})  # fmt: skip
+            points.append(
+                {
+                    "step": s,
+                    "forward_evals": 3 * s,
+                    "flops": s * f3,
+                    "loss": mixture_loss(router, {0: torch_logprobs(model)}, curve_data, seq),
+                }
+            )
             eval_s += time.perf_counter() - t
 
     t0 = time.perf_counter()
     model = adam_train(m, train, lr, steps, batch, seq, seed, on_step)
     wall = time.perf_counter() - t0 - eval_s
     return {
-        "arm": "adam", "kind": "backprop-reference", "experts": 1, "shape": m.__dict__,
-        "params_per_expert": params.count(m), "params_total": params.count(m), "lr": lr, "directions": None,
-        "steps_per_expert": [steps], "forward_evals": 3 * steps, "flops": steps * f3,
-        **protocol_scores(router, {0: torch_logprobs(model)}, test_data, seq).arm_fields(), "top_k": 1,
-        "wall_seconds": wall, "compute_seconds": wall, "rounds": None, "curve": points,
-    }  # fmt: skip
+        "arm": "adam",
+        "kind": "backprop-reference",
+        "experts": 1,
+        "shape": m.__dict__,
+        "params_per_expert": params.count(m),
+        "params_total": params.count(m),
+        "lr": lr,
+        "directions": None,
+        "steps_per_expert": [steps],
+        "forward_evals": 3 * steps,
+        "flops": steps * f3,
+        **protocol_scores(router, {0: torch_logprobs(model)}, test_data, seq).arm_fields(),
+        "top_k": 1,
+        "wall_seconds": wall,
+        "compute_seconds": wall,
+        "rounds": None,
+        "curve": points,
+    }
 
 
 # --- budget ------------------------------------------------------------------------------------------
@@ -368,14 +450,21 @@ def measure_rate(prep: RunDir, m: ModelConfig, seconds: float, seed: int) -> flo
 def table(out: dict[str, Any]) -> str:
     monos = [a for a in out["arms"] if a["kind"] == "monolithic-spsa"]
     mono = min(monos, key=lambda a: a["test_nats_per_byte"]) if monos else None
-    lines = ["| arm | N | params | lr | steps/expert | forward evals | FLOPs / budget | test nats/byte | vs mono SPSA "
-             "| paper protocol | stream, paper's bytes | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| arm | N | params | lr | steps/expert | forward evals | FLOPs / budget | test nats/byte | vs mono SPSA "
+        "| paper protocol | stream, paper's bytes | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for a in out["arms"]:
         rel = f"{(a['test_nats_per_byte'] / mono['test_nats_per_byte'] - 1) * 100:+.1f}%" if mono else "n/a"
-        paper = " | ".join(f"{a[k]:.4f}" if a.get(k) is not None else "-" for k in ("test_paper", "test_stream_paper_bytes"))
-        lines.append(f"| {a['arm']} | {a['experts']} | {a['params_total']:,} | {a['lr']:g} | {a['steps_per_expert'][0]:,} | "
-                     f"{a['forward_evals']:,} | {a['flops'] / out['budget_flops']:.3f} | {a['test_nats_per_byte']:.4f} | "
-                     f"{rel} | {paper} | {a['wall_seconds']:.0f} |")  # fmt: skip
+        paper = " | ".join(
+            f"{a[k]:.4f}" if a.get(k) is not None else "-" for k in ("test_paper", "test_stream_paper_bytes")
+        )
+        lines.append(
+            f"| {a['arm']} | {a['experts']} | {a['params_total']:,} | {a['lr']:g} | {a['steps_per_expert'][0]:,} | "
+            f"{a['forward_evals']:,} | {a['flops'] / out['budget_flops']:.3f} | {a['test_nats_per_byte']:.4f} | "
+            f"{rel} | {paper} | {a['wall_seconds']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -390,11 +479,22 @@ def plot(out: dict[str, Any], path: str) -> None:
         xs = [p["flops"] / 1e12 for p in a["curve"]]
         ys = [p["loss"] for p in a["curve"]]
         style = "--" if a["kind"] == "backprop-reference" else "-"
-        label = {"soma": f"SOMA N={a['experts']}", "monolithic-spsa": "monolithic SPSA (N=1)",
-                 "backprop-reference": "Adam (backprop reference)"}[a["kind"]]  # fmt: skip
+        label = {
+            "soma": f"SOMA N={a['experts']}",
+            "monolithic-spsa": "monolithic SPSA (N=1)",
+            "backprop-reference": "Adam (backprop reference)",
+        }[a["kind"]]
         extra = a["arm"] not in ("mono-spsa", "adam") and not a["arm"].startswith("soma-n") or "-lr" in a["arm"]
-        ax.plot(xs, ys, style, marker="o", ms=2 if extra else 3, lw=0.9 if extra else 1.8, alpha=0.75 if extra else 1,
-                label=f"{label}, lr {a['lr']:g}" + (" (extra lr)" if extra else ""))  # fmt: skip
+        ax.plot(
+            xs,
+            ys,
+            style,
+            marker="o",
+            ms=2 if extra else 3,
+            lw=0.9 if extra else 1.8,
+            alpha=0.75 if extra else 1,
+            label=f"{label}, lr {a['lr']:g}" + (" (extra lr)" if extra else ""),
+        )
     if out.get("unigram_nats_per_byte"):
         ax.axhline(out["unigram_nats_per_byte"], color="grey", lw=0.8, ls=":", label="unigram entropy")
     ax.axvline(out["budget_flops"] / 1e12, color="black", lw=0.8, ls=":")
@@ -418,7 +518,9 @@ def floats(s: str) -> list[float]:
 
 def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=5.0, help="per-arm budget: minutes of monolithic SPSA on this machine")
+    ap.add_argument(
+        "--minutes", type=float, default=5.0, help="per-arm budget: minutes of monolithic SPSA on this machine"
+    )
     ap.add_argument("--corpus", default=None, help="debian (if built), default, or a text file/folder")
     ap.add_argument("--params", type=int, default=120_000, help="total parameter count M of every arm")
     ap.add_argument("--ns", default="2,4,8", help="SOMA expert counts")
@@ -435,12 +537,19 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     ap.add_argument("--work", default="runs/equal_budget", help="run directories and partial results")
     ap.add_argument("--plot", default=None, help="write a PNG plot here")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--budget-tflops", type=float, default=None, help="use this budget instead of measuring one "
-                    "(to add arms to an earlier run at its budget)")  # fmt: skip
+    ap.add_argument(
+        "--budget-tflops",
+        type=float,
+        default=None,
+        help="use this budget instead of measuring one (to add arms to an earlier run at its budget)",
+    )
     ap.add_argument("--lr", default="", help="pinned lrs that skip the sweep, e.g. n1=0.01,adam=0.003")
     ap.add_argument("--tag", default="", help="suffix for arm names (extra arms of an earlier run)")
-    ap.add_argument("--from-json", default=None, help="comma-separated results.json files: merge their arms, "
-                    "print the table and plot; trains nothing")  # fmt: skip
+    ap.add_argument(
+        "--from-json",
+        default=None,
+        help="comma-separated results.json files: merge their arms, print the table and plot; trains nothing",
+    )
     args = ap.parse_args(argv)
     if args.from_json:
         return report(merge([Path(p) for p in args.from_json.split(",") if p]), args)
@@ -458,7 +567,9 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     curve_data = spread_sample(test_data, args.curve_bytes)
     train_all = corpus.to_stream(corpus.by_split(corpus.load_documents(corpus_name))["train"])
     unigram = corpus.unigram_entropy(train_all, test_data)
-    say(f"corpus {corpus_name}: {test_data.size:,} test bytes (curve sample {curve_data.size:,}); unigram {unigram:.4f}")
+    say(
+        f"corpus {corpus_name}: {test_data.size:,} test bytes (curve sample {curve_data.size:,}); unigram {unigram:.4f}"
+    )
 
     # The budget, fixed once: forward FLOPs = minutes x measured rate on the monolithic shape.
     f_mono = forward_flops(shapes[1], B, T)
@@ -471,15 +582,25 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     steps = {n: max(1, int(budget / (n * per_step * forward_flops(shapes[n], B, T)))) for n in [1, *ns]}
     adam_steps = max(1, int(budget / (3 * f_mono)))
     how = "given" if rate is None else f"{args.minutes:g} min x {rate:.1f} forward evals/s x {f_mono / 1e9:.3f} GFLOP"
-    say(f"budget: {how} = {budget / 1e12:.2f} TFLOPs; "
-        f"SPSA steps per expert {steps}, Adam steps {adam_steps}")  # fmt: skip
+    say(f"budget: {how} = {budget / 1e12:.2f} TFLOPs; SPSA steps per expert {steps}, Adam steps {adam_steps}")
 
     out: dict[str, Any] = {
-        "machine": f"{platform.machine()} {cpu_count()} cores", "corpus": corpus_name, "params_target": args.params,
-        "minutes": args.minutes, "forward_evals_per_s": rate, "forward_flops_mono": f_mono, "budget_flops": budget,
-        "batch": B, "seq_len": T, "directions": K, "test_bytes": int(test_data.size), "curve_bytes": int(curve_data.size),
-        "unigram_nats_per_byte": unigram, "sweep": {}, "arms": [],
-    }  # fmt: skip
+        "machine": f"{platform.machine()} {cpu_count()} cores",
+        "corpus": corpus_name,
+        "params_target": args.params,
+        "minutes": args.minutes,
+        "forward_evals_per_s": rate,
+        "forward_flops_mono": f_mono,
+        "budget_flops": budget,
+        "batch": B,
+        "seq_len": T,
+        "directions": K,
+        "test_bytes": int(test_data.size),
+        "curve_bytes": int(curve_data.size),
+        "unigram_nats_per_byte": unigram,
+        "sweep": {},
+        "arms": [],
+    }
     partial = work / "results.json"
 
     def save() -> None:
@@ -515,8 +636,10 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
         cfg = base_config(shapes[n], n, chosen[f"n{n}"], steps[n], corpus_name, args.seed)
         arm = run_spsa_arm(work, preps[n], cfg, federate, curve_data, test_data, args.round_seconds, name)
         out["arms"].append(arm)
-        say(f"{name}: test {arm['test_nats_per_byte']:.4f} nats/byte, {arm['flops'] / budget:.3f} of the budget, "
-            f"wall {arm['wall_seconds']:.0f} s")  # fmt: skip
+        say(
+            f"{name}: test {arm['test_nats_per_byte']:.4f} nats/byte, {arm['flops'] / budget:.3f} of the budget, "
+            f"wall {arm['wall_seconds']:.0f} s"
+        )
         save()
     if not args.no_adam:
         arm = run_adam_arm(preps[1], shapes[1], chosen["adam"], adam_steps, B, T, args.seed, curve_data, test_data)
@@ -538,7 +661,9 @@ def merge(paths: list[Path]) -> dict[str, Any]:
             raise SystemExit(f"error: {r['corpus']} at {r['budget_flops']:.4g} FLOPs is not the first run's budget")
         out["arms"] = out["arms"] + r["arms"]
         out["seconds"] = out.get("seconds", 0) + r.get("seconds", 0)
-        out.setdefault("extra_runs", []).append({"sweep": r.get("sweep"), "lr": r.get("lr"), "seconds": r.get("seconds")})
+        out.setdefault("extra_runs", []).append(
+            {"sweep": r.get("sweep"), "lr": r.get("lr"), "seconds": r.get("seconds")}
+        )
     return out
 
 
@@ -559,8 +684,10 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps(out))
     else:
         print(table(out))
-        print(f"SOMA improvement over the best monolithic SPSA arm (1 - soma/mono): {out.get('soma_vs_mono')}; "
-              f"total {out.get('seconds', 0):.0f} s")  # fmt: skip
+        print(
+            f"SOMA improvement over the best monolithic SPSA arm (1 - soma/mono): {out.get('soma_vs_mono')}; "
+            f"total {out.get('seconds', 0):.0f} s"
+        )
     return out
 
 

@@ -41,8 +41,10 @@ def table(run: Path) -> dict:
     rounds = [m for m in metrics if m["type"] == "round"]
     experts = [m for m in metrics if m["type"] == "expert"]
     print(f"run: {run}")
-    print(f"{'round':>5} {'wall s':>7} {'compute s/node':>15} {'share':>6} {'moved':>6} "
-          f"{'w down/exp':>11} {'shards down/exp':>16} {'w up/exp':>9} {'sticky w down':>14}")  # fmt: skip
+    print(
+        f"{'round':>5} {'wall s':>7} {'compute s/node':>15} {'share':>6} {'moved':>6} "
+        f"{'w down/exp':>11} {'shards down/exp':>16} {'w up/exp':>9} {'sticky w down':>14}"
+    )
     rows = []
     for r in rounds:
         lines = [m for m in experts if m["round"] == r["round"]]
@@ -52,33 +54,60 @@ def table(run: Path) -> dict:
         moved = set(r.get("moved") or [])
         sticky_down = sum(m.get("weights_bytes_down", 0) for m in lines if m["expert"] not in moved)
         row = {
-            "round": r["round"], "wall": r["round_seconds_total"], "compute_per_node": per_node,
-            "share": r["compute_share"], "moved": len(moved),
+            "round": r["round"],
+            "wall": r["round_seconds_total"],
+            "compute_per_node": per_node,
+            "share": r["compute_share"],
+            "moved": len(moved),
             "w_down": sum(m.get("weights_bytes_down", 0) for m in lines) / n,
             "s_down": sum(m.get("shard_bytes_down", 0) for m in lines) / n,
-            "w_up": sum(m.get("weights_bytes_up", 0) for m in lines) / n, "sticky_down": sticky_down,
-        }  # fmt: skip
+            "w_up": sum(m.get("weights_bytes_up", 0) for m in lines) / n,
+            "sticky_down": sticky_down,
+        }
         rows.append(row)
-        print(f"{row['round']:>5} {row['wall']:>7.1f} {row['compute_per_node']:>15.1f} {100 * row['share']:>5.1f}% "
-              f"{row['moved']:>6} {row['w_down']:>11.0f} {row['s_down']:>16.0f} {row['w_up']:>9.0f} {row['sticky_down']:>14}")  # fmt: skip
+        print(
+            f"{row['round']:>5} {row['wall']:>7.1f} {row['compute_per_node']:>15.1f} {100 * row['share']:>5.1f}% "
+            f"{row['moved']:>6} {row['w_down']:>11.0f} {row['s_down']:>16.0f} {row['w_up']:>9.0f} {row['sticky_down']:>14}"
+        )
     steady = rows[1:] or rows
     share = sum(r["share"] for r in steady) / max(len(steady), 1)
     wall = sum(r["wall"] for r in steady) / max(len(steady), 1)
     summary = {
-        "steady_rounds": len(steady), "steady_compute_share": share, "steady_wall_s": wall,
-        "steady_overhead_s": wall * (1 - share), "sticky_weight_bytes_down": sum(r["sticky_down"] for r in steady),
+        "steady_rounds": len(steady),
+        "steady_compute_share": share,
+        "steady_wall_s": wall,
+        "steady_overhead_s": wall * (1 - share),
+        "sticky_weight_bytes_down": sum(r["sticky_down"] for r in steady),
         "steady_weight_bytes_up_per_expert": sum(r["w_up"] for r in steady) / max(len(steady), 1),
-    }  # fmt: skip
-    print(f"steady state (rounds {', '.join(str(r['round']) for r in steady)}): compute {100 * share:.1f}% of "
-          f"{wall:.1f} s rounds, {summary['steady_overhead_s']:.1f} s/round in Flower round trips, process start, "
-          f"transfers and checkpoints; weight bytes sent for unchanged assignments: {summary['sticky_weight_bytes_down']}")  # fmt: skip
+    }
+    print(
+        f"steady state (rounds {', '.join(str(r['round']) for r in steady)}): compute {100 * share:.1f}% of "
+        f"{wall:.1f} s rounds, {summary['steady_overhead_s']:.1f} s/round in Flower round trips, process start, "
+        f"transfers and checkpoints; weight bytes sent for unchanged assignments: {summary['sticky_weight_bytes_down']}"
+    )
     return summary
 
 
 def fresh(rounds: int, round_seconds: float, experts: int, workers: int) -> Path:
     run = Path(tempfile.mkdtemp(prefix="soma-fed-bench-")) / "run"
-    cmd = [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--local-workers", str(workers),
-           "--experts", str(experts), "--rounds", str(rounds), "--round-seconds", str(round_seconds), "--port", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordinator",
+        "start",
+        "--run",
+        str(run),
+        "--local-workers",
+        str(workers),
+        "--experts",
+        str(experts),
+        "--rounds",
+        str(rounds),
+        "--round-seconds",
+        str(round_seconds),
+        "--port",
+        "0",
+    ]
     t0 = time.time()
     subprocess.run(cmd, check=True)
     print(f"federation finished in {time.time() - t0:.0f} s")
@@ -96,8 +125,10 @@ def log_bytes(seconds: float) -> list[dict]:
     from worker.trainer import train
 
     data = corpus.to_stream(corpus.by_split(corpus.default_documents())["train"])
-    print(f"{'expert':>6} {'params':>9} {'decoder':>7} {'steps':>6} {'weights up B':>13} {'log up B':>10} "
-          f"{'log body B':>10} {'log dec B':>10} {'ratio':>9} {'replay s':>8} {'bit-identical':>13}")  # fmt: skip
+    print(
+        f"{'expert':>6} {'params':>9} {'decoder':>7} {'steps':>6} {'weights up B':>13} {'log up B':>10} "
+        f"{'log body B':>10} {'log dec B':>10} {'ratio':>9} {'replay s':>8} {'bit-identical':>13}"
+    )
     rows = []
     for name, (embed, hidden) in SIZES.items():
         for decoder in ("spsa", "delta"):
@@ -108,9 +139,17 @@ def log_bytes(seconds: float) -> list[dict]:
             state = spsa.State(start.weights.copy())
             rep = train(state, data, cfg, evaluator_for(cfg, "cpu"), steps=None, seconds=seconds)
             ulog = spsa.record_log(0, 1.0, rep.grads, state, steps.log_body(cfg))
-            common = {"expert": 0, "base_sha256": "0" * 64, "version": 1, "step": state.step, "steps": rep.steps,
-                      "forward_evals": rep.forward_evals, "seconds": rep.seconds, "train_loss": rep.loss,
-                      "sha256": protocol.weights_sha256(state.weights)}  # fmt: skip
+            common = {
+                "expert": 0,
+                "base_sha256": "0" * 64,
+                "version": 1,
+                "step": state.step,
+                "steps": rep.steps,
+                "forward_evals": rep.forward_evals,
+                "seconds": rep.seconds,
+                "train_loss": rep.loss,
+                "sha256": protocol.weights_sha256(state.weights),
+            }
             as_weights = len(codec.encode({**common, "weights": state.weights, "opt": state.opt.to_record()}, "r"))
             as_log = len(codec.encode({**common, "weights": None, "opt": None, "log": ulog.to_record()}, "r"))
             t0 = time.perf_counter()
@@ -118,13 +157,26 @@ def log_bytes(seconds: float) -> list[dict]:
             replay_s = time.perf_counter() - t0
             same = got.weights.tobytes() == state.weights.tobytes()
             parts = ulog.nbytes()
-            row = {"expert": name, "params": lay.size, "decoder": decoder, "steps": rep.steps, "weights_up": as_weights,
-                   "log_up": as_log, "log_body": parts["body"], "log_decoder": parts["decoder"],
-                   "ratio": as_weights / as_log, "replay_s": replay_s, "bit_identical": same}  # fmt: skip
+            row = {
+                "expert": name,
+                "params": lay.size,
+                "decoder": decoder,
+                "steps": rep.steps,
+                "weights_up": as_weights,
+                "log_up": as_log,
+                "log_body": parts["body"],
+                "log_decoder": parts["decoder"],
+                "ratio": as_weights / as_log,
+                "replay_s": replay_s,
+                "bit_identical": same,
+            }
             rows.append(row)
-            print(f"{name:>6} {lay.size:>9} {decoder:>7} {rep.steps:>6} {as_weights:>13,} {as_log:>10,} "
-                  f"{parts['body']:>10,} {parts['decoder']:>10,} {row['ratio']:>8.0f}x {replay_s:>8.1f} "
-                  f"{'yes' if same else 'NO':>13}", flush=True)  # fmt: skip
+            print(
+                f"{name:>6} {lay.size:>9} {decoder:>7} {rep.steps:>6} {as_weights:>13,} {as_log:>10,} "
+                f"{parts['body']:>10,} {parts['decoder']:>10,} {row['ratio']:>8.0f}x {replay_s:>8.1f} "
+                f"{'yes' if same else 'NO':>13}",
+                flush=True,
+            )
     return rows
 
 

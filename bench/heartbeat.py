@@ -40,9 +40,21 @@ def _counters(boxes, box) -> tuple[int, int]:
     import subprocess
 
     dev = box.devices[0]
-    read = lambda what: int(subprocess.run(["ip", "netns", "exec", box.name, "cat",  # noqa: E731
-                                            f"/sys/class/net/{dev}/statistics/{what}"], capture_output=True,
-                                           text=True, check=True).stdout)  # fmt: skip
+    read = lambda what: int(
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                box.name,
+                "cat",  # noqa: E731
+                f"/sys/class/net/{dev}/statistics/{what}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     return read("rx_bytes") + read("tx_bytes"), read("rx_packets") + read("tx_packets")
 
 
@@ -82,12 +94,16 @@ def _saturate(boxes, coord, w, seconds: float, work: Path) -> None:
     boxes.popen(coord, [sys.executable, "-c", SINK.format(port=port)], work / "sink.log")
     time.sleep(1.0)
     for way in ("u", "d"):
-        boxes.popen(w, [sys.executable, "-c", BULK.format(host=w.peer, port=port, way=way, seconds=seconds)],
-                    work / f"bulk-{way}.log")  # fmt: skip
+        boxes.popen(
+            w,
+            [sys.executable, "-c", BULK.format(host=w.peer, port=port, way=way, seconds=seconds)],
+            work / f"bulk-{way}.log",
+        )
 
 
 def one(interval: float, args, work: Path) -> tuple[float, float, float, float, str]:
     import netboxes
+
     from soma_edge.procs import free_port
 
     (work / "fed.toml").write_text(CONFIG)
@@ -96,12 +112,46 @@ def one(interval: float, args, work: Path) -> tuple[float, float, float, float, 
     try:
         coord = boxes.add("coord")
         w = boxes.add("w", link_to=coord, mbit=args.mbit)
-        boxes.popen(coord, [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--config",
-                            str(work / "fed.toml"), "--host", "0.0.0.0", "--port", str(port)],
-                    work / f"start-{interval:g}.log", env=dict(os.environ), cwd=ROOT)  # fmt: skip
-        boxes.popen(w, [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"{w.peer}:{port}", "--name", "w",
-                        "--cache", str(work / "cache"), "--heartbeat", f"{interval:g}"], work / f"w-{interval:g}.log",
-                    env=dict(os.environ), cwd=ROOT)  # fmt: skip
+        boxes.popen(
+            coord,
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--run",
+                str(run),
+                "--config",
+                str(work / "fed.toml"),
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+            ],
+            work / f"start-{interval:g}.log",
+            env=dict(os.environ),
+            cwd=ROOT,
+        )
+        boxes.popen(
+            w,
+            [
+                sys.executable,
+                "-m",
+                "worker.cli",
+                "join",
+                "--coordinator",
+                f"{w.peer}:{port}",
+                "--name",
+                "w",
+                "--cache",
+                str(work / "cache"),
+                "--heartbeat",
+                f"{interval:g}",
+            ],
+            work / f"w-{interval:g}.log",
+            env=dict(os.environ),
+            cwd=ROOT,
+        )
         log = run / "logs" / "coordinator.log"
         if _wait_for(log, "(w) active", 300) is None:
             raise SystemExit(f"the worker did not become active; see {work}")
@@ -138,8 +188,10 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, veth)")
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores; {args.idle_seconds:g} s idle per interval")
-    print(f"{'heartbeat s':>11} {'idle B/s':>9} {'packets/s':>9} {'saturated B/s':>13} {'lost then':>9} "
-          f"{'kill -> gone s':>14}")  # fmt: skip
+    print(
+        f"{'heartbeat s':>11} {'idle B/s':>9} {'packets/s':>9} {'saturated B/s':>13} {'lost then':>9} "
+        f"{'kill -> gone s':>14}"
+    )
     work = Path(tempfile.mkdtemp(prefix="soma-heartbeat-"))
     for interval in map(float, args.intervals.split(",")):
         rate, pkts, busy, noticed, lost = one(interval, args, work)

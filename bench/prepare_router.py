@@ -49,8 +49,10 @@ def _machine() -> str:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     load = os.getloadavg()[0]
-    return (f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}, "
-            f"numpy {np.__version__}, load average {load:.1f} at start")  # fmt: skip
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}, "
+        f"numpy {np.__version__}, load average {load:.1f} at start"
+    )
 
 
 def main() -> int:
@@ -69,8 +71,20 @@ def main() -> int:
             path, outside = _write_four(Path(tmp) / "four.jsonl")
             args.corpus = str(path)
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "coordinator", "prepare", args.corpus, "--experts", str(args.experts),
-               "--seed", str(args.seed), "--out", str(out), "--json"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "coordinator",
+            "prepare",
+            args.corpus,
+            "--experts",
+            str(args.experts),
+            "--seed",
+            str(args.seed),
+            "--out",
+            str(out),
+            "--json",
+        ]
         t0 = time.perf_counter()
         child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         stdout, stderr = child.communicate()
@@ -84,16 +98,22 @@ def main() -> int:
         s = json.loads(stdout)
         sizes = np.array([sum(c["bytes"].values()) for c in s["clusters"]], dtype=float)
         print(f"\n## prepare {args.corpus} --experts {args.experts} --seed {args.seed}\n")
-        print("| documents | MB | clusters | purity | max/mean cluster bytes | min/mean | router KiB | wall s "
-              "| peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-        print(f"| {s['documents']} | {s['bytes'] / 1e6:.1f} | {len(s['clusters'])} | {s['purity']} | "
-              f"{sizes.max() / sizes.mean():.3f} | {sizes.min() / sizes.mean():.3f} | "
-              f"{s['router']['bytes'] / 1024:.0f} | {wall:.1f} | {peak_mib:.0f} |")  # fmt: skip
+        print(
+            "| documents | MB | clusters | purity | max/mean cluster bytes | min/mean | router KiB | wall s "
+            "| peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|"
+        )
+        print(
+            f"| {s['documents']} | {s['bytes'] / 1e6:.1f} | {len(s['clusters'])} | {s['purity']} | "
+            f"{sizes.max() / sizes.mean():.3f} | {sizes.min() / sizes.mean():.3f} | "
+            f"{s['router']['bytes'] / 1024:.0f} | {wall:.1f} | {peak_mib:.0f} |"
+        )
 
         router = router_mod.load(out / "router.msgpack")
         tests = [(c["expert"], (out / "shards" / f"{c['shards']['test']}.bin").read_bytes()) for c in s["clusters"]]
-        print(f"\n## routing held-out text (test split, {sum(len(t) for _, t in tests) / 1e6:.2f} MB), "
-              f"T = {router.temperature:.4f}\n")  # fmt: skip
+        print(
+            f"\n## routing held-out text (test split, {sum(len(t) for _, t in tests) / 1e6:.2f} MB), "
+            f"T = {router.temperature:.4f}\n"
+        )
         print("| window bytes | windows | top-1 = own expert | own expert in top-2 | routing MB/s |")
         print("|---|---|---|---|---|")
         for w in [int(x) for x in args.windows.split(",")]:
@@ -174,14 +194,20 @@ def ablate(corpus_spec: str, experts: int, seed: int, outside: list | None) -> N
             pur = purity([d.domain for d in docs], labels, sizes)
             cap = "mean + 1 doc" if slack == 1.0 else f"{slack} x mean"
             row = f"| {cap} | %s | {pur:.3f} | {per.max() / per.mean():.2f} |"
-            print(row % "256-byte windows", f"{_agreement(router, pairs, 128):.3f} |",
-                  f"{_agreement(router, pairs, 512):.3f} | {secs:.1f} |")  # fmt: skip
+            print(
+                row % "256-byte windows",
+                f"{_agreement(router, pairs, 128):.3f} |",
+                f"{_agreement(router, pairs, 512):.3f} | {secs:.1f} |",
+            )
             if slack == 1.0:  # the same clusters, routed by whole-document centroids instead
                 feats, lab = router.features([texts[i] for i in train]), labels[train]
                 cent = np.stack([feats[lab == k].sum(axis=0, dtype=np.float64) for k in range(router.n_clusters)])
                 router.centroids = (cent / np.linalg.norm(cent, axis=1, keepdims=True)).astype(np.float32)
-                print(row % "whole documents", f"{_agreement(router, pairs, 128):.3f} |",
-                      f"{_agreement(router, pairs, 512):.3f} | |")  # fmt: skip
+                print(
+                    row % "whole documents",
+                    f"{_agreement(router, pairs, 128):.3f} |",
+                    f"{_agreement(router, pairs, 512):.3f} | |",
+                )
     finally:
         router_mod.SLACK = shipped
 

@@ -66,8 +66,19 @@ VAL_WINDOWS = 32
 # Cumulative arms: each adds its settings to all those above it. The last, `default`, is what
 # soma-edge ships: the config's own defaults (fewer directions, a lower body lr, a stronger input drive).
 ARMS: list[tuple[str, dict[str, Any]]] = [
-    ("today", {"decoder": "spsa", "update": "rms", "lr": 1e-2, "directions": 8, "density": 1.0,
-               "weight_decay": 0.0, "plateau": False, "model.input_gain": 1.0}),  # fmt: skip
+    (
+        "today",
+        {
+            "decoder": "spsa",
+            "update": "rms",
+            "lr": 1e-2,
+            "directions": 8,
+            "density": 1.0,
+            "weight_decay": 0.0,
+            "plateau": False,
+            "model.input_gain": 1.0,
+        },
+    ),
     ("+delta", {"decoder": "delta", "decoder_lr": 3e-2}),
     ("+adam", {"update": "adam", "lr": 1e-3}),
     ("+sparse", {"density": 0.5}),
@@ -130,8 +141,12 @@ def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> D
         return data
 
     train, val, test = stream("train"), stream("val"), stream("test")
-    return Data(train=train, val=corpus.eval_windows(val, seq, VAL_WINDOWS),
-                test=corpus.eval_windows(test, seq, TEST_WINDOWS), unigram=corpus.unigram_entropy(train, test))  # fmt: skip
+    return Data(
+        train=train,
+        val=corpus.eval_windows(val, seq, VAL_WINDOWS),
+        test=corpus.eval_windows(test, seq, TEST_WINDOWS),
+        unigram=corpus.unigram_entropy(train, test),
+    )
 
 
 def arm_config(name: str, seed: int = 0) -> Config:
@@ -152,8 +167,17 @@ def arm_config(name: str, seed: int = 0) -> Config:
     return cfg
 
 
-def run_spsa(name: str, cfg: Config, data: Data, seconds: float | None, evals: int | None,
-             check_steps: int, state: State | None = None, expert: int = 0, steps: int | None = None) -> Result:  # fmt: skip
+def run_spsa(
+    name: str,
+    cfg: Config,
+    data: Data,
+    seconds: float | None,
+    evals: int | None,
+    check_steps: int,
+    state: State | None = None,
+    expert: int = 0,
+    steps: int | None = None,
+) -> Result:
     """Train `state` (default: a fresh init) for `seconds`, `evals` forward passes or `steps` steps."""
     ev = evaluator_for(cfg, "cpu", threads=1, parallel=1)
     state = state if state is not None else State(params.init(cfg.model, cfg.seed))
@@ -164,7 +188,11 @@ def run_spsa(name: str, cfg: Config, data: Data, seconds: float | None, evals: i
         chunk = check_steps if budget_steps is None else min(check_steps, budget_steps - res.steps)
         left = None if seconds is None else seconds - res.seconds
         rep = spsa_train(state, data.train, cfg, ev, expert=expert, steps=chunk, seconds=left)
-        res.steps, res.evals, res.seconds = res.steps + rep.steps, res.evals + rep.forward_evals, res.seconds + rep.seconds
+        res.steps, res.evals, res.seconds = (
+            res.steps + rep.steps,
+            res.evals + rep.forward_evals,
+            res.seconds + rep.seconds,
+        )
         val = mean_loss(ev, state.weights, *data.val)
         res.curve.append((res.seconds, val))
         if plateau(cfg.spsa, state.opt, val, state.step):
@@ -174,8 +202,9 @@ def run_spsa(name: str, cfg: Config, data: Data, seconds: float | None, evals: i
     return res
 
 
-def run_bptt(data: Data, seconds: float | None, steps_cap: int | None, check_steps: int, lr: float = 1e-2,
-             seed: int = 0) -> Result:  # fmt: skip
+def run_bptt(
+    data: Data, seconds: float | None, steps_cap: int | None, check_steps: int, lr: float = 1e-2, seed: int = 0
+) -> Result:
     import torch
 
     from bench.torch_ref import TorchExpert
@@ -194,8 +223,9 @@ def run_bptt(data: Data, seconds: float | None, steps_cap: int | None, check_ste
     while (seconds is None or res.seconds < seconds) and (steps_cap is None or res.steps < steps_cap):
         t0 = time.perf_counter()
         for _ in range(check_steps):
-            x, y = corpus.sample_batch(data.train, cfg.data.batch, cfg.data.seq_len,
-                                       corpus.batch_rng(seed, 0, res.steps))  # fmt: skip
+            x, y = corpus.sample_batch(
+                data.train, cfg.data.batch, cfg.data.seq_len, corpus.batch_rng(seed, 0, res.steps)
+            )
             opt.zero_grad()
             model(torch.from_numpy(x), torch.from_numpy(y)).backward()
             opt.step()
@@ -224,8 +254,9 @@ def _map(fn, work: list, jobs: int) -> list:
         return pool.map(fn, work, chunksize=1)
 
 
-def run_table(names: list[str], data: Data, seconds: float | None, evals: int | None, check: int,
-              jobs: int, bptt: bool) -> list[Result]:  # fmt: skip
+def run_table(
+    names: list[str], data: Data, seconds: float | None, evals: int | None, check: int, jobs: int, bptt: bool
+) -> list[Result]:
     work = [("spsa", n, data, seconds, evals, check) for n in names]
     if bptt:
         work.append(("bptt", "bptt", data, seconds, None, max(10, check // 4)))
@@ -240,9 +271,16 @@ def captured(unigram: float, arm: float, ref: float) -> float:
 
 
 def table(title: str, rows: list[Result], unigram: float, ref: float) -> str:
-    lines = [title, "", "| arm | test nats/byte | captured | steps | forward passes | train s |", "|---|---|---|---|---|---|"]
+    lines = [
+        title,
+        "",
+        "| arm | test nats/byte | captured | steps | forward passes | train s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.name} | {r.test:.3f} | {captured(unigram, r.test, ref):.2f} | {r.steps} | {r.evals} | {r.seconds:.0f} |")
+        lines.append(
+            f"| {r.name} | {r.test:.3f} | {captured(unigram, r.test, ref):.2f} | {r.steps} | {r.evals} | {r.seconds:.0f} |"
+        )
     lines.append(f"| byte unigram (cluster train split) | {unigram:.3f} | 0 | | | |")
     return "\n".join(lines)
 
@@ -272,7 +310,12 @@ def plot(rows: list[Result], unigram: float, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=90.0, help="training seconds per arm in table 1")
-    ap.add_argument("--evals", type=int, default=0, help="forward passes per arm in table 2 (0: today's count from table 1; -1: skip)")
+    ap.add_argument(
+        "--evals",
+        type=int,
+        default=0,
+        help="forward passes per arm in table 2 (0: today's count from table 1; -1: skip)",
+    )
     ap.add_argument("--cluster", type=int, default=0)
     ap.add_argument("--corpus", default="default")
     ap.add_argument("--arms", default=",".join(ARM_NAMES))
@@ -294,16 +337,24 @@ def main(argv: list[str] | None = None) -> int:
     say(f"cluster {a.cluster} of {a.corpus}: {data.train.size} train bytes, unigram {data.unigram:.4f} nats/byte")
     t1 = run_table(names, data, a.seconds, None, a.check_steps, a.jobs, not a.no_bptt)
     ref = next((r.test for r in t1 if r.name == "bptt"), float("nan"))
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
-          f"corpus {a.corpus}, cluster {a.cluster}; jobs {a.jobs}\n")  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
+        f"corpus {a.corpus}, cluster {a.cluster}; jobs {a.jobs}\n"
+    )
     print(table(f"Table 1: equal wall time ({a.seconds:g} s of training on one thread)", t1, data.unigram, ref))
     if a.evals >= 0:
         evals = a.evals or next((r.evals for r in t1 if r.name == "today"), 0)
         if evals > 0:
             t2 = run_table(names, data, None, evals, a.check_steps, a.jobs, False)
             print()
-            print(table(f"Table 2: equal forward passes ({evals} each; a delta-rule step counts 2K + 1)", t2,
-                        data.unigram, ref))  # fmt: skip
+            print(
+                table(
+                    f"Table 2: equal forward passes ({evals} each; a delta-rule step counts 2K + 1)",
+                    t2,
+                    data.unigram,
+                    ref,
+                )
+            )
     t3 = None
     if a.seed_evals > 0:
         from bench.recipe_seed import run_seed_table, seed_table
@@ -316,8 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         plot(t1, data.unigram, a.plot)
         say(f"plot: {a.plot}")
     if a.json:
-        out: dict[str, Any] = {"arms": [{"name": r.name, "test_nats_per_byte": r.test,
-                                         "captured": captured(data.unigram, r.test, ref)} for r in t1]}  # fmt: skip
+        out: dict[str, Any] = {
+            "arms": [
+                {"name": r.name, "test_nats_per_byte": r.test, "captured": captured(data.unigram, r.test, ref)}
+                for r in t1
+            ]
+        }
         if t3 is not None:
             out["seed_table"] = [vars(r) for r in t3]
         print(json.dumps(out))

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from bench.recipe import N_CLUSTERS, SOMA_ARMS, Data, _map, arm_config, cluster_data, prepared, run_spsa, say
-from soma_edge import mixture, params, seed as seed_mod
+from soma_edge import mixture, params
+from soma_edge import seed as seed_mod
 from soma_edge.config import Config, ModelConfig
 from soma_edge.spsa import State, evals_per_step
 
@@ -66,11 +67,17 @@ def _expert_job(args: tuple) -> np.ndarray:
 
 def _seed_data(datas: list[Data]) -> Data:
     cat = lambda parts: tuple(np.concatenate(p) for p in zip(*parts))  # noqa: E731
-    return Data(train=np.concatenate([d.train for d in datas]), val=cat([d.val for d in datas]),
-                test=cat([d.test for d in datas]), unigram=math.nan)  # fmt: skip
+    return Data(
+        train=np.concatenate([d.train for d in datas]),
+        val=cat([d.val for d in datas]),
+        test=cat([d.test for d in datas]),
+        unigram=math.nan,
+    )
 
 
-def score(router, m: ModelConfig, weights: list[np.ndarray], tests: list[np.ndarray], seq: int) -> tuple[float, float, float]:
+def score(
+    router, m: ModelConfig, weights: list[np.ndarray], tests: list[np.ndarray], seq: int
+) -> tuple[float, float, float]:
     """(stream top-2, paper top-4 uniform, stream on the paper's bytes) nats/byte over the test splits."""
     from bench.equal_budget import ort_logprobs, protocol_scores
 
@@ -85,8 +92,9 @@ def score(router, m: ModelConfig, weights: list[np.ndarray], tests: list[np.ndar
     return tuple(float(x) for x in sums / counts)  # type: ignore[return-value]
 
 
-def run_seed_table(corpus_name: str, work: Path, evals: int, share: float, check: int, jobs: int,
-                   names: list[str] | None = None) -> list[SeedRow]:  # fmt: skip
+def run_seed_table(
+    corpus_name: str, work: Path, evals: int, share: float, check: int, jobs: int, names: list[str] | None = None
+) -> list[SeedRow]:
     from bench.equal_budget import shard_stream
     from soma_edge.router import load as load_router
 
@@ -103,25 +111,45 @@ def run_seed_table(corpus_name: str, work: Path, evals: int, share: float, check
         start, seed_steps = None, cfg.federation.seed_steps
         if seed_decoder is not None:
             say(f"  {name}: seed run, {seed_steps} steps on every cluster")
-            start = _expert_job((f"{name} seed", cfg, _seed_data(datas), seed_steps, check, None,
-                                 seed_mod.seed_expert(cfg)))  # fmt: skip
+            start = _expert_job(
+                (f"{name} seed", cfg, _seed_data(datas), seed_steps, check, None, seed_mod.seed_expert(cfg))
+            )
         ecfg, steps = seed_mod.expert_config(cfg), seed_mod.expert_steps(cfg)
         work_items = [(f"{name} e{e}", ecfg, datas[e], steps, check, start, e) for e in range(N_CLUSTERS)]
         weights = _map(_expert_job, work_items, jobs)
         total = seed_steps * evals_per_step(cfg.spsa) + N_CLUSTERS * steps * evals_per_step(ecfg.spsa)
         stream, paper, same = score(router, cfg.model, weights, tests, cfg.data.seq_len)
-        rows.append(SeedRow(name, params.count(cfg.model), seed_steps, steps, total / N_CLUSTERS, stream, paper, same,
-                            time.perf_counter() - t0))  # fmt: skip
-        say(f"  {name}: stream {stream:.4f}, paper {paper:.4f} (stream on its bytes {same:.4f}), {rows[-1].seconds:.0f} s")
+        rows.append(
+            SeedRow(
+                name,
+                params.count(cfg.model),
+                seed_steps,
+                steps,
+                total / N_CLUSTERS,
+                stream,
+                paper,
+                same,
+                time.perf_counter() - t0,
+            )
+        )
+        say(
+            f"  {name}: stream {stream:.4f}, paper {paper:.4f} (stream on its bytes {same:.4f}), {rows[-1].seconds:.0f} s"
+        )
     return rows
 
 
 def seed_table(rows: list[SeedRow], evals: int, share: float) -> str:
-    lines = [f"Table 3: N = {N_CLUSTERS} experts, {evals:,} forward passes per expert, the seed's included "
-             f"(a seed takes {share:.0%} of them); routed mixture on every cluster's test split", "",
-             "| arm | params/expert | seed steps | steps/expert | passes/expert | stream top-2 | paper top-4 uniform "
-             "| stream on the paper's bytes | wall s |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Table 3: N = {N_CLUSTERS} experts, {evals:,} forward passes per expert, the seed's included "
+        f"(a seed takes {share:.0%} of them); routed mixture on every cluster's test split",
+        "",
+        "| arm | params/expert | seed steps | steps/expert | passes/expert | stream top-2 | paper top-4 uniform "
+        "| stream on the paper's bytes | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.name} | {r.params:,} | {r.seed_steps:,} | {r.expert_steps:,} | {r.evals_per_expert:,.0f} | "
-                     f"{r.stream:.4f} | {r.paper:.4f} | {r.stream_on_paper_bytes:.4f} | {r.seconds:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {r.name} | {r.params:,} | {r.seed_steps:,} | {r.expert_steps:,} | {r.evals_per_expert:,.0f} | "
+            f"{r.stream:.4f} | {r.paper:.4f} | {r.stream_on_paper_bytes:.4f} | {r.seconds:.0f} |"
+        )
     return "\n".join(lines)

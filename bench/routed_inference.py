@@ -62,7 +62,15 @@ def write_run(root: Path, m: ModelConfig, r: router.Router) -> None:
         w = params.init(m, e)
         sha = hashlib.sha256(w.tobytes()).hexdigest()
         rel = f"experts/{e}/v1.msgpack"
-        body = {"expert": e, "version": 1, "sha256": sha, "config": cfg.to_dict(), "step": 0, "weights": w, "val_loss": None}
+        body = {
+            "expert": e,
+            "version": 1,
+            "sha256": sha,
+            "config": cfg.to_dict(),
+            "step": 0,
+            "weights": w,
+            "val_loss": None,
+        }
         checkpoint.save(root / rel, body, "expert")
         experts[str(e)] = {"version": 1, "sha256": sha, "path": rel}
     checkpoint.save(root / "state.msgpack", {"round": 0, "experts": experts}, "run_state")
@@ -83,8 +91,17 @@ def deploy_for(tmp: Path, name: str, m: ModelConfig, r: router.Router, threads: 
     return dep
 
 
-def grid(title: str, tag: str, models: dict[int, ModelConfig], routers: dict[int, router.Router], tmp: Path,
-         data: np.ndarray, ks: list[int], threads: int, repeats: int) -> None:  # fmt: skip
+def grid(
+    title: str,
+    tag: str,
+    models: dict[int, ModelConfig],
+    routers: dict[int, router.Router],
+    tmp: Path,
+    data: np.ndarray,
+    ks: list[int],
+    threads: int,
+    repeats: int,
+) -> None:
     """Every cell measured once per round, round-robin, best of `repeats` rounds: the box is shared and
     noisy, and a burst of load then hits all cells alike instead of one row."""
     deps = {n: deploy_for(tmp, f"{tag}-{n}", m, routers[n], threads, data) for n, m in models.items()}
@@ -96,9 +113,13 @@ def grid(title: str, tag: str, models: dict[int, ModelConfig], routers: dict[int
             t0 = clock()
             r = deps[n].score(data, k)
             best[n, k] = max(best[n, k], r.bytes / (clock() - t0))
-    print(f"\n{title} ({data.size} held-out bytes, seq_len {SEQ_LEN}, {threads} thread(s) per session, best of "
-          f"{repeats}, {CLOCKS[clock]})")  # fmt: skip
-    head = f"{'N':>4} {'expert':>10} {'params/expert':>13} {'total':>10} " + " ".join(f"{f'top-{k} B/s':>10}" for k in ks)
+    print(
+        f"\n{title} ({data.size} held-out bytes, seq_len {SEQ_LEN}, {threads} thread(s) per session, best of "
+        f"{repeats}, {CLOCKS[clock]})"
+    )
+    head = f"{'N':>4} {'expert':>10} {'params/expert':>13} {'total':>10} " + " ".join(
+        f"{f'top-{k} B/s':>10}" for k in ks
+    )
     print(head + f" {'dense B/s':>10} " + " ".join(f"{f'top-{k}/dense':>11}" for k in ks))
     for n, m in models.items():
         dense = best[n, n]
@@ -122,7 +143,11 @@ def streaming(dep: Deployment, n_bytes: int, ks: list[int], repeats: int) -> Non
     rng = np.random.default_rng(0)
 
     def bare(sample: bool) -> None:
-        feeds = {"x": np.array([[32]], dtype=np.int64), "h0": np.zeros((1, 1, H), np.float32), "c0": np.zeros((1, 1, H), np.float32)}
+        feeds = {
+            "x": np.array([[32]], dtype=np.int64),
+            "h0": np.zeros((1, 1, H), np.float32),
+            "c0": np.zeros((1, 1, H), np.float32),
+        }
         for _ in range(n_bytes):
             logits, h, c = sess.run(None, feeds)
             b = 32
@@ -133,10 +158,14 @@ def streaming(dep: Deployment, n_bytes: int, ks: list[int], repeats: int) -> Non
                 b = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), 255)
             feeds = {"x": np.array([[b]], dtype=np.int64), "h0": h, "c0": c}
 
-    paths = {"bare ORT session.run loop (no sampling)": lambda: bare(False),
-             "bare ORT loop + softmax sample": lambda: bare(True)}  # fmt: skip
+    paths = {
+        "bare ORT session.run loop (no sampling)": lambda: bare(False),
+        "bare ORT loop + softmax sample": lambda: bare(True),
+    }
     for k in ks:
-        paths[f"soma-export generate path, top-{k}"] = lambda k=k: [None for _ in generate(dep, b"The ", n_bytes, k, seed=1)]
+        paths[f"soma-export generate path, top-{k}"] = lambda k=k: [
+            None for _ in generate(dep, b"The ", n_bytes, k, seed=1)
+        ]
     best = dict.fromkeys(paths, float("inf"))
     for fn in paths.values():
         fn()  # warm-up
@@ -146,8 +175,10 @@ def streaming(dep: Deployment, n_bytes: int, ks: list[int], repeats: int) -> Non
             fn()
             best[name] = min(best[name], (time.thread_time() - t0) / n_bytes * 1e6)
     ref, ref_s = best["bare ORT session.run loop (no sampling)"], best["bare ORT loop + softmax sample"]
-    print(f"\nstreaming generation, µs per byte ({n_bytes} bytes, 1 thread, N={dep.n_experts} experts of "
-          f"E{e0.model['embed']}/H{H}, routed every {SEQ_LEN} bytes, best of {repeats}, {CLOCKS[time.thread_time]})")  # fmt: skip
+    print(
+        f"\nstreaming generation, µs per byte ({n_bytes} bytes, 1 thread, N={dep.n_experts} experts of "
+        f"E{e0.model['embed']}/H{H}, routed every {SEQ_LEN} bytes, best of {repeats}, {CLOCKS[time.thread_time]})"
+    )
     print(f"{'path':<42} {'µs/byte':>8} {'/ bare run':>10} {'/ bare+sample':>14}")
     for name, t in best.items():
         print(f"{name:<42} {t:>8.1f} {t / ref:>10.2f} {t / ref_s:>14.2f}")
@@ -168,8 +199,10 @@ def main() -> int:
 
     import onnxruntime
 
-    print(f"machine: {platform.machine()}, {cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, "
-          f"onnxruntime {onnxruntime.__version__}, numpy {np.__version__}")  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, "
+        f"onnxruntime {onnxruntime.__version__}, numpy {np.__version__}"
+    )
     t_start = time.perf_counter()
     docs = corpus.by_split(corpus.default_documents())
     train = [d.text for d in docs["train"]]
@@ -177,9 +210,28 @@ def main() -> int:
     routers = {n: router.fit(train, n, seed=0)[0] for n in ns}
     with tempfile.TemporaryDirectory(prefix="soma-bench-") as tmp:
         tmp = Path(tmp)
-        grid("fixed per-expert size", "fixed", {n: PER_EXPERT for n in ns}, routers, tmp, data, ks, args.threads, args.repeats)
-        grid(f"fixed total of ~{args.total_params:,} params", "total", {n: fixed_total(n, args.total_params) for n in ns},
-             routers, tmp, data, ks, args.threads, args.repeats)  # fmt: skip
+        grid(
+            "fixed per-expert size",
+            "fixed",
+            {n: PER_EXPERT for n in ns},
+            routers,
+            tmp,
+            data,
+            ks,
+            args.threads,
+            args.repeats,
+        )
+        grid(
+            f"fixed total of ~{args.total_params:,} params",
+            "total",
+            {n: fixed_total(n, args.total_params) for n in ns},
+            routers,
+            tmp,
+            data,
+            ks,
+            args.threads,
+            args.repeats,
+        )
         n_stream = 16 if 16 in ns else ns[-1]
         stream_ks = [k for k in ks if k <= n_stream][:2]
         dep = Deployment(tmp / f"fixed-{n_stream}.deploy", device="cpu", threads=1)

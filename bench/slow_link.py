@@ -32,6 +32,7 @@ SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}
 
 def one(size: str, mode: str, args, work: Path) -> list[dict]:
     import netboxes
+
     from soma_edge.procs import free_port
 
     embed, hidden = SIZES[size]
@@ -56,12 +57,44 @@ reply = "{mode}"
     try:
         coord = boxes.add("coord")
         slow = boxes.add("slow", link_to=coord, mbit=args.mbit)
-        start = boxes.popen(coord, [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--config", str(cfg),
-                                    "--host", "0.0.0.0", "--port", str(port)], work / f"{size}-{mode}.log", env=env,
-                            cwd=ROOT)  # fmt: skip
-        boxes.popen(slow, [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"{slow.peer}:{port}", "--name",
-                           "slow", "--cache", str(work / f"cache-{size}-{mode}")], work / f"{size}-{mode}-w.log",
-                    env=env, cwd=ROOT)  # fmt: skip
+        start = boxes.popen(
+            coord,
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--run",
+                str(run),
+                "--config",
+                str(cfg),
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+            ],
+            work / f"{size}-{mode}.log",
+            env=env,
+            cwd=ROOT,
+        )
+        boxes.popen(
+            slow,
+            [
+                sys.executable,
+                "-m",
+                "worker.cli",
+                "join",
+                "--coordinator",
+                f"{slow.peer}:{port}",
+                "--name",
+                "slow",
+                "--cache",
+                str(work / f"cache-{size}-{mode}"),
+            ],
+            work / f"{size}-{mode}-w.log",
+            env=env,
+            cwd=ROOT,
+        )
         code = start.wait(args.rounds * (args.round_seconds * 1.5 + args.deadline_slack + 300) + 300)
         if code != 0:
             raise SystemExit(f"{size} {mode}: start exited {code}; see {work / f'{size}-{mode}.log'}")
@@ -79,14 +112,22 @@ def main() -> None:
     ap.add_argument("--round-seconds", type=float, default=60.0)
     ap.add_argument("--mbit", type=float, default=1.0)
     ap.add_argument("--experts", type=int, default=2)
-    ap.add_argument("--deadline-slack", type=float, default=600.0,
-                    help="seconds past round_seconds x 1.5 a round waits; 8M weights take ~12 min up at 1 Mbit/s")
+    ap.add_argument(
+        "--deadline-slack",
+        type=float,
+        default=600.0,
+        help="seconds past round_seconds x 1.5 a round waits; 8M weights take ~12 min up at 1 Mbit/s",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, veth, tc)")
-    print(f"machine: {platform.platform()}, {os.cpu_count()} cores; link {args.mbit:g} Mbit/s; "
-          f"{args.rounds} rounds of {args.round_seconds:g} s; {args.experts} experts on the slow worker")  # fmt: skip
-    print(f"{'expert':>6} {'mode':>7} {'round':>5} {'wall s':>7} {'compute s':>9} {'share':>6} {'down B':>11} {'up B':>11}")
+    print(
+        f"machine: {platform.platform()}, {os.cpu_count()} cores; link {args.mbit:g} Mbit/s; "
+        f"{args.rounds} rounds of {args.round_seconds:g} s; {args.experts} experts on the slow worker"
+    )
+    print(
+        f"{'expert':>6} {'mode':>7} {'round':>5} {'wall s':>7} {'compute s':>9} {'share':>6} {'down B':>11} {'up B':>11}"
+    )
     work = Path(tempfile.mkdtemp(prefix="soma-slow-link-"))
     for size in args.sizes.split(","):
         for mode in args.modes.split(","):
@@ -94,11 +135,17 @@ def main() -> None:
             rounds = one(size, mode, args, work)
             for r in rounds:
                 comp = sum((r.get("compute_seconds") or {}).values())
-                print(f"{size:>6} {mode:>7} {r['round']:>5} {r['round_seconds_total']:>7.1f} {comp:>9.1f} "
-                      f"{100 * r['compute_share']:>5.1f}% {r['bytes_down']:>11,} {r['bytes_up']:>11,}", flush=True)  # fmt: skip
+                print(
+                    f"{size:>6} {mode:>7} {r['round']:>5} {r['round_seconds_total']:>7.1f} {comp:>9.1f} "
+                    f"{100 * r['compute_share']:>5.1f}% {r['bytes_down']:>11,} {r['bytes_up']:>11,}",
+                    flush=True,
+                )
             later = rounds[1:] or rounds
             share = sum(r["compute_share"] for r in later) / len(later)
-            print(f"{size:>6} {mode:>7} rounds 2+: compute share {100 * share:.1f}% ({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"{size:>6} {mode:>7} rounds 2+: compute share {100 * share:.1f}% ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
             steady = rounds[1:-1]  # the last round's checks have no next round to overlap (pipelining)
             if steady:
                 share = sum(r["compute_share"] for r in steady) / len(steady)

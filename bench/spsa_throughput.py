@@ -105,8 +105,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="measuring time per cell")
     ap.add_argument("--sizes", default="S,L")
     args = ap.parse_args()
-    print(f"machine: {platform.machine()}, {cpu_count()} cores, {platform.python_version()}, "
-          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '-')}; B={B} T={T} K={K}")  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {cpu_count()} cores, {platform.python_version()}, "
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '-')}; B={B} T={T} K={K}"
+    )
     peak = matmul_peak(args.seconds)
     print(f"matmul peak (2048^2 float32, best of torch/numpy): {peak:.1f} GFLOP/s\n")
     header = f"{'size':>4} {'params':>9} {'evaluator':>12} {'evals/s':>9} {'GFLOP/s':>8} {'% peak':>7} {'vs torch':>8}"
@@ -121,8 +123,10 @@ def main() -> None:
         rates = {"torch_eager": torch_rate(m, w, x, args.seconds), **ort_rates(m, w, x, args.seconds)}
         for ev, r in rates.items():
             g = r * flops / 1e9
-            print(f"{name:>4} {params.count(m):>9,} {ev:>12} {r:>9.1f} {g:>8.1f} {100 * g / peak:>6.0f}% "
-                  f"{r / rates['torch_eager']:>7.2f}x")  # fmt: skip
+            print(
+                f"{name:>4} {params.count(m):>9,} {ev:>12} {r:>9.1f} {g:>8.1f} {100 * g / peak:>6.0f}% "
+                f"{r / rates['torch_eager']:>7.2f}x"
+            )
         for noise in ("rademacher", "gaussian"):
             step, parallel = spsa_step_time(m, w, x, noise, args.seconds)
             fwd_rate = [r for k, r in rates.items() if k.startswith(f"ort_{parallel}x")][0]

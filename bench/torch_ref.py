@@ -94,9 +94,14 @@ class TorchSomaExpert(torch.nn.Module):
         out = []
         for b in range(self.m.layers):
             p = f"block{b}."
-            out += [(p + "ln1.g", self.g1[b], False), (p + "lstm.W", self.lstms[b].weight_ih_l0, True),
-                    (p + "lstm.R", self.lstms[b].weight_hh_l0, True), (p + "ln2.g", self.g2[b], False),
-                    (p + "mlp.W1", self.w1[b], False), (p + "mlp.W2", self.w2[b], False)]  # fmt: skip
+            out += [
+                (p + "ln1.g", self.g1[b], False),
+                (p + "lstm.W", self.lstms[b].weight_ih_l0, True),
+                (p + "lstm.R", self.lstms[b].weight_hh_l0, True),
+                (p + "ln2.g", self.g2[b], False),
+                (p + "mlp.W1", self.w1[b], False),
+                (p + "mlp.W2", self.w2[b], False),
+            ]
         return out + [("ln_f.g", self.gf, False), ("E", self.E, False)]
 
     def load_flat(self, flat: np.ndarray) -> "TorchSomaExpert":

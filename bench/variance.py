@@ -72,8 +72,18 @@ def true_grads(m: ModelConfig, weights: list[np.ndarray], batches) -> list[np.nd
     return out
 
 
-def measure(total: int, n: int, ks: list[int], trials: int, eps: float, batch: int, seq: int, data: np.ndarray,
-            seed: int, kind: str = "lstm") -> dict:  # fmt: skip
+def measure(
+    total: int,
+    n: int,
+    ks: list[int],
+    trials: int,
+    eps: float,
+    batch: int,
+    seq: int,
+    data: np.ndarray,
+    seed: int,
+    kind: str = "lstm",
+) -> dict:
     m = expert_shape(total, n, kind)
     ev = LossEvaluator(m, "cpu", threads=cpu_count(), parallel=1)
     weights = [params.init(m, seed + e) for e in range(n)]
@@ -117,14 +127,23 @@ def measure(total: int, n: int, ks: list[int], trials: int, eps: float, batch: i
     rows = []
     M = n * sizes
     for k in ks:
-        rows.append({
-            "N": n, "K": k, "M": M, "expert_params": sizes, "hidden": m.hidden,
-            "shared": float(np.mean(err["shared"][k])), "separable": float(np.mean(err["separable"][k])),
-            "shared_sem": float(np.std(err["shared"][k]) / np.sqrt(trials)),
-            "separable_sem": float(np.std(err["separable"][k]) / np.sqrt(trials)),
-            "cos_shared": float(np.mean(cos["shared"][k])), "cos_separable": float(np.mean(cos["separable"][k])),
-            "theory_shared": (M - 1) / k, "theory_separable": (sizes - 1) / k,
-        })  # fmt: skip
+        rows.append(
+            {
+                "N": n,
+                "K": k,
+                "M": M,
+                "expert_params": sizes,
+                "hidden": m.hidden,
+                "shared": float(np.mean(err["shared"][k])),
+                "separable": float(np.mean(err["separable"][k])),
+                "shared_sem": float(np.std(err["shared"][k]) / np.sqrt(trials)),
+                "separable_sem": float(np.std(err["separable"][k]) / np.sqrt(trials)),
+                "cos_shared": float(np.mean(cos["shared"][k])),
+                "cos_separable": float(np.mean(cos["separable"][k])),
+                "theory_shared": (M - 1) / k,
+                "theory_separable": (sizes - 1) / k,
+            }
+        )
     return {"rows": rows}
 
 
@@ -186,29 +205,42 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for n in ns:
         print(f"N={n} ...", file=sys.stderr, flush=True)
-        rows += measure(args.params, n, ks, args.trials, args.eps, args.batch, args.seq, data, args.seed,
-                        args.kind)["rows"]  # fmt: skip
+        rows += measure(args.params, n, ks, args.trials, args.eps, args.batch, args.seq, data, args.seed, args.kind)[
+            "rows"
+        ]
     for r in rows:
         if r["N"] == 1:  # one expert: the shared and separable estimators are the same numbers
             assert abs(r["shared"] - r["separable"]) <= 1e-9 * max(1.0, r["shared"]), r
-    out = {"machine": f"{platform.machine()} {cpu_count()} cores", "seconds": time.perf_counter() - t0,
-           "trials": args.trials, "eps": args.eps, "kind": args.kind, "rows": rows}  # fmt: skip
+    out = {
+        "machine": f"{platform.machine()} {cpu_count()} cores",
+        "seconds": time.perf_counter() - t0,
+        "trials": args.trials,
+        "eps": args.eps,
+        "kind": args.kind,
+        "rows": rows,
+    }
     if args.plot:
         plot(rows, args.plot)
     if args.json:
         print(json.dumps(out))
         return out
-    print(f"kind={args.kind} trials={args.trials} eps={args.eps} batch={args.batch}x{args.seq}; {out['machine']}; "
-          f"{out['seconds']:.0f} s")  # fmt: skip
-    hdr = (f"{'N':>3} {'K':>3} {'M':>7} {'M/N':>6} {'shared':>9} {'theory':>9} {'separable':>9} {'theory':>9} "
-           f"{'ratio':>6} {'1/N':>5} {'cos sh':>6} {'cos sep':>7}")  # fmt: skip
+    print(
+        f"kind={args.kind} trials={args.trials} eps={args.eps} batch={args.batch}x{args.seq}; {out['machine']}; "
+        f"{out['seconds']:.0f} s"
+    )
+    hdr = (
+        f"{'N':>3} {'K':>3} {'M':>7} {'M/N':>6} {'shared':>9} {'theory':>9} {'separable':>9} {'theory':>9} "
+        f"{'ratio':>6} {'1/N':>5} {'cos sh':>6} {'cos sep':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['N']:>3} {r['K']:>3} {r['M']:>7} {r['expert_params']:>6} {r['shared']:>9.1f} "
-              f"{r['theory_shared']:>9.1f} {r['separable']:>9.1f} {r['theory_separable']:>9.1f} "
-              f"{r['separable'] / r['shared']:>6.3f} {1 / r['N']:>5.3f} {r['cos_shared']:>6.3f} "
-              f"{r['cos_separable']:>7.3f}")  # fmt: skip
+        print(
+            f"{r['N']:>3} {r['K']:>3} {r['M']:>7} {r['expert_params']:>6} {r['shared']:>9.1f} "
+            f"{r['theory_shared']:>9.1f} {r['separable']:>9.1f} {r['theory_separable']:>9.1f} "
+            f"{r['separable'] / r['shared']:>6.3f} {1 / r['N']:>5.3f} {r['cos_shared']:>6.3f} "
+            f"{r['cos_separable']:>7.3f}"
+        )
     return out
 
 

@@ -24,9 +24,15 @@ from typing import Any, Iterator
 from soma_edge.errors import ConfigError
 
 EXPERT_SCALARS = ("train_loss", "val_loss", "steps_per_s", "lr", "eps")
-ROUND_SCALARS = {"mixture_val_loss": "mixture_val_loss", "val_loss_mean": "val_loss_mean",
-                 "compute_share": "compute_share", "bytes_down": "bytes_down", "bytes_up": "bytes_up",
-                 "seconds": "round_seconds_total", "accepted": "accepted"}  # fmt: skip
+ROUND_SCALARS = {
+    "mixture_val_loss": "mixture_val_loss",
+    "val_loss_mean": "val_loss_mean",
+    "compute_share": "compute_share",
+    "bytes_down": "bytes_down",
+    "bytes_up": "bytes_up",
+    "seconds": "round_seconds_total",
+    "accepted": "accepted",
+}
 
 
 def _number(v: Any) -> bool:
@@ -55,15 +61,18 @@ class Board:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise ConfigError("federation.tensorboard = true needs tensorboardX, which is not installed: reinstall "
-                              "soma-edge, or set federation.tensorboard = false") from None  # fmt: skip
+            raise ConfigError(
+                "federation.tensorboard = true needs tensorboardX, which is not installed: reinstall "
+                "soma-edge, or set federation.tensorboard = false"
+            ) from None
 
         folder.mkdir(parents=True, exist_ok=True)
         # purge_step: readers drop earlier events at or past it (an uncommitted round's, before a crash).
         # The suffix: tensorboardX names a file by the second it opens it, and a writer opened in the same
         # second would truncate the file of the one before.
-        self.writer = SummaryWriter(str(folder), purge_step=committed_round + 1,
-                                    filename_suffix=f".{os.getpid()}.{time.time_ns()}")  # fmt: skip
+        self.writer = SummaryWriter(
+            str(folder), purge_step=committed_round + 1, filename_suffix=f".{os.getpid()}.{time.time_ns()}"
+        )
 
     def commit(self, lines: list[dict[str, Any]]) -> None:
         for tag, value, r in scalars(lines):

@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import typer
 
-from soma_edge.errors import ConfigError
 from soma_edge.cli import entry, make_app
 from soma_edge.config import MAX_SEED
+from soma_edge.errors import ConfigError
 
 app = make_app("soma-edge coordinator: prepare data clusters, orchestrate training over Flower.")
 
@@ -21,7 +21,9 @@ def prepare_cmd(
     experts: int = typer.Option(..., "--experts", min=1, help="Number of experts N."),
     out: Path = typer.Option(..., "--out", help="Run directory to write router.msgpack, prepare.json, shards/ into."),
     clusters: Optional[int] = typer.Option(None, "--clusters", min=1, help="Clusters C >= N (default N)."),
-    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed of the fit: same corpus and seed, same router and shards."),
+    seed: int = typer.Option(
+        0, "--seed", min=0, max=MAX_SEED, help="Seed of the fit: same corpus and seed, same router and shards."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print prepare.json instead of the summary table."),
 ) -> None:
     """Fit the router (hashed byte n-gram tf-idf, balanced k-means) and write per-cluster shards."""
@@ -37,35 +39,74 @@ def prepare_cmd(
 @app.command("start")
 def start_cmd(
     run: Path = typer.Option(Path("runs/default"), "--run", help="Run directory (created, prepared and resumed here)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML config: [model] [spsa] [data] [federation], seed."),
-    corpus: Optional[str] = typer.Option(None, "--corpus", help="Corpus to prepare if RUN is not prepared (default: default)."),
+    config: Optional[Path] = typer.Option(
+        None, "--config", help="TOML config: [model] [spsa] [data] [federation], seed."
+    ),
+    corpus: Optional[str] = typer.Option(
+        None, "--corpus", help="Corpus to prepare if RUN is not prepared (default: default)."
+    ),
     experts: Optional[int] = typer.Option(None, "--experts", min=1, help="Number of experts N."),
-    rounds: Optional[int] = typer.Option(None, "--rounds", min=0, help="Total rounds (a resumed run trains up to this)."),
-    round_seconds: Optional[float] = typer.Option(None, "--round-seconds", min=0.1, help="Compute seconds per node per round."),
-    local_workers: Optional[int] = typer.Option(None, "--local-workers", min=0, help="SuperNodes to start on this box."),
-    min_nodes: Optional[int] = typer.Option(None, "--min-nodes", min=1, help="Workers round 1 waits for (then "
-                                            "federation.join_grace seconds more for others)."),
-    wait_seconds: Optional[float] = typer.Option(None, "--wait-seconds", min=1.0, help="How long round 1 waits for "
-                                                 "--min-nodes workers before it starts with fewer (none: error)."),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=MAX_SEED, help="Seed of initialization, noise, batches and prepare."),
-    superlink: Optional[str] = typer.Option(None, "--superlink", help="HOST:PORT of an existing SuperLink (external mode)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Embedded SuperLink: interface to listen on (0.0.0.0 for other boxes)."),
+    rounds: Optional[int] = typer.Option(
+        None, "--rounds", min=0, help="Total rounds (a resumed run trains up to this)."
+    ),
+    round_seconds: Optional[float] = typer.Option(
+        None, "--round-seconds", min=0.1, help="Compute seconds per node per round."
+    ),
+    local_workers: Optional[int] = typer.Option(
+        None, "--local-workers", min=0, help="SuperNodes to start on this box."
+    ),
+    min_nodes: Optional[int] = typer.Option(
+        None,
+        "--min-nodes",
+        min=1,
+        help="Workers round 1 waits for (then federation.join_grace seconds more for others).",
+    ),
+    wait_seconds: Optional[float] = typer.Option(
+        None,
+        "--wait-seconds",
+        min=1.0,
+        help="How long round 1 waits for --min-nodes workers before it starts with fewer (none: error).",
+    ),
+    seed: Optional[int] = typer.Option(
+        None, "--seed", min=0, max=MAX_SEED, help="Seed of initialization, noise, batches and prepare."
+    ),
+    superlink: Optional[str] = typer.Option(
+        None, "--superlink", help="HOST:PORT of an existing SuperLink (external mode)."
+    ),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Embedded SuperLink: interface to listen on (0.0.0.0 for other boxes)."
+    ),
     port: int = typer.Option(9092, "--port", min=0, max=65535, help="Embedded SuperLink port (0 = a free one)."),
-    ssl_ca_certfile: Optional[Path] = typer.Option(None, "--ssl-ca-certfile", help="TLS CA certificate (passed to Flower)."),
-    ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="TLS server certificate (embedded SuperLink)."),
+    ssl_ca_certfile: Optional[Path] = typer.Option(
+        None, "--ssl-ca-certfile", help="TLS CA certificate (passed to Flower)."
+    ),
+    ssl_certfile: Optional[Path] = typer.Option(
+        None, "--ssl-certfile", help="TLS server certificate (embedded SuperLink)."
+    ),
     ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="TLS server key (embedded SuperLink)."),
     tls_dir: Optional[Path] = typer.Option(None, "--tls", help="TLS with the files `soma-coord certs DIR` wrote."),
-    auth: bool = typer.Option(False, "--auth", help="Admit only workers whose keys `add-worker` registered (needs --tls)."),
+    auth: bool = typer.Option(
+        False, "--auth", help="Admit only workers whose keys `add-worker` registered (needs --tls)."
+    ),
 ) -> None:
     """Run or resume federated training: embedded SuperLink (+ local workers), or submit to --superlink."""
     from coordinator import start as start_mod
     from coordinator.launcher import TLS
 
-    overrides = {k: v for k, v in {
-        "federation.corpus": corpus, "federation.experts": experts, "federation.rounds": rounds,
-        "federation.round_seconds": round_seconds, "federation.local_workers": local_workers, "seed": seed,
-        "federation.min_nodes": min_nodes, "federation.wait_seconds": wait_seconds,
-    }.items() if v is not None}  # fmt: skip
+    overrides = {
+        k: v
+        for k, v in {
+            "federation.corpus": corpus,
+            "federation.experts": experts,
+            "federation.rounds": rounds,
+            "federation.round_seconds": round_seconds,
+            "federation.local_workers": local_workers,
+            "seed": seed,
+            "federation.min_nodes": min_nodes,
+            "federation.wait_seconds": wait_seconds,
+        }.items()
+        if v is not None
+    }
     if superlink is not None and local_workers:
         raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
     tls = TLS(ssl_ca_certfile, ssl_certfile, ssl_keyfile) if ssl_ca_certfile or ssl_certfile or ssl_keyfile else None
@@ -76,23 +117,28 @@ def start_cmd(
             raise typer.BadParameter("give --tls DIR or the --ssl-* files, not both")
         f = files(tls_dir)
         tls = TLS(f.ca, f.cert, f.key)
-    opts = start_mod.Options(run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls,
-                             auth=auth)  # fmt: skip
+    opts = start_mod.Options(
+        run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls, auth=auth
+    )
     raise typer.Exit(start_mod.start(opts))
 
 
 @app.command("certs")
 def certs_cmd(
     out: Path = typer.Argument(..., help="Folder to write ca.pem, ca.key, server.pem and server.key into."),
-    hosts: List[str] = typer.Option(..., "--host", help="DNS name or IP address workers use to reach the coordinator (repeatable)."),
+    hosts: List[str] = typer.Option(
+        ..., "--host", help="DNS name or IP address workers use to reach the coordinator (repeatable)."
+    ),
     force: bool = typer.Option(False, help="Replace certificates already in OUT."),
 ) -> None:
     """A CA and a SuperLink certificate for --host names and IPs: `start --tls OUT`, workers get OUT/ca.pem."""
     from soma_edge.certs import make_certs
 
     f = make_certs(out, hosts, force=force)
-    print(f"wrote {f.ca} (give it to every worker: soma-worker join --root-certificates ca.pem), {f.cert} and {f.key} "
-          f"for {', '.join(hosts)}; start the coordinator with --tls {out}")
+    print(
+        f"wrote {f.ca} (give it to every worker: soma-worker join --root-certificates ca.pem), {f.cert} and {f.key} "
+        f"for {', '.join(hosts)}; start the coordinator with --tls {out}"
+    )
 
 
 @app.command("add-worker")
@@ -137,8 +183,14 @@ def workers_cmd(
     limit = rd.load_config().federation.max_strikes if rd.has_config() else 0
     count = {w.fingerprint: guard.count(strikes, guard.key_identity(w.fingerprint)) for w in rows}
     if as_json:
-        print(json.dumps({"workers": [dataclasses.asdict(w) | {"strikes": count[w.fingerprint]} for w in rows],
-                          "max_strikes": limit}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "workers": [dataclasses.asdict(w) | {"strikes": count[w.fingerprint]} for w in rows],
+                    "max_strikes": limit,
+                }
+            )
+        )
         return
     print(f"{'name':<16} {'key':<16} {'node id (last start)':>22} {'strikes':>8}")
     for w in rows:
@@ -151,16 +203,18 @@ def workers_cmd(
 def status_cmd(
     run: Path = typer.Argument(..., help="Run directory."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
-    watch: bool = typer.Option(False, "--watch", help="Follow the running coordinator (events and live table, "
-                               "as `start` shows them) until it stops."),
+    watch: bool = typer.Option(
+        False,
+        "--watch",
+        help="Follow the running coordinator (events and live table, as `start` shows them) until it stops.",
+    ),
     every: float = typer.Option(1.0, "--every", min=0.1, help="With --watch: seconds between redraws."),
 ) -> None:
     """The experts table of a run, from its checkpoint (no server needed)."""
-    from soma_edge.errors import CheckpointError
-
     from coordinator.progress import experts_table, summary
     from coordinator.progress import watch as watch_run
     from coordinator.run import RunDir
+    from soma_edge.errors import CheckpointError
 
     rd = RunDir(run)
     if not rd.state_path.exists() and not (watch and rd.is_locked()):
@@ -182,7 +236,9 @@ def status_cmd(
 @app.command("report")
 def report_cmd(
     run: Path = typer.Argument(..., help="Run directory."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Folder for report.html and its PNGs (default: RUN/report)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Folder for report.html and its PNGs (default: RUN/report)."
+    ),
 ) -> None:
     """One HTML page about RUN: loss curves, a node timeline, throughput per node, the experts table."""
     from coordinator import report
@@ -207,8 +263,11 @@ def stop_cmd(
     if not rd.is_locked():
         raise SomaError(f"{run}: no coordinator is running on it, so there is nothing to stop")
     rd.request_stop()
-    print(f"stop requested: the coordinator of {rd.root} (pid {rd.lock_holder()}) stops once the round in "
-          "progress has committed", flush=True)  # fmt: skip
+    print(
+        f"stop requested: the coordinator of {rd.root} (pid {rd.lock_holder()}) stops once the round in "
+        "progress has committed",
+        flush=True,
+    )
     if not wait:
         return
     while rd.is_locked():

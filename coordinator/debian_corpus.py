@@ -167,11 +167,34 @@ _MAN_BREAK = set("PP LP P TP TQ HP IP sp br RS RE Pp It Bl El SY YS".split())  #
 _MAN_NOFILL = {"nf": True, "EX": True, "Bd": True, "fi": False, "EE": False, "Ed": False}
 _MAN_HEADING = {"SH", "SS", "Sh", "Ss"}
 _MAN_CHARS = {
-    "em": "\u2014", "en": "\u2013", "bu": "\u2022", "aq": "'", "dq": '"', "lq": "\u201c", "rq": "\u201d",
-    "oq": "\u2018", "cq": "\u2019", "co": "\u00a9", "rg": "\u00ae", "mu": "\u00d7", "de": "\u00b0",
-    ">=": "\u2265", "<=": "\u2264", "->": "\u2192", "<-": "\u2190", "hy": "-", "ti": "~", "ha": "^",
-    "rs": "\\", "ga": "`", "dg": "\u2020", "lh": "\u261c", "rh": "\u261e", "Fo": "\u00ab", "Fc": "\u00bb",
-}  # fmt: skip
+    "em": "\u2014",
+    "en": "\u2013",
+    "bu": "\u2022",
+    "aq": "'",
+    "dq": '"',
+    "lq": "\u201c",
+    "rq": "\u201d",
+    "oq": "\u2018",
+    "cq": "\u2019",
+    "co": "\u00a9",
+    "rg": "\u00ae",
+    "mu": "\u00d7",
+    "de": "\u00b0",
+    ">=": "\u2265",
+    "<=": "\u2264",
+    "->": "\u2192",
+    "<-": "\u2190",
+    "hy": "-",
+    "ti": "~",
+    "ha": "^",
+    "rs": "\\",
+    "ga": "`",
+    "dg": "\u2020",
+    "lh": "\u261c",
+    "rh": "\u261e",
+    "Fo": "\u00ab",
+    "Fc": "\u00bb",
+}
 _MAN_ESCAPES = re.compile(
     r"\\(?:f(?:\[[^\]]*\]|\(..|.)|\((..)|\[([^\]]*)\]|\*(?:\[[^\]]*\]|\(..|.)|s[+-]?\d+|[&:%/,)|^c]|(.))"
 )
@@ -207,7 +230,7 @@ def man_text(src: str) -> str:
             para.clear()
 
     for line in src.split("\n"):
-        if line.startswith((".\\\"", "'\\\"")) or line.strip() in (".", "'"):
+        if line.startswith(('.\\"', "'\\\"")) or line.strip() in (".", "'"):
             continue
         if line.startswith((".", "'")):
             macro, _, rest = line[1:].strip().partition(" ")
@@ -510,8 +533,15 @@ def build(cache: Path | None = None, force: bool = False, progress: bool = True)
             if len(text) < DOMAIN_BYTES * 0.99:
                 raise CorpusError(f"domain {domain} has only {len(text)} bytes of text, short of {DOMAIN_BYTES}")
             (out / f"{domain}.txt").write_bytes(text)
-            files.append({"path": f"{domain}.txt", "domain": domain, "bytes": len(text),
-                          "sha256": hashlib.sha256(text).hexdigest(), "sources": used})  # fmt: skip
+            files.append(
+                {
+                    "path": f"{domain}.txt",
+                    "domain": domain,
+                    "bytes": len(text),
+                    "sha256": hashlib.sha256(text).hexdigest(),
+                    "sources": used,
+                }
+            )
             _log(progress, f"{domain:<12} {len(text):>9} bytes  " + ", ".join(f"{k} {v}" for k, v in used.items()))
         manifest = {
             "schema": SCHEMA,

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from soma_edge.errors import ConfigError
 from coordinator import workers
 from coordinator.run import RunDir
+from soma_edge.errors import ConfigError
 
 
 @dataclass
@@ -48,8 +48,10 @@ def verdict(val: float, best: Best, tolerance: float) -> str | None:
     """Why a version of val loss `val` is refused (None: accept)."""
     if val <= best.val_loss + tolerance:
         return None
-    return (f"val loss {val:.4f} is worse than the expert's best {best.val_loss:.4f} (v{best.version}) by more "
-            f"than federation.guard_tolerance = {tolerance:g}")  # fmt: skip
+    return (
+        f"val loss {val:.4f} is worse than the expert's best {best.val_loss:.4f} (v{best.version}) by more "
+        f"than federation.guard_tolerance = {tolerance:g}"
+    )
 
 
 def identity(run: RunDir, node_id: int) -> str:

@@ -106,8 +106,16 @@ def spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path |
     f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
     f.flush()
     try:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                             start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+        p = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
     finally:
         f.close()
     return Proc(name=name, popen=p, log=log)
@@ -125,8 +133,14 @@ class Launcher:
         if port_open("127.0.0.1" if host in ("0.0.0.0", "") else host, port):
             raise SomaError(f"port {port} is already in use on {host}: pick another with --port")
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        cmd = [flower_bin("flower-superlink"), "--host", host, "--port", str(port),
-               "--disable-runtime-dependency-installation"]  # fmt: skip
+        cmd = [
+            flower_bin("flower-superlink"),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--disable-runtime-dependency-installation",
+        ]
         cmd += _tls_server_args(tls)
         cmd += ["--enable-supernode-auth"] if auth else []  # only registered SuperNode keys may connect
         p = spawn("superlink", cmd, self.logs / "superlink.log", flower_env(self.flwr_home), cwd=self.flwr_home)
@@ -134,11 +148,36 @@ class Launcher:
         wait_port("127.0.0.1" if host in ("0.0.0.0", "") else host, port, 60, p)
         return p
 
-    def worker(self, name: str, coordinator: str, cache: Path, threads: int, device: str = "cpu",
-               spin: bool = False, parallel: int = 0, tls: TLS | None = None,
-               auth_key: Path | None = None) -> Proc:  # fmt: skip
-        cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", coordinator, "--name", name,
-               "--cache", str(cache), "--threads", str(threads), "--device", device, "--parallel", str(parallel)]  # fmt: skip
+    def worker(
+        self,
+        name: str,
+        coordinator: str,
+        cache: Path,
+        threads: int,
+        device: str = "cpu",
+        spin: bool = False,
+        parallel: int = 0,
+        tls: TLS | None = None,
+        auth_key: Path | None = None,
+    ) -> Proc:
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "join",
+            "--coordinator",
+            coordinator,
+            "--name",
+            name,
+            "--cache",
+            str(cache),
+            "--threads",
+            str(threads),
+            "--device",
+            device,
+            "--parallel",
+            str(parallel),
+        ]
         cmd += [] if spin else ["--no-spin"]
         cmd += ["--root-certificates", str(tls.ca)] if tls and tls.enabled else []
         cmd += ["--auth-key", str(auth_key)] if auth_key else []
@@ -176,19 +215,24 @@ def write_connection(flwr_home: Path, address: str, tls: TLS | None = None) -> N
     atomic_write(flwr_home / "config.toml", tomli_w.dumps(cfg).encode())
 
 
-def submit(flwr_home: Path, run_dir: Path, address: str, tls: TLS | None = None, app_dir: Path = APP_DIR,
-           extra: dict[str, str] | None = None) -> str:  # fmt: skip
+def submit(
+    flwr_home: Path,
+    run_dir: Path,
+    address: str,
+    tls: TLS | None = None,
+    app_dir: Path = APP_DIR,
+    extra: dict[str, str] | None = None,
+) -> str:
     """`flwr run` the SOMA app against the SuperLink at `address` (`extra`: more run-config strings, free
     of quotes and backslashes); returns Flower's run id."""
     if "'" in str(run_dir) or "\\" in str(run_dir):
         raise SomaError(f"{run_dir}: the run directory path must not contain quotes or backslashes")
     write_connection(flwr_home, address, tls)
     pairs = [f"run-dir='{run_dir}'"] + [f"{k}='{v}'" for k, v in (extra or {}).items()]
-    cmd = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", " ".join(pairs),
-           "--format", "json"]  # fmt: skip
+    cmd = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", " ".join(pairs), "--format", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=flower_env(flwr_home), timeout=120)
     try:
-        out = json.loads(r.stdout[r.stdout.index("{"):])
+        out = json.loads(r.stdout[r.stdout.index("{") :])
     except ValueError:
         out = {}
     if r.returncode != 0 or not out.get("success"):
@@ -200,8 +244,13 @@ def submit(flwr_home: Path, run_dir: Path, address: str, tls: TLS | None = None,
 def stop_run(flwr_home: Path, run_id: str) -> bool:
     """Best effort `flwr stop` of a leftover run on the configured SuperLink."""
     try:
-        r = subprocess.run([flower_bin("flwr"), "stop", run_id, CONNECTION], capture_output=True, text=True,
-                           env=flower_env(flwr_home), timeout=60)  # fmt: skip
+        r = subprocess.run(
+            [flower_bin("flwr"), "stop", run_id, CONNECTION],
+            capture_output=True,
+            text=True,
+            env=flower_env(flwr_home),
+            timeout=60,
+        )
     except (subprocess.SubprocessError, OSError):
         return False
     return r.returncode == 0
@@ -210,9 +259,14 @@ def stop_run(flwr_home: Path, run_id: str) -> bool:
 def run_status(flwr_home: Path, run_id: str) -> str | None:
     """Flower's status string for a run ('running', 'finished:completed', 'finished:failed', ...), or None."""
     try:
-        r = subprocess.run([flower_bin("flwr"), "ls", CONNECTION, "--run-id", run_id, "--format", "json"],
-                           capture_output=True, text=True, env=flower_env(flwr_home), timeout=60)  # fmt: skip
-        out = json.loads(r.stdout[r.stdout.index("{"):])
+        r = subprocess.run(
+            [flower_bin("flwr"), "ls", CONNECTION, "--run-id", run_id, "--format", "json"],
+            capture_output=True,
+            text=True,
+            env=flower_env(flwr_home),
+            timeout=60,
+        )
+        out = json.loads(r.stdout[r.stdout.index("{") :])
         runs = out.get("runs") or []
         return str(runs[0].get("status")) if runs else None
     except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError, AttributeError):

@@ -26,11 +26,11 @@ from typing import Callable
 
 import numpy as np
 
+from coordinator.run import RunDir
 from soma_edge import corpus as corpus_mod
 from soma_edge import router as router_mod
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, CorpusError
-from coordinator.run import RunDir
 
 SCHEMA = 1
 UNLABELLED = "(unlabelled)"
@@ -84,8 +84,10 @@ def _check_untrained(out: Path, own_lock: bool = False) -> None:
     `own_lock`): a new router and shards would silently change what those experts are trained on."""
     run = RunDir(out)
     if run.is_locked() and not own_lock:
-        raise ConfigError(f"--out {out}: a coordinator is running on it (pid {run.lock_holder()}); stop it, or "
-                          "prepare into a new directory")  # fmt: skip
+        raise ConfigError(
+            f"--out {out}: a coordinator is running on it (pid {run.lock_holder()}); stop it, or "
+            "prepare into a new directory"
+        )
     if run.state_path.exists():
         raise ConfigError(f"--out {out}: has trained experts ({run.state_path.name}); prepare into a new directory")
 
@@ -115,7 +117,12 @@ def _install(tmp: Path, out: Path) -> None:
 
 
 def prepare(
-    corpus: str, experts: int, out: Path, seed: int = 0, clusters: int | None = None, progress: bool = True,
+    corpus: str,
+    experts: int,
+    out: Path,
+    seed: int = 0,
+    clusters: int | None = None,
+    progress: bool = True,
     own_lock: bool = False,
 ) -> dict:
     """Fit the router and write router.msgpack, prepare.json and shards/ into `out`; returns prepare.json."""
@@ -226,8 +233,9 @@ def _write(
 
 
 def _progress_bar():
-    from soma_edge import cli
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from soma_edge import cli
 
     console = cli.console(stderr=True)
     # Transient, and off when stderr is not a terminal: logs and error output stay one clean line each.
@@ -248,8 +256,9 @@ def _mb(n: int) -> str:
 
 def print_summary(summary: dict, out: Path) -> None:
     """A short table of clusters on stdout: expert, documents, MB per split, largest domain."""
-    from soma_edge import cli
     from rich.table import Table
+
+    from soma_edge import cli
 
     top: dict[int, tuple[str, float]] = {}
     for k in range(len(summary["clusters"])):
@@ -263,8 +272,15 @@ def print_summary(summary: dict, out: Path) -> None:
     for c in summary["clusters"]:
         b = c["bytes"]
         name, share = top[c["id"]]
-        table.add_row(str(c["id"]), str(c["expert"]), str(c["docs"]), _mb(b["train"]), _mb(b["val"]), _mb(b["test"]),
-                      f"{name} ({share:.0%})")  # fmt: skip
+        table.add_row(
+            str(c["id"]),
+            str(c["expert"]),
+            str(c["docs"]),
+            _mb(b["train"]),
+            _mb(b["val"]),
+            _mb(b["test"]),
+            f"{name} ({share:.0%})",
+        )
     console = cli.console()
     console.print(table)
     purity = "n/a (unlabelled)" if summary["purity"] is None else f"{summary['purity']:.3f}"

@@ -81,10 +81,19 @@ def expert_rows(s: dict[str, Any], status: dict[str, Any] | None = None) -> list
     """The experts table's cells (`EXPERT_COLUMNS`) of a `summary`; the node is the live assignment's
     where a running round has one."""
     live_nodes = (status or {}).get("assignment") or {}
-    return [(f"{e} (seed)" if s.get("phase") == "seed" else e, str(x["version"]), x["sha256"][:12],
-             str(x.get("step", "-")), _f(x.get("train_loss")), _f(x.get("val_loss")),
-             live_nodes.get(e) or x.get("node") or "-", _f(x.get("steps_per_s"), 2))
-            for e, x in s["experts"].items()]  # fmt: skip
+    return [
+        (
+            f"{e} (seed)" if s.get("phase") == "seed" else e,
+            str(x["version"]),
+            x["sha256"][:12],
+            str(x.get("step", "-")),
+            _f(x.get("train_loss")),
+            _f(x.get("val_loss")),
+            live_nodes.get(e) or x.get("node") or "-",
+            _f(x.get("steps_per_s"), 2),
+        )
+        for e, x in s["experts"].items()
+    ]
 
 
 class Events:
@@ -92,7 +101,7 @@ class Events:
     INFO and higher lines that the ServerApp appends to RUN/logs/coordinator.log after we started."""
 
     def __init__(self, path: Path, level: str = "info") -> None:
-        self.path, self.shown = path, _LEVELS[_LEVELS.index(level.upper()):]
+        self.path, self.shown = path, _LEVELS[_LEVELS.index(level.upper()) :]
         try:
             self.offset = path.stat().st_size
         except OSError:
@@ -133,8 +142,13 @@ class Follower:
         self.run = run
         self.events = Events(run.logs / "coordinator.log", cli.log_level())
         self.console = console or cli.console()
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                 TimeElapsedColumn(), console=self.console)  # fmt: skip
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
         self.task = self.progress.add_task("rounds", total=None)
         self.rtask = self.progress.add_task("round compute", total=None)
         self.live = None
@@ -160,8 +174,12 @@ class Follower:
             if status and status.get("phase") == "round" and status.get("started"):
                 total = float(status.get("round_seconds") or 1)
                 done = min(total, time.time() - float(status["started"]))
-                self.progress.update(self.rtask, completed=round(done), total=round(total),
-                                     description=f"round {status.get('round')} compute (s)")  # fmt: skip
+                self.progress.update(
+                    self.rtask,
+                    completed=round(done),
+                    total=round(total),
+                    description=f"round {status.get('round')} compute (s)",
+                )
             phase = (status or {}).get("phase", "starting")
             msg = (status or {}).get("message") or ""
             self.live.update(Group(experts_table(s, status), self.progress, f"[dim]{msg or phase}[/dim]"))

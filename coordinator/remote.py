@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coordinator import launcher
 from soma_edge import corpus
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import flower_bin, flower_env
-from coordinator import launcher
 
 START_KEY = "start"  # the app's run-config key that carries the start request
 POLL_SECONDS = 5.0
@@ -75,11 +75,15 @@ def apply_request(run, value: str) -> None:
 def start(opts) -> int:
     """Submit to the external SuperLink and follow the run there until it finishes."""
     if not Path(opts.run).is_absolute():
-        raise ConfigError(f"--run {opts.run}: with --superlink, give the absolute path of the run directory on the "
-                          "SuperLink's host (Flower runs the coordinator there)")  # fmt: skip
+        raise ConfigError(
+            f"--run {opts.run}: with --superlink, give the absolute path of the run directory on the "
+            "SuperLink's host (Flower runs the coordinator there)"
+        )
     if opts.auth:
-        raise ConfigError("--auth registers worker keys with the embedded SuperLink; with --superlink, register "
-                          "them there (`flwr supernode register KEY.pub`)")  # fmt: skip
+        raise ConfigError(
+            "--auth registers worker keys with the embedded SuperLink; with --superlink, register "
+            "them there (`flwr supernode register KEY.pub`)"
+        )
     text = None
     if opts.config is not None:
         try:
@@ -87,10 +91,14 @@ def start(opts) -> int:
         except OSError as e:
             raise ConfigError(f"--config {opts.config}: cannot read ({e.strerror})") from None
     home = flwr_home()
-    run_id = launcher.submit(home, Path(opts.run), opts.superlink, opts.tls,
-                             extra={START_KEY: encode_request(text, opts.overrides or {})})  # fmt: skip
-    print(f"submitted Flower run {run_id} to {opts.superlink}; following it through the SuperLink "
-          "(Flower delivers the coordinator's log in batches)", flush=True)  # fmt: skip
+    run_id = launcher.submit(
+        home, Path(opts.run), opts.superlink, opts.tls, extra={START_KEY: encode_request(text, opts.overrides or {})}
+    )
+    print(
+        f"submitted Flower run {run_id} to {opts.superlink}; following it through the SuperLink "
+        "(Flower delivers the coordinator's log in batches)",
+        flush=True,
+    )
     return follow(home, run_id)
 
 
@@ -115,8 +123,13 @@ def follow(home: Path, run_id: str) -> int:
 
 def _logs(home: Path, run_id: str) -> list[str]:
     try:
-        r = subprocess.run([flower_bin("flwr"), "log", run_id, launcher.CONNECTION, "--show"], capture_output=True,
-                           text=True, env=flower_env(home), timeout=60)  # fmt: skip
+        r = subprocess.run(
+            [flower_bin("flwr"), "log", run_id, launcher.CONNECTION, "--show"],
+            capture_output=True,
+            text=True,
+            env=flower_env(home),
+            timeout=60,
+        )
     except (subprocess.SubprocessError, OSError) as e:
         print(f"warning: cannot read the run's log from the SuperLink ({e})", file=sys.stderr, flush=True)
         return []

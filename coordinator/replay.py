@@ -54,10 +54,12 @@ def audit(cfg: Config, base: State, log: UpdateLog, expert: int, data: np.ndarra
     finally:
         stepper.close()
     if delta and log.steps:
-        worst = float(np.max(np.abs(state.weights[stepper.body:] - log.decoder)))
+        worst = float(np.max(np.abs(state.weights[stepper.body :] - log.decoder)))
         if not worst <= DECODER_TOLERANCE:
-            raise ValidationError(f"expert {expert}: the decoder that its steps lead to differs from the one it sent "
-                                  f"by {worst:.3g} (tolerance {DECODER_TOLERANCE:g})")  # fmt: skip
+            raise ValidationError(
+                f"expert {expert}: the decoder that its steps lead to differs from the one it sent "
+                f"by {worst:.3g} (tolerance {DECODER_TOLERANCE:g})"
+            )
 
 
 def sample_steps(n: int, count: int, seed: int, expert: int, version: int) -> list[int]:
@@ -66,12 +68,15 @@ def sample_steps(n: int, count: int, seed: int, expert: int, version: int) -> li
     return sorted(int(i) for i in rng.choice(n, size=min(count, n), replace=False)) if n else []
 
 
-def _check_step(stepper: Stepper, state: State, objs, claimed: np.ndarray, body: int, i: int, expert: int,
-                k: int) -> None:  # fmt: skip
+def _check_step(
+    stepper: Stepper, state: State, objs, claimed: np.ndarray, body: int, i: int, expert: int, k: int
+) -> None:
     _, eps = schedule(stepper.cfg, state.step, state.opt.lr_scale)
     for j, want in enumerate(claimed):
         lp, lm, _ = stepper._direction(state.weights, objs[j // k].loss, state.step, j, body, eps)
         got = (lp - lm) / (2.0 * eps)
         if not abs(got - float(want)) <= G_TOLERANCE * (1 + abs(float(want))):
-            raise ValidationError(f"expert {expert}: step {state.step} (log step {i}), direction {j}: the losses give "
-                                  f"{got:.6g}, the log claims {float(want):.6g}")  # fmt: skip
+            raise ValidationError(
+                f"expert {expert}: step {state.step} (log step {i}), direction {j}: the losses give "
+                f"{got:.6g}, the log claims {float(want):.6g}"
+            )

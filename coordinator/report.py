@@ -35,8 +35,9 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("soma-coord report draws with matplotlib, which is not installed: "
-                          "pip install 'soma-edge[report]'") from None  # fmt: skip
+        raise ConfigError(
+            "soma-coord report draws with matplotlib, which is not installed: pip install 'soma-edge[report]'"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -52,12 +53,19 @@ def _losses(plt, metrics: list[dict[str, Any]]):
     experts = _lines(metrics, "expert")
     for e in sorted({m["expert"] for m in experts}):
         got = [m for m in experts if m["expert"] == e and m.get("accepted")]
-        line, = ax.plot([m["round"] for m in got], [m["val_loss"] for m in got], marker="o", ms=3, label=f"expert {e} val")
+        (line,) = ax.plot(
+            [m["round"] for m in got], [m["val_loss"] for m in got], marker="o", ms=3, label=f"expert {e} val"
+        )
         ax.plot([m["round"] for m in got], [m["train_loss"] for m in got], ls=":", color=line.get_color(), lw=1)
     mix = [m for m in _lines(metrics, "round") if m.get("mixture_val_loss") is not None]
     if mix:
-        ax.plot([m["round"] for m in mix], [m["mixture_val_loss"] for m in mix], color="black", lw=2.5,
-                label="routed mixture val")  # fmt: skip
+        ax.plot(
+            [m["round"] for m in mix],
+            [m["mixture_val_loss"] for m in mix],
+            color="black",
+            lw=2.5,
+            label="routed mixture val",
+        )
     ax.set_xticks(sorted({m["round"] for m in experts}))
     ax.set(xlabel="round", ylabel="nats/byte", title="Loss (solid: val, dotted: train)")
     ax.grid(alpha=0.3)
@@ -134,9 +142,11 @@ def write(run: RunDir, out: Path | None = None) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     s = summary(run)
     parts, images = [], []
-    for name, draw, caption in (("losses", _losses, "Loss per expert and of the routed mixture"),
-                                ("timeline", _timeline, "Node timeline"),
-                                ("throughput", _throughput, "Throughput per node")):  # fmt: skip
+    for name, draw, caption in (
+        ("losses", _losses, "Loss per expert and of the routed mixture"),
+        ("timeline", _timeline, "Node timeline"),
+        ("throughput", _throughput, "Throughput per node"),
+    ):
         fig = draw(plt, metrics)
         path = out / f"{name}.png"
         data = _png(fig, path)
@@ -146,10 +156,12 @@ def write(run: RunDir, out: Path | None = None) -> Report:
         parts.append(f"<h2>{caption}</h2><img alt='{name}' src='{uri}'>")
     mix = s.get("mixture_val_loss")
     title = f"{s['run']}: round {s['round']} of {s['rounds']}" + (f", routed val {mix:.4f} nats/byte" if mix else "")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
-            "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}img{max-width:100%}</style></head>"
-            f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}<h2>Experts</h2>{_table(s)}</body></html>")  # fmt: skip
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+        "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}img{max-width:100%}</style></head>"
+        f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}<h2>Experts</h2>{_table(s)}</body></html>"
+    )
     page_path = out / "report.html"
     checkpoint.atomic_write(page_path, page.encode(), mode=0o644)
     return Report(page_path, images)

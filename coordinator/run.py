@@ -35,7 +35,8 @@ from typing import Any, Iterator
 import numpy as np
 import tomli_w
 
-from soma_edge import checkpoint, config as config_mod
+from soma_edge import checkpoint
+from soma_edge import config as config_mod
 from soma_edge.config import Config
 from soma_edge.errors import CheckpointError, CorpusError
 
@@ -87,7 +88,9 @@ class RunDir:
         try:
             return json.loads(self.prepare_json.read_text())
         except OSError as e:
-            raise CorpusError(f"{self.prepare_json}: cannot read ({e.strerror}); run `soma-coord prepare` into {self.root}") from None
+            raise CorpusError(
+                f"{self.prepare_json}: cannot read ({e.strerror}); run `soma-coord prepare` into {self.root}"
+            ) from None
         except ValueError as e:
             raise CorpusError(f"{self.prepare_json}: not valid JSON ({e})") from None
 
@@ -174,8 +177,10 @@ class RunDir:
                 self.fallback = f"{why}; falling back to the commit before it ({path.name}, round {state.get('round')})"
             return state
         if errors:
-            raise CheckpointError(f"{self.root}: no committed state loads ({'; '.join(errors)}); the run cannot resume: "
-                                  "start a new one with another --run")  # fmt: skip
+            raise CheckpointError(
+                f"{self.root}: no committed state loads ({'; '.join(errors)}); the run cannot resume: "
+                "start a new one with another --run"
+            )
         return None
 
     def load_state_file(self, path: Path) -> dict[str, Any]:

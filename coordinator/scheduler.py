@@ -62,8 +62,12 @@ def quotas(n_experts: int, rates: dict[int, float], keep: dict[int, int] | None 
     return counts
 
 
-def assign(experts: list[int], rates: dict[int, float], previous: dict[int, int],
-           transfer: Callable[[int, int], float] | None = None) -> dict[int, int]:  # fmt: skip
+def assign(
+    experts: list[int],
+    rates: dict[int, float],
+    previous: dict[int, int],
+    transfer: Callable[[int, int], float] | None = None,
+) -> dict[int, int]:
     """Sticky assignment within the quotas; an expert that moves goes where it is fetched fastest."""
     held = {}
     for e in experts:
@@ -98,15 +102,23 @@ def steps_for(rate: float, count: int, round_seconds: float, evals_per_step: int
     return max(1, min(MAX_STEPS, math.floor(steps)))
 
 
-def plan(experts: list[int], rates: dict[int, float], previous: dict[int, int], round_seconds: float,
-         evals_per_step: int, transfer: Callable[[int, int], float] | None = None) -> Plan:  # fmt: skip
+def plan(
+    experts: list[int],
+    rates: dict[int, float],
+    previous: dict[int, int],
+    round_seconds: float,
+    evals_per_step: int,
+    transfer: Callable[[int, int], float] | None = None,
+) -> Plan:
     assignment = assign(experts, rates, previous, transfer)
     counts: dict[int, int] = {}
     for n in assignment.values():
         counts[n] = counts.get(n, 0) + 1
     predicted = {e: steps_for(rates[n], counts[n], round_seconds, evals_per_step) for e, n in assignment.items()}
-    span = max((sum(predicted[e] for e, m in assignment.items() if m == n) * evals_per_step / rates[n]
-                for n in counts), default=0.0)  # fmt: skip
+    span = max(
+        (sum(predicted[e] for e, m in assignment.items() if m == n) * evals_per_step / rates[n] for n in counts),
+        default=0.0,
+    )
     steps = {e: min(MAX_STEPS, math.ceil(HEADROOM * s)) for e, s in predicted.items()}
     moved = sorted(e for e, n in assignment.items() if previous.get(e) != n)
     fetch: dict[int, float] = {}

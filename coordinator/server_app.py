@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from coordinator import guard, scheduler
+from coordinator.run import RunDir, RunLockedError
 from soma_edge import __version__, params, protocol
 from soma_edge import seed as seed_mod
 from soma_edge.config import Config
@@ -40,8 +42,6 @@ from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CheckpointError, CodecError, CorpusError, SomaError, ValidationError
 from soma_edge.logs import role_logger
 from soma_edge.spsa import OptState, State, UpdateLog, evals_per_step, plateau, schedule
-from coordinator import guard, scheduler
-from coordinator.run import RunDir, RunLockedError
 
 log = role_logger("soma.coord")
 
@@ -86,8 +86,15 @@ class Outgoing:
 
 
 class Coordinator:
-    def __init__(self, grid, run: RunDir, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, setup: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        grid,
+        run: RunDir,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        setup: Callable[[], None] | None = None,
+    ) -> None:
         self.grid, self.run, self.setup = grid, run, setup  # setup: runs first under the run lock
         self.clock, self.sleep = clock, sleep
         self.nodes: dict[int, Node] = {}
@@ -156,8 +163,12 @@ class Coordinator:
             from coordinator.board import Board
 
             self.board = Board(run.tb, state["round"])
-        log.info("run %s: resuming after round %d of %d" if state["round"] else "run %s: starting, round %d of %d",
-                 run.root, state["round"], fed.rounds)  # fmt: skip
+        log.info(
+            "run %s: resuming after round %d of %d" if state["round"] else "run %s: starting, round %d of %d",
+            run.root,
+            state["round"],
+            fed.rounds,
+        )
         if self._fan_out():  # a seed that finished in a round whose commit never happened
             self.run.save_state(self.state)
         self._wait_for_nodes(fed.min_nodes, grace=fed.join_grace, stoppable=True)
@@ -175,16 +186,23 @@ class Coordinator:
                 ctx = self._start_round(r)
                 if ctx is None:
                     why = STOPPED
-                    log.info("stop requested (soma-coord stop) while no worker was left: stopping after round %d "
-                             "of %d", r - 1, fed.rounds)  # fmt: skip
+                    log.info(
+                        "stop requested (soma-coord stop) while no worker was left: stopping after round %d of %d",
+                        r - 1,
+                        fed.rounds,
+                    )
                     break
             ctx = self._round(ctx)
         self._end_run(why)
         if why == STOPPED:
             self.run.clear_stop()
             self._status("done", stopped=True)
-            log.info("run stopped after round %d of %d: `soma-coord start --run %s` resumes it", self.state["round"],
-                     fed.rounds, run.root)  # fmt: skip
+            log.info(
+                "run stopped after round %d of %d: `soma-coord start --run %s` resumes it",
+                self.state["round"],
+                fed.rounds,
+                run.root,
+            )
         else:
             self._status("done")
             log.info("run complete: %d rounds", self.state["round"])
@@ -194,8 +212,12 @@ class Coordinator:
         """Tell every live node that the run is over, so that its `soma-worker join` exits (or waits for
         the next run); wait up to END_SECONDS for them to hear it, as Flower drops a finished run's messages."""
         body = protocol.run_end(self.state["run_id"], self.state["round"], self.cfg.federation.rounds, why)
-        self._push([(self._message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind="end"))
-                    for nid in sorted(self._live_ids())])  # fmt: skip
+        self._push(
+            [
+                (self._message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind="end"))
+                for nid in sorted(self._live_ids())
+            ]
+        )
         deadline, heard = self.clock() + END_SECONDS, set()
 
         def ack(mid: str, reply, o: Outgoing) -> None:
@@ -219,9 +241,16 @@ class Coordinator:
         seeded = seed_mod.enabled(self.cfg)
         ids = [seed_mod.seed_expert(self.cfg)] if seeded else range(self.cfg.federation.experts)
         experts = {str(e): self._version0(e, w) for e in ids}
-        state = {"round": 0, "rounds": self.cfg.federation.rounds, "run_id": uuid.uuid4().hex, "experts": experts,
-                 "assignment": {}, "phase": "seed" if seeded else "experts", "strikes": {},
-                 "soma_version": __version__}  # fmt: skip
+        state = {
+            "round": 0,
+            "rounds": self.cfg.federation.rounds,
+            "run_id": uuid.uuid4().hex,
+            "experts": experts,
+            "assignment": {},
+            "phase": "seed" if seeded else "experts",
+            "strikes": {},
+            "soma_version": __version__,
+        }
         self.run.save_state(state)
         return state
 
@@ -230,11 +259,28 @@ class Coordinator:
         Its val loss is the first best that the guard measures replies against."""
         sha = protocol.weights_sha256(w)
         val = self._val_loss(e, protocol.decode_weights(w))
-        body = {"expert": e, "version": 0, "sha256": sha, "config": self.cfg.to_dict(), "step": 0,
-                "weights": w, "opt": None, "val_loss": val}  # fmt: skip
+        body = {
+            "expert": e,
+            "version": 0,
+            "sha256": sha,
+            "config": self.cfg.to_dict(),
+            "step": 0,
+            "weights": w,
+            "opt": None,
+            "val_loss": val,
+        }
         rel = self.run.save_expert(body)
-        return {"version": 0, "sha256": sha, "path": rel, "step": 0, "train_loss": None, "val_loss": val,
-                "node": None, "best": guard.Best(0, sha, rel, val).to_record(), **_plateau_fields(OptState())}  # fmt: skip
+        return {
+            "version": 0,
+            "sha256": sha,
+            "path": rel,
+            "step": 0,
+            "train_loss": None,
+            "val_loss": val,
+            "node": None,
+            "best": guard.Best(0, sha, rel, val).to_record(),
+            **_plateau_fields(OptState()),
+        }
 
     def _check_best(self) -> None:
         """Every expert's best version loads and matches its hash; else (corrupt, or a run from before
@@ -246,8 +292,12 @@ class Coordinator:
                 if body is not None and protocol.weights_sha256(body["weights"]) != rec["sha256"]:
                     raise CheckpointError(f"{self.run.root / rec['path']}: weights do not match its sha256")
             except (CheckpointError, KeyError, TypeError) as err:
-                log.warning("expert %s: its best version does not load (%s); the current version v%s is the best now",
-                            e, err, x["version"])  # fmt: skip
+                log.warning(
+                    "expert %s: its best version does not load (%s); the current version v%s is the best now",
+                    e,
+                    err,
+                    x["version"],
+                )
                 body = None
             if body is None:
                 val = x.get("val_loss")
@@ -272,8 +322,14 @@ class Coordinator:
         self.state["seed"] = {**seed, "expert": int(sid)}
         self.state["experts"], self.state["phase"] = experts, "experts"
         self.state["assignment"] = {}  # the experts' versions 0 are on no node yet
-        log.info("seed expert %s done at step %d (val %.4f): version 0 of all %d experts is its weights %s",
-                 sid, seed["step"], seed.get("val_loss") or float("nan"), len(experts), seed["sha256"][:12])  # fmt: skip
+        log.info(
+            "seed expert %s done at step %d (val %.4f): version 0 of all %d experts is its weights %s",
+            sid,
+            seed["step"],
+            seed.get("val_loss") or float("nan"),
+            len(experts),
+            seed["sha256"][:12],
+        )
         return True
 
     def _phase_config(self) -> Config:
@@ -346,8 +402,12 @@ class Coordinator:
                 if stale:
                     self.out.pop(node.query_mid, None)
                 body = protocol.capability_query(self.cfg.to_dict(), self.state["run_id"])
-                items.append((self._message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES),
-                              Outgoing(node=nid, kind="query")))  # fmt: skip
+                items.append(
+                    (
+                        self._message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES),
+                        Outgoing(node=nid, kind="query"),
+                    )
+                )
                 node.status = "querying"
         self._push(items)
 
@@ -384,19 +444,35 @@ class Coordinator:
             return
         node.name = str(caps.get("name") or o.node)
         live = self._live_ids()
-        twins = [n for n in self.nodes.values() if n.id != node.id and n.id in live and n.name == node.name
-                 and n.status in ("active", "querying", "probation")]  # fmt: skip
+        twins = [
+            n
+            for n in self.nodes.values()
+            if n.id != node.id
+            and n.id in live
+            and n.name == node.name
+            and n.status in ("active", "querying", "probation")
+        ]
         node.label = f"{node.name}#{node.id}" if twins else node.name
         node.caps = {k: v for k, v in caps.items() if k != "cache"}
         if caps.get("soma_version") != __version__:
-            log.warning("node %s (%s) runs soma-edge %s but the coordinator runs %s: excluded",
-                        o.node, node.name, caps.get("soma_version"), __version__)  # fmt: skip
+            log.warning(
+                "node %s (%s) runs soma-edge %s but the coordinator runs %s: excluded",
+                o.node,
+                node.name,
+                caps.get("soma_version"),
+                __version__,
+            )
             node.status = "excluded"
             return
         node.identity = guard.identity(self.run, node.id)
         if guard.excluded(self.state["strikes"], node.who, self.cfg.federation.max_strikes):
-            log.warning("node %s (%s) is excluded from this run: %d strikes against %s", o.node, node.name,
-                        self.state["strikes"][node.who]["count"], node.who)  # fmt: skip
+            log.warning(
+                "node %s (%s) is excluded from this run: %d strikes against %s",
+                o.node,
+                node.name,
+                self.state["strikes"][node.who]["count"],
+                node.who,
+            )
             node.status = "excluded"
             return
         inv = caps.get("cache") or {}
@@ -404,9 +480,16 @@ class Coordinator:
         node.shards = set(inv.get("shards", []))
         node.rate = rate if node.rate <= 0 else node.rate
         node.status = "active"
-        log.info("node %s (%s) active: %.1f forward evals/s on %s, torch importable: %s, cache: %d versions, %d shards",
-                 o.node, node.name, rate, (caps.get("providers") or ["?"])[0], caps.get("torch_importable"),
-                 len(node.weights), len(node.shards))  # fmt: skip
+        log.info(
+            "node %s (%s) active: %.1f forward evals/s on %s, torch importable: %s, cache: %d versions, %d shards",
+            o.node,
+            node.name,
+            rate,
+            (caps.get("providers") or ["?"])[0],
+            caps.get("torch_importable"),
+            len(node.weights),
+            len(node.shards),
+        )
 
     def _active(self) -> dict[int, Node]:
         live = self._live_ids()
@@ -432,18 +515,28 @@ class Coordinator:
             if len(active) >= want and enough_at is None:
                 enough_at = self.clock()
                 if grace > 0:
-                    log.info("%d worker(s) in; waiting %.0f s more for others (federation.join_grace)", len(active), grace)
+                    log.info(
+                        "%d worker(s) in; waiting %.0f s more for others (federation.join_grace)", len(active), grace
+                    )
             if enough_at is not None:
                 waited = self.clock() - enough_at
                 querying = any(n.status == "querying" for n in self.nodes.values())
-                if waited >= grace and (not querying or waited >= grace + GRACE_QUERY_SECONDS) or self.clock() >= deadline:
+                if (
+                    waited >= grace
+                    and (not querying or waited >= grace + GRACE_QUERY_SECONDS)
+                    or self.clock() >= deadline
+                ):
                     return active
             if self.clock() >= deadline:
                 if active:
-                    log.warning("only %d of %d wanted workers after %.0f s; going on", len(active), want, fed.wait_seconds)
+                    log.warning(
+                        "only %d of %d wanted workers after %.0f s; going on", len(active), want, fed.wait_seconds
+                    )
                     return active
-                raise SomaError(f"no worker joined within {fed.wait_seconds:.0f} s: start `soma-worker join "
-                                f"--coordinator HOST:PORT` on a worker box (or use --local-workers)")  # fmt: skip
+                raise SomaError(
+                    f"no worker joined within {fed.wait_seconds:.0f} s: start `soma-worker join "
+                    f"--coordinator HOST:PORT` on a worker box (or use --local-workers)"
+                )
             self.sleep(POLL_SECONDS)
 
     # --- one round ------------------------------------------------------------------------------------
@@ -525,8 +618,9 @@ class Coordinator:
         c = self._ahead.claims.get(e) if self._ahead else None
         return c.node == nid if c is not None else self.state["experts"][str(e)]["sha256"] in self.nodes[nid].weights
 
-    def _send_train(self, ctx: "_RoundCtx", nid: int, experts: list[int], steps: dict[int, int],
-                    max_seconds: float | None = None) -> None:  # fmt: skip
+    def _send_train(
+        self, ctx: "_RoundCtx", nid: int, experts: list[int], steps: dict[int, int], max_seconds: float | None = None
+    ) -> None:
         """Give node `nid` its experts: the shard bytes it lacks in pieces of at most PIECE_BYTES, all but
         the last as messages of their own, then (once those are stored) the train request with the last."""
         shards, shard_bytes = self._missing_shards(nid, experts)
@@ -536,11 +630,29 @@ class Coordinator:
             self._push_train(ctx, self._tasks_for(ctx.r, nid, experts, steps, max_seconds, last, shard_bytes))
             return
         before = set(self.out)
-        self._push([(self._message(protocol.pieces_request(self.state["run_id"], nid, p), protocol.KIND_PIECES, nid,
-                                   protocol.QUERY_SHARDS), Outgoing(node=nid, kind="pieces")) for p in pieces])  # fmt: skip
+        self._push(
+            [
+                (
+                    self._message(
+                        protocol.pieces_request(self.state["run_id"], nid, p),
+                        protocol.KIND_PIECES,
+                        nid,
+                        protocol.QUERY_SHARDS,
+                    ),
+                    Outgoing(node=nid, kind="pieces"),
+                )
+                for p in pieces
+            ]
+        )
         ctx.waiting[nid] = _Waiting(set(self.out) - before, experts, steps, last, shard_bytes)
-        log.info("round %d: node %s lacks %.1f MiB of shards: %d pieces go before its experts %s", ctx.r,
-                 self.nodes[nid].label, sum(map(len, shards.values())) / 2**20, len(pieces) + 1, experts)  # fmt: skip
+        log.info(
+            "round %d: node %s lacks %.1f MiB of shards: %d pieces go before its experts %s",
+            ctx.r,
+            self.nodes[nid].label,
+            sum(map(len, shards.values())) / 2**20,
+            len(pieces) + 1,
+            experts,
+        )
 
     def _push_train(self, ctx: "_RoundCtx", item: tuple[Any, Outgoing]) -> None:
         before = set(self.out)
@@ -561,8 +673,9 @@ class Coordinator:
             return
         del ctx.waiting[o.node]
         left = ctx.deadline - self.clock() - self.cfg.federation.deadline_slack
-        self._push_train(ctx, self._tasks_for(ctx.r, o.node, wait.experts, wait.steps, max(left, 1.0), wait.last,
-                                              wait.shard_bytes))  # fmt: skip
+        self._push_train(
+            ctx, self._tasks_for(ctx.r, o.node, wait.experts, wait.steps, max(left, 1.0), wait.last, wait.shard_bytes)
+        )
 
     def _missing_shards(self, nid: int, experts: list[int]) -> tuple[dict[str, bytes], dict[int, int]]:
         """The train shards of `experts` that node `nid` lacks, and how many of their bytes each expert
@@ -579,8 +692,16 @@ class Coordinator:
                     per_expert[e] += len(shards[h])
         return shards, per_expert
 
-    def _tasks_for(self, r: int, nid: int, experts: list[int], steps: dict[int, int], max_seconds: float | None,
-                   pieces: list[dict[str, Any]], shard_bytes: dict[int, int]) -> tuple[Any, Outgoing]:  # fmt: skip
+    def _tasks_for(
+        self,
+        r: int,
+        nid: int,
+        experts: list[int],
+        steps: dict[int, int],
+        max_seconds: float | None,
+        pieces: list[dict[str, Any]],
+        shard_bytes: dict[int, int],
+    ) -> tuple[Any, Outgoing]:
         node = self.nodes[nid]
         tasks, per_expert, exp_tasks = [], {}, {}
         mode = self._reply_mode(node, r, max((steps[e] for e in experts), default=0))
@@ -595,17 +716,46 @@ class Coordinator:
             stored = self._checked_opt(body, x["path"]) if body else None
             opt = stored.to_record() if stored is not None else None
             scale = float(x.get("lr_scale", 1.0))
-            tasks.append(protocol.task(expert=e, version=x["version"], base_sha256=x["sha256"], step=x["step"],
-                                       steps=steps[e], shards=self._train_shards(e), lr_scale=scale, weights=w,
-                                       opt=opt, reply=mode, base_log=base_log))  # fmt: skip
-            exp_tasks[e] = {"version": x["version"], "base_sha256": x["sha256"], "step": x["step"], "steps": steps[e],
-                            "lr_scale": scale, "reply": mode}  # fmt: skip
+            tasks.append(
+                protocol.task(
+                    expert=e,
+                    version=x["version"],
+                    base_sha256=x["sha256"],
+                    step=x["step"],
+                    steps=steps[e],
+                    shards=self._train_shards(e),
+                    lr_scale=scale,
+                    weights=w,
+                    opt=opt,
+                    reply=mode,
+                    base_log=base_log,
+                )
+            )
+            exp_tasks[e] = {
+                "version": x["version"],
+                "base_sha256": x["sha256"],
+                "step": x["step"],
+                "steps": steps[e],
+                "lr_scale": scale,
+                "reply": mode,
+            }
             opt_bytes = stored.nbytes() if stored is not None else 0
-            per_expert[e] = {"weights": log_bytes if w is None else w.nbytes + opt_bytes, "shards": shard_bytes.get(e, 0)}
+            per_expert[e] = {
+                "weights": log_bytes if w is None else w.nbytes + opt_bytes,
+                "shards": shard_bytes.get(e, 0),
+            }
         fed, config = self.cfg.federation, self._phase_config().to_dict()
-        body = protocol.train_request(round=r, node=nid, run_id=self.state["run_id"], config=config,
-                                      reply_dtype=fed.reply_dtype, max_seconds=max_seconds or fed.round_seconds,
-                                      tasks=tasks, pieces=pieces, heartbeat=self._heartbeat(nid))  # fmt: skip
+        body = protocol.train_request(
+            round=r,
+            node=nid,
+            run_id=self.state["run_id"],
+            config=config,
+            reply_dtype=fed.reply_dtype,
+            max_seconds=max_seconds or fed.round_seconds,
+            tasks=tasks,
+            pieces=pieces,
+            heartbeat=self._heartbeat(nid),
+        )
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=self.size, reply_dtype=fed.reply_dtype)
         msg = self._message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind="train", expected=expected, per_expert=per_expert)
@@ -625,8 +775,13 @@ class Coordinator:
         self._settle_all(ctx)
         for line in ctx.accepted.values():
             line["late"] = True
-            log.info("round %d: accepted expert %d v%d from %s after the last round's deadline", r, line["expert"],
-                     line["version"], line["node"])  # fmt: skip
+            log.info(
+                "round %d: accepted expert %d v%d from %s after the last round's deadline",
+                r,
+                line["expert"],
+                line["version"],
+                line["node"],
+            )
             self.nodes[line["node_id"]].status = "active"  # it answered after all
         return ctx
 
@@ -648,8 +803,14 @@ class Coordinator:
                 return None
         with self._planning(ahead):
             rates = {nid: n.rate for nid, n in active.items()}
-            plan = scheduler.plan(self.expert_ids(), rates, self._previous(active), fed.round_seconds,
-                                  evals_per_step(self._phase_config().spsa), self._transfer_seconds)  # fmt: skip
+            plan = scheduler.plan(
+                self.expert_ids(),
+                rates,
+                self._previous(active),
+                fed.round_seconds,
+                evals_per_step(self._phase_config().spsa),
+                self._transfer_seconds,
+            )
             if self._capped():  # a fixed budget: never past it; experts that have it all sit the round out
                 left = self._steps_left()
                 plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
@@ -657,17 +818,34 @@ class Coordinator:
             for e, nid in sorted(plan.assignment.items()):
                 if e in plan.steps:
                     by_node.setdefault(nid, []).append(e)
-            log.info("round %d/%d: %s (predicted compute %.1f s; moved: %s%s)", r, fed.rounds,
-                     ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()), plan.makespan,
-                     plan.moved or "none", "; before round %d's checks" % (r - 1) if ahead else "")  # fmt: skip
+            log.info(
+                "round %d/%d: %s (predicted compute %.1f s; moved: %s%s)",
+                r,
+                fed.rounds,
+                ", ".join(f"{self.nodes[n].label}<-{es}" for n, es in by_node.items()),
+                plan.makespan,
+                plan.moved or "none",
+                "; before round %d's checks" % (r - 1) if ahead else "",
+            )
 
             # A node on a slow link gets the time to fetch what it lacks (weights, shards) and to send its reply.
-            transfer = max((plan.transfer.get(n, 0.0) + self._reply_seconds(n, es, r, plan.steps)
-                            for n, es in by_node.items()), default=0.0)  # fmt: skip
+            transfer = max(
+                (plan.transfer.get(n, 0.0) + self._reply_seconds(n, es, r, plan.steps) for n, es in by_node.items()),
+                default=0.0,
+            )
             deadline = self.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + transfer
-            ctx = _RoundCtx(r=r, plan=plan, deadline=deadline, t_sent=self.clock(), t_round=t_round,
-                            late=list(late.accepted.values()), rejected=late.rejected, excluded=late.excluded,
-                            bytes_up=late.bytes_up, bytes_down=late.bytes_down)  # fmt: skip
+            ctx = _RoundCtx(
+                r=r,
+                plan=plan,
+                deadline=deadline,
+                t_sent=self.clock(),
+                t_round=t_round,
+                late=list(late.accepted.values()),
+                rejected=late.rejected,
+                excluded=late.excluded,
+                bytes_up=late.bytes_up,
+                bytes_down=late.bytes_down,
+            )
             for nid, es in sorted(by_node.items()):
                 if ahead and any(e in ahead.claims and ahead.claims[e].node != nid for e in es):
                     ctx.deferred[nid] = es
@@ -686,9 +864,13 @@ class Coordinator:
         ctx.deferred.clear()
 
     def _round_status(self, ctx: "_RoundCtx") -> None:
-        self._status("round", round=ctx.r, started=time.time() - (self.clock() - ctx.t_sent),
-                     deadline_in=ctx.deadline - self.clock(),
-                     assignment={str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()})  # fmt: skip
+        self._status(
+            "round",
+            round=ctx.r,
+            started=time.time() - (self.clock() - ctx.t_sent),
+            deadline_in=ctx.deadline - self.clock(),
+            assignment={str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()},
+        )
 
     def _round(self, ctx: "_RoundCtx") -> "_RoundCtx | None":
         """Collect round ctx.r's replies, start the next round where it can go ahead of this one's checks
@@ -747,13 +929,20 @@ class Coordinator:
             self._pull(handle)  # what came in while a long check ran past the deadline
         ctx.t_done = self.clock()
         late = [self.out.pop(mid) for mid in sorted(self.out) if self.out[mid].kind in ("train", "pieces")]
-        self.late = {o.mid: o for o in late if o.kind == "train"}  # their replies may still come in time (_collect_late)
+        self.late = {
+            o.mid: o for o in late if o.kind == "train"
+        }  # their replies may still come in time (_collect_late)
         for nid in sorted({o.node for o in late}):
             node = self.nodes[nid]
             tasks = {e for o in late if o.node == nid and o.expected for e in o.expected.tasks}
             tasks |= set(ctx.waiting[nid].experts) if nid in ctx.waiting else set()
-            log.warning("round %d: node %s (%s) missed the deadline; its experts %s move next round",
-                        r, nid, node.name, sorted(tasks))  # fmt: skip
+            log.warning(
+                "round %d: node %s (%s) missed the deadline; its experts %s move next round",
+                r,
+                nid,
+                node.name,
+                sorted(tasks),
+            )
             node.status = "probation"
             for e in tasks:
                 ctx.failed.setdefault(e, f"node {node.label} missed the round deadline")
@@ -765,8 +954,11 @@ class Coordinator:
         fed = self.cfg.federation
         if ctx.deadline - self.clock() - fed.deadline_slack < fed.round_seconds:
             return
-        idle = sorted(e for e, why in ctx.failed.items()
-                      if not why.startswith("rejected") and e not in ctx.accepted and e not in ctx.pending_resend)  # fmt: skip
+        idle = sorted(
+            e
+            for e, why in ctx.failed.items()
+            if not why.startswith("rejected") and e not in ctx.accepted and e not in ctx.pending_resend
+        )
         if not idle:  # the usual case: no need to ask the SuperLink for its nodes on every poll
             return
         busy = set(ctx.plan.assignment.values())
@@ -774,8 +966,9 @@ class Coordinator:
         if not free:
             return
         nid = max(free, key=lambda n: (self.nodes[n].rate, -n))
-        per = scheduler.steps_for(self.nodes[nid].rate, len(idle), fed.round_seconds,
-                                  evals_per_step(self._phase_config().spsa))  # fmt: skip
+        per = scheduler.steps_for(
+            self.nodes[nid].rate, len(idle), fed.round_seconds, evals_per_step(self._phase_config().spsa)
+        )
         steps = {e: min(scheduler.MAX_STEPS, math.ceil(scheduler.HEADROOM * per)) for e in idle}
         if self._capped():
             left = self._steps_left()
@@ -787,8 +980,12 @@ class Coordinator:
             ctx.plan.assignment[e] = nid
             ctx.plan.moved = sorted(set(ctx.plan.moved) | {e})
         ctx.plan.steps.update(steps)
-        log.info("round %d: idle experts %s go to %s, which has no work this round", ctx.r, sorted(steps),
-                 self.nodes[nid].label)  # fmt: skip
+        log.info(
+            "round %d: idle experts %s go to %s, which has no work this round",
+            ctx.r,
+            sorted(steps),
+            self.nodes[nid].label,
+        )
         self._send_train(ctx, nid, sorted(steps), steps, max_seconds=fed.round_seconds)
 
     def _on_train(self, mid: str, reply, o: Outgoing, ctx: "_RoundCtx") -> None:
@@ -797,14 +994,27 @@ class Coordinator:
         if reply.has_error():
             gone = reply.error.code == NODE_UNAVAILABLE
             if gone:
-                log.warning("round %d: node %s (%s) is gone (no heartbeat); its experts %s go to other nodes", ctx.r,
-                            o.node, node.name, sorted(exp.tasks))  # fmt: skip
+                log.warning(
+                    "round %d: node %s (%s) is gone (no heartbeat); its experts %s go to other nodes",
+                    ctx.r,
+                    o.node,
+                    node.name,
+                    sorted(exp.tasks),
+                )
             else:
-                log.warning("round %d: node %s (%s) failed: code %s, %s", ctx.r, o.node, node.name,
-                            reply.error.code, reply.error.reason)  # fmt: skip
+                log.warning(
+                    "round %d: node %s (%s) failed: code %s, %s",
+                    ctx.r,
+                    o.node,
+                    node.name,
+                    reply.error.code,
+                    reply.error.reason,
+                )
             node.status = "probation"
             for e in exp.tasks:
-                ctx.failed.setdefault(e, f"node {node.label} is gone" if gone else f"node {node.label} error {reply.error.code}")
+                ctx.failed.setdefault(
+                    e, f"node {node.label} is gone" if gone else f"node {node.label} error {reply.error.code}"
+                )
             return
         ctx.bytes_up += protocol.payload_bytes(reply.content)
         if node.status == "excluded":  # struck out after this request went (it went ahead of the checks)
@@ -847,8 +1057,12 @@ class Coordinator:
             node.rate = scheduler.update_rate(node.rate, evals / secs)
         took = body.get("seconds_total")
         # The exchange moved the request down and the reply up, one after the other, over the same link.
-        node.link = scheduler.link_rate(node.link, o.bytes_down + protocol.payload_bytes(reply.content),
-                                        self.clock() - o.sent_at, float(took) if protocol.is_number(took) else secs)  # fmt: skip
+        node.link = scheduler.link_rate(
+            node.link,
+            o.bytes_down + protocol.payload_bytes(reply.content),
+            self.clock() - o.sent_at,
+            float(took) if protocol.is_number(took) else secs,
+        )
         ctx.compute[node.id] = ctx.compute.get(node.id, 0.0) + secs
         for err in body.get("errors") or []:
             log.warning("round %d: node %s (%s) reports: %s", ctx.r, o.node, node.name, err)
@@ -902,20 +1116,35 @@ class Coordinator:
         fed = self.cfg.federation
         for e in experts:
             n = guard.strike(self.state["strikes"], node.who, node.label, reason, ctx.r)
-            log.warning("round %d: rejected expert %s from node %s (%s), strike %d of %s: %s", ctx.r, e, node.id,
-                        node.name, n, fed.max_strikes or "unlimited", reason)  # fmt: skip
-            ctx.rejected.append({"expert": e, "node": node.label, "node_id": node.id, "reason": reason, "strike": n,
-                                 **extra})  # fmt: skip
+            log.warning(
+                "round %d: rejected expert %s from node %s (%s), strike %d of %s: %s",
+                ctx.r,
+                e,
+                node.id,
+                node.name,
+                n,
+                fed.max_strikes or "unlimited",
+                reason,
+            )
+            ctx.rejected.append(
+                {"expert": e, "node": node.label, "node_id": node.id, "reason": reason, "strike": n, **extra}
+            )
             if isinstance(e, int) and e in ctx.plan.assignment:
                 ctx.failed.setdefault(e, f"rejected: {reason}")
         if node.status != "excluded" and guard.excluded(self.state["strikes"], node.who, fed.max_strikes):
-            log.warning("round %d: node %s (%s) has %d strikes (federation.max_strikes): excluded for the rest of "
-                        "the run", ctx.r, node.id, node.name, fed.max_strikes)  # fmt: skip
+            log.warning(
+                "round %d: node %s (%s) has %d strikes (federation.max_strikes): excluded for the rest of the run",
+                ctx.r,
+                node.id,
+                node.name,
+                fed.max_strikes,
+            )
             node.status = "excluded"
             ctx.excluded.append(node.label)
 
-    def _from_log(self, res: dict, ulog: UpdateLog, w: np.ndarray | None,
-                  opt: OptState | None) -> tuple[np.ndarray, OptState]:  # fmt: skip
+    def _from_log(
+        self, res: dict, ulog: UpdateLog, w: np.ndarray | None, opt: OptState | None
+    ) -> tuple[np.ndarray, OptState]:
         """The version a log reply stands for: the replay of its log from the current version, which must
         hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first."""
         from coordinator import replay as replay_mod
@@ -923,7 +1152,9 @@ class Coordinator:
         e, cfg, fed = res["expert"], self._phase_config(), self.cfg.federation
         x = self.state["experts"][str(e)]
         stored = self.run.load_expert(x["path"])
-        base = State(protocol.decode_weights(stored["weights"]), step=int(x["step"]), opt=self._checked_opt(stored, x["path"]))
+        base = State(
+            protocol.decode_weights(stored["weights"]), step=int(x["step"]), opt=self._checked_opt(stored, x["path"])
+        )
         if fed.audit_steps:
             picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, cfg.seed, e, int(res["version"]))
             data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in self._train_shards(e)), dtype=np.uint8)
@@ -973,8 +1204,17 @@ class Coordinator:
         weights = self._version_bytes() if mode in ("weights", "both") else 0
         return sum(weights + (self._log_bytes(steps[e]) if mode in ("log", "both") else 0) for e in experts) / node.link
 
-    def _accept(self, ctx: "_RoundCtx", node: Node, res: dict, w: np.ndarray, opt: OptState, sent: dict[str, int],
-                reply: dict, ulog: UpdateLog | None = None) -> None:  # fmt: skip
+    def _accept(
+        self,
+        ctx: "_RoundCtx",
+        node: Node,
+        res: dict,
+        w: np.ndarray,
+        opt: OptState,
+        sent: dict[str, int],
+        reply: dict,
+        ulog: UpdateLog | None = None,
+    ) -> None:
         e = res["expert"]
         val = self._val_loss(e, protocol.decode_weights(w))
         best = guard.Best.of(self.state["experts"][str(e)])
@@ -988,41 +1228,87 @@ class Coordinator:
         opt.lr_scale, opt.best_val = prev.get("lr_scale", 1.0), prev.get("best_val")
         opt.best_step = prev.get("best_step", 0)
         if plateau(self.cfg.spsa, opt, val, res["step"]):
-            log.info("round %d: expert %d plateaued (val %.4f, best %.4f): lr and eps now x%g", ctx.r, e, val,
-                     opt.best_val, opt.lr_scale)  # fmt: skip
-        body = {"expert": e, "version": res["version"], "sha256": res["sha256"], "config": self.cfg.to_dict(),
-                "step": res["step"], "weights": w, "opt": opt.to_record(), "val_loss": val}  # fmt: skip
+            log.info(
+                "round %d: expert %d plateaued (val %.4f, best %.4f): lr and eps now x%g",
+                ctx.r,
+                e,
+                val,
+                opt.best_val,
+                opt.lr_scale,
+            )
+        body = {
+            "expert": e,
+            "version": res["version"],
+            "sha256": res["sha256"],
+            "config": self.cfg.to_dict(),
+            "step": res["step"],
+            "weights": w,
+            "opt": opt.to_record(),
+            "val_loss": val,
+        }
         rel = self.run.save_expert(body)
         if ulog is not None and w.dtype == np.float32:  # then the stored weights are the log's replay
-            self.run.save_log(e, res["version"], {"from_sha256": res["base_sha256"], "sha256": res["sha256"],
-                                                  "log": ulog.to_record()})  # fmt: skip
+            self.run.save_log(
+                e, res["version"], {"from_sha256": res["base_sha256"], "sha256": res["sha256"], "log": ulog.to_record()}
+            )
         lr, eps = schedule(self._phase_config().spsa, res["step"] - 1, trained_at)  # at the round's last step
         if val < best.val_loss:
             best = guard.Best(res["version"], res["sha256"], rel, val)
             guard.forgive(self.state["strikes"], node.who)
-        self.state["experts"][str(e)] = {"version": res["version"], "sha256": res["sha256"], "path": rel,
-                                         "step": res["step"], "train_loss": float(res["train_loss"]),
-                                         "val_loss": val, "node": node.label, "best": best.to_record(),
-                                         **_plateau_fields(opt)}  # fmt: skip
+        self.state["experts"][str(e)] = {
+            "version": res["version"],
+            "sha256": res["sha256"],
+            "path": rel,
+            "step": res["step"],
+            "train_loss": float(res["train_loss"]),
+            "val_loss": val,
+            "node": node.label,
+            "best": best.to_record(),
+            **_plateau_fields(opt),
+        }
         node.weights.add(res["sha256"])
         self.refused.discard(res["sha256"])  # the same version made again and accepted (refused for its node)
         ctx.accepted[e] = {
-            "type": "expert", "round": ctx.r, "expert": e, "accepted": True, "version": res["version"],
-            "sha256": res["sha256"], "node": node.label, "node_id": node.id, "train_loss": float(res["train_loss"]),
-            "val_loss": val, "steps": res["steps"], "forward_evals": res["forward_evals"],
-            "seconds": float(res["seconds"]), "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
-            "weights_bytes_down": sent.get("weights", 0), "shard_bytes_down": sent.get("shards", 0),
+            "type": "expert",
+            "round": ctx.r,
+            "expert": e,
+            "accepted": True,
+            "version": res["version"],
+            "sha256": res["sha256"],
+            "node": node.label,
+            "node_id": node.id,
+            "train_loss": float(res["train_loss"]),
+            "val_loss": val,
+            "steps": res["steps"],
+            "forward_evals": res["forward_evals"],
+            "seconds": float(res["seconds"]),
+            "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
+            "weights_bytes_down": sent.get("weights", 0),
+            "shard_bytes_down": sent.get("shards", 0),
             "weights_bytes_up": int(w.nbytes) if res.get("weights") is not None else 0,
             "opt_bytes_up": opt.nbytes() if res.get("opt") is not None else 0,
             "log_bytes_up": ulog.nbytes() if ulog is not None else None,
             "torch_importable": reply.get("torch_importable"),
-            "lr_scale": trained_at, "next_lr_scale": opt.lr_scale, "best_version": best.version,
-            "step": res["step"], "lr": lr, "eps": eps,
-        }  # fmt: skip
+            "lr_scale": trained_at,
+            "next_lr_scale": opt.lr_scale,
+            "best_version": best.version,
+            "step": res["step"],
+            "lr": lr,
+            "eps": eps,
+        }
         ctx.failed.pop(e, None)
         ctx.pending_resend.discard(e)
-        log.debug("round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
-                 ctx.r, e, res["version"], node.label, res["train_loss"], val, res["steps"], res["seconds"])  # fmt: skip
+        log.debug(
+            "round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
+            ctx.r,
+            e,
+            res["version"],
+            node.label,
+            res["train_loss"],
+            val,
+            res["steps"],
+            res["seconds"],
+        )
         self._status("round", round=ctx.r)
 
     def _slow_down(self, e: int) -> dict[str, float]:
@@ -1063,8 +1349,9 @@ class Coordinator:
         from soma_edge.runtime import LossEvaluator, mean_loss
 
         if e not in self._val_cache:
-            self._val_cache[e] = eval_windows(self._val_stream(e), self.cfg.data.seq_len,
-                                              self.cfg.federation.val_windows)  # fmt: skip
+            self._val_cache[e] = eval_windows(
+                self._val_stream(e), self.cfg.data.seq_len, self.cfg.federation.val_windows
+            )
         if self._evaluator is None:
             # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
             self._evaluator = LossEvaluator(self.cfg.model, "cpu", 1, False)
@@ -1108,11 +1395,23 @@ class Coordinator:
                 lines.append(ctx.accepted[e])
             else:
                 x = self.state["experts"][str(e)]
-                lines.append({"type": "expert", "round": r, "expert": e, "accepted": False,
-                              "reason": ctx.failed.get(e, "not trained this round"), "version": x["version"],
-                              "sha256": x["sha256"], "node": self.nodes[ctx.plan.assignment[e]].label,
-                              "val_loss": x.get("val_loss"), "train_loss": x.get("train_loss"), "steps": 0,
-                              "forward_evals": 0, "seconds": 0.0})  # fmt: skip
+                lines.append(
+                    {
+                        "type": "expert",
+                        "round": r,
+                        "expert": e,
+                        "accepted": False,
+                        "reason": ctx.failed.get(e, "not trained this round"),
+                        "version": x["version"],
+                        "sha256": x["sha256"],
+                        "node": self.nodes[ctx.plan.assignment[e]].label,
+                        "val_loss": x.get("val_loss"),
+                        "train_loss": x.get("train_loss"),
+                        "steps": 0,
+                        "forward_evals": 0,
+                        "seconds": 0.0,
+                    }
+                )
         mix = self._mixture_val_loss()
         vals = [self.state["experts"][str(e)]["val_loss"] for e in self.expert_ids()]
         vals = [v for v in vals if v is not None]
@@ -1120,17 +1419,31 @@ class Coordinator:
         round_total = (self.clock() if t_next is None else t_next) - ctx.t_round
         planned = set(ctx.plan.assignment.values())  # by id: two workers may share a name
         nodes = sorted(self.nodes[n].label for n in planned)
-        lines.append({
-            "type": "round", "round": r, "rounds": fed.rounds, "phase": self.state.get("phase", "experts"),
-            "accepted": len(ctx.accepted),
-            "rejected": ctx.rejected, "excluded": ctx.excluded, "missed": sorted(ctx.failed), "val_loss_mean": float(np.mean(vals)) if vals else None,
-            "mixture_val_loss": mix, "wall_seconds": wall, "round_seconds_total": round_total,
-            "compute_seconds": {self.nodes[n].label: s for n, s in sorted(ctx.compute.items())},
-            "compute_share": (sum(ctx.compute.values()) / (len(planned) * round_total))
-            if nodes else 0.0, "predicted_makespan": ctx.plan.makespan, "moved": ctx.plan.moved,
-            "bytes_down": ctx.bytes_down, "bytes_up": ctx.bytes_up, "nodes": nodes, "time": time.time(),
-            "next_round_ahead": t_next is not None,
-        })  # fmt: skip
+        lines.append(
+            {
+                "type": "round",
+                "round": r,
+                "rounds": fed.rounds,
+                "phase": self.state.get("phase", "experts"),
+                "accepted": len(ctx.accepted),
+                "rejected": ctx.rejected,
+                "excluded": ctx.excluded,
+                "missed": sorted(ctx.failed),
+                "val_loss_mean": float(np.mean(vals)) if vals else None,
+                "mixture_val_loss": mix,
+                "wall_seconds": wall,
+                "round_seconds_total": round_total,
+                "compute_seconds": {self.nodes[n].label: s for n, s in sorted(ctx.compute.items())},
+                "compute_share": (sum(ctx.compute.values()) / (len(planned) * round_total)) if nodes else 0.0,
+                "predicted_makespan": ctx.plan.makespan,
+                "moved": ctx.plan.moved,
+                "bytes_down": ctx.bytes_down,
+                "bytes_up": ctx.bytes_up,
+                "nodes": nodes,
+                "time": time.time(),
+                "next_round_ahead": t_next is not None,
+            }
+        )
         self.state["round"] = r
         self.state["assignment"] = {str(e): self.nodes[n].label for e, n in ctx.plan.assignment.items()}
         if self._fan_out():
@@ -1141,23 +1454,43 @@ class Coordinator:
         self.run.save_state(self.state)  # the commit point; the state before it becomes the fallback
         fallback, self._committed = self._committed, self._kept()
         self._prune(fallback)
-        log.info("round %d/%d committed: %d/%d experts advanced, mean val %.4f, routed val %s nats/byte, %.1f s, "
-                 "compute share %.0f%%", r, fed.rounds, len(ctx.accepted), len(self.expert_ids()),
-                 lines[-1]["val_loss_mean"] or float("nan"), "n/a" if mix is None else f"{mix:.4f}", round_total,
-                 100 * lines[-1]["compute_share"])  # fmt: skip
+        log.info(
+            "round %d/%d committed: %d/%d experts advanced, mean val %.4f, routed val %s nats/byte, %.1f s, "
+            "compute share %.0f%%",
+            r,
+            fed.rounds,
+            len(ctx.accepted),
+            len(self.expert_ids()),
+            lines[-1]["val_loss_mean"] or float("nan"),
+            "n/a" if mix is None else f"{mix:.4f}",
+            round_total,
+            100 * lines[-1]["compute_share"],
+        )
         self._status("committed", round=r)
 
     def _status(self, phase: str, **extra: Any) -> None:
         st = getattr(self, "state", None) or {}
-        self.run.write_status({
-            "phase": phase, "pid": _pid(), "time": time.time(), "round": st.get("round", 0),
-            "rounds": self.cfg.federation.rounds if hasattr(self, "cfg") else None,
-            "round_seconds": self.cfg.federation.round_seconds if hasattr(self, "cfg") else None,
-            "experts": st.get("experts", {}),
-            "nodes": {str(n.id): {"name": n.name, "status": n.status, "rate": n.rate,
-                                  "torch_importable": n.caps.get("torch_importable")} for n in self.nodes.values()},
-            **extra,
-        })  # fmt: skip
+        self.run.write_status(
+            {
+                "phase": phase,
+                "pid": _pid(),
+                "time": time.time(),
+                "round": st.get("round", 0),
+                "rounds": self.cfg.federation.rounds if hasattr(self, "cfg") else None,
+                "round_seconds": self.cfg.federation.round_seconds if hasattr(self, "cfg") else None,
+                "experts": st.get("experts", {}),
+                "nodes": {
+                    str(n.id): {
+                        "name": n.name,
+                        "status": n.status,
+                        "rate": n.rate,
+                        "torch_importable": n.caps.get("torch_importable"),
+                    }
+                    for n in self.nodes.values()
+                },
+                **extra,
+            }
+        )
 
 
 @dataclass

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator import launcher
+from coordinator import workers as workers_mod
+from coordinator.progress import Follower
+from coordinator.run import RunDir, RunLockedError
 from soma_edge import checkpoint
 from soma_edge import config as config_mod
 from soma_edge.config import Config
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import free_port
-from coordinator import launcher
-from coordinator import workers as workers_mod
-from coordinator.progress import Follower
-from coordinator.run import RunDir, RunLockedError
 
 IMMUTABLE = ("model", "data", "seed", "federation.experts", "federation.corpus", "federation.seed_steps")
 STATUS_GRACE = 240.0  # seconds for the ServerApp to appear (Flower starts it, it waits for the run lock)
@@ -73,8 +73,10 @@ def resolve_config(run: RunDir, config_path: Path | None, overrides: dict[str, A
         changed += [(k, v) for k, v in overrides.items() if k in IMMUTABLE and v != _get(cfg, k)]
         if changed:
             key, new = changed[0]
-            raise ConfigError(f"{run.root} was started with {key} = {_get(cfg, key)!r}; it cannot change to {new!r} "
-                              "on resume (use a new --run directory)")  # fmt: skip
+            raise ConfigError(
+                f"{run.root} was started with {key} = {_get(cfg, key)!r}; it cannot change to {new!r} "
+                "on resume (use a new --run directory)"
+            )
         if given is not None:  # a resumed run takes the file's SPSA and federation settings, not its identity
             keep = (cfg.federation.experts, cfg.federation.corpus, cfg.federation.seed_steps)
             cfg.spsa, cfg.federation = given.spsa, given.federation
@@ -107,8 +109,9 @@ def _same_corpus(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def ensure_prepared(run: RunDir, cfg: Config, given: set[str] | frozenset[str] = frozenset(),
-                    own_lock: bool = False) -> None:  # fmt: skip
+def ensure_prepared(
+    run: RunDir, cfg: Config, given: set[str] | frozenset[str] = frozenset(), own_lock: bool = False
+) -> None:
     """Prepare RUN unless it is; a prepared RUN must match the experts, and the corpus and seed when the
     user gave them (`given`: dotted keys set on the command line or in --config), else training would
     silently run on another corpus than the one asked for."""
@@ -117,11 +120,14 @@ def ensure_prepared(run: RunDir, cfg: Config, given: set[str] | frozenset[str] =
         if int(prep.get("experts", -1)) != cfg.federation.experts:
             raise ConfigError(f"{run.root} is prepared for {prep.get('experts')} experts, not {cfg.federation.experts}")
         if "federation.corpus" in given and not _same_corpus(cfg.federation.corpus, str(prep.get("corpus"))):
-            raise ConfigError(f"{run.root} is prepared from corpus {prep.get('corpus')!r}, not "
-                              f"{cfg.federation.corpus!r} (use a new --run directory)")  # fmt: skip
+            raise ConfigError(
+                f"{run.root} is prepared from corpus {prep.get('corpus')!r}, not "
+                f"{cfg.federation.corpus!r} (use a new --run directory)"
+            )
         if "seed" in given and prep.get("seed") != cfg.seed:
-            raise ConfigError(f"{run.root} is prepared with seed {prep.get('seed')!r}, not {cfg.seed!r} "
-                              "(use a new --run directory)")  # fmt: skip
+            raise ConfigError(
+                f"{run.root} is prepared with seed {prep.get('seed')!r}, not {cfg.seed!r} (use a new --run directory)"
+            )
         return
     from coordinator.prepare import prepare
 
@@ -147,11 +153,18 @@ def _local_worker_keys(run: RunDir, n: int) -> dict[str, Path]:
 def _warn_if_open(opts: Options) -> None:
     if opts.host in ("127.0.0.1", "localhost", "::1"):
         return
-    missing = [what for what, on in (("TLS (--tls)", opts.tls and opts.tls.enabled), ("worker authentication (--auth)",
-                                                                                      opts.auth)) if not on]  # fmt: skip
+    missing = [
+        what
+        for what, on in (("TLS (--tls)", opts.tls and opts.tls.enabled), ("worker authentication (--auth)", opts.auth))
+        if not on
+    ]
     if missing:
-        print(f"warning: listening on {opts.host} without {' and '.join(missing)}: anyone who can reach this port "
-              "can join and train experts", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"warning: listening on {opts.host} without {' and '.join(missing)}: anyone who can reach this port "
+            "can join and train experts",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _flwr_run_path(run: RunDir) -> Path:
@@ -188,25 +201,39 @@ def start(opts: Options) -> int:
         keys = _local_worker_keys(run, w) if opts.auth else {}
         procs.superlink(opts.host, port, opts.tls, auth=opts.auth)
         address = f"127.0.0.1:{port}" if opts.host in ("0.0.0.0", "", "127.0.0.1") else f"{opts.host}:{port}"
-        where = f"{opts.host}:{port}" + ("" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)")
+        where = f"{opts.host}:{port}" + (
+            "" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)"
+        )
         print(f"SuperLink listening on {where}; logs in {run.logs}", flush=True)
         _warn_if_open(opts)
         if opts.auth:
             launcher.write_connection(run.flwr_home, address, opts.tls)
             registered = workers_mod.register_all(run, launcher.CONNECTION)
-            print(f"registered {len(registered)} worker key(s): {', '.join(x.name for x in registered) or 'none'}"
-                  " (add more with `soma-coord add-worker`)", flush=True)  # fmt: skip
+            print(
+                f"registered {len(registered)} worker key(s): {', '.join(x.name for x in registered) or 'none'}"
+                " (add more with `soma-coord add-worker`)",
+                flush=True,
+            )
         threads = 0 if w == 1 else max(1, (os.cpu_count() or 1) // max(w, 1))  # workers split the cores
         for i in range(w):
-            procs.worker(f"w{i}", address, run.root / "workers" / f"w{i}" / "cache", threads=threads,
-                         device=opts.worker_device, spin=w == 1, parallel=0 if w == 1 else 1, tls=opts.tls,
-                         auth_key=keys.get(f"w{i}"))  # fmt: skip
+            procs.worker(
+                f"w{i}",
+                address,
+                run.root / "workers" / f"w{i}" / "cache",
+                threads=threads,
+                device=opts.worker_device,
+                spin=w == 1,
+                parallel=0 if w == 1 else 1,
+                tls=opts.tls,
+                auth_key=keys.get(f"w{i}"),
+            )
         if w:
             print(f"started {w} local worker(s), {threads} thread(s) each", flush=True)
         t_submit = time.time()
         run_id = launcher.submit(run.flwr_home, run.root, address, opts.tls)
-        checkpoint.atomic_write(_flwr_run_path(run), json.dumps({"run_id": run_id, "address": address,
-                                                                  "time": t_submit}).encode())  # fmt: skip
+        checkpoint.atomic_write(
+            _flwr_run_path(run), json.dumps({"run_id": run_id, "address": address, "time": t_submit}).encode()
+        )
         print(f"submitted Flower run {run_id} to {address}", flush=True)
         return follow(run, procs, run_id, t_submit)
     except KeyboardInterrupt:
@@ -244,8 +271,11 @@ def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) 
             time.sleep(1.0)
     view.final()
     if status.get("stopped"):
-        print(f"stopped after round {status.get('round')} of {status.get('rounds')} (soma-coord stop); "
-              f"`soma-coord start --run {run.root}` resumes it", flush=True)  # fmt: skip
+        print(
+            f"stopped after round {status.get('round')} of {status.get('rounds')} (soma-coord stop); "
+            f"`soma-coord start --run {run.root}` resumes it",
+            flush=True,
+        )
     return 0
 
 

@@ -16,12 +16,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from coordinator.run import RunDir
 from soma_edge.certs import fingerprint, read_public_key
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import flower_bin, flower_env
-
-from coordinator.run import RunDir
 
 REGISTRY = "workers.json"
 MAX_REGISTRY_BYTES = 4 << 20
@@ -44,10 +43,14 @@ def load(run: RunDir) -> list[Worker]:
         if path.stat().st_size > MAX_REGISTRY_BYTES:
             raise ValueError("too large")
         rows = json.loads(path.read_bytes())
-        return [Worker(**{k: r[k] for k in ("name", "public_key", "fingerprint", "added")}, node_id=r.get("node_id"))
-                for r in rows]  # fmt: skip
+        return [
+            Worker(**{k: r[k] for k in ("name", "public_key", "fingerprint", "added")}, node_id=r.get("node_id"))
+            for r in rows
+        ]
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{path}: not a worker registry ({e}); fix or remove it, then add the workers again") from None
+        raise ConfigError(
+            f"{path}: not a worker registry ({e}); fix or remove it, then add the workers again"
+        ) from None
 
 
 def save(run: RunDir, workers: list[Worker]) -> None:
@@ -88,10 +91,19 @@ def _flwr_register(flwr_home: Path, worker: Worker, connection: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="soma-key-") as tmp:
         pub = Path(tmp) / f"{worker.fingerprint}.pub"
         pub.write_text(worker.public_key + "\n")
-        cmd = [flower_bin("flwr"), "supernode", "register", str(pub), connection, "--name", worker.name,
-               "--format", "json"]  # fmt: skip
+        cmd = [
+            flower_bin("flwr"),
+            "supernode",
+            "register",
+            str(pub),
+            connection,
+            "--name",
+            worker.name,
+            "--format",
+            "json",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, env=flower_env(flwr_home), timeout=60)
-    text = r.stdout[r.stdout.find("{"):] if "{" in r.stdout else ""
+    text = r.stdout[r.stdout.find("{") :] if "{" in r.stdout else ""
     try:
         out = json.loads(text)
     except ValueError:

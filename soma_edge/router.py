@@ -289,8 +289,16 @@ class Router:
         for bad, what in problems:
             if bad:
                 raise CodecError(f"malformed router: {what}")
-        return cls(n, idf.astype(np.float32), cent.astype(np.float32), ce.astype(np.int64),
-                   prior.astype(np.float64), temp, seed, bits)  # fmt: skip
+        return cls(
+            n,
+            idf.astype(np.float32),
+            cent.astype(np.float32),
+            ce.astype(np.int64),
+            prior.astype(np.float64),
+            temp,
+            seed,
+            bits,
+        )
 
 
 def load(path: str | Path) -> Router:
@@ -473,8 +481,16 @@ def fit(
     for _, _, keys, _ in blocks:
         df += np.bincount((keys & ((1 << bits) - 1)).astype(np.int64), minlength=1 << bits)
     idf = (np.log((1.0 + sample.size) / (1.0 + df)) + 1.0).astype(np.float32)
-    router = Router(n_experts, idf, np.zeros((c, dim), np.float32), np.zeros(c, np.int64),
-                    np.full(n_experts, 1.0 / n_experts), 1.0, seed, bits)  # fmt: skip
+    router = Router(
+        n_experts,
+        idf,
+        np.zeros((c, dim), np.float32),
+        np.zeros(c, np.int64),
+        np.full(n_experts, 1.0 / n_experts),
+        1.0,
+        seed,
+        bits,
+    )
     x = np.zeros((sample.size, dim), dtype=np.float32)
     for i, j, keys, counts in blocks:
         x[i:j] = _weigh(keys, counts, j - i, idf, router._dims, router._signs, dim)
@@ -511,9 +527,13 @@ def fit(
 
 
 def _window_centroids(
-    router: Router, texts: Sequence[bytes], docs: np.ndarray, labels: np.ndarray, fallback: np.ndarray,
+    router: Router,
+    texts: Sequence[bytes],
+    docs: np.ndarray,
+    labels: np.ndarray,
+    fallback: np.ndarray,
     report: Progress,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """Unit mean direction of the features of up to ROUTE_WINDOWS_PER_DOC evenly spaced ROUTE_WINDOW-byte
     windows of each document, per cluster (float64 sums in a fixed order: deterministic)."""
     c, w = fallback.shape[0], ROUTE_WINDOW

@@ -177,13 +177,19 @@ class LossEvaluator:
         return float(loss), np.concatenate([g.reshape(-1) for g in grads])
 
 
-def evaluator_for(cfg: "Config", device: str | None = None, threads: int | None = None, spin: bool = True,
-                  parallel: int | None = None) -> LossEvaluator:  # fmt: skip
+def evaluator_for(
+    cfg: "Config", device: str | None = None, threads: int | None = None, spin: bool = True, parallel: int | None = None
+) -> LossEvaluator:
     """The evaluator a config trains with: its model, and the clean-forward session when the decoder
     learns by the delta rule. Arguments left None come from the config."""
-    return LossEvaluator(cfg.model, cfg.device if device is None else device, cfg.threads if threads is None else threads,
-                         spin, cfg.parallel if parallel is None else parallel,
-                         decoder_grad=cfg.spsa.decoder == "delta")  # fmt: skip
+    return LossEvaluator(
+        cfg.model,
+        cfg.device if device is None else device,
+        cfg.threads if threads is None else threads,
+        spin,
+        cfg.parallel if parallel is None else parallel,
+        decoder_grad=cfg.spsa.decoder == "delta",
+    )
 
 
 def mean_loss(evaluator: LossEvaluator, flat: np.ndarray, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:

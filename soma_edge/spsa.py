@@ -120,16 +120,30 @@ class OptState:
 
     def copy(self) -> "OptState":
         arr = lambda a: None if a is None else a.copy()  # noqa: E731
-        return OptState(momentum=arr(self.momentum), adam_m=arr(self.adam_m), adam_v=arr(self.adam_v),
-                        adam_t=self.adam_t, lr_scale=self.lr_scale, best_val=self.best_val, best_step=self.best_step)  # fmt: skip
+        return OptState(
+            momentum=arr(self.momentum),
+            adam_m=arr(self.adam_m),
+            adam_v=arr(self.adam_v),
+            adam_t=self.adam_t,
+            lr_scale=self.lr_scale,
+            best_val=self.best_val,
+            best_step=self.best_step,
+        )
 
     def nbytes(self) -> int:
         """Bytes of its vectors (what the state adds to a message or checkpoint beyond the weights)."""
         return sum(a.nbytes for a in (self.momentum, self.adam_m, self.adam_v) if a is not None)
 
     def to_record(self) -> dict[str, Any]:
-        return {"momentum": self.momentum, "adam_m": self.adam_m, "adam_v": self.adam_v, "adam_t": int(self.adam_t),
-                "lr_scale": float(self.lr_scale), "best_val": self.best_val, "best_step": int(self.best_step)}  # fmt: skip
+        return {
+            "momentum": self.momentum,
+            "adam_m": self.adam_m,
+            "adam_v": self.adam_v,
+            "adam_t": int(self.adam_t),
+            "lr_scale": float(self.lr_scale),
+            "best_val": self.best_val,
+            "best_step": int(self.best_step),
+        }
 
     @classmethod
     def from_record(cls, rec: Any, size: int, where: str = "optimizer state") -> "OptState":
@@ -144,8 +158,9 @@ class OptState:
         arrays = {}
         for name in ("momentum", "adam_m", "adam_v"):
             a = rec.get(name)
-            if a is not None and (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (size,)
-                                  or not np.isfinite(a).all()):  # fmt: skip
+            if a is not None and (
+                not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (size,) or not np.isfinite(a).all()
+            ):
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
                 raise CheckpointError(f"{where}: {name} is {got}, not a finite float32[{size}] like the weights")
             arrays[name] = None if a is None else np.array(a, dtype=np.float32)
@@ -163,8 +178,13 @@ class OptState:
             raise CheckpointError(f"{where}: best_val {best!r} is not a finite number")
         if not _count(best_step):
             raise CheckpointError(f"{where}: best_step {best_step!r} is not a step count")
-        return cls(**arrays, adam_t=adam_t, lr_scale=float(scale), best_val=None if best is None else float(best),
-                   best_step=best_step)  # fmt: skip
+        return cls(
+            **arrays,
+            adam_t=adam_t,
+            lr_scale=float(scale),
+            best_val=None if best is None else float(best),
+            best_step=best_step,
+        )
 
 
 def _finite_number(x: Any) -> bool:
@@ -244,8 +264,9 @@ def _moments(opt: OptState, n: int) -> tuple[np.ndarray, np.ndarray]:
     return opt.adam_m, opt.adam_v
 
 
-def _apply(state: State, cfg: SPSAConfig, body: int, acc: np.ndarray, dec: np.ndarray | None,
-           decoder_elsewhere: bool = False) -> None:  # fmt: skip
+def _apply(
+    state: State, cfg: SPSAConfig, body: int, acc: np.ndarray, dec: np.ndarray | None, decoder_elsewhere: bool = False
+) -> None:
     """w <- w - lr u(ĝ) on the body, and the decoder's Adam step on the delta-rule gradient (or, with
     `decoder_elsewhere`, none: a replay that sets the decoder from its log counts the Adam update only)."""
     t, opt, w = state.step, state.opt, state.weights
@@ -330,8 +351,9 @@ class Stepper:
             buf = self._buffers.probe = np.empty(n, dtype=np.float32)
         return buf
 
-    def _direction(self, w: np.ndarray, loss_fn: LossFn, t: int, j: int, body: int,
-                   eps: float) -> tuple[float, float, np.ndarray]:  # fmt: skip
+    def _direction(
+        self, w: np.ndarray, loss_fn: LossFn, t: int, j: int, body: int, eps: float
+    ) -> tuple[float, float, np.ndarray]:
         z = self._z(t, j, body)
         probe = self._probe(w.size)
         probe[body:] = w[body:]
@@ -384,8 +406,9 @@ class Stepper:
         _apply(state, cfg, body, acc, dec)
         return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
 
-    def replay(self, state: State, grads: np.ndarray, decoder_grad: np.ndarray | None = None,
-               body_only: bool = False) -> None:  # fmt: skip
+    def replay(
+        self, state: State, grads: np.ndarray, decoder_grad: np.ndarray | None = None, body_only: bool = False
+    ) -> None:
         """Apply a recorded step from its scalars (and the delta rule's decoder gradient, unless
         `body_only`: the caller sets the decoder itself): no loss evaluation, bit-identical result."""
         cfg, n, t = self.cfg, state.weights.size, state.step
@@ -430,8 +453,14 @@ class UpdateLog:
         return {"body": int(self.grads.nbytes), "decoder": int(dec)}
 
     def to_record(self) -> dict[str, Any]:
-        return {"start": self.start, "grads": self.grads, "lr_scale": self.lr_scale, "decoder": self.decoder,
-                "decoder_m": self.decoder_m, "decoder_v": self.decoder_v}  # fmt: skip
+        return {
+            "start": self.start,
+            "grads": self.grads,
+            "lr_scale": self.lr_scale,
+            "decoder": self.decoder,
+            "decoder_m": self.decoder_m,
+            "decoder_v": self.decoder_v,
+        }
 
     @classmethod
     def from_record(cls, rec: Any, where: str = "update log") -> "UpdateLog":
@@ -446,14 +475,17 @@ class UpdateLog:
         if not isinstance(scale, float) or not (0 < scale <= 1):
             raise CheckpointError(f"{where}: lr scale {scale!r} is not in (0, 1]")
         parts = [rec[k] for k in ("decoder", "decoder_m", "decoder_v")]
-        if not (all(a is None for a in parts) or all(isinstance(a, np.ndarray) and a.dtype == np.float32
-                                                      and a.ndim == 1 for a in parts)):  # fmt: skip
+        if not (
+            all(a is None for a in parts)
+            or all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1 for a in parts)
+        ):
             raise CheckpointError(f"{where}: the decoder's weights and moments must all be float32 vectors, or none")
         return cls(int(rec["start"]), g, scale, *parts)
 
 
-def record_log(start: int, lr_scale: float, grads: Sequence[np.ndarray], state: State | None = None,
-               body: int = 0) -> UpdateLog:  # fmt: skip
+def record_log(
+    start: int, lr_scale: float, grads: Sequence[np.ndarray], state: State | None = None, body: int = 0
+) -> UpdateLog:
     """The log of the steps whose StepResult.grads are `grads`; with `state` (after them) and `body`
     < its size, the delta-rule decoder's weights and moments too."""
     g = np.array(grads, dtype=np.float32).reshape(len(grads), -1) if len(grads) else np.zeros((0, 0), np.float32)
@@ -465,8 +497,16 @@ def record_log(start: int, lr_scale: float, grads: Sequence[np.ndarray], state: 
     return out
 
 
-def replay(cfg: SPSAConfig, state: State, log: UpdateLog, *, seed: int, expert: int, body: int = 0,
-           dense: np.ndarray | None = None) -> State:  # fmt: skip
+def replay(
+    cfg: SPSAConfig,
+    state: State,
+    log: UpdateLog,
+    *,
+    seed: int,
+    expert: int,
+    body: int = 0,
+    dense: np.ndarray | None = None,
+) -> State:
     """The state after `log`'s steps from `state` (which is left as it was): the same float32 arithmetic
     in the same order as training, so the weights and optimizer state match the worker's bit for bit.
     ValueError when the log does not fit the state or the config."""
@@ -476,13 +516,20 @@ def replay(cfg: SPSAConfig, state: State, log: UpdateLog, *, seed: int, expert: 
     if log.start != state.step:
         raise ValueError(f"the log starts at step {log.start}, the version is at step {state.step}")
     if log.grads.ndim != 2 or (log.steps and log.grads.shape[1] != cfg.directions * cfg.accumulate):
-        raise ValueError(f"the log holds scalars of shape {list(log.grads.shape)}, each step needs "
-                         f"{cfg.directions * cfg.accumulate}")  # fmt: skip
+        raise ValueError(
+            f"the log holds scalars of shape {list(log.grads.shape)}, each step needs {cfg.directions * cfg.accumulate}"
+        )
     if not np.isfinite(log.grads).all():
         raise ValueError("the log holds non-finite scalars")
     parts = (log.decoder, log.decoder_m, log.decoder_v)
-    if delta and log.steps and not all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == (dec_n,)
-                                       and np.isfinite(a).all() for a in parts):  # fmt: skip
+    if (
+        delta
+        and log.steps
+        and not all(
+            isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == (dec_n,) and np.isfinite(a).all()
+            for a in parts
+        )
+    ):
         raise ValueError(f"a delta-rule decoder's log needs its finite float32[{dec_n}] weights and Adam moments")
     if delta and log.steps and (log.decoder_v < 0).any():
         raise ValueError("the decoder's Adam second moment is negative")

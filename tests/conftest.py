@@ -36,8 +36,20 @@ def four_domain_docs(default_docs):
     return out
 
 
-STDLIB_SAMPLE = ("argparse.py", "textwrap.py", "string.py", "shlex.py", "csv.py", "fractions.py", "heapq.py",
-                 "bisect.py", "calendar.py", "difflib.py", "glob.py", "fnmatch.py")  # fmt: skip
+STDLIB_SAMPLE = (
+    "argparse.py",
+    "textwrap.py",
+    "string.py",
+    "shlex.py",
+    "csv.py",
+    "fractions.py",
+    "heapq.py",
+    "bisect.py",
+    "calendar.py",
+    "difflib.py",
+    "glob.py",
+    "fnmatch.py",
+)
 
 
 def write_stdlib_corpus(folder: Path) -> Path:
@@ -67,8 +79,9 @@ def run(prepared, tmp_path):
     """A private copy of `prepared` with the fake grid's tiny config (`fakegrid.TINY`)."""
     import shutil
 
-    from coordinator.run import RunDir
     from fakegrid import TINY
+
+    from coordinator.run import RunDir
     from soma_edge import config as config_mod
 
     dest = tmp_path / "run"

@@ -63,9 +63,14 @@ def state_summary(state: dict) -> dict:
     out = {}
     for e, x in state["experts"].items():
         best = x.get("best") or {}
-        out[e] = {"version": int(x["version"]), "sha256": x["sha256"], "path": x["path"],
-                  "best_version": best.get("version"), "best_sha256": best.get("sha256"),
-                  "best_path": best.get("path")}  # fmt: skip
+        out[e] = {
+            "version": int(x["version"]),
+            "sha256": x["sha256"],
+            "path": x["path"],
+            "best_version": best.get("version"),
+            "best_sha256": best.get("sha256"),
+            "best_path": best.get("path"),
+        }
     return {"round": int(state["round"]), "experts": out}
 
 
@@ -87,9 +92,15 @@ class Injector:
             return
         self.count += 1
         if self.count == self.k:
-            rec = {"phase": self.phase, "point": self.point, "k": self.k, "round": self.round,
-                   "crash_round": self.current_round, "what": what,
-                   "unlinks_this_commit": self.unlinks_this_commit}  # fmt: skip
+            rec = {
+                "phase": self.phase,
+                "point": self.point,
+                "k": self.k,
+                "round": self.round,
+                "crash_round": self.current_round,
+                "what": what,
+                "unlinks_this_commit": self.unlinks_this_commit,
+            }
             os.write(self.info_fd, json.dumps(rec).encode())
             os.fsync(self.info_fd)
             os._exit(CRASH_CODE)
@@ -109,8 +120,8 @@ class Injector:
         return False
 
     def install(self) -> None:
-        from coordinator import server_app
         from coordinator import run as run_mod
+        from coordinator import server_app
         from coordinator.run import RunDir
         from soma_edge import checkpoint
 
@@ -230,9 +241,10 @@ def main() -> int:
     ap.add_argument("--journal")
     a = ap.parse_args()
 
+    from fakegrid import FakeGrid
+
     from coordinator.run import RunDir
     from coordinator.server_app import Coordinator
-    from fakegrid import FakeGrid
 
     run = RunDir(a.run)
     if a.journal:

@@ -21,10 +21,19 @@ TINY = {
     "data": {"batch": 2, "seq_len": 32},
     "spsa": {"directions": 2, "lr": 5e-3, "warmup_steps": 0},
     "device": "cpu",
-    "federation": {"experts": 4, "rounds": 2, "round_seconds": 0.4, "deadline_factor": 1.0,
-                   "deadline_slack": 3.0, "val_windows": 4, "min_nodes": 2, "wait_seconds": 5.0, "join_grace": 0.0,
-                   "guard_tolerance": 1.0},  # 4 val windows of 32 bytes are noisy: tests of the guard set their own
-}  # fmt: skip
+    "federation": {
+        "experts": 4,
+        "rounds": 2,
+        "round_seconds": 0.4,
+        "deadline_factor": 1.0,
+        "deadline_slack": 3.0,
+        "val_windows": 4,
+        "min_nodes": 2,
+        "wait_seconds": 5.0,
+        "join_grace": 0.0,
+        "guard_tolerance": 1.0,
+    },  # 4 val windows of 32 bytes are noisy: tests of the guard set their own
+}
 
 
 class FakeGrid(Grid):
@@ -35,8 +44,18 @@ class FakeGrid(Grid):
 
         # What flwr-serverapp sets before calling the ServerApp; Message() reads it.
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        self.nodes = {1000 + i: {"name": n, "cache": str(root / n), "device": "cpu", "threads": 1, "spin": 0, "parallel": 1,
-                                 "probe-seconds": 0.05} for i, n in enumerate(names)}  # fmt: skip
+        self.nodes = {
+            1000 + i: {
+                "name": n,
+                "cache": str(root / n),
+                "device": "cpu",
+                "threads": 1,
+                "spin": 0,
+                "parallel": 1,
+                "probe-seconds": 0.05,
+            }
+            for i, n in enumerate(names)
+        }
         self.dead: set[int] = set()  # nodes that never answer (killed mid-round)
         self.gone: set[int] = set()  # nodes no longer listed
         self.delay: dict[int, float] = {}  # node -> seconds before its replies can be pulled (a slow node)
@@ -110,7 +129,12 @@ def hold_first_train_reply(grid: FakeGrid, coord, node: int) -> None:
     def pull(ids):
         for mid in ids:
             m = grid.pending.get(mid)
-            if not first and m is not None and m.metadata.dst_node_id == node and m.metadata.message_type == protocol.TRAIN:
+            if (
+                not first
+                and m is not None
+                and m.metadata.dst_node_id == node
+                and m.metadata.message_type == protocol.TRAIN
+            ):
                 first.append(mid)
         return real_pull([mid for mid in ids if mid not in first or collecting])
 

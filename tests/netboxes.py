@@ -79,8 +79,21 @@ class Boxes:
             self._links += 1
             n = self._links
             mine, theirs = f"s{n}a", f"s{n}b"  # veth names are per namespace, so short ones do not clash
-            self._ip("ip", "link", "add", mine, "netns", box.name, "type", "veth", "peer", "name", theirs, "netns",
-                     link_to.name)  # fmt: skip
+            self._ip(
+                "ip",
+                "link",
+                "add",
+                mine,
+                "netns",
+                box.name,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                theirs,
+                "netns",
+                link_to.name,
+            )
             box.addr, box.peer = f"{SUBNET}.{n}.2", f"{SUBNET}.{n}.1"
             for ns, dev, addr in ((box.name, mine, box.addr), (link_to.name, theirs, box.peer)):
                 self._ip("ip", "addr", "add", f"{addr}/30", "dev", dev, ns=ns)
@@ -93,15 +106,37 @@ class Boxes:
     def _limit(self, ns: str, dev: str, mbit: float) -> None:
         rate = f"{int(mbit * 1000)}kbit"
         self._ip("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10", ns=ns)
-        self._ip("tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate,
-                 ns=ns)  # fmt: skip
+        self._ip(
+            "tc",
+            "class",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "classid",
+            "1:10",
+            "htb",
+            "rate",
+            rate,
+            "ceil",
+            rate,
+            ns=ns,
+        )
 
-    def popen(self, box: Box, cmd: list[str], log: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    def popen(
+        self, box: Box, cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen:
         """Start `cmd` inside `box`'s namespace, in a session of its own, output appended to `log`."""
         with open(log, "ab") as out:
-            p = subprocess.Popen(["ip", "netns", "exec", box.name, *cmd], stdout=out, stderr=subprocess.STDOUT,
-                                 env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", box.name, *cmd],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
         self.procs.append(p)
         return p
 

@@ -13,11 +13,11 @@ from pathlib import Path
 from fakegrid import FakeGrid
 
 from bench import equal_budget
+from coordinator.run import RunDir
+from coordinator.server_app import Coordinator
 from soma_edge.config import Config
 from soma_edge.spsa import evals_per_step
 from tests.conftest import write_stdlib_corpus
-from coordinator.run import RunDir
-from coordinator.server_app import Coordinator
 
 
 def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
@@ -33,9 +33,33 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
         Coordinator(FakeGrid(run.parent / f"{run.name}-nodes", ["a", "b"]), rd).main()
 
     png = tmp_path / "eb.png"
-    argv = ["--minutes", "0.01", "--corpus", str(src), "--params", "12000", "--ns", "2", "--lrs", "5e-3,2e-2",
-            "--adam-lrs", "1e-3", "--round-seconds", "0.5", "--rate-seconds", "1", "--test-bytes", "20000",
-            "--curve-bytes", "8000", "--work", str(tmp_path / "work"), "--plot", str(png), "--json"]  # fmt: skip
+    argv = [
+        "--minutes",
+        "0.01",
+        "--corpus",
+        str(src),
+        "--params",
+        "12000",
+        "--ns",
+        "2",
+        "--lrs",
+        "5e-3,2e-2",
+        "--adam-lrs",
+        "1e-3",
+        "--round-seconds",
+        "0.5",
+        "--rate-seconds",
+        "1",
+        "--test-bytes",
+        "20000",
+        "--curve-bytes",
+        "8000",
+        "--work",
+        str(tmp_path / "work"),
+        "--plot",
+        str(png),
+        "--json",
+    ]
     out = equal_budget.main(argv, federate=fake_federation)
     printed = json.loads(capsys.readouterr().out)
     assert printed["arms"] == out["arms"] and printed["budget_flops"] == out["budget_flops"] > 0
@@ -61,22 +85,51 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
     assert soma["forward_evals"] == 2 * evals_per_step(Config().spsa) * soma["steps_per_expert"][0]
     assert soma["flops"] == soma["forward_evals"] * f1
     # The federation stopped on the step cap, long before its nominal 100,000 rounds.
-    assert soma["rounds"] < 100 and RunDir(tmp_path / "work" / "runs" / "soma-n2").load_state()["round"] == soma["rounds"]
+    assert (
+        soma["rounds"] < 100 and RunDir(tmp_path / "work" / "runs" / "soma-n2").load_state()["round"] == soma["rounds"]
+    )
     assert set(out["sweep"]) == {"n1", "n2", "adam"} and set(out["lr"]) == {"n1", "n2", "adam"}
     assert set(out["soma_vs_mono"]) == {"2"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "work" / "results.json").read_text())["arms"] == out["arms"]
 
     # An extra monolithic arm at a pinned lr and the first run's budget (no sweep, no rate probe), merged.
-    extra = equal_budget.main(["--corpus", str(src), "--params", "12000", "--ns", "", "--no-adam", "--lr", "n1=1e-3",
-                               "--budget-tflops", str(budget / 1e12), "--tag=-lr1e-3", "--round-seconds", "0.5",
-                               "--test-bytes", "20000", "--curve-bytes", "8000", "--work", str(tmp_path / "work2")],
-                              federate=fake_federation)  # fmt: skip
+    extra = equal_budget.main(
+        [
+            "--corpus",
+            str(src),
+            "--params",
+            "12000",
+            "--ns",
+            "",
+            "--no-adam",
+            "--lr",
+            "n1=1e-3",
+            "--budget-tflops",
+            str(budget / 1e12),
+            "--tag=-lr1e-3",
+            "--round-seconds",
+            "0.5",
+            "--test-bytes",
+            "20000",
+            "--curve-bytes",
+            "8000",
+            "--work",
+            str(tmp_path / "work2"),
+        ],
+        federate=fake_federation,
+    )
     assert [a["arm"] for a in extra["arms"]] == ["mono-spsa-lr1e-3"] and extra["sweep"] == {}
     assert extra["arms"][0]["lr"] == 1e-3 and extra["budget_flops"] == budget
     capsys.readouterr()
-    merged = equal_budget.main(["--from-json", f"{tmp_path / 'work' / 'results.json'},{tmp_path / 'work2' / 'results.json'}",
-                                "--plot", str(png)])  # fmt: skip
+    merged = equal_budget.main(
+        [
+            "--from-json",
+            f"{tmp_path / 'work' / 'results.json'},{tmp_path / 'work2' / 'results.json'}",
+            "--plot",
+            str(png),
+        ]
+    )
     assert [a["arm"] for a in merged["arms"]] == ["mono-spsa", "soma-n2", "adam", "mono-spsa-lr1e-3"]
     best = min(a["test_nats_per_byte"] for a in merged["arms"] if a["kind"] == "monolithic-spsa")
     assert merged["soma_vs_mono"]["2"] == 1 - soma["test_nats_per_byte"] / best

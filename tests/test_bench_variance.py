@@ -15,10 +15,25 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("kind", ["lstm", "soma"])
 def test_variance_bench_tiny_json(kind):
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "variance.py"), "--params", "12000", "--trials", "3",
-         "--k", "1,4", "--experts", "1,2", "--kind", kind, "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "variance.py"),
+            "--params",
+            "12000",
+            "--trials",
+            "3",
+            "--k",
+            "1,4",
+            "--experts",
+            "1,2",
+            "--kind",
+            kind,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     rows = out["rows"]

@@ -35,15 +35,19 @@ def test_certs_chain_hosts_and_key_permissions(tmp_path):
         server.verify_directly_issued_by(x509.load_pem_x509_certificate(other.ca.read_bytes()))
 
 
-@pytest.mark.parametrize("argv,fragments", [
-    (["certs", "{tls}", "--host", "127.0.0.1"], ["already holds", "--force"]),
-    (["certs", "{new}", "--host", "bad host"], ["--host", "not a DNS name"]),
-    (["start", "--run", "{tmp}/run", "--tls", "{tmp}/nowhere"], ["--tls", "ca.pem", "soma-coord certs"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["certs", "{tls}", "--host", "127.0.0.1"], ["already holds", "--force"]),
+        (["certs", "{new}", "--host", "bad host"], ["--host", "not a DNS name"]),
+        (["start", "--run", "{tmp}/run", "--tls", "{tmp}/nowhere"], ["--tls", "ca.pem", "soma-coord certs"]),
+    ],
+)
 def test_certs_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys):
     make_certs(tmp_path / "tls", ["127.0.0.1"])
-    rc = run_cli(app, [a.format(tls=tmp_path / "tls", new=tmp_path / "new", tmp=tmp_path) for a in argv],
-                 prog="soma-coord")  # fmt: skip
+    rc = run_cli(
+        app, [a.format(tls=tmp_path / "tls", new=tmp_path / "new", tmp=tmp_path) for a in argv], prog="soma-coord"
+    )
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
@@ -91,12 +95,15 @@ def test_worker_keys_register_once_and_list(tmp_path, capsys):
     assert '"box1"' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,fragments", [
-    (["add-worker", "{run}", "{pub}"], ["already registered", "'box1'"]),
-    (["add-worker", "{run}", "{other}", "--name", "box1"], ["--name 'box1'", "another key"]),
-    (["add-worker", "{run}", "{ca}"], ["ca.pem", "not an OpenSSH public key"]),
-    (["start", "--run", "{run}", "--auth"], ["--auth needs --tls"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["add-worker", "{run}", "{pub}"], ["already registered", "'box1'"]),
+        (["add-worker", "{run}", "{other}", "--name", "box1"], ["--name 'box1'", "another key"]),
+        (["add-worker", "{run}", "{ca}"], ["ca.pem", "not an OpenSSH public key"]),
+        (["start", "--run", "{run}", "--auth"], ["--auth needs --tls"]),
+    ],
+)
 def test_worker_key_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys):
     from soma_edge.certs import make_worker_key
 
@@ -112,10 +119,16 @@ def test_worker_key_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys)
     assert all(f in lines[0] for f in fragments), lines[0]
 
 
-@pytest.mark.parametrize("extra,fragments", [
-    (["--auth-key", "{key}"], ["--auth-key needs --root-certificates"]),
-    (["--auth-key", "{ca}", "--root-certificates", "{ca}"], ["--auth-key", "not an unencrypted OpenSSH private key"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,fragments",
+    [
+        (["--auth-key", "{key}"], ["--auth-key needs --root-certificates"]),
+        (
+            ["--auth-key", "{ca}", "--root-certificates", "{ca}"],
+            ["--auth-key", "not an unencrypted OpenSSH private key"],
+        ),
+    ],
+)
 def test_join_auth_key_bad_input(extra, fragments, tmp_path, capsys):
     from soma_edge.certs import make_worker_key
     from worker.cli import app as worker_app
@@ -129,12 +142,15 @@ def test_join_auth_key_bad_input(extra, fragments, tmp_path, capsys):
     assert all(f in lines[0] for f in fragments), lines[0]
 
 
-@pytest.mark.parametrize("host,tls,auth,warned", [
-    ("0.0.0.0", False, False, "without TLS (--tls) and worker authentication (--auth)"),
-    ("0.0.0.0", True, False, "without worker authentication (--auth)"),
-    ("0.0.0.0", True, True, None),
-    ("127.0.0.1", False, False, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "host,tls,auth,warned",
+    [
+        ("0.0.0.0", False, False, "without TLS (--tls) and worker authentication (--auth)"),
+        ("0.0.0.0", True, False, "without worker authentication (--auth)"),
+        ("0.0.0.0", True, True, None),
+        ("127.0.0.1", False, False, None),
+    ],
+)
 def test_listening_beyond_loopback_unprotected_warns(host, tls, auth, warned, tmp_path, capsys):
     from coordinator.start import Options, _warn_if_open
 
@@ -159,12 +175,15 @@ def superlinks(tmp_path_factory):
         launcher.stop_all()
 
 
-@pytest.mark.parametrize("which,ca,fragments", [
-    ("tls", None, ["TLS:", "uses TLS", "--root-certificates"]),
-    ("tls", "other", ["TLS:", "does not verify", "ca.pem"]),
-    ("plain", "ca", ["TLS:", "does not speak TLS"]),
-    ("closed", None, ["unreachable for 2 s"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "which,ca,fragments",
+    [
+        ("tls", None, ["TLS:", "uses TLS", "--root-certificates"]),
+        ("tls", "other", ["TLS:", "does not verify", "ca.pem"]),
+        ("plain", "ca", ["TLS:", "does not speak TLS"]),
+        ("closed", None, ["unreachable for 2 s"]),
+    ],
+)
 def test_join_says_what_went_wrong_in_one_line(which, ca, fragments, superlinks, capsys):
     """Each failure in one line within seconds, where Flower would retry forever with the same warning."""
     import time
@@ -194,8 +213,18 @@ def test_join_says_the_coordinator_is_gone_when_it_stops_answering(tmp_path):
     port = free_port()
     link = launcher.superlink("127.0.0.1", port, None)
     log = tmp_path / "join.log"
-    cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--patience", "5",
-           "--cache", str(tmp_path / "cache")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "join",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--patience",
+        "5",
+        "--cache",
+        str(tmp_path / "cache"),
+    ]
     with open(log, "wb") as out:
         join = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
     try:
@@ -209,12 +238,17 @@ def test_join_says_the_coordinator_is_gone_when_it_stops_answering(tmp_path):
         if join.poll() is None:
             os.killpg(join.pid, 9)
     errors = [ln for ln in log.read_text().splitlines() if ln.startswith("error:")]
-    assert rc == 2 and len(errors) == 1 and errors[0].startswith(f"error: the coordinator at 127.0.0.1:{port} is gone: no "
-                                                                 "answer for "), errors  # fmt: skip
+    assert (
+        rc == 2
+        and len(errors) == 1
+        and errors[0].startswith(f"error: the coordinator at 127.0.0.1:{port} is gone: no answer for ")
+    ), errors
     assert errors[0].endswith("s (it stopped, or the network to it is down); start this worker again once it is back")
     assert time.monotonic() - t0 < 15
-    assert not any(p.isdigit() and b"worker.supernode" in _cmdline(p) and str(tmp_path).encode() in _cmdline(p)
-                   for p in os.listdir("/proc"))  # the SuperNode was stopped too  # fmt: skip
+    assert not any(
+        p.isdigit() and b"worker.supernode" in _cmdline(p) and str(tmp_path).encode() in _cmdline(p)
+        for p in os.listdir("/proc")
+    )  # the SuperNode was stopped too
 
 
 def _cmdline(pid: str) -> bytes:

@@ -148,12 +148,15 @@ def test_the_readme_table_lists_every_setting_with_its_default():
         assert documented[key] == default and type(documented[key]) is type(default), (key, documented[key], default)
 
 
-@pytest.mark.parametrize("argv,rest,level", [
-    (["status", "RUN", "--log-level", "debug"], ["status", "RUN"], "debug"),
-    (["--log-level=warning", "stop", "RUN"], ["stop", "RUN"], "warning"),
-    (["eval", "B", "--", "--log-level", "x"], ["eval", "B", "--", "--log-level", "x"], "info"),
-    (["status", "RUN"], ["status", "RUN"], "info"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,rest,level",
+    [
+        (["status", "RUN", "--log-level", "debug"], ["status", "RUN"], "debug"),
+        (["--log-level=warning", "stop", "RUN"], ["stop", "RUN"], "warning"),
+        (["eval", "B", "--", "--log-level", "x"], ["eval", "B", "--", "--log-level", "x"], "info"),
+        (["status", "RUN"], ["status", "RUN"], "info"),
+    ],
+)
 def test_every_command_takes_log_level_anywhere(argv, rest, level):
     from soma_edge import cli
 
@@ -163,8 +166,8 @@ def test_every_command_takes_log_level_anywhere(argv, rest, level):
 
 @pytest.mark.parametrize("argv", [["status", "--log-level"], ["status", "--log-level", "loud"]])
 def test_a_bad_log_level_is_one_error_line(argv, capsys):
-    from soma_edge import cli
     from coordinator.cli import app
+    from soma_edge import cli
 
     assert cli.run(app, argv, "soma-coord") == 2
     err = capsys.readouterr().err.strip()

@@ -42,14 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from crash_child import CRASH_CODE, EXPERT_RE, POINTS, state_summary
+from fakegrid import TINY, set_fed
 
 from coordinator.run import RunDir
-from fakegrid import TINY, set_fed
 from soma_edge import checkpoint, protocol
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError
-
-from crash_child import CRASH_CODE, EXPERT_RE, POINTS, state_summary
 
 CHILD = Path(__file__).resolve().parent / "crash_child.py"
 ROUNDS = 3
@@ -141,10 +140,11 @@ def snapshot(rd: RunDir, journal: Path) -> dict:
         "journal": [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else [],
         "state": _load_summary(rd.state_path) if rd.state_path.exists() else None,
         "prev": _load_summary(rd.prev_state_path) if rd.prev_state_path.exists() else None,
-        "state_exists": rd.state_path.exists(), "prev_exists": rd.prev_state_path.exists(),
+        "state_exists": rd.state_path.exists(),
+        "prev_exists": rd.prev_state_path.exists(),
         "tmp": _tmp_files(root),
         "files": sorted(str(p.relative_to(root)) for p in root.glob("experts/*/v*.msgpack")),
-    }  # fmt: skip
+    }
     try:
         chosen = RunDir(root).load_state(verify=True)
         out["resume_from"] = None if chosen is None else int(chosen["round"])
@@ -180,10 +180,27 @@ def _pending_prune(root: Path, snap: dict) -> int:
 def run_trial(prepared: Path, base: Path, t: Trial) -> dict:
     rd = _new_run(prepared, base / "run")
     nodes, journal, info = base / "nodes", base / "journal.jsonl", base / "crash.json"
-    crash = _child(rd.root, nodes, "--phase", t.phase, "--point", t.point, "--k", str(t.k), "--round", str(t.round),
-                   "--info", str(info), "--journal", str(journal))  # fmt: skip
-    res = {"crash_rc": crash.returncode, "crash_err": crash.stderr[-3000:],
-           "info": json.loads(info.read_text() or "null") if info.exists() else None}  # fmt: skip
+    crash = _child(
+        rd.root,
+        nodes,
+        "--phase",
+        t.phase,
+        "--point",
+        t.point,
+        "--k",
+        str(t.k),
+        "--round",
+        str(t.round),
+        "--info",
+        str(info),
+        "--journal",
+        str(journal),
+    )
+    res = {
+        "crash_rc": crash.returncode,
+        "crash_err": crash.stderr[-3000:],
+        "info": json.loads(info.read_text() or "null") if info.exists() else None,
+    }
     if crash.returncode != CRASH_CODE:
         return res
     res["snap"] = snapshot(rd, journal)
@@ -203,7 +220,8 @@ def check_resumed(rd: RunDir, snap: dict, expected_tmp: list[str]) -> None:
     last_committed = journal[-1]["round"] if journal else None
     if last_committed is not None:
         assert snap["resume_from"] is not None and snap["resume_from"] >= last_committed, (
-            f"the child committed round {last_committed}, the crash left round {snap['resume_from']}")  # fmt: skip
+            f"the child committed round {last_committed}, the crash left round {snap['resume_from']}"
+        )
 
     log = (root / "logs" / "coordinator.log").read_text()
     if snap["resume_from"] is not None and snap["resume_from"] >= ROUNDS:  # it crashed after the last commit
@@ -307,9 +325,13 @@ def expected_tmp(t: Trial, info: dict, snap: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def trial_runs(request, prepared, tmp_path_factory):
     """The selected trials, started PARALLEL at a time on first use; trial index -> Future of its result."""
-    wanted = sorted({item.callspec.params["t"].index for item in request.session.items
-                     if getattr(item, "originalname", "") == "test_crash_trial"
-                     and hasattr(item, "callspec")})  # fmt: skip
+    wanted = sorted(
+        {
+            item.callspec.params["t"].index
+            for item in request.session.items
+            if getattr(item, "originalname", "") == "test_crash_trial" and hasattr(item, "callspec")
+        }
+    )
     base = tmp_path_factory.mktemp("crash")
     pool = ThreadPoolExecutor(PARALLEL)
     futures: dict[int, Future] = {i: pool.submit(run_trial, prepared, base / str(TRIALS[i]), TRIALS[i]) for i in wanted}

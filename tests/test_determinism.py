@@ -14,10 +14,27 @@ def _train(tmp_path, name: str, seed: int) -> np.ndarray:
     cfg = tmp_path / "cfg.toml"
     cfg.write_text('device = "cpu"\n[model]\nembed = 16\nhidden = 48\n[data]\nbatch = 4\nseq_len = 32\n')
     r = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "train", "--config", str(cfg), "--steps", "20",
-         "--seed", str(seed), "--out", str(out), "--eval-windows", "4", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "train",
+            "--config",
+            str(cfg),
+            "--steps",
+            "20",
+            "--seed",
+            str(seed),
+            "--out",
+            str(out),
+            "--eval-windows",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     body = checkpoint.load(out, "expert")
     assert body["step"] == 20
@@ -62,11 +79,30 @@ def test_concurrency_does_not_change_the_bits():
 
 def _cli_train(tmp_path, *args: str):
     cfg = tmp_path / "resume.toml"
-    cfg.write_text('device = "cpu"\n[model]\nembed = 8\nhidden = 24\n[data]\nbatch = 4\nseq_len = 32\n'
-                   '[spsa]\ndirections = 3\nupdate = "adam"\nlr = 1e-3\ndensity = 0.5\nweight_decay = 1e-4\n'
-                   'plateau = true\nplateau_patience = 4\n')  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "worker.cli", "train", "--config", str(cfg), "--eval-windows", "4",
-                        "--check-steps", "4", "--json", *args], capture_output=True, text=True, timeout=300)  # fmt: skip
+    cfg.write_text(
+        'device = "cpu"\n[model]\nembed = 8\nhidden = 24\n[data]\nbatch = 4\nseq_len = 32\n'
+        '[spsa]\ndirections = 3\nupdate = "adam"\nlr = 1e-3\ndensity = 0.5\nweight_decay = 1e-4\n'
+        "plateau = true\nplateau_patience = 4\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "train",
+            "--config",
+            str(cfg),
+            "--eval-windows",
+            "4",
+            "--check-steps",
+            "4",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return r
 
 
@@ -75,8 +111,11 @@ def test_resume_restores_the_optimizer_state_bit_for_bit(tmp_path):
     from soma_edge.spsa import OptState
 
     straight, first, resumed = tmp_path / "straight.msgpack", tmp_path / "first.msgpack", tmp_path / "resumed.msgpack"
-    for args in (["--steps", "12", "--out", str(straight)], ["--steps", "8", "--out", str(first)],
-                 ["--steps", "4", "--resume", str(first), "--out", str(resumed)]):  # fmt: skip
+    for args in (
+        ["--steps", "12", "--out", str(straight)],
+        ["--steps", "8", "--out", str(first)],
+        ["--steps", "4", "--resume", str(first), "--out", str(resumed)],
+    ):
         r = _cli_train(tmp_path, *args)
         assert r.returncode == 0, r.stderr
     a, b = checkpoint.load(straight, "expert"), checkpoint.load(resumed, "expert")

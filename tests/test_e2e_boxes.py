@@ -9,10 +9,11 @@ import os
 import sys
 
 import netboxes
+from test_e2e_federation import START_TIMEOUT
+
 from coordinator.run import RunDir
 from soma_edge import params
 from soma_edge.procs import free_port
-from test_e2e_federation import START_TIMEOUT
 from tests.conftest import write_stdlib_corpus
 
 CONFIG = """
@@ -49,14 +50,52 @@ def test_log_replies_across_namespaces_with_a_slow_link(tmp_path):
         coord = boxes.add("coord")
         slow = boxes.add("slow", link_to=coord, mbit=1)
         fast = boxes.add("fast", link_to=coord)
-        start = boxes.popen(coord, [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--config",
-                                    str(tmp_path / "fed.toml"), "--corpus", str(src), "--host", "0.0.0.0", "--port",
-                                    str(port)], tmp_path / "start.log", env=env, cwd=tmp_path)  # fmt: skip
+        start = boxes.popen(
+            coord,
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--run",
+                str(run),
+                "--config",
+                str(tmp_path / "fed.toml"),
+                "--corpus",
+                str(src),
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+            ],
+            tmp_path / "start.log",
+            env=env,
+            cwd=tmp_path,
+        )
         for box in (slow, fast):
             name = box.name.rsplit("-", 1)[1]
-            boxes.popen(box, [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"{box.peer}:{port}",
-                              "--name", name, "--cache", str(tmp_path / name), "--threads", "1", "--no-spin",
-                              "--parallel", "1"], tmp_path / f"{name}.log", env=env)  # fmt: skip
+            boxes.popen(
+                box,
+                [
+                    sys.executable,
+                    "-m",
+                    "worker.cli",
+                    "join",
+                    "--coordinator",
+                    f"{box.peer}:{port}",
+                    "--name",
+                    name,
+                    "--cache",
+                    str(tmp_path / name),
+                    "--threads",
+                    "1",
+                    "--no-spin",
+                    "--parallel",
+                    "1",
+                ],
+                tmp_path / f"{name}.log",
+                env=env,
+            )
         code = start.wait(START_TIMEOUT)
         assert code == 0, (tmp_path / "start.log").read_text(errors="replace")[-3000:]
     finally:
@@ -68,7 +107,9 @@ def test_log_replies_across_namespaces_with_a_slow_link(tmp_path):
     lines = rd.read_metrics()
     experts = [m for m in lines if m["type"] == "expert"]
     on_slow = [m for m in experts if m["node"] == "slow"]
-    assert on_slow and all(m["accepted"] for m in on_slow if m["round"] >= 2), [(m["round"], m.get("reason")) for m in on_slow]
+    assert on_slow and all(m["accepted"] for m in on_slow if m["round"] >= 2), [
+        (m["round"], m.get("reason")) for m in on_slow
+    ]
     assert {m["round"] for m in on_slow} >= {2, 3, 4}
     # Upstream, a log reply is under 1% of what weights mode sends for the same expert: its weights and
     # the Adam moments (float32 each).

@@ -12,10 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_e2e_federation import _cli
+
 from coordinator.launcher import Launcher
 from coordinator.run import RunDir
 from soma_edge.procs import free_port
-from test_e2e_federation import _cli
 from tests.conftest import write_stdlib_corpus
 
 CONFIG = """
@@ -47,14 +48,49 @@ def test_start_against_an_external_superlink_follows_it_without_the_run_dir(tmp_
     worker = None
     try:
         link.superlink("127.0.0.1", port, None)
-        cmd = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", "box1",
-               "--cache", str(tmp_path / "box1"), "--threads", "1", "--no-spin", "--parallel", "1"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "join",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--name",
+            "box1",
+            "--cache",
+            str(tmp_path / "box1"),
+            "--threads",
+            "1",
+            "--no-spin",
+            "--parallel",
+            "1",
+        ]
         with open(tmp_path / "box1.log", "ab") as out:
             worker = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         (tmp_path / "elsewhere").mkdir()
-        r = subprocess.run([sys.executable, "-m", "coordinator", "start", "--superlink", f"127.0.0.1:{port}", "--run",
-                            str(run), "--config", str(tmp_path / "fed.toml"), "--corpus", str(src), "--rounds", "2"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path / "elsewhere", timeout=400)  # fmt: skip
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--superlink",
+                f"127.0.0.1:{port}",
+                "--run",
+                str(run),
+                "--config",
+                str(tmp_path / "fed.toml"),
+                "--corpus",
+                str(src),
+                "--rounds",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path / "elsewhere",
+            timeout=400,
+        )
     finally:
         if worker is not None and worker.poll() is None:
             os.killpg(worker.pid, signal.SIGKILL)

@@ -64,13 +64,32 @@ def fed(tmp_path_factory):
 
 
 def _start(fed, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "coordinator", "start", "--run", str(fed["run"]), "--config", str(fed["config"]),
-           "--corpus", str(fed["corpus"]), "--port", "0", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordinator",
+        "start",
+        "--run",
+        str(fed["run"]),
+        "--config",
+        str(fed["config"]),
+        "--corpus",
+        str(fed["corpus"]),
+        "--port",
+        "0",
+        *extra,
+    ]
     log = open(fed["root"] / "start.log", "ab")
     # SIGINT back to its default: a test run started from a background job inherits it ignored, and then
     # the Ctrl-C test would see a coordinator that cannot be interrupted.
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=fed["env"], cwd=fed["root"],
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=fed["env"],
+        cwd=fed["root"],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _finish(fed, proc: subprocess.Popen) -> None:
@@ -102,7 +121,9 @@ def _sent(run: Path) -> dict[tuple[int, int], str]:
     """(expert, version) -> sha256, from every worker's log line for what it sent."""
     out = {}
     for log in (run / "logs").glob("w*.log"):
-        for e, v, sha in re.findall(r"sent expert=(\d+) version=(\d+) sha256=([0-9a-f]{64})", log.read_text(errors="replace")):
+        for e, v, sha in re.findall(
+            r"sent expert=(\d+) version=(\d+) sha256=([0-9a-f]{64})", log.read_text(errors="replace")
+        ):
             out[(int(e), int(v))] = sha
     return out
 
@@ -183,8 +204,11 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
 
     def w1_training():
         st = rd.read_status() or {}
-        return (st.get("phase") == "round" and st.get("round") == r0 + 1
-                and w1_log.read_text(errors="replace").count("training experts") > trains_before)  # fmt: skip
+        return (
+            st.get("phase") == "round"
+            and st.get("round") == r0 + 1
+            and w1_log.read_text(errors="replace").count("training experts") > trains_before
+        )
 
     try:
         _wait(w1_training, 120, "w1 to start training in the round", fed)
@@ -199,8 +223,9 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
     lines = _metrics(rd, "expert")
     killed = [m for m in lines if m["round"] == r0 + 1 and m["node"] == "w1"]
     # Flower reports the dead node after two 10 s heartbeats, or the round's deadline (21 s) comes first.
-    assert killed and all(not m["accepted"] and ("deadline" in m["reason"] or "w1 is gone" in m["reason"])
-                          for m in killed)  # fmt: skip
+    assert killed and all(
+        not m["accepted"] and ("deadline" in m["reason"] or "w1 is gone" in m["reason"]) for m in killed
+    )
     after = [m for m in lines if m["round"] == r0 + 2]
     assert all(m["accepted"] and m["node"] == "w0" for m in after)  # reassigned, and trained
     for e, x in state["experts"].items():
@@ -318,14 +343,26 @@ def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
     tied E stays frozen while the experts train; the run exports and evaluates under both protocols."""
     src = write_stdlib_corpus(tmp_path / "corpus")
     (tmp_path / "seed.toml").write_text(SEED_CONFIG)
-    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "seed.toml",
-           "env": dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))}  # fmt: skip
-    certs = subprocess.run([sys.executable, "-m", "coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"],
-                           capture_output=True, text=True, env=fed["env"])  # fmt: skip
+    fed = {
+        "root": tmp_path,
+        "run": tmp_path / "run",
+        "corpus": src,
+        "config": tmp_path / "seed.toml",
+        "env": dict(os.environ, SOMA_CACHE=str(tmp_path / "cache")),
+    }
+    certs = subprocess.run(
+        [sys.executable, "-m", "coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"],
+        capture_output=True,
+        text=True,
+        env=fed["env"],
+    )
     assert certs.returncode == 0, certs.stderr
     _finish(fed, _start(fed, "--tls", str(tmp_path / "tls")))
     logs = fed["run"] / "logs"
-    assert "--ssl-certfile" in (logs / "superlink.log").read_text() and "--insecure" not in (logs / "superlink.log").read_text()
+    assert (
+        "--ssl-certfile" in (logs / "superlink.log").read_text()
+        and "--insecure" not in (logs / "superlink.log").read_text()
+    )
     assert all("--root-certificates" in (logs / f"w{i}.log").read_text() for i in (0, 1))
     rd = RunDir(fed["run"])
     state = rd.load_state()
@@ -349,13 +386,21 @@ def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
     assert phases[0] == "seed" and phases[-1] == "experts"
 
     deploy = tmp_path / "deploy"
-    subprocess.run([sys.executable, "-m", "export.cli", "onnx", str(fed["run"]), "--out", str(deploy)], check=True,
-                   capture_output=True, env=fed["env"])  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "export.cli", "onnx", str(fed["run"]), "--out", str(deploy)],
+        check=True,
+        capture_output=True,
+        env=fed["env"],
+    )
     text = tmp_path / "heldout.txt"
     text.write_bytes(b"".join(rd.shard(h) for h in _test_shards(rd))[:6000])
     for protocol_name in ("stream", "paper"):
-        r = subprocess.run([sys.executable, "-m", "export.cli", "eval", str(deploy), "--data", str(text), "--protocol",
-                            protocol_name], capture_output=True, text=True, env=fed["env"])  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "export.cli", "eval", str(deploy), "--data", str(text), "--protocol", protocol_name],
+            capture_output=True,
+            text=True,
+            env=fed["env"],
+        )
         assert r.returncode == 0, r.stderr
         nats = float(r.stdout.strip().splitlines()[-1].split("nats/byte: ")[1].split()[0])
         assert f"{protocol_name} protocol" in r.stdout and 0.5 < nats < np.log(256)
@@ -401,7 +446,8 @@ def secure_federation(tmp_path: Path, config: str, *workers: str) -> tuple[dict,
     env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
     fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "fed.toml", "env": env}
     for argv in [("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1")] + [
-            ("worker.cli", "keygen", str(tmp_path / w)) for w in workers]:  # fmt: skip
+        ("worker.cli", "keygen", str(tmp_path / w)) for w in workers
+    ]:
         r = _cli(tmp_path, env, *argv)
         assert r.returncode == 0, r.stderr
     proc = _start(fed, "--tls", str(tmp_path / "tls"), "--auth")
@@ -414,9 +460,27 @@ def secure_federation(tmp_path: Path, config: str, *workers: str) -> tuple[dict,
 
 def secure_join(tmp_path: Path, port: str, name: str) -> list[str]:
     """`soma-worker join` for worker `name` (its keys in tmp_path/name) of a `secure_federation`."""
-    return [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--name", name,
-            "--root-certificates", str(tmp_path / "tls" / "ca.pem"), "--auth-key", str(tmp_path / name / "worker.key"),
-            "--cache", str(tmp_path / f"{name}-cache"), "--threads", "1", "--no-spin", "--parallel", "1"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "join",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--name",
+        name,
+        "--root-certificates",
+        str(tmp_path / "tls" / "ca.pem"),
+        "--auth-key",
+        str(tmp_path / name / "worker.key"),
+        "--cache",
+        str(tmp_path / f"{name}-cache"),
+        "--threads",
+        "1",
+        "--no-spin",
+        "--parallel",
+        "1",
+    ]
 
 
 def test_tls_with_worker_authentication(tmp_path):
@@ -427,16 +491,34 @@ def test_tls_with_worker_authentication(tmp_path):
     env = fed["env"]
     assert "registered 1 worker key(s): w0" in (tmp_path / "start.log").read_text()
     # Trust the external worker while the run is live (it waits for min_nodes = 2): registered at once.
-    r = _cli(tmp_path, env, "coordinator", "add-worker", str(fed["run"]), str(tmp_path / "ext" / "worker.pub"), "--name", "ext")
+    r = _cli(
+        tmp_path,
+        env,
+        "coordinator",
+        "add-worker",
+        str(fed["run"]),
+        str(tmp_path / "ext" / "worker.pub"),
+        "--name",
+        "ext",
+    )
     assert r.returncode == 0 and "with the live SuperLink as node" in r.stdout, r.stdout + r.stderr
 
     def join(name: str) -> subprocess.Popen:
         out = open(tmp_path / f"{name}.log", "ab")
-        return subprocess.Popen(secure_join(tmp_path, port, name), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            secure_join(tmp_path, port, name), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
-    no_ca = [sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--cache",
-             str(tmp_path / "no-ca-cache")]  # fmt: skip
+    no_ca = [
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "join",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--cache",
+        str(tmp_path / "no-ca-cache"),
+    ]
     t0 = time.monotonic()
     r = subprocess.run(no_ca, capture_output=True, text=True, env=env, timeout=60)  # no --root-certificates
     assert r.returncode == 2 and time.monotonic() - t0 < 30, r.stderr
@@ -467,5 +549,7 @@ def test_tls_with_worker_authentication(tmp_path):
     assert {m["node"] for m in lines} <= {"w0", "ext"}
     # The restarted process trained too: its replies came from the same node id (the coordinator checks
     # each reply's source against the node it sent the task to).
-    assert any(m["node"] == "ext" and m["round"] > restarted + 1 for m in lines), [(m["round"], m["node"]) for m in lines]
+    assert any(m["node"] == "ext" and m["round"] > restarted + 1 for m in lines), [
+        (m["round"], m["node"]) for m in lines
+    ]
     assert rd.load_state()["round"] == 6

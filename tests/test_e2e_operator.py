@@ -16,9 +16,10 @@ import sys
 import time
 
 import netboxes
+from test_e2e_federation import START_TIMEOUT
+
 from coordinator.run import RunDir
 from soma_edge.procs import free_port
-from test_e2e_federation import START_TIMEOUT
 from tests.conftest import write_stdlib_corpus
 
 DEADLINE_SLACK = 60.0
@@ -74,15 +75,52 @@ def test_operator_story_across_namespaces(tmp_path):
     try:
         coord = boxes.add("coord")
         workers = {name: boxes.add(name, link_to=coord) for name in ("a", "b", "c")}
-        start = boxes.popen(coord, [sys.executable, "-m", "coordinator", "start", "--run", str(rd.root), "--config",
-                                    str(tmp_path / "fed.toml"), "--corpus", str(src), "--host", "0.0.0.0", "--port",
-                                    str(port)], tmp_path / "start.log", env=env, cwd=tmp_path)  # fmt: skip
+        start = boxes.popen(
+            coord,
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--run",
+                str(rd.root),
+                "--config",
+                str(tmp_path / "fed.toml"),
+                "--corpus",
+                str(src),
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+            ],
+            tmp_path / "start.log",
+            env=env,
+            cwd=tmp_path,
+        )
         joins = {}
         for name, box in workers.items():
-            joins[name] = boxes.popen(box, [sys.executable, "-m", "worker.cli", "join", "--coordinator",
-                                            f"{box.peer}:{port}", "--name", name, "--cache", str(tmp_path / name),
-                                            "--threads", "1", "--no-spin", "--parallel", "1"],
-                                      tmp_path / f"{name}.log", env=env)  # fmt: skip
+            joins[name] = boxes.popen(
+                box,
+                [
+                    sys.executable,
+                    "-m",
+                    "worker.cli",
+                    "join",
+                    "--coordinator",
+                    f"{box.peer}:{port}",
+                    "--name",
+                    name,
+                    "--cache",
+                    str(tmp_path / name),
+                    "--threads",
+                    "1",
+                    "--no-spin",
+                    "--parallel",
+                    "1",
+                ],
+                tmp_path / f"{name}.log",
+                env=env,
+            )
             if name == "a":
                 time.sleep(2.0)  # b and c join 2 s after a; min_nodes = 1, so a alone could start round 1
 
@@ -116,7 +154,9 @@ def test_operator_story_across_namespaces(tmp_path):
     deadline = 6.0 * 1.5 + DEADLINE_SLACK
     assert t_round3 - t_kill < 30 and r3["round_seconds_total"] < deadline - 20, (t_round3 - t_kill, r3)
     lost = [m["expert"] for m in lines if m["type"] == "expert" and m["round"] == 3 and m["node"] == victim]
-    assert lost and all(not m["accepted"] for m in lines if m["type"] == "expert" and m["round"] == 3 and m["expert"] in lost)
+    assert lost and all(
+        not m["accepted"] for m in lines if m["type"] == "expert" and m["round"] == 3 and m["expert"] in lost
+    )
     r4 = [m for m in lines if m["type"] == "expert" and m["round"] == 4]
     assert all(m["accepted"] and m["node"] != victim for m in r4), r4
     # The console (piped to a file) told the story as it happened.
@@ -158,16 +198,51 @@ def test_a_worker_with_stay_serves_the_next_run(tmp_path):
     port, log = free_port(), tmp_path / "w.log"
 
     def start(name: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "coordinator", "start", "--run", str(tmp_path / name), "--config",
-                                 str(tmp_path / "fed.toml"), "--corpus", str(src), "--port", str(port)],
-                                stdout=open(tmp_path / f"{name}.log", "ab"), stderr=subprocess.STDOUT, env=env,
-                                cwd=tmp_path)  # fmt: skip
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--run",
+                str(tmp_path / name),
+                "--config",
+                str(tmp_path / "fed.toml"),
+                "--corpus",
+                str(src),
+                "--port",
+                str(port),
+            ],
+            stdout=open(tmp_path / f"{name}.log", "ab"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
 
     first, second = start("run1"), None
-    worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "join", "--coordinator", f"127.0.0.1:{port}", "--stay",
-                               "--patience", "3", "--name", "s", "--cache", str(tmp_path / "s"), "--threads", "1"],
-                              stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True)  # fmt: skip
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "join",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--stay",
+            "--patience",
+            "3",
+            "--name",
+            "s",
+            "--cache",
+            str(tmp_path / "s"),
+            "--threads",
+            "1",
+        ],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         assert first.wait(START_TIMEOUT) == 0, (tmp_path / "run1.log").read_text(errors="replace")[-3000:]
         said = lambda text: text in log.read_text(errors="replace")  # noqa: E731

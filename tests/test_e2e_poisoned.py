@@ -16,10 +16,11 @@ import signal
 import subprocess
 from pathlib import Path
 
+from test_e2e_federation import _cli, _finish, _metrics, secure_federation, secure_join
+
 from coordinator import guard
 from coordinator.run import RunDir
 from soma_edge import checkpoint
-from test_e2e_federation import _cli, _finish, _metrics, secure_federation, secure_join
 
 POISON = Path(__file__).parent / "poison"
 TOL = 0.5
@@ -52,7 +53,16 @@ piece_bytes = 131072
 def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
     fed, proc, port = secure_federation(tmp_path, CONFIG, "liar")
     env = fed["env"]
-    r = _cli(tmp_path, env, "coordinator", "add-worker", str(fed["run"]), str(tmp_path / "liar" / "worker.pub"), "--name", "liar")
+    r = _cli(
+        tmp_path,
+        env,
+        "coordinator",
+        "add-worker",
+        str(fed["run"]),
+        str(tmp_path / "liar" / "worker.pub"),
+        "--name",
+        "liar",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     cmd = secure_join(tmp_path, port, "liar")
     liar_env = dict(env, PYTHONPATH=os.pathsep.join([str(POISON), env.get("PYTHONPATH", "")]), SOMA_TEST_POISON="mixed")

@@ -11,9 +11,10 @@ import re
 import subprocess
 import sys
 
-from coordinator.run import RunDir
-from test_watch import _events
 from test_e2e_federation import _leftovers, _start, _wait
+from test_watch import _events
+
+from coordinator.run import RunDir
 from tests.conftest import write_stdlib_corpus
 
 CONFIG = """
@@ -37,8 +38,14 @@ local_workers = 2
 
 
 def _cli(tmp_path, env, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=timeout,
+    )
 
 
 def test_watch_stop_tensorboard_and_report_on_a_real_run(tmp_path):
@@ -46,15 +53,26 @@ def test_watch_stop_tensorboard_and_report_on_a_real_run(tmp_path):
 
     (tmp_path / "fed.toml").write_text(CONFIG)
     env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"), COLUMNS="200")
-    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": write_stdlib_corpus(tmp_path / "corpus"),
-           "config": tmp_path / "fed.toml", "env": env}  # fmt: skip
+    fed = {
+        "root": tmp_path,
+        "run": tmp_path / "run",
+        "corpus": write_stdlib_corpus(tmp_path / "corpus"),
+        "config": tmp_path / "fed.toml",
+        "env": env,
+    }
     rd = RunDir(fed["run"])
     assert _cli(tmp_path, env, "stop", str(fed["run"])).returncode == 2  # nothing is running yet
     start = _start(fed)
     try:
         _wait(lambda: rd.is_locked() and (rd.load_state() or {}).get("round", 0) >= 1, 240, "round 1 to commit")
-        watch = subprocess.Popen([sys.executable, "-m", "coordinator", "status", str(fed["run"]), "--watch", "--every", "0.3"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)  # fmt: skip
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "status", str(fed["run"]), "--watch", "--every", "0.3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         _wait(lambda: rd.load_state()["round"] >= 3, 120, "round 3 to commit")
         stop = _cli(tmp_path, env, "stop", str(fed["run"]), "--log-level", "warning")
         code = start.wait(120)
@@ -103,5 +121,10 @@ def test_watch_stop_tensorboard_and_report_on_a_real_run(tmp_path):
     assert "<table>" in page and f"round {state['round']} of 50" in page
 
     # Starting again resumes where the stop left the run.
-    assert _cli(tmp_path, env, "start", "--run", str(fed["run"]), "--rounds", str(state["round"] + 1), "--port", "0").returncode == 0
+    assert (
+        _cli(
+            tmp_path, env, "start", "--run", str(fed["run"]), "--rounds", str(state["round"] + 1), "--port", "0"
+        ).returncode
+        == 0
+    )
     assert rd.load_state()["round"] == state["round"] + 1

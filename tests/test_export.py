@@ -66,8 +66,15 @@ def make_run(root: Path, m: ModelConfig, n: int, docs: list[bytes], f16: tuple[i
         stored = w.astype(np.float16) if e in f16 else w
         sha = hashlib.sha256(stored.tobytes()).hexdigest()
         rel = f"experts/{e}/v{e + 1}.msgpack"
-        body = {"expert": e, "version": e + 1, "sha256": sha, "config": cfg.to_dict(), "step": 10 * (e + 1),
-                "weights": stored, "val_loss": 2.5 + e if e else None}  # fmt: skip
+        body = {
+            "expert": e,
+            "version": e + 1,
+            "sha256": sha,
+            "config": cfg.to_dict(),
+            "step": 10 * (e + 1),
+            "weights": stored,
+            "val_loss": 2.5 + e if e else None,
+        }
         checkpoint.save(root / rel, body, "expert")
         experts[str(e)] = {"version": e + 1, "sha256": sha, "path": rel}
         used[e] = stored.astype(np.float32)
@@ -161,8 +168,14 @@ def test_bundle_lists_and_checks_every_file(exported):
     for e in manifest["experts"]:
         i = e["id"]
         assert (e["version"], e["step"], e["val_loss"]) == (i + 1, 10 * (i + 1), 2.5 + i if i else None)
-        assert e["config"]["model"] == {"kind": "lstm", "embed": 8, "hidden": 16, "layers": 1, "input_gain": 4.0,
-                                        "seed_decoder": "frozen"}
+        assert e["config"]["model"] == {
+            "kind": "lstm",
+            "embed": 8,
+            "hidden": 16,
+            "layers": 1,
+            "input_gain": 4.0,
+            "seed_decoder": "frozen",
+        }
         assert e["params"] == weights[i].size
     assert not [p for p in deploy.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
 
@@ -227,7 +240,9 @@ def test_generation_mixture_equals_eval_mixture(any_dep):
     for b in prompt[1:]:
         got.append(s.logprobs[b])
         s.feed(bytes([b]))
-    np.testing.assert_allclose(got, dep.score(np.frombuffer(prompt, np.uint8), 2, keep_logprobs=True).logprobs, atol=1e-5)
+    np.testing.assert_allclose(
+        got, dep.score(np.frombuffer(prompt, np.uint8), 2, keep_logprobs=True).logprobs, atol=1e-5
+    )
 
 
 def test_uniform_top_all_equals_independent_numpy_mixture(exported, eval_file, capsys):
@@ -238,8 +253,9 @@ def test_uniform_top_all_equals_independent_numpy_mixture(exported, eval_file, c
     # Independently: plain ORT sessions on the bundle's files, the file cut into T-byte windows, p = mean_e p_e.
     data = np.frombuffer(eval_file.read_bytes(), np.uint8).astype(np.int64)
     manifest = json.loads((deploy / "manifest.json").read_text())
-    sessions = [ort.InferenceSession(str(deploy / e["score"]), providers=["CPUExecutionProvider"])
-                for e in manifest["experts"]]  # fmt: skip
+    sessions = [
+        ort.InferenceSession(str(deploy / e["score"]), providers=["CPUExecutionProvider"]) for e in manifest["experts"]
+    ]
     nll = []
     for s in range(0, data.size - 1, T):
         x, y = data[s : min(s + T, data.size - 1)], data[s + 1 : min(s + T, data.size - 1) + 1]
@@ -264,7 +280,10 @@ def test_routed_eval_uses_only_preceding_bytes(dep, eval_file):
     np.testing.assert_array_equal(other.experts[: i + 1], base.experts[: i + 1])
     np.testing.assert_array_equal(other.weights[: i + 1], base.weights[: i + 1])
     # ...and window i+1 is routed on window i, which did
-    assert not np.allclose(other.weights[i + 1], base.weights[i + 1]) or (other.experts[i + 1] != base.experts[i + 1]).any()
+    assert (
+        not np.allclose(other.weights[i + 1], base.weights[i + 1])
+        or (other.experts[i + 1] != base.experts[i + 1]).any()
+    )
     # the scores before window i are untouched (a leak would move them)
     np.testing.assert_array_equal(other.logprobs[: i * T - 1], base.logprobs[: i * T - 1])
 
@@ -292,15 +311,18 @@ def test_paper_protocol_equals_an_independent_uniform_mixture(soma_exported, pap
     assert (got["protocol"], got["top_k"], got["uniform"], got["bytes"]) == ("paper", N, True, 6 * 768)
     data = np.frombuffer(paper_file.read_bytes(), np.uint8)
     manifest = json.loads((deploy / "manifest.json").read_text())
-    sessions = [ort.InferenceSession(str(deploy / e["score"]), providers=["CPUExecutionProvider"])
-                for e in manifest["experts"]]  # fmt: skip
+    sessions = [
+        ort.InferenceSession(str(deploy / e["score"]), providers=["CPUExecutionProvider"]) for e in manifest["experts"]
+    ]
     r = router.load(deploy / "router.msgpack")
     nll = []
     for s in range(0, 6 * 1025, 1025):
         w = data[s : s + 1025].astype(np.int64)
         chosen, _ = r.route(r.distances([data[s : s + 256]]), N, r.temperature)
-        p = np.mean([np.exp(sessions[e].run(None, {"x": w[None, :-1]})[0][0, np.arange(1024), w[1:]])
-                     for e in chosen[0]], axis=0)  # fmt: skip
+        p = np.mean(
+            [np.exp(sessions[e].run(None, {"x": w[None, :-1]})[0][0, np.arange(1024), w[1:]]) for e in chosen[0]],
+            axis=0,
+        )
         nll.append(-np.log(p[256:].astype(np.float64)))
     assert got["nats_per_byte"] == pytest.approx(np.concatenate(nll).mean(), abs=1e-6)
     rc, out, _ = cli(["eval", deploy, "--data", paper_file, "--protocol", "paper"], capsys)
@@ -330,7 +352,9 @@ def test_paper_protocol_routes_only_on_the_prefix(soma_exported, paper_file):
 
 
 def test_paper_protocol_compared_on_the_same_bytes(dep, paper_file, capsys):
-    rc, out, err = cli(["eval", dep.bundle.root, "--data", paper_file, "--protocol", "paper", "--compare", "--json"], capsys)
+    rc, out, err = cli(
+        ["eval", dep.bundle.root, "--data", paper_file, "--protocol", "paper", "--compare", "--json"], capsys
+    )
     assert rc == 0, err
     got = json.loads(out)
     data = np.frombuffer(paper_file.read_bytes(), np.uint8)
@@ -340,11 +364,14 @@ def test_paper_protocol_compared_on_the_same_bytes(dep, paper_file, capsys):
     assert got["stream_same_bytes"] != pytest.approx(stream.nats_per_byte, abs=1e-6)  # a subset, not all bytes
 
 
-@pytest.mark.parametrize("argv,fragments", [
-    (["--protocol", "sliding"], ["--protocol", "stream, paper", "sliding"]),
-    (["--compare"], ["--compare", "--protocol paper"]),
-    (["--protocol", "paper", "--data", "{short}"], ["1025-byte window"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--protocol", "sliding"], ["--protocol", "stream, paper", "sliding"]),
+        (["--compare"], ["--compare", "--protocol paper"]),
+        (["--protocol", "paper", "--data", "{short}"], ["1025-byte window"]),
+    ],
+)
 def test_paper_protocol_bad_input(argv, fragments, exported, tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_bytes(b"x" * 1024)
@@ -550,7 +577,10 @@ def test_truncated_onnx(deploy_copy, eval_file, capsys):
         (["eval", "{deploy}", "--data", "{nowhere}"], ["nowhere", "no such file"]),
         (["eval", "{deploy}", "--data", "{emptydir}"], ["emptydir", "no files"]),
         (["eval", "{deploy}", "--data", "{file}", "--top-k", "0"], ["top-k must be between 1", "got 0"]),
-        (["eval", "{deploy}", "--data", "{file}", "--top-k", str(N + 1)], ["top-k must be between 1", f"({N})", f"got {N + 1}"]),
+        (
+            ["eval", "{deploy}", "--data", "{file}", "--top-k", str(N + 1)],
+            ["top-k must be between 1", f"({N})", f"got {N + 1}"],
+        ),
         (["generate", "{deploy}", "--prompt", "hi", "--top-k", "0"], ["top-k must be between 1"]),
         (["generate", "{deploy}", "--prompt", "hi", "--top-k", str(N + 1)], ["top-k must be between 1"]),
         (["generate", "{deploy}", "--prompt", ""], ["prompt"]),
@@ -564,9 +594,16 @@ def test_bad_input_one_line_exit_2(argv, fragments, exported, eval_file, tmp_pat
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "one.txt").write_bytes(b"a")
     (tmp_path / "emptydir").mkdir()
-    paths = {"deploy": exported[1], "run": exported[0], "file": eval_file, "empty": tmp_path / "empty.txt",
-             "one": tmp_path / "one.txt", "nowhere": tmp_path / "nowhere", "emptydir": tmp_path / "emptydir",
-             "tmp": tmp_path}  # fmt: skip
+    paths = {
+        "deploy": exported[1],
+        "run": exported[0],
+        "file": eval_file,
+        "empty": tmp_path / "empty.txt",
+        "one": tmp_path / "one.txt",
+        "nowhere": tmp_path / "nowhere",
+        "emptydir": tmp_path / "emptydir",
+        "tmp": tmp_path,
+    }
     rc, _, err = cli([a.format(**paths) for a in argv], capsys)
     assert_user_error(rc, err, *fragments)
 

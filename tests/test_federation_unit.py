@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 from flwr.app import Context, Message, RecordDict
 
 from coordinator import scheduler
@@ -26,8 +27,6 @@ from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.spsa import OptState
 from worker import client_app
 from worker.cache import Cache
-from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
-
 
 
 def _hashes(root: Path, subdirs=("experts", "shards")) -> dict[str, str]:
@@ -82,7 +81,9 @@ def test_float16_replies_stored_as_received_and_old_versions_pruned(run, tmp_pat
         # keep_versions = 2 newest, plus the best version of this commit and of the one before (the fallback)
         prev = checkpoint.load(run.prev_state_path, "run_state")["experts"][str(e)]
         kept = {2, 3, x["best"]["version"], prev["best"]["version"]}
-        assert sorted(p.name for p in (run.root / "experts" / str(e)).iterdir()) == [f"v{v}.msgpack" for v in sorted(kept)]
+        assert sorted(p.name for p in (run.root / "experts" / str(e)).iterdir()) == [
+            f"v{v}.msgpack" for v in sorted(kept)
+        ]
     up = [m["weights_bytes_up"] for m in run.read_metrics() if m["type"] == "expert"]
     assert set(up) == {2 * state_size(run)}  # half the bytes of float32
 
@@ -133,11 +134,21 @@ def _tamper_all(kind):
 
 
 REASONS = {
-    "shape": "shape", "nan": "NaN", "stale": "stale base version", "unknown_expert": "unknown expert 99",
-    "dtype": "expected float32", "loss": "not finite", "hash": "sha256", "wrong_node": "claiming node",
-    "expert_list": "names no expert", "seconds_str": "not a finite duration", "evals_negative": "not a count",
-    "torch_bytes": "torch_importable", "missing_type": "missing.weights", "errors_type": "errors is not a list",
-}  # fmt: skip
+    "shape": "shape",
+    "nan": "NaN",
+    "stale": "stale base version",
+    "unknown_expert": "unknown expert 99",
+    "dtype": "expected float32",
+    "loss": "not finite",
+    "hash": "sha256",
+    "wrong_node": "claiming node",
+    "expert_list": "names no expert",
+    "seconds_str": "not a finite duration",
+    "evals_negative": "not a count",
+    "torch_bytes": "torch_importable",
+    "missing_type": "missing.weights",
+    "errors_type": "errors is not a list",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(REASONS))
@@ -235,8 +246,12 @@ def test_metrics_only_grow_during_a_run_and_a_torn_last_line_goes_on_resume(run,
 
 
 def _train_tasks(grid: FakeGrid) -> list[dict]:
-    return [t for m in grid.sent if m.metadata.message_type == protocol.TRAIN
-            for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]]  # fmt: skip
+    return [
+        t
+        for m in grid.sent
+        if m.metadata.message_type == protocol.TRAIN
+        for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]
+    ]
 
 
 def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_path):
@@ -346,7 +361,9 @@ def test_bad_capability_replies_exclude_the_node_and_huge_rates_are_clamped(run,
     nodes = run.read_status()["nodes"]
     assert sorted(int(nid) for nid, n in nodes.items() if n["status"] == "excluded") == [1001, 1002, 1003, 1004]
     assert all(0 < n["rate"] <= scheduler.MAX_RATE for n in nodes.values() if n["status"] == "active")
-    sent = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN]
+    sent = [
+        protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN
+    ]
     assert sent and all(t["steps"] <= scheduler.MAX_STEPS for b in sent for t in b["tasks"])
     assert {x["node"] for x in run.read_metrics() if x["type"] == "expert"} <= {"a", "f"}
 
@@ -396,35 +413,63 @@ def test_protocol_refuses_foreign_and_oversized_bodies():
     from soma_edge import codec
 
     other = codec.encode({"protocol": 99}, protocol.KIND_CAPS)
-    rd = RecordDict({"soma": ArrayRecord({"body": Array(dtype="uint8", shape=(len(other),), stype=protocol.STYPE,
-                                                          data=other)})})  # fmt: skip
+    rd = RecordDict(
+        {"soma": ArrayRecord({"body": Array(dtype="uint8", shape=(len(other),), stype=protocol.STYPE, data=other)})}
+    )
     with pytest.raises(CodecError, match="protocol 99"):
         protocol.unpack(rd, protocol.KIND_CAPS)
 
 
 def test_check_result_accepts_a_good_result_and_float16():
     w = np.ones(10, dtype=np.float16)
-    exp = protocol.Expected(node=5, round=1, tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3,
-                                                        "lr_scale": 0.5}}, size=10, reply_dtype="float16")  # fmt: skip
+    exp = protocol.Expected(
+        node=5,
+        round=1,
+        tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3, "lr_scale": 0.5}},
+        size=10,
+        reply_dtype="float16",
+    )
     opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), adam_t=3, lr_scale=0.5).to_record()
-    res = {"expert": 0, "base_sha256": "a" * 64, "version": 1, "step": 3, "steps": 3, "weights": w,
-           "opt": opt, "train_loss": 1.0, "sha256": protocol.weights_sha256(w), "forward_evals": 12,
-           "seconds": 0.5}  # fmt: skip
+    res = {
+        "expert": 0,
+        "base_sha256": "a" * 64,
+        "version": 1,
+        "step": 3,
+        "steps": 3,
+        "weights": w,
+        "opt": opt,
+        "train_loss": 1.0,
+        "sha256": protocol.weights_sha256(w),
+        "forward_evals": 12,
+        "seconds": 0.5,
+    }
     got, got_opt = protocol.check_result(res, exp, {0: "a" * 64})
     assert got is w and got_opt.lr_scale == 0.5 and np.array_equal(got_opt.adam_v, opt["adam_v"])
     # Optimizer state that does not fit the weights, is not finite, or ignores the round's lr scale.
-    for bad_opt, match in [({**opt, "adam_m": np.zeros(9, np.float32)}, "adam_m"),
-                           ({**opt, "adam_v": np.full(10, np.nan, np.float32)}, "adam_v"),
-                           ({**opt, "adam_v": -np.ones(10, np.float32)}, "negative"),
-                           ({**opt, "adam_m": None}, "incomplete"),
-                           ({**opt, "adam_t": 0}, "adam_t"), ({**opt, "adam_t": True}, "adam_t"),
-                           ({**opt, "lr_scale": 1.0}, "lr scale"),
-                           ({**opt, "lr_scale": 3.0}, "lr_scale"),
-                           ({**opt, "extra": 1}, "unknown"), ("x", "not a map")]:  # fmt: skip
+    for bad_opt, match in [
+        ({**opt, "adam_m": np.zeros(9, np.float32)}, "adam_m"),
+        ({**opt, "adam_v": np.full(10, np.nan, np.float32)}, "adam_v"),
+        ({**opt, "adam_v": -np.ones(10, np.float32)}, "negative"),
+        ({**opt, "adam_m": None}, "incomplete"),
+        ({**opt, "adam_t": 0}, "adam_t"),
+        ({**opt, "adam_t": True}, "adam_t"),
+        ({**opt, "lr_scale": 1.0}, "lr scale"),
+        ({**opt, "lr_scale": 3.0}, "lr_scale"),
+        ({**opt, "extra": 1}, "unknown"),
+        ("x", "not a map"),
+    ]:
         with pytest.raises(ValidationError, match=match):
             protocol.check_result({**res, "opt": bad_opt}, exp, {0: "a" * 64})
-    for key, bad in [("forward_evals", True), ("forward_evals", 1.5), ("seconds", float("nan")), ("seconds", -1.0),
-                     ("seconds", None), ("steps", True), ("version", True), ("expert", [0])]:  # fmt: skip
+    for key, bad in [
+        ("forward_evals", True),
+        ("forward_evals", 1.5),
+        ("seconds", float("nan")),
+        ("seconds", -1.0),
+        ("seconds", None),
+        ("steps", True),
+        ("version", True),
+        ("expert", [0]),
+    ]:
         with pytest.raises(ValidationError):
             protocol.check_result({**res, key: bad}, exp, {0: "a" * 64})
     with pytest.raises(ValidationError, match="step counter"):
@@ -616,7 +661,9 @@ def test_status_prints_the_checkpoint_and_start_refuses_identity_changes(run, tm
     assert code == 0 and run.load_state()["experts"]["0"]["sha256"][:12] in out
     # Resuming with another number of experts is the user's error: exit 2, one line, nothing started.
     code, _, err = _cli(["start", "--run", str(run.root), "--experts", "3", "--port", "0"], capsys)
-    assert code == 2 and err.startswith("error: ") and "federation.experts" in err and len(err.strip().splitlines()) == 1
+    assert (
+        code == 2 and err.startswith("error: ") and "federation.experts" in err and len(err.strip().splitlines()) == 1
+    )
     code, _, err = _cli(["status", str(tmp_path / "nothing")], capsys)
     assert code == 2 and "no state.msgpack" in err
 
@@ -681,8 +728,9 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
     seed_tasks = [t for t in tasks if t["expert"] == 4]
     all_train = sorted(h for e in range(4) for h in expert_shards(run.load_prepare(), e, "train"))
     assert seed_tasks and all(sorted(t["shards"]) == all_train for t in seed_tasks)  # every cluster's data
-    requests = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent
-                if m.metadata.message_type == protocol.TRAIN]  # fmt: skip
+    requests = [
+        protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN
+    ]
     decoders = [r["config"]["spsa"]["decoder"] for r in requests]  # the seed's rule, then the experts' frozen E
     assert decoders == ["delta"] * len(seed_tasks) + ["frozen"] * (len(requests) - len(seed_tasks))
 
@@ -800,13 +848,16 @@ def test_a_run_with_no_loadable_commit_refuses_to_start(run, tmp_path, capsys):
     assert "Traceback" not in " ".join(lines)
 
 
-@pytest.mark.parametrize("name,damage,fragment", [
-    ("run.toml", b"[model\nembed = ", "run.toml: invalid TOML"),
-    ("run.toml", b"\xff\xfe", "run.toml: config is not UTF-8 text"),
-    ("run.toml", b"[model]\nembed = -3\n", "model.embed must be >= 1"),
-    ("prepare.json", b'{"experts": 4, "clus', "prepare.json: not valid JSON"),
-    ("state.msgpack", b"", "no committed state loads"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,damage,fragment",
+    [
+        ("run.toml", b"[model\nembed = ", "run.toml: invalid TOML"),
+        ("run.toml", b"\xff\xfe", "run.toml: config is not UTF-8 text"),
+        ("run.toml", b"[model]\nembed = -3\n", "model.embed must be >= 1"),
+        ("prepare.json", b'{"experts": 4, "clus', "prepare.json: not valid JSON"),
+        ("state.msgpack", b"", "no committed state loads"),
+    ],
+)
 def test_start_on_a_damaged_run_says_what_in_one_line(run, tmp_path, capsys, name, damage, fragment):
     """Startup never ends in a traceback: each damaged file is one `error:` line naming it, exit 2."""
     set_fed(run, rounds=1)
@@ -829,8 +880,12 @@ def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
     state = Coordinator(grid, run).main()
     assert all(x["version"] == 1 for x in state["experts"].values())
     for nid, name in ((1000, "a"), (1001, "b")):
-        mine = [m for m in grid.sent if m.metadata.dst_node_id == nid
-                and m.metadata.message_type not in (protocol.QUERY_CAPABILITIES, protocol.QUERY_END)]
+        mine = [
+            m
+            for m in grid.sent
+            if m.metadata.dst_node_id == nid
+            and m.metadata.message_type not in (protocol.QUERY_CAPABILITIES, protocol.QUERY_END)
+        ]
         kinds = [m.metadata.message_type for m in mine]
         assert kinds.count(protocol.QUERY_SHARDS) >= 2 and kinds[-1] == protocol.TRAIN, kinds
         for m in mine:
@@ -838,8 +893,13 @@ def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
             assert sum(len(p["data"]) for p in protocol.unpack(m.content, kind)["pieces"]) <= limit
         cache = Cache(tmp_path / "nodes" / name)
         held = set(cache.shards())
-        needed = {h for m in mine if m.metadata.message_type == protocol.TRAIN
-                  for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"] for h in t["shards"]}  # fmt: skip
+        needed = {
+            h
+            for m in mine
+            if m.metadata.message_type == protocol.TRAIN
+            for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]
+            for h in t["shards"]
+        }
         assert needed <= held and all(cache.get_shard(h) is not None for h in needed)
         assert not any((tmp_path / "nodes" / name / "parts").iterdir())  # every piece joined, nothing left over
 
@@ -866,11 +926,17 @@ def test_cache_joins_pieces_in_any_order_and_drops_bad_ones(tmp_path):
     assert bad.get_shard(sha) is None and not any((tmp_path / "bad" / "parts").iterdir())
 
 
-@pytest.mark.parametrize("piece,why", [
-    ({"offset": -1}, "do not fit its total"), ({"offset": 9_000}, "do not fit its total"),
-    ({"total": 2**41}, "do not fit its total"), ({"data": "text"}, "lacks its sha256 or its bytes"),
-    ({"sha256": "../../etc"}, "lacks its sha256 or its bytes"), ({"offset": True}, "do not fit its total"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "piece,why",
+    [
+        ({"offset": -1}, "do not fit its total"),
+        ({"offset": 9_000}, "do not fit its total"),
+        ({"total": 2**41}, "do not fit its total"),
+        ({"data": "text"}, "lacks its sha256 or its bytes"),
+        ({"sha256": "../../etc"}, "lacks its sha256 or its bytes"),
+        ({"offset": True}, "do not fit its total"),
+    ],
+)
 def test_malformed_pieces_are_refused(piece, why):
     good = protocol.piece("a" * 64, 0, 10_000, b"x" * 2_000)
     with pytest.raises(ValidationError, match=why):
@@ -888,10 +954,19 @@ def test_worker_decodes_no_train_request_beyond_its_runs_model(run, tmp_path):
     Coordinator(grid, run).main()
     cfg = run.load_config()
     limit = Cache(tmp_path / "nodes" / "a").get_json("limit-1")  # the fake grid's Flower run id is 1
-    assert limit == protocol.train_request_limit(cfg) == 5 * (params.count(cfg.model) * 16 + 65536) + protocol.PIECE_BYTES + (1 << 20)
+    assert (
+        limit
+        == protocol.train_request_limit(cfg)
+        == 5 * (params.count(cfg.model) * 16 + 65536) + protocol.PIECE_BYTES + (1 << 20)
+    )
     train = next(m for m in grid.sent if m.metadata.message_type == protocol.TRAIN)
-    ctx = Context(run_id=1, node_id=train.metadata.dst_node_id, node_config=grid.nodes[train.metadata.dst_node_id],
-                  state=RecordDict(), run_config={})  # fmt: skip
+    ctx = Context(
+        run_id=1,
+        node_id=train.metadata.dst_node_id,
+        node_config=grid.nodes[train.metadata.dst_node_id],
+        state=RecordDict(),
+        run_config={},
+    )
     Cache(tmp_path / "nodes" / "a").put_json("limit-1", 100)  # as if the run's model were tiny
     Cache(tmp_path / "nodes" / "b").put_json("limit-1", 100)
     with pytest.raises(CodecError, match="exceeds the limit of 100 bytes"):

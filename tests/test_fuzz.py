@@ -34,8 +34,13 @@ from soma_edge.spsa import OptState
 
 # Fixed example budget, derandomized: the same examples on every run and every machine, no database.
 EXAMPLES = 300
-FUZZ = settings(derandomize=True, max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+FUZZ = settings(
+    derandomize=True,
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 ALLOWED = {"float16", "float32", "float64", "int8", "uint8", "int32", "int64", "uint32", "uint64", "bool"}
 ALLOWED_STRS = ["<f2", "<f4", "<f8", "|i1", "|u1", "<i4", "<i8", "<u4", "<u8", "|b1"]
@@ -137,7 +142,11 @@ CODEC_CASES = [
     ("dtype-unknown-name", env(arr_ext(["zz", [1]], b"\0" * 8)), "unknown array dtype 'zz'"),
     ("dtype-none-is-not-float64", env(arr_ext([None, [1]], b"\0" * 8)), "unknown array dtype None"),
     ("dtype-int", env(arr_ext([5, [1]], b"\0" * 8)), "unknown array dtype 5"),
-    ("dtype-record-map", env(arr_ext([{"names": ["a"], "formats": ["<f4"]}, [1]], b"\0" * 4)), "unknown array dtype dict"),
+    (
+        "dtype-record-map",
+        env(arr_ext([{"names": ["a"], "formats": ["<f4"]}, [1]], b"\0" * 4)),
+        "unknown array dtype dict",
+    ),
     # shape and bytes disagree
     ("bytes-short", env(arr_ext(["<f4", [1000]], b"\0" * 8)), "does not match its 8 bytes"),
     ("bytes-long", env(arr_ext(["<f4", [1]], b"\0" * 8)), "does not match its 8 bytes"),
@@ -160,7 +169,7 @@ CODEC_CASES = [
     ("nested-maps-100k", b"\x81\xc0" * 100_000 + b"\xc0", "malformed k message (StackError"),
     ("map-key-list", raw_body(b"\x81\x91\x01\x01"), "unhashable type: 'list'"),
     ("map-key-ndarray", raw_body(b"\x81" + msgpack.packb(_ext_arr(np.zeros(2, np.float32))) + b"\x01"), "unhashable"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("data,fragment", [c[1:] for c in CODEC_CASES], ids=[c[0] for c in CODEC_CASES])
@@ -217,11 +226,19 @@ def small_arrays(draw):
     return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
 
 
-SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-           | st.text(max_size=12) | st.binary(max_size=12))  # fmt: skip
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=12)
+)
 VALUES = st.recursive(
     SCALARS | small_arrays(),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6) | st.integers(-9, 9), kids, max_size=4),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6) | st.integers(-9, 9), kids, max_size=4)
+    ),
     max_leaves=16,
 )
 
@@ -266,8 +283,10 @@ def _check_decoded(x):
 
 
 @FUZZ
-@given(body=VALUES, flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1,
-                                   max_size=4))
+@given(
+    body=VALUES,
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=4),
+)
 def test_codec_mutated_encodings_only_codec_errors(body, flips):
     data = bytearray(codec.encode(body, "k"))
     for where, xor in flips:
@@ -282,10 +301,12 @@ def test_codec_mutated_encodings_only_codec_errors(body, flips):
 
 @FUZZ
 @given(
-    schema=half(st.just(1), st.integers(-5, 5) | st.booleans() | st.floats() | st.text(max_size=3) | st.none()
-                | small_arrays()),
-    kind=half(st.just("k"), st.text(max_size=3) | st.binary(max_size=2) | st.integers(-(2**63), 2**64 - 1)
-              | small_arrays()),
+    schema=half(
+        st.just(1), st.integers(-5, 5) | st.booleans() | st.floats() | st.text(max_size=3) | st.none() | small_arrays()
+    ),
+    kind=half(
+        st.just("k"), st.text(max_size=3) | st.binary(max_size=2) | st.integers(-(2**63), 2**64 - 1) | small_arrays()
+    ),
     body=VALUES,
     drop=st.sets(st.sampled_from(["schema", "kind", "body"]), max_size=1),
 )
@@ -323,11 +344,19 @@ def _oracle_dtype(s):
 
 @FUZZ
 @given(
-    dtype=half(st.sampled_from(ALLOWED_STRS), st.sampled_from(["|O", "<c8", "<U5", "S3", "f4,f4", ">f4", "float32", "?"])
-               | st.text(max_size=6) | st.none() | st.integers(-3, 300)),
-    shape=half(st.lists(st.integers(0, 4), max_size=4),
-               st.lists(st.integers(-3, 4) | st.integers(-(2**63), 2**64 - 1) | st.booleans() | st.floats(0, 4), max_size=4)
-               | st.integers(0, 4) | st.text(max_size=2)),
+    dtype=half(
+        st.sampled_from(ALLOWED_STRS),
+        st.sampled_from(["|O", "<c8", "<U5", "S3", "f4,f4", ">f4", "float32", "?"])
+        | st.text(max_size=6)
+        | st.none()
+        | st.integers(-3, 300),
+    ),
+    shape=half(
+        st.lists(st.integers(0, 4), max_size=4),
+        st.lists(st.integers(-3, 4) | st.integers(-(2**63), 2**64 - 1) | st.booleans() | st.floats(0, 4), max_size=4)
+        | st.integers(0, 4)
+        | st.text(max_size=2),
+    ),
     payload=st.binary(max_size=80),
     fit=st.booleans(),
 )
@@ -362,11 +391,27 @@ SHA_A, SHA_B = "a" * 64, "b" * 64
 def good_result():
     """A result `check_result` accepts (as in test_federation_unit), its Expected and the current hashes."""
     w = np.ones(10, dtype=np.float16)
-    exp = protocol.Expected(node=5, round=1, tasks={0: {"version": 0, "base_sha256": SHA_A, "step": 0, "steps": 3,
-                                                        "lr_scale": 0.5}}, size=10, reply_dtype="float16")  # fmt: skip
+    exp = protocol.Expected(
+        node=5,
+        round=1,
+        tasks={0: {"version": 0, "base_sha256": SHA_A, "step": 0, "steps": 3, "lr_scale": 0.5}},
+        size=10,
+        reply_dtype="float16",
+    )
     opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), adam_t=3, lr_scale=0.5).to_record()
-    res = {"expert": 0, "base_sha256": SHA_A, "version": 1, "step": 3, "steps": 3, "weights": w, "opt": opt,
-           "train_loss": 1.0, "sha256": protocol.weights_sha256(w), "forward_evals": 12, "seconds": 0.5}  # fmt: skip
+    res = {
+        "expert": 0,
+        "base_sha256": SHA_A,
+        "version": 1,
+        "step": 3,
+        "steps": 3,
+        "weights": w,
+        "opt": opt,
+        "train_loss": 1.0,
+        "sha256": protocol.weights_sha256(w),
+        "forward_evals": 12,
+        "seconds": 0.5,
+    }
     return res, exp, {0: SHA_A}
 
 
@@ -491,9 +536,7 @@ RESULT_CASES = [
     ("sha-of-other-weights", _set(sha256=protocol.weights_sha256(np.zeros(10, np.float16))), "do not match the sha256"),
     ("sha-missing", _drop("sha256"), "do not match the sha256"),
     ("sha-ndarray", _set(sha256=ARR3), "do not match the sha256"),
-]  # fmt: skip
-
-
+]
 
 
 def _snap(*objs) -> bytes:
@@ -518,9 +561,16 @@ def test_check_result_refuses(mutate, fragment):
     assert _snap(res, exp, cur) == before  # neither the result, nor what was sent, nor the current hashes change
 
 
-FIELD_VALUES = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4)
-                | st.binary(max_size=4) | st.lists(st.integers(0, 3), max_size=3)
-                | st.dictionaries(st.text(max_size=3), st.integers(-9, 9), max_size=2))  # fmt: skip
+FIELD_VALUES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=4)
+    | st.binary(max_size=4)
+    | st.lists(st.integers(0, 3), max_size=3)
+    | st.dictionaries(st.text(max_size=3), st.integers(-9, 9), max_size=2)
+)
 
 
 def _acceptable(key, value, original) -> bool:
@@ -556,9 +606,14 @@ def test_check_result_random_field_values(key, value):
 
 
 def good_header():
-    return {"node": 5, "round": 1, "results": [], "torch_importable": False, "missing": {"weights": [SHA_A], "shards": []},
-            "errors": ["x"]}  # fmt: skip
-
+    return {
+        "node": 5,
+        "round": 1,
+        "results": [],
+        "torch_importable": False,
+        "missing": {"weights": [SHA_A], "shards": []},
+        "errors": ["x"],
+    }
 
 
 HEADER_CASES = [
@@ -588,7 +643,7 @@ HEADER_CASES = [
     ("errors-str", "errors", "boom", "errors is not a list of strings"),
     ("errors-ints", "errors", [1], "errors is not a list of strings"),
     ("errors-map", "errors", {"a": "b"}, "errors is not a list of strings"),
-]  # fmt: skip
+]
 
 
 def test_good_header_and_caps_are_accepted():
@@ -614,8 +669,14 @@ def test_check_reply_header_refuses(key, value, fragment):
 
 
 def good_caps():
-    return {"evals_per_s": 10.0, "name": "n1", "soma_version": "0.1.0", "providers": ["CPUExecutionProvider"],
-            "torch_importable": True, "cache": {"weights": [SHA_A], "shards": [SHA_B]}}  # fmt: skip
+    return {
+        "evals_per_s": 10.0,
+        "name": "n1",
+        "soma_version": "0.1.0",
+        "providers": ["CPUExecutionProvider"],
+        "torch_importable": True,
+        "cache": {"weights": [SHA_A], "shards": [SHA_B]},
+    }
 
 
 CAPS_CASES = [
@@ -637,7 +698,7 @@ CAPS_CASES = [
     ("cache-list", "cache", [SHA_A], "cache is not a map"),
     ("cache-weights-not-hex", "cache", {"weights": ["z" * 64]}, "cache.weights is not a list of sha256"),
     ("cache-shards-str", "cache", {"shards": SHA_A}, "cache.shards is not a list of sha256"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("key,value,fragment", _params(CAPS_CASES))
@@ -703,7 +764,7 @@ UNPACK_CASES = [  # (id: the input `_unpack_input` builds, fragment of the Codec
     ("protocol-newer", f"protocol {PROTO + 1}, this soma-edge speaks {PROTO}"),
     ("protocol-str", f"protocol '{PROTO}', this soma-edge speaks {PROTO}"),
     ("protocol-ndarray", "this soma-edge speaks"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("case,fragment", [pytest.param(*c, id=c[0]) for c in UNPACK_CASES])
@@ -765,7 +826,12 @@ CKPT_CASES = [
     ("signed-wrong-schema", _signed(msgpack.packb({"schema": 2, "kind": "expert", "body": 1})), None, "has schema 2"),
     ("signed-garbage-payload", _signed(b"\xc1\xc1"), None, "malformed expert message"),
     ("signed-bad-array", _signed(env(arr_ext(["<f4", [100]], b"\0" * 4), kind="expert")), None, "does not match its 4"),
-    ("signed-object-dtype", _signed(env(arr_ext(["|O", [1]], b"\0" * 8), kind="expert")), None, "refusing array of dtype"),
+    (
+        "signed-object-dtype",
+        _signed(env(arr_ext(["|O", [1]], b"\0" * 8), kind="expert")),
+        None,
+        "refusing array of dtype",
+    ),
     ("oversize-vs-max-bytes", GOOD_CK, 64, "exceeds the limit of 64"),
     ("directory", "dir", None, "not a regular file"),
     ("fifo", "fifo", None, "not a regular file"),
@@ -775,7 +841,7 @@ CKPT_CASES = [
     ("symlink-loop", "loop", None, "cannot read (Too many levels of symbolic links)"),
     ("nul-in-name", "nul", None, "not a valid file path"),
     ("unreadable", "unreadable", None, "cannot read (Permission denied)"),
-]  # fmt: skip
+]
 
 
 def _tree(root: Path) -> dict[str, bytes | str]:
@@ -908,10 +974,19 @@ STATE_CASES = [
     ("state-truncated", lambda rd: rd.state_path.write_bytes(rd.state_path.read_bytes()[:30]), False, "bad magic"),
     ("state-empty", lambda rd: rd.state_path.write_bytes(b""), False, "bad magic"),
     ("state-missing", lambda rd: rd.state_path.unlink(), False, "state.msgpack is missing"),
-    ("state-wrong-kind", lambda rd: checkpoint.save(rd.state_path, {"round": 9}, "expert"), False,
-     "expected a run_state message, got 'expert'"),
+    (
+        "state-wrong-kind",
+        lambda rd: checkpoint.save(rd.state_path, {"round": 9}, "expert"),
+        False,
+        "expected a run_state message, got 'expert'",
+    ),
     ("state-is-a-directory", lambda rd: (rd.state_path.unlink(), rd.state_path.mkdir()), False, "not a regular file"),
-    ("expert-file-corrupt", lambda rd: _corrupt(rd.root / "experts/0/v2.msgpack"), True, "v2.msgpack: checksum mismatch"),
+    (
+        "expert-file-corrupt",
+        lambda rd: _corrupt(rd.root / "experts/0/v2.msgpack"),
+        True,
+        "v2.msgpack: checksum mismatch",
+    ),
     ("expert-file-missing", lambda rd: (rd.root / "experts/0/v2.msgpack").unlink(), True, "v2.msgpack: cannot read"),
     ("expert-sha-not-the-weights", _state_expert(sha256="0" * 64), True, "weights do not match state.msgpack"),
     ("expert-path-nul", _state_expert(path="experts/0/v\0.msgpack"), True, "not a valid file path"),
@@ -919,10 +994,14 @@ STATE_CASES = [
     ("expert-path-the-state", _state_expert(path="state.prev.msgpack"), True, "expected a expert message"),
     ("no-experts-map", lambda rd: _resign(rd.state_path, lambda b: {**b, "experts": [1]}), True, "no experts map"),
     ("state-not-a-map", lambda rd: _resign(rd.state_path, lambda b: [b]), True, "not a run state (a list, not a map)"),
-    ("expert-entry-not-a-map", lambda rd: _resign(rd.state_path, lambda b: {**b, "experts": {"0": "v2.msgpack"}}),
-        True, "is not a version record"),
+    (
+        "expert-entry-not-a-map",
+        lambda rd: _resign(rd.state_path, lambda b: {**b, "experts": {"0": "v2.msgpack"}}),
+        True,
+        "is not a version record",
+    ),
     ("expert-sha-ndarray", _state_expert(sha256=ARR3), True, "is not a version record"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("breaker,verify,fragment", _params(STATE_CASES))
@@ -933,25 +1012,51 @@ def test_load_state_falls_back_to_the_commit_before(tmp_path, breaker, verify, f
     before = _tree(rd.root)
     state = rd.load_state(verify=verify)
     assert state["round"] == 1 and state["experts"]["0"]["version"] == 1
-    assert fragment in rd.fallback and "falling back to the commit before it (state.prev.msgpack, round 1)" in rd.fallback
+    assert (
+        fragment in rd.fallback and "falling back to the commit before it (state.prev.msgpack, round 1)" in rd.fallback
+    )
     assert "\n" not in rd.fallback
     assert _tree(rd.root) == before
 
 
 BOTH_CASES = [
-    ("both-flipped", lambda rd: (_corrupt(rd.state_path), _corrupt(rd.prev_state_path)), False,
-     ["state.msgpack: checksum mismatch", "state.prev.msgpack: checksum mismatch"]),
-    ("state-corrupt-prev-missing", lambda rd: (_corrupt(rd.state_path), rd.prev_state_path.unlink()), False,
-     ["state.msgpack: checksum mismatch"]),
-    ("both-empty", lambda rd: (rd.state_path.write_bytes(b""), rd.prev_state_path.write_bytes(b"")), False,
-     ["bad magic"]),
-    ("both-experts-corrupt", lambda rd: [_corrupt(rd.root / f"experts/0/v{v}.msgpack") for v in (1, 2)], True,
-     ["v2.msgpack: checksum mismatch", "v1.msgpack: checksum mismatch"]),
-    ("state-corrupt-prev-expert-gone", lambda rd: (_corrupt(rd.state_path), (rd.root / "experts/0/v1.msgpack").unlink()),
-     True, ["state.msgpack: checksum mismatch", "v1.msgpack: cannot read"]),
-    ("prev-not-a-map", lambda rd: (_corrupt(rd.state_path), checkpoint.save(rd.prev_state_path, [1], "run_state")),
-        False, ["state.msgpack: checksum mismatch"]),
-]  # fmt: skip
+    (
+        "both-flipped",
+        lambda rd: (_corrupt(rd.state_path), _corrupt(rd.prev_state_path)),
+        False,
+        ["state.msgpack: checksum mismatch", "state.prev.msgpack: checksum mismatch"],
+    ),
+    (
+        "state-corrupt-prev-missing",
+        lambda rd: (_corrupt(rd.state_path), rd.prev_state_path.unlink()),
+        False,
+        ["state.msgpack: checksum mismatch"],
+    ),
+    (
+        "both-empty",
+        lambda rd: (rd.state_path.write_bytes(b""), rd.prev_state_path.write_bytes(b"")),
+        False,
+        ["bad magic"],
+    ),
+    (
+        "both-experts-corrupt",
+        lambda rd: [_corrupt(rd.root / f"experts/0/v{v}.msgpack") for v in (1, 2)],
+        True,
+        ["v2.msgpack: checksum mismatch", "v1.msgpack: checksum mismatch"],
+    ),
+    (
+        "state-corrupt-prev-expert-gone",
+        lambda rd: (_corrupt(rd.state_path), (rd.root / "experts/0/v1.msgpack").unlink()),
+        True,
+        ["state.msgpack: checksum mismatch", "v1.msgpack: cannot read"],
+    ),
+    (
+        "prev-not-a-map",
+        lambda rd: (_corrupt(rd.state_path), checkpoint.save(rd.prev_state_path, [1], "run_state")),
+        False,
+        ["state.msgpack: checksum mismatch"],
+    ),
+]
 
 
 @pytest.mark.parametrize("breaker,verify,fragments", _params(BOTH_CASES))
@@ -982,9 +1087,10 @@ def test_load_state_of_a_run_that_never_committed(tmp_path):
 def bundle_src(tmp_path_factory):
     """A real two-expert bundle (tiny LSTMs, a real router), exported once per module from a run directory
     built the way test_export builds it; each case breaks a copy."""
+    from test_export import _domains, make_run
+
     from export import bundle
     from soma_edge.config import ModelConfig
-    from test_export import _domains, make_run
 
     base = tmp_path_factory.mktemp("fuzz-bundle")
     docs = _domains()[::3]
@@ -1046,10 +1152,16 @@ BUNDLE_CASES = [
     ("manifest-not-json", lambda d: (d / "manifest.json").write_text("{not json"), "not valid JSON"),
     ("manifest-empty", lambda d: (d / "manifest.json").write_bytes(b""), "not valid JSON"),
     ("manifest-not-utf8", lambda d: (d / "manifest.json").write_bytes(b"\xff\xfe\xfa{"), "not valid JSON"),
-    ("manifest-truncated", lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:200]),
-     "not valid JSON"),
-    ("manifest-a-directory", lambda d: ((d / "manifest.json").unlink(), (d / "manifest.json").mkdir()),
-     "manifest.json: cannot read (Is a directory)"),
+    (
+        "manifest-truncated",
+        lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:200]),
+        "not valid JSON",
+    ),
+    (
+        "manifest-a-directory",
+        lambda d: ((d / "manifest.json").unlink(), (d / "manifest.json").mkdir()),
+        "manifest.json: cannot read (Is a directory)",
+    ),
     ("bundle-not-a-directory", "not-a-dir", "not a directory (expected a bundle written by `soma-export onnx`)"),
     ("manifest-a-list", _whole(lambda m: [m]), "not a soma-edge deploy manifest"),
     ("manifest-a-string", _whole(lambda m: "soma-edge-deploy"), "not a soma-edge deploy manifest"),
@@ -1058,45 +1170,109 @@ BUNDLE_CASES = [
     ("format-missing", _edit(lambda m: m.pop("format")), "not a soma-edge deploy manifest"),
     ("format-version-2", _edit(lambda m: m.update(format_version=2)), "format_version 2; this soma-edge reads 1"),
     ("format-version-0", _edit(lambda m: m.update(format_version=0)), "format_version 0; this soma-edge reads 1"),
-    ("format-version-str", _edit(lambda m: m.update(format_version="1")), "field 'format_version' has the wrong type (str)"),
-    ("format-version-bool", _edit(lambda m: m.update(format_version=True)), "'format_version' has the wrong type (bool)"),
+    (
+        "format-version-str",
+        _edit(lambda m: m.update(format_version="1")),
+        "field 'format_version' has the wrong type (str)",
+    ),
+    (
+        "format-version-bool",
+        _edit(lambda m: m.update(format_version=True)),
+        "'format_version' has the wrong type (bool)",
+    ),
     ("format-version-missing", _edit(lambda m: m.pop("format_version")), "missing field 'format_version'"),
     # files: listing, paths, hashes
     ("files-missing", _edit(lambda m: m.pop("files")), "missing field 'files'"),
     ("files-a-list", _edit(lambda m: m.update(files=list(m["files"]))), "field 'files' has the wrong type (list)"),
-    ("file-entry-not-a-map", _edit(lambda m: m["files"].update({"router.msgpack": "abc"})),
-     "files['router.msgpack']: missing field 'sha256'"),
-    ("file-sha-an-int", _edit(lambda m: m["files"]["router.msgpack"].update(sha256=5)), "'sha256' has the wrong type (int)"),
-    ("path-dotdot", _edit(lambda m: m["files"].update({"../x": m["files"]["router.msgpack"]})),
-     "refusing file path '../x' outside the bundle"),
-    ("path-dotdot-inside", _edit(lambda m: m["files"].update({"experts/../../x": m["files"]["router.msgpack"]})),
-     "refusing file path 'experts/../../x'"),
-    ("path-absolute", _edit(lambda m: m["files"].update({"/etc/passwd": m["files"]["router.msgpack"]})),
-     "refusing file path '/etc/passwd'"),
+    (
+        "file-entry-not-a-map",
+        _edit(lambda m: m["files"].update({"router.msgpack": "abc"})),
+        "files['router.msgpack']: missing field 'sha256'",
+    ),
+    (
+        "file-sha-an-int",
+        _edit(lambda m: m["files"]["router.msgpack"].update(sha256=5)),
+        "'sha256' has the wrong type (int)",
+    ),
+    (
+        "path-dotdot",
+        _edit(lambda m: m["files"].update({"../x": m["files"]["router.msgpack"]})),
+        "refusing file path '../x' outside the bundle",
+    ),
+    (
+        "path-dotdot-inside",
+        _edit(lambda m: m["files"].update({"experts/../../x": m["files"]["router.msgpack"]})),
+        "refusing file path 'experts/../../x'",
+    ),
+    (
+        "path-absolute",
+        _edit(lambda m: m["files"].update({"/etc/passwd": m["files"]["router.msgpack"]})),
+        "refusing file path '/etc/passwd'",
+    ),
     ("path-empty", _edit(lambda m: m["files"].update({"": m["files"]["router.msgpack"]})), "refusing file path ''"),
     ("path-dot", _edit(lambda m: m["files"].update({".": m["files"]["router.msgpack"]})), "refusing file path '.'"),
-    ("path-a-directory", _edit(lambda m: m["files"].update({"experts": m["files"]["router.msgpack"]})),
-     "experts: missing from the bundle (listed in manifest.json)"),
-    ("file-sha-mismatch", _edit(lambda m: m["files"][SCORE0].update(sha256="0" * 64)), "score.onnx: sha256 does not match"),
-    ("onnx-flipped-byte", lambda d: (d / SCORE0).write_bytes(_flip((d / SCORE0).read_bytes(), 500)),
-     "score.onnx: sha256 does not match manifest.json; the file was modified or corrupted"),
-    ("onnx-truncated", lambda d: (d / SCORE0).write_bytes((d / SCORE0).read_bytes()[:1000]), "score.onnx: sha256 does not"),
+    (
+        "path-a-directory",
+        _edit(lambda m: m["files"].update({"experts": m["files"]["router.msgpack"]})),
+        "experts: missing from the bundle (listed in manifest.json)",
+    ),
+    (
+        "file-sha-mismatch",
+        _edit(lambda m: m["files"][SCORE0].update(sha256="0" * 64)),
+        "score.onnx: sha256 does not match",
+    ),
+    (
+        "onnx-flipped-byte",
+        lambda d: (d / SCORE0).write_bytes(_flip((d / SCORE0).read_bytes(), 500)),
+        "score.onnx: sha256 does not match manifest.json; the file was modified or corrupted",
+    ),
+    (
+        "onnx-truncated",
+        lambda d: (d / SCORE0).write_bytes((d / SCORE0).read_bytes()[:1000]),
+        "score.onnx: sha256 does not",
+    ),
     ("onnx-missing", lambda d: (d / "experts/1/stream.onnx").unlink(), "stream.onnx: missing from the bundle"),
-    ("router-file-corrupt", lambda d: (d / "router.msgpack").write_bytes(b"not a router"), "router.msgpack: sha256 does not"),
+    (
+        "router-file-corrupt",
+        lambda d: (d / "router.msgpack").write_bytes(b"not a router"),
+        "router.msgpack: sha256 does not",
+    ),
     # router section
     ("router-missing", _edit(lambda m: m.pop("router")), "missing field 'router'"),
     ("router-file-not-listed", _edit(lambda m: m["router"].update(file="other.msgpack")), "router file is not listed"),
-    ("router-file-an-int", _edit(lambda m: m["router"].update(file=1)), "router: field 'file' has the wrong type (int)"),
-    ("router-temperature-str", _edit(lambda m: m["router"].update(temperature="1")), "'temperature' has the wrong type"),
-    ("router-temperature-nan", _edit(lambda m: m["router"].update(temperature=float("nan"))),
-     "router temperature nan is not a positive finite number"),
+    (
+        "router-file-an-int",
+        _edit(lambda m: m["router"].update(file=1)),
+        "router: field 'file' has the wrong type (int)",
+    ),
+    (
+        "router-temperature-str",
+        _edit(lambda m: m["router"].update(temperature="1")),
+        "'temperature' has the wrong type",
+    ),
+    (
+        "router-temperature-nan",
+        _edit(lambda m: m["router"].update(temperature=float("nan"))),
+        "router temperature nan is not a positive finite number",
+    ),
     ("router-temperature-inf", _edit(lambda m: m["router"].update(temperature=float("inf"))), "router temperature inf"),
     ("router-temperature-zero", _edit(lambda m: m["router"].update(temperature=0)), "router temperature 0 is not"),
     ("router-temperature-negative", _edit(lambda m: m["router"].update(temperature=-1.5)), "router temperature -1.5"),
-    ("router-temperature-huge-int", _edit(lambda m: m["router"].update(temperature=10**400)),
-     "is not a positive finite number"),
-    ("router-n-experts-3", _edit(lambda m: m["router"].update(n_experts=3)), "the router maps 3 experts but 2 are listed"),
-    ("router-n-experts-str", _edit(lambda m: m["router"].update(n_experts="2")), "'n_experts' has the wrong type (str)"),
+    (
+        "router-temperature-huge-int",
+        _edit(lambda m: m["router"].update(temperature=10**400)),
+        "is not a positive finite number",
+    ),
+    (
+        "router-n-experts-3",
+        _edit(lambda m: m["router"].update(n_experts=3)),
+        "the router maps 3 experts but 2 are listed",
+    ),
+    (
+        "router-n-experts-str",
+        _edit(lambda m: m["router"].update(n_experts="2")),
+        "'n_experts' has the wrong type (str)",
+    ),
     # experts
     ("experts-missing", _edit(lambda m: m.pop("experts")), "missing field 'experts'"),
     ("experts-a-map", _edit(lambda m: m.update(experts={"0": m["experts"][0]})), "'experts' has the wrong type (dict)"),
@@ -1105,27 +1281,57 @@ BUNDLE_CASES = [
     ("expert-one-dropped", _edit(lambda m: m["experts"].pop()), "the router maps 2 experts but 1 are listed"),
     ("expert-id-out-of-order", _edit(lambda m: m["experts"].reverse()), "experts[0]: id 1, expected 0"),
     ("expert-id-bool", _edit(lambda m: m["experts"][0].update(id=False)), "experts[0]: field 'id' has the wrong type"),
-    ("expert-version-str", _edit(lambda m: m["experts"][1].update(version="1")), "experts[1]: field 'version' has the wrong"),
-    ("expert-val-loss-str", _edit(lambda m: m["experts"][1].update(val_loss="low")),
-     "experts[1]: field 'val_loss' has the wrong type (str)"),
-    ("expert-params-off-by-one", _edit(lambda m: m["experts"][0].update(params=m["experts"][0]["params"] + 1)),
-     "weights, but the entry lists"),
-    ("expert-hidden-not-the-params", _edit(lambda m: m["experts"][1]["config"]["model"].update(hidden=9)),
-     "expert of embed 8, hidden 9, layers 1 has"),
-    ("expert-kind-unknown", _edit(lambda m: m["experts"][0]["config"]["model"].update(kind="transformer")),
-     "experts[0]: config: model.kind"),
+    (
+        "expert-version-str",
+        _edit(lambda m: m["experts"][1].update(version="1")),
+        "experts[1]: field 'version' has the wrong",
+    ),
+    (
+        "expert-val-loss-str",
+        _edit(lambda m: m["experts"][1].update(val_loss="low")),
+        "experts[1]: field 'val_loss' has the wrong type (str)",
+    ),
+    (
+        "expert-params-off-by-one",
+        _edit(lambda m: m["experts"][0].update(params=m["experts"][0]["params"] + 1)),
+        "weights, but the entry lists",
+    ),
+    (
+        "expert-hidden-not-the-params",
+        _edit(lambda m: m["experts"][1]["config"]["model"].update(hidden=9)),
+        "expert of embed 8, hidden 9, layers 1 has",
+    ),
+    (
+        "expert-kind-unknown",
+        _edit(lambda m: m["experts"][0]["config"]["model"].update(kind="transformer")),
+        "experts[0]: config: model.kind",
+    ),
     ("expert-layers-zero", _edit(lambda m: m["experts"][0]["config"]["model"].update(layers=0)), "model.layers"),
-    ("expert-config-no-model", _edit(lambda m: m["experts"][0]["config"].pop("model")), "config: missing field 'model'"),
-    ("expert-config-unknown-setting", _edit(lambda m: m["experts"][0]["config"].update(bogus=1)), "bogus: unknown setting"),
-    ("expert-score-not-listed", _edit(lambda m: m["experts"][0].update(score="experts/0/other.onnx")),
-     "experts/0/other.onnx is not listed under files"),
-    ("expert-stream-outside", _edit(lambda m: m["experts"][1].update(stream="../deploy/experts/1/stream.onnx")),
-     "is not listed under files"),
+    (
+        "expert-config-no-model",
+        _edit(lambda m: m["experts"][0]["config"].pop("model")),
+        "config: missing field 'model'",
+    ),
+    (
+        "expert-config-unknown-setting",
+        _edit(lambda m: m["experts"][0]["config"].update(bogus=1)),
+        "bogus: unknown setting",
+    ),
+    (
+        "expert-score-not-listed",
+        _edit(lambda m: m["experts"][0].update(score="experts/0/other.onnx")),
+        "experts/0/other.onnx is not listed under files",
+    ),
+    (
+        "expert-stream-outside",
+        _edit(lambda m: m["experts"][1].update(stream="../deploy/experts/1/stream.onnx")),
+        "is not listed under files",
+    ),
     # seq_len
     ("seq-len-zero", _edit(lambda m: m.update(seq_len=0)), "seq_len must be >= 1, got 0"),
     ("seq-len-str", _edit(lambda m: m.update(seq_len="32")), "field 'seq_len' has the wrong type (str)"),
     ("seq-len-missing", _edit(lambda m: m.pop("seq_len")), "missing field 'seq_len'"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("breaker,fragment", _params(BUNDLE_CASES))
@@ -1200,24 +1406,53 @@ def _run_expert(deploy, which="score"):
 
 DEPLOY_CASES = [
     # (id, break(deploy, docs), what to run, fragment)
-    ("router-not-msgpack", _swap_router(lambda docs: b"not a router"), "load", "router.msgpack: cannot load the router"),
+    (
+        "router-not-msgpack",
+        _swap_router(lambda docs: b"not a router"),
+        "load",
+        "router.msgpack: cannot load the router",
+    ),
     ("router-wrong-kind", _swap_router(lambda docs: codec.encode({}, "expert")), "load", "expected a router message"),
-    ("router-3-experts", _swap_router(lambda docs: _router_bytes(docs, 3)), "load",
-     "the router maps 3 experts, the manifest lists 2"),
-    ("router-prior-not-a-distribution", _swap_router(lambda docs: _router_bytes(docs, prior=np.array([0.9, 0.9]))), "load",
-     "prior is not a distribution"),
-    ("router-temperature-nan", _swap_router(lambda docs: _router_bytes(docs, temperature=float("nan"))), "load",
-     "temperature nan is not positive"),
-    ("router-bucket-bits-huge", _swap_router(lambda docs: _router_bytes(docs, bucket_bits=2**64 - 1)), "load",
-        "bucket_bits"),
-    ("onnx-truncated-rehashed", _file_rehashed(SCORE0, lambda d: (d / SCORE0).read_bytes()[:1000]), "score",
-     "score.onnx: not a loadable ONNX model (truncated or corrupt)"),
+    (
+        "router-3-experts",
+        _swap_router(lambda docs: _router_bytes(docs, 3)),
+        "load",
+        "the router maps 3 experts, the manifest lists 2",
+    ),
+    (
+        "router-prior-not-a-distribution",
+        _swap_router(lambda docs: _router_bytes(docs, prior=np.array([0.9, 0.9]))),
+        "load",
+        "prior is not a distribution",
+    ),
+    (
+        "router-temperature-nan",
+        _swap_router(lambda docs: _router_bytes(docs, temperature=float("nan"))),
+        "load",
+        "temperature nan is not positive",
+    ),
+    (
+        "router-bucket-bits-huge",
+        _swap_router(lambda docs: _router_bytes(docs, bucket_bits=2**64 - 1)),
+        "load",
+        "bucket_bits",
+    ),
+    (
+        "onnx-truncated-rehashed",
+        _file_rehashed(SCORE0, lambda d: (d / SCORE0).read_bytes()[:1000]),
+        "score",
+        "score.onnx: not a loadable ONNX model (truncated or corrupt)",
+    ),
     ("onnx-garbage-rehashed", _file_rehashed(SCORE0, lambda d: b"\x00" * 64), "score", "not a loadable ONNX model"),
-    ("stream-is-a-score-graph", _file_rehashed("experts/0/stream.onnx", lambda d: (d / SCORE0).read_bytes()), "stream",
-     "stream.onnx: the graph (model.kind 'lstm', inputs [('x', ['B', 'T'])]) does not match the manifest's expert"),
+    (
+        "stream-is-a-score-graph",
+        _file_rehashed("experts/0/stream.onnx", lambda d: (d / SCORE0).read_bytes()),
+        "stream",
+        "stream.onnx: the graph (model.kind 'lstm', inputs [('x', ['B', 'T'])]) does not match the manifest's expert",
+    ),
     ("model-hidden-left-to-default", _sparse_model, "stream", "stream.onnx: the graph"),
     ("onnx-modified-after-read", "after-read", "score", "score.onnx: sha256 does not match manifest.json"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("breaker,action,fragment", _params(DEPLOY_CASES))

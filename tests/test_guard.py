@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 
 from coordinator import guard
 from coordinator.server_app import Coordinator
-from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 from soma_edge import checkpoint, protocol
 
 TOL = 0.3  # wide enough for the honest node's noise on TINY's 4 val windows
@@ -71,8 +71,11 @@ def _guarded_run(run, tmp_path, monkeypatch, attack, rounds: int):
 
 def _train_rounds(grid: FakeGrid, node: int) -> list[int]:
     """The rounds of every training request sent to `node`."""
-    return [protocol.unpack(m.content, protocol.KIND_TRAIN)["round"] for m in grid.sent
-            if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == node]  # fmt: skip
+    return [
+        protocol.unpack(m.content, protocol.KIND_TRAIN)["round"]
+        for m in grid.sent
+        if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == node
+    ]
 
 
 def _accepted_within_bound(metrics: list[dict], v0: dict[int, float]) -> None:
@@ -84,7 +87,9 @@ def _accepted_within_bound(metrics: list[dict], v0: dict[int, float]) -> None:
             best[m["expert"]] = min(best[m["expert"]], m["val_loss"])
 
 
-@pytest.mark.parametrize("attack,rounds", [(_scale10, 4), (_random, 4), (_drift, 7)], ids=["scale10", "random", "drift"])
+@pytest.mark.parametrize(
+    "attack,rounds", [(_scale10, 4), (_random, 4), (_drift, 7)], ids=["scale10", "random", "drift"]
+)
 def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, monkeypatch, attack, rounds):
     state, metrics, grid = _guarded_run(run, tmp_path, monkeypatch, attack, rounds)
     assert state["round"] == rounds
@@ -99,7 +104,9 @@ def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, mon
     assert who == "node:1001" and state["strikes"][who]["count"] >= 3
     out_round = next(m["round"] for m in metrics if m["type"] == "round" and m["excluded"] == ["b"])
     assert max(_train_rounds(grid, 1001)) == out_round + 1 < rounds
-    assert not [m for m in metrics if m["type"] == "expert" and m["round"] > out_round and m["node"] == "b" and m["accepted"]]
+    assert not [
+        m for m in metrics if m["type"] == "expert" and m["round"] > out_round and m["node"] == "b" and m["accepted"]
+    ]
     last = [m for m in metrics if m["type"] == "expert" and m["round"] == rounds]
     assert all(m["node"] == "a" and m["accepted"] for m in last)
     # The honest node's work stands; every expert ends no worse than its best + tolerance, and its best
@@ -149,8 +156,11 @@ def test_an_honest_overshoot_is_refused_then_retrained_slower_and_forgiven(run, 
     state, metrics, _ = _guarded_run(run, tmp_path, monkeypatch, once, 3)
     rejected = [r for m in metrics if m["type"] == "round" for r in m["rejected"]]
     assert len(rejected) == 1 and rejected[0]["strike"] == 1
-    improved = [m for m in metrics if m["type"] == "expert" and m["accepted"] and m["node"] == "b"
-                and m["best_version"] == m["version"]]  # fmt: skip
+    improved = [
+        m
+        for m in metrics
+        if m["type"] == "expert" and m["accepted"] and m["node"] == "b" and m["best_version"] == m["version"]
+    ]
     assert improved  # b did honest work that set a new best ...
     assert state["strikes"]["node:1001"]["count"] == 0  # ... so its strike was forgiven
 
@@ -185,6 +195,21 @@ def test_export_refuses_an_unknown_version_choice(run, tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "export.cli", "onnx", str(run.root), "--out", str(tmp_path / "b"),
-                        "--version", "newest"], capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --version must be one of best, latest, got 'newest'"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "export.cli",
+            "onnx",
+            str(run.root),
+            "--out",
+            str(tmp_path / "b"),
+            "--version",
+            "newest",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --version must be one of best, latest, got 'newest'"
+    ]

@@ -24,7 +24,11 @@ def data(default_docs):
     seq = Config().data.seq_len
     train_data = corpus.to_stream(default_docs["train"])
     test_data = corpus.to_stream(default_docs["test"])
-    return train_data, corpus.eval_windows(test_data, seq, max_windows=256), corpus.unigram_entropy(train_data, test_data)
+    return (
+        train_data,
+        corpus.eval_windows(test_data, seq, max_windows=256),
+        corpus.unigram_entropy(train_data, test_data),
+    )
 
 
 def _run(spsa: SPSAConfig, data, input_gain: float = ModelConfig().input_gain) -> tuple[float, float]:
@@ -43,8 +47,10 @@ def test_default_recipe_beats_the_old_one_on_the_test_split(data):
     spsa, gain = _today()
     before, old = _run(spsa, data, gain)
     before_new, new = _run(SPSAConfig(), data)
-    print(f"unigram {unigram:.3f}  init {before:.3f}/{before_new:.3f}  old recipe {old:.3f}  default {new:.3f} "
-          f"after {STEPS} steps")  # fmt: skip
+    print(
+        f"unigram {unigram:.3f}  init {before:.3f}/{before_new:.3f}  old recipe {old:.3f}  default {new:.3f} "
+        f"after {STEPS} steps"
+    )
     assert min(before, before_new) > unigram + 1.0  # both start far above a byte histogram
     assert new < old - GAIN, (old, new)
     assert new < unigram - GAIN  # a model of context, not a byte histogram

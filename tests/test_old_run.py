@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from fakegrid import FakeGrid, set_fed
 
 from coordinator.run import RunDir
 from coordinator.server_app import Coordinator
-from fakegrid import FakeGrid, set_fed
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VERSION_FIELDS = ("soma_edge",)  # the manifest's fields that name the writer's version

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fakegrid import FakeGrid, equal_rates, set_fed
 
 from coordinator.progress import Events, Follower
@@ -101,12 +100,16 @@ def test_the_console_shows_the_coordinators_events_but_not_its_detail(tmp_path):
     path.write_text("2026-12-01 10:00:00,000 soma.coord INFO from an earlier start\n")
     events = Events(path)
     with open(path, "a") as f:
-        f.write("2026-12-01 10:00:01,123 soma.coord INFO node 7 (w0) active: 3.0 forward evals/s\n"
-                "2026-12-01 10:00:02,000 soma.coord DEBUG round 1: accepted expert 0\n"
-                "2026-12-01 10:00:03,000 soma.coord WARNING round 1: node 7 (w0) is gone (no heartbeat)\n"
-                "2026-12-01 10:00:04,000 soma.coord INFO half a li")  # fmt: skip
-    assert events.new() == ["10:00:01 node 7 (w0) active: 3.0 forward evals/s",
-                            "10:00:03 warning: round 1: node 7 (w0) is gone (no heartbeat)"]  # fmt: skip
+        f.write(
+            "2026-12-01 10:00:01,123 soma.coord INFO node 7 (w0) active: 3.0 forward evals/s\n"
+            "2026-12-01 10:00:02,000 soma.coord DEBUG round 1: accepted expert 0\n"
+            "2026-12-01 10:00:03,000 soma.coord WARNING round 1: node 7 (w0) is gone (no heartbeat)\n"
+            "2026-12-01 10:00:04,000 soma.coord INFO half a li"
+        )
+    assert events.new() == [
+        "10:00:01 node 7 (w0) active: 3.0 forward evals/s",
+        "10:00:03 warning: round 1: node 7 (w0) is gone (no heartbeat)",
+    ]
     with open(path, "a") as f:
         f.write("ne [0, 2]\n")
     assert events.new() == ["10:00:04 half a line [0, 2]"]
@@ -140,7 +143,7 @@ FLOWER_OUTPUT = (
     b"2026-12-01 10:54:00,000 soma.worker INFO " + protocol.RUN_ENDED.encode() + b" 4/4 rounds, complete\n"
     b"\x1b[92mINFO \x1b[0m:      Sent successfully\n"
     b"\x1b[93mWARNING \x1b[0m:   Connection attempt failed, retrying in 0.71 seconds\n"
-)  # fmt: skip
+)
 
 
 def _relay(level: str, capsys, monkeypatch) -> tuple[join.Relay, str]:
@@ -175,7 +178,9 @@ def test_supervise_stops_the_supernode_once_the_run_ended():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         t0, calls = time.monotonic(), []
-        code = join.supervise(proc, "127.0.0.1", server.getsockname()[1], stop_when=lambda: calls.append(1) or len(calls) > 1)
+        code = join.supervise(
+            proc, "127.0.0.1", server.getsockname()[1], stop_when=lambda: calls.append(1) or len(calls) > 1
+        )
         assert code == 0 and proc.poll() is not None and time.monotonic() - t0 < 20
     finally:
         proc.kill()
@@ -183,8 +188,13 @@ def test_supervise_stops_the_supernode_once_the_run_ended():
 
 
 def test_help_renders_defaults_without_escapes():
-    out = subprocess.run([sys.executable, "-m", "worker.cli", "join", "--help"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "COLUMNS": "100"})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "join", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "COLUMNS": "100"},
+    )
     assert out.returncode == 0, out.stderr
     assert "[default: auto]" in out.stdout and "\\[" not in out.stdout
     assert "--stay" in out.stdout and "--heartbeat" in out.stdout
@@ -202,8 +212,12 @@ def test_supernode_launcher_sets_the_heartbeat_flower_uses():
         assert fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL == 30.0 and heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10.0
     finally:
         heartbeat.HEARTBEAT_DEFAULT_INTERVAL, fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL = before
-    bad = subprocess.run([sys.executable, "-m", "worker.supernode", "5", "cache"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "worker.supernode", "5", "cache"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: heartbeat 5 s")
 
 
@@ -255,8 +269,11 @@ def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
     set_fed(run, rounds=1)
     coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run)
     coord.main()
-    sent = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in coord.grid.sent
-            if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000]  # fmt: skip
+    sent = [
+        protocol.unpack(m.content, protocol.KIND_TRAIN)
+        for m in coord.grid.sent
+        if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000
+    ]
     assert sent and protocol.heartbeat_advice(sent[0]) == 30.0  # round 1: the link is not measured yet
     assert Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == 30.0
     a = coord.nodes[1000]

@@ -14,10 +14,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_export import _domains, make_run
 
 from export import bundle
 from soma_edge.config import ModelConfig
-from test_export import _domains, make_run
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "matplotlib", "tensorboard")  # tensorboardX, the event writer, is not among them
@@ -40,8 +40,24 @@ def wheel(tmp_path_factory) -> Path:
     for pkg in ("soma_edge", "coordinator", "worker", "export"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (whl,) = out.glob("soma_edge-*.whl")
     return whl
@@ -72,8 +88,12 @@ def test_the_wheel_requires_what_a_worker_needs_and_no_more(wheel):
 
 def test_worker_and_export_run_from_the_wheel_without_torch_matplotlib_or_network(wheel, tmp_path):
     target, block = tmp_path / "site", tmp_path / "block"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target),
-                        str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     block.mkdir()
     (block / "sitecustomize.py").write_text(BLOCK)
@@ -84,16 +104,21 @@ def test_worker_and_export_run_from_the_wheel_without_torch_matplotlib_or_networ
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(block), str(target)])}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env,
-                              cwd=tmp_path)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+        )
 
     where = run("-c", "import soma_edge, worker, export; import torch")
     assert "ImportError" in where.stderr or "ModuleNotFoundError" in where.stderr  # the block works
     mods = run("-c", "import soma_edge, worker.cli, export.cli; print(soma_edge.__file__, worker.cli.__file__)")
-    assert mods.returncode == 0 and all(p.startswith(str(target)) for p in mods.stdout.split()), mods.stdout + mods.stderr
+    assert mods.returncode == 0 and all(p.startswith(str(target)) for p in mods.stdout.split()), (
+        mods.stdout + mods.stderr
+    )
     helped = run("-c", "from worker.cli import main; main()", "--help")
     assert helped.returncode == 0 and "join" in helped.stdout, helped.stdout + helped.stderr
-    ev = run("-c", "from export.cli import main; main()", "eval", str(tmp_path / "deploy"), "--data", str(data), "--json")
+    ev = run(
+        "-c", "from export.cli import main; main()", "eval", str(tmp_path / "deploy"), "--data", str(data), "--json"
+    )
     assert ev.returncode == 0, ev.stdout + ev.stderr
     report = json.loads(ev.stdout)
     assert 0 < report["nats_per_byte"] < 20, report

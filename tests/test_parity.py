@@ -11,7 +11,10 @@ from soma_edge.config import ModelConfig  # noqa: E402
 from soma_edge.runtime import LossEvaluator  # noqa: E402
 
 SHAPES = [ModelConfig(embed=16, hidden=24, layers=1), ModelConfig(embed=8, hidden=20, layers=2)]
-SOMA = [ModelConfig(kind="soma", embed=16, hidden=16, layers=1), ModelConfig(kind="soma", embed=12, hidden=12, layers=2)]
+SOMA = [
+    ModelConfig(kind="soma", embed=16, hidden=16, layers=1),
+    ModelConfig(kind="soma", embed=12, hidden=12, layers=2),
+]
 BOTH = SHAPES + SOMA
 
 

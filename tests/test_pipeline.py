@@ -8,17 +8,20 @@ import shutil
 import time
 
 import pytest
+from fakegrid import FakeGrid, equal_rates, set_fed
 
 from coordinator import guard
 from coordinator.server_app import Coordinator
 from soma_edge import checkpoint, protocol
-from fakegrid import FakeGrid, equal_rates, set_fed
 
 
 def _trains(grid: FakeGrid) -> list[tuple[int, int, dict]]:
     """(index in grid.sent, node, body) of every train request."""
-    return [(i, m.metadata.dst_node_id, protocol.unpack(m.content, protocol.KIND_TRAIN)) for i, m in enumerate(grid.sent)
-            if m.metadata.message_type == protocol.TRAIN]  # fmt: skip
+    return [
+        (i, m.metadata.dst_node_id, protocol.unpack(m.content, protocol.KIND_TRAIN))
+        for i, m in enumerate(grid.sent)
+        if m.metadata.message_type == protocol.TRAIN
+    ]
 
 
 def _commits(run, grid: FakeGrid) -> list[int]:
@@ -67,7 +70,9 @@ def test_pipelining_changes_when_rounds_start_not_what_they_compute(run, tmp_pat
             for _, _, b in _trains(grid):
                 for t in b["tasks"]:
                     if b["round"] > 1:  # from the claim of the round before, already on its node
-                        assert t["weights"] is None and t["base_sha256"] == lines[(b["round"] - 1, t["expert"])]["sha256"]
+                        assert (
+                            t["weights"] is None and t["base_sha256"] == lines[(b["round"] - 1, t["expert"])]["sha256"]
+                        )
         else:
             assert first[2] >= commit[1] and first[3] >= commit[2]
     assert ends[True] == ends[False]
@@ -124,7 +129,7 @@ def test_an_expert_moving_to_a_node_without_its_claimed_version_waits_for_the_co
     lines = {(m["round"], m["expert"]): m for m in run.read_metrics() if m["type"] == "expert"}
     assert all(m["accepted"] for m in lines.values()) and state["round"] == 2
     on_a = sorted(e for (r, e), m in lines.items() if r == 1 and m["node"] == "a")
-    (i, nid, body), = [x for x in _trains(grid) if x[2]["round"] == 2]
+    ((i, nid, body),) = [x for x in _trains(grid) if x[2]["round"] == 2]
     assert nid == 1001 and i >= marks[1]  # sent after round 1's commit
     for t in body["tasks"]:
         if t["expert"] in on_a:

@@ -12,11 +12,14 @@ import pytest
 
 from coordinator import debian_corpus
 from coordinator.prepare import expert_shards, prepare
-from soma_edge import corpus, router as router_mod
+from soma_edge import corpus
+from soma_edge import router as router_mod
 from soma_edge.errors import CorpusError
 from tests.conftest import FOUR_DOMAINS
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
 def write_jsonl(docs, path: Path) -> None:
     """A labelled JSONL of documents."""
     with open(path, "w") as f:
@@ -124,8 +127,11 @@ def test_load_documents_directory_jsonl_and_skips(tmp_path):
     (tmp_path / "recs.jsonl").write_text('{"text": "first", "domain": "x"}\n\n{"text": "second"}\n')
     docs = corpus.load_documents(tmp_path)
     assert sorted((d.domain, d.text) for d in docs) == [
-        ("", b"second"), ("code", b"print('hi')\n"), ("poems", b"roses are red\n" * 10), ("x", b"first"),
-    ]  # fmt: skip
+        ("", b"second"),
+        ("code", b"print('hi')\n"),
+        ("poems", b"roses are red\n" * 10),
+        ("x", b"first"),
+    ]
     big = tmp_path / "big.txt"
     big.write_bytes(b"line of text\n" * 5000)  # 65 KB -> cut at line ends into <= 16 KiB documents
     pieces = corpus.load_documents(big)
@@ -207,8 +213,7 @@ def test_debian_recipe_names_pins_that_left_the_archive(tmp_path, monkeypatch):
 
 def test_debian_text_extractors():
     troff = (
-        ".TH X 1\n.SH NAME\nfoo \\- do things\n.SH OPTIONS\n.TP\n"
-        '.BR \\-v ", " \\-\\-verbose\nSay\n.I more\nthings.\n'
+        '.TH X 1\n.SH NAME\nfoo \\- do things\n.SH OPTIONS\n.TP\n.BR \\-v ", " \\-\\-verbose\nSay\n.I more\nthings.\n'
     )
     assert debian_corpus.man_text(troff) == "NAME\nfoo - do things\n\nOPTIONS\n-v, --verbose\nSay more things.\n"
     assert debian_corpus.html_text("<html><head><title>t</title></head><p>a &amp; b</p><br>c</html>") == "a & b\n\nc\n"

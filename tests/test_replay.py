@@ -19,13 +19,23 @@ from soma_edge.config import Config, from_dict
 from soma_edge.errors import CheckpointError
 
 STEPS = 200
-BASE = {"model": {"embed": 8, "hidden": 16}, "data": {"batch": 2, "seq_len": 16}, "device": "cpu",
-        "spsa": {"directions": 2, "warmup_steps": 5}}  # fmt: skip
+BASE = {
+    "model": {"embed": 8, "hidden": 16},
+    "data": {"batch": 2, "seq_len": 16},
+    "device": "cpu",
+    "spsa": {"directions": 2, "warmup_steps": 5},
+}
 VARIANTS = {  # every noise kind and optimizer option the trainer has
     "rademacher-sparse-adam-delta": {},
     "rademacher-dense-rms-momentum": {"density": 1.0, "update": "rms", "momentum": 0.9, "decoder": "spsa"},
-    "gaussian-sgd-momentum-wd": {"noise": "gaussian", "update": "sgd", "lr": 1e-4, "momentum": 0.5,
-                                 "weight_decay": 1e-3, "decoder": "frozen"},  # fmt: skip
+    "gaussian-sgd-momentum-wd": {
+        "noise": "gaussian",
+        "update": "sgd",
+        "lr": 1e-4,
+        "momentum": 0.5,
+        "weight_decay": 1e-3,
+        "decoder": "frozen",
+    },
     "gaussian-adam-accumulate-delta": {"noise": "gaussian", "accumulate": 2, "total_steps": 150},
     "rms-delta-tied-eps": {"update": "rms", "tie_eps_to_lr": True, "plateau": False},
     "soma-kind-adam-delta": {"model": {"kind": "soma", "embed": 8, "hidden": 8}},
@@ -80,12 +90,24 @@ def trained(tmp_path_factory):
         end, log = _train(cfg, i, warm)
         runs[name] = (cfg, i, warm, end, log)
     root = tmp_path_factory.mktemp("replay")
-    jobs = {name: {"config": cfg.to_dict(), "expert": e, "weights": warm.weights, "step": warm.step,
-                   "opt": warm.opt.to_record(), "log": log.to_record()}
-            for name, (cfg, e, warm, end, log) in runs.items()}  # fmt: skip
+    jobs = {
+        name: {
+            "config": cfg.to_dict(),
+            "expert": e,
+            "weights": warm.weights,
+            "step": warm.step,
+            "opt": warm.opt.to_record(),
+            "log": log.to_record(),
+        }
+        for name, (cfg, e, warm, end, log) in runs.items()
+    }
     checkpoint.save(root / "jobs.msgpack", jobs, "replay_jobs")
-    r = subprocess.run([sys.executable, "-c", REPLAY_CHILD, str(root / "jobs.msgpack"), str(root / "out.msgpack")],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", REPLAY_CHILD, str(root / "jobs.msgpack"), str(root / "out.msgpack")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     return runs, checkpoint.load(root / "out.msgpack", "replay_results")
 
@@ -116,18 +138,41 @@ def _good(trained, name="rademacher-sparse-adam-delta"):
     return cfg, e, warm, log
 
 
-@pytest.mark.parametrize("breaker,message", [
-    (lambda log: spsa.UpdateLog(log.start, log.grads[:, :1], log.lr_scale, log.decoder, log.decoder_m, log.decoder_v),
-     "each step needs 2"),
-    (lambda log: spsa.UpdateLog(log.start, np.where(np.arange(log.grads.size).reshape(log.grads.shape) == 7, np.nan,
-                                                    log.grads).astype(np.float32), log.lr_scale, log.decoder,
-                                log.decoder_m, log.decoder_v), "non-finite scalars"),
-    (lambda log: spsa.UpdateLog(log.start + 1, log.grads, log.lr_scale, log.decoder, log.decoder_m, log.decoder_v),
-     "the log starts at step 38, the version is at step 37"),
-    (lambda log: spsa.UpdateLog(log.start, log.grads, log.lr_scale, None, None, None), "needs its finite float32"),
-    (lambda log: spsa.UpdateLog(log.start, log.grads, log.lr_scale, log.decoder[:-1], log.decoder_m, log.decoder_v),
-     "needs its finite float32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "breaker,message",
+    [
+        (
+            lambda log: spsa.UpdateLog(
+                log.start, log.grads[:, :1], log.lr_scale, log.decoder, log.decoder_m, log.decoder_v
+            ),
+            "each step needs 2",
+        ),
+        (
+            lambda log: spsa.UpdateLog(
+                log.start,
+                np.where(np.arange(log.grads.size).reshape(log.grads.shape) == 7, np.nan, log.grads).astype(np.float32),
+                log.lr_scale,
+                log.decoder,
+                log.decoder_m,
+                log.decoder_v,
+            ),
+            "non-finite scalars",
+        ),
+        (
+            lambda log: spsa.UpdateLog(
+                log.start + 1, log.grads, log.lr_scale, log.decoder, log.decoder_m, log.decoder_v
+            ),
+            "the log starts at step 38, the version is at step 37",
+        ),
+        (lambda log: spsa.UpdateLog(log.start, log.grads, log.lr_scale, None, None, None), "needs its finite float32"),
+        (
+            lambda log: spsa.UpdateLog(
+                log.start, log.grads, log.lr_scale, log.decoder[:-1], log.decoder_m, log.decoder_v
+            ),
+            "needs its finite float32",
+        ),
+    ],
+)
 def test_replay_refuses_a_log_that_does_not_fit(trained, breaker, message):
     cfg, e, warm, log = _good(trained)
     before = warm.weights.tobytes()
@@ -137,11 +182,16 @@ def test_replay_refuses_a_log_that_does_not_fit(trained, breaker, message):
     assert warm.weights.tobytes() == before  # nothing changed
 
 
-@pytest.mark.parametrize("edit,message", [
-    ({"start": -1}, "is not a step"), ({"grads": [1.0]}, "float32 [steps, directions]"),
-    ({"lr_scale": 2.0}, "not in (0, 1]"), ({"decoder": None}, "all be float32 vectors, or none"),
-    ({"extra": 1}, "not an update log record"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"start": -1}, "is not a step"),
+        ({"grads": [1.0]}, "float32 [steps, directions]"),
+        ({"lr_scale": 2.0}, "not in (0, 1]"),
+        ({"decoder": None}, "all be float32 vectors, or none"),
+        ({"extra": 1}, "not an update log record"),
+    ],
+)
 def test_update_log_records_are_type_checked(trained, edit, message):
     _, _, _, log = _good(trained)
     with pytest.raises(CheckpointError, match=re.escape(message)):
@@ -163,8 +213,9 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
     """reply = "log" with a decoder that is not dense-updated: every version the coordinator stores is
     its replay, which is bit for bit what the worker computed (the worker cached it under the same
     hash), and the replies carry a small fraction of the bytes that weights mode moves."""
-    from coordinator.server_app import Coordinator
     from fakegrid import FakeGrid, equal_rates, set_fed
+
+    from coordinator.server_app import Coordinator
     from worker.cache import Cache
 
     equal_rates(monkeypatch)
@@ -194,8 +245,9 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
 
 
 def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(run, tmp_path, monkeypatch):
-    from coordinator.server_app import Coordinator
     from fakegrid import FakeGrid, equal_rates, set_fed
+
+    from coordinator.server_app import Coordinator
 
     equal_rates(monkeypatch)
     set_fed(run, rounds=2, reply="auto", weights_every=2)
@@ -225,9 +277,10 @@ def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(
 def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypatch):
     """Node b alters one scalar of its log and claims the hash its altered log replays to, so the replay
     alone cannot tell; the audit recomputes that step's losses and refuses the reply."""
+    from fakegrid import FakeGrid, equal_rates, set_fed
+
     from coordinator import replay as replay_mod
     from coordinator.server_app import Coordinator
-    from fakegrid import FakeGrid, equal_rates, set_fed
 
     equal_rates(monkeypatch)
     set_fed(run, rounds=2, reply="log", audit_steps=1024)  # every step: the altered one is surely among them
@@ -240,8 +293,9 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
             log.grads[log.steps // 2, 0] *= 3.0
             x = coord.state["experts"][str(res["expert"])]
             stored = coord.run.load_expert(x["path"])
-            base = spsa.State(protocol.decode_weights(stored["weights"]), step=x["step"],
-                              opt=coord._checked_opt(stored, x["path"]))  # fmt: skip
+            base = spsa.State(
+                protocol.decode_weights(stored["weights"]), step=x["step"], opt=coord._checked_opt(stored, x["path"])
+            )
             got = replay_mod.rebuild(coord._phase_config(), base, log, res["expert"])
             res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
         return body
@@ -258,9 +312,10 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
 
 
 def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, monkeypatch):
-    from coordinator.server_app import Coordinator
     from fakegrid import FakeGrid, set_fed
     from flwr.app import Message
+
+    from coordinator.server_app import Coordinator
     from worker import client_app
 
     cfg = run.load_config()
@@ -277,8 +332,11 @@ def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, m
     monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", other_numpy)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     Coordinator(grid, run).main()
-    modes = {m.metadata.dst_node_id: {t["reply"] for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]}
-             for m in grid.sent if m.metadata.message_type == protocol.TRAIN}  # fmt: skip
+    modes = {
+        m.metadata.dst_node_id: {t["reply"] for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]}
+        for m in grid.sent
+        if m.metadata.message_type == protocol.TRAIN
+    }
     assert modes == {1000: {"log"}, 1001: {"weights"}}
     assert all(m["accepted"] for m in _expert_lines(run))
 
@@ -287,8 +345,9 @@ def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(r
     """Round 1: a trains experts 0 and 2, b trains 1 and 3. Round 2: a is away, b trains all four.
     Round 3: b is away, a is back: it holds version 1 of 0 and 2, so it is sent the log 1 -> 2 (and
     rebuilds version 2 itself, checked against its hash) instead of the weights; 1 and 3 come as weights."""
-    from coordinator.server_app import Coordinator
     from fakegrid import FakeGrid, equal_rates, set_fed
+
+    from coordinator.server_app import Coordinator
 
     equal_rates(monkeypatch)
     cfg = run.load_config()
@@ -310,8 +369,11 @@ def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(r
     r1 = {m["expert"]: m["node"] for m in lines if m["round"] == 1}
     r3 = {m["expert"]: m for m in lines if m["round"] == 3}
     on_a = [e for e, n in r1.items() if n == "a"]
-    to_a = [protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent
-            if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000]
+    to_a = [
+        protocol.unpack(m.content, protocol.KIND_TRAIN)
+        for m in grid.sent
+        if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000
+    ]
     tasks = {t["expert"]: t for t in to_a[-1]["tasks"]}
     assert on_a and all(tasks[e]["weights"] is None and tasks[e]["base_log"] is not None for e in on_a)
     assert all(tasks[e]["weights"] is not None for e in tasks if e not in on_a)

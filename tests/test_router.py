@@ -12,6 +12,7 @@ from soma_edge import router as router_mod
 from soma_edge.errors import CodecError, ConfigError
 from tests.conftest import FOUR_DOMAINS
 
+
 @pytest.fixture(scope="module")
 def fitted(four_domain_docs):
     """A router with 8 clusters over 4 experts, fitted on the train split of the 4-domain sample."""

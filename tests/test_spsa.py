@@ -215,15 +215,27 @@ def test_plateau_halves_lr_and_eps_together_down_to_the_floor():
 def test_optimizer_state_record_round_trips_and_refuses_mismatches():
     from soma_edge.errors import CheckpointError
 
-    opt = OptState(adam_m=np.ones(5, np.float32), adam_v=np.full(5, 2, np.float32), adam_t=7, lr_scale=0.25,
-                   best_val=1.5, best_step=40)  # fmt: skip
+    opt = OptState(
+        adam_m=np.ones(5, np.float32),
+        adam_v=np.full(5, 2, np.float32),
+        adam_t=7,
+        lr_scale=0.25,
+        best_val=1.5,
+        best_step=40,
+    )
     back = OptState.from_record(opt.to_record(), 5)
     assert back.lr_scale == 0.25 and back.best_val == 1.5 and back.best_step == 40 and back.adam_t == 7
     assert back.adam_v.tobytes() == opt.adam_v.tobytes() and back.momentum is None
     assert OptState.from_record(None, 5) == OptState()
-    for bad in [{**opt.to_record(), "adam_m": np.ones(6, np.float32)}, {**opt.to_record(), "adam_m": np.ones(5)},
-                {**opt.to_record(), "best_step": -1}, {**opt.to_record(), "lr_scale": 0.0}, [1, 2],
-                {**opt.to_record(), "adam_t": 0}, {**OptState().to_record(), "adam_t": 2}]:  # fmt: skip
+    for bad in [
+        {**opt.to_record(), "adam_m": np.ones(6, np.float32)},
+        {**opt.to_record(), "adam_m": np.ones(5)},
+        {**opt.to_record(), "best_step": -1},
+        {**opt.to_record(), "lr_scale": 0.0},
+        [1, 2],
+        {**opt.to_record(), "adam_t": 0},
+        {**OptState().to_record(), "adam_t": 2},
+    ]:
         with pytest.raises(CheckpointError):
             OptState.from_record(bad, 5)
 

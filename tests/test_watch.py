@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from fakegrid import FakeGrid, set_fed
 
 from coordinator.board import Board
 from coordinator.server_app import Coordinator
-from fakegrid import FakeGrid, set_fed
 from soma_edge import protocol
 
 
@@ -25,7 +25,9 @@ def _events(folder) -> dict[tuple[str, int], list[float]]:
             out.setdefault((tag, ev.step), []).append(ev.value)
     for tag in acc.Tags()["tensors"]:
         for ev in acc.Tensors(tag):
-            out.setdefault((tag.removesuffix("/text_summary"), ev.step), []).append(ev.tensor_proto.string_val[0].decode())
+            out.setdefault((tag.removesuffix("/text_summary"), ev.step), []).append(
+                ev.tensor_proto.string_val[0].decode()
+            )
     return out
 
 
@@ -50,8 +52,13 @@ def test_event_files_hold_the_metrics_and_a_resume_purges_an_uncommitted_round(r
             assert got[(f"expert_{m['expert']}/{key}", m["round"])] == [pytest.approx(m[key], rel=1e-6)], (key, m)
         assert got[(f"expert_{m['expert']}/node", m["round"])] == [m["node"]]
     for m in rounds:
-        for tag, key in (("mixture_val_loss", "mixture_val_loss"), ("compute_share", "compute_share"),
-                         ("bytes_up", "bytes_up"), ("seconds", "round_seconds_total"), ("accepted", "accepted")):  # fmt: skip
+        for tag, key in (
+            ("mixture_val_loss", "mixture_val_loss"),
+            ("compute_share", "compute_share"),
+            ("bytes_up", "bytes_up"),
+            ("seconds", "round_seconds_total"),
+            ("accepted", "accepted"),
+        ):
             assert got[(f"round/{tag}", m["round"])] == [pytest.approx(m[key], rel=1e-6)], (tag, m)
         assert got[("round/rejected", m["round"])] == [len(m["rejected"])]
     assert {step for tag, step in got} == {1, 2, 3}  # one value per tag and round: nothing doubled, nothing stale
@@ -83,10 +90,20 @@ def test_a_stop_request_ends_the_run_after_the_round_in_progress(run, tmp_path, 
 
     coord._collect, coord._commit = collect, commit
     state = coord.main()
-    assert state["round"] == last and [m["round"] for m in run.read_metrics() if m["type"] == "round"] == list(range(1, last + 1))
-    trains = {protocol.unpack(m.content, protocol.KIND_TRAIN)["round"] for m in grid.sent if m.metadata.message_type == protocol.TRAIN}
+    assert state["round"] == last and [m["round"] for m in run.read_metrics() if m["type"] == "round"] == list(
+        range(1, last + 1)
+    )
+    trains = {
+        protocol.unpack(m.content, protocol.KIND_TRAIN)["round"]
+        for m in grid.sent
+        if m.metadata.message_type == protocol.TRAIN
+    }
     assert max(trains) == last  # nothing went out past the stop
-    ends = [protocol.unpack(m.content, protocol.KIND_END) for m in grid.sent if m.metadata.message_type == protocol.QUERY_END]
+    ends = [
+        protocol.unpack(m.content, protocol.KIND_END)
+        for m in grid.sent
+        if m.metadata.message_type == protocol.QUERY_END
+    ]
     assert len(ends) == 2 and all("soma-coord stop" in e["why"] for e in ends)
     assert run.read_status()["stopped"] and not run.stop_path.exists()
     assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()["round"] == 6  # and it resumes

@@ -99,7 +99,9 @@ class Cache:
                 out.flush()
                 os.fsync(out.fileno())
             if digest.hexdigest() != sha:
-                raise CheckpointError(f"shard {sha[:12]}: its {total} bytes, joined from pieces, do not hash to its name")
+                raise CheckpointError(
+                    f"shard {sha[:12]}: its {total} bytes, joined from pieces, do not hash to its name"
+                )
             os.replace(tmp, self._shard_path(sha))
         except (OSError, CheckpointError):
             Path(tmp).unlink(missing_ok=True)
@@ -129,8 +131,17 @@ class Cache:
         self._shard_path(sha)  # same digest check
         return self.root / "weights" / f"{sha}.msgpack"
 
-    def put_weights(self, sha: str, *, expert: int, version: int, step: int, weights: np.ndarray,
-                    opt: dict[str, Any] | None, run_id: str | None = None) -> None:  # fmt: skip
+    def put_weights(
+        self,
+        sha: str,
+        *,
+        expert: int,
+        version: int,
+        step: int,
+        weights: np.ndarray,
+        opt: dict[str, Any] | None,
+        run_id: str | None = None,
+    ) -> None:
         """Store a version with its optimizer state (`spsa.OptState.to_record`, or None for a fresh one)."""
         if weights_sha256(weights) != sha:
             raise CheckpointError(f"weights {sha[:12]}: the array does not hash to its name")
@@ -151,8 +162,11 @@ class Cache:
         except CheckpointError:
             path.unlink(missing_ok=True)
             return None
-        if not isinstance(body, dict) or not isinstance(body.get("weights"), np.ndarray) \
-                or weights_sha256(body["weights"]) != sha:  # fmt: skip
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("weights"), np.ndarray)
+            or weights_sha256(body["weights"]) != sha
+        ):
             path.unlink(missing_ok=True)
             return None
         os.utime(path)
@@ -184,8 +198,9 @@ class Cache:
 
     def evict(self, protect: set[str] = frozenset()) -> list[str]:
         """Drop least recently used entries until the cache fits `max_bytes`; never those in `protect`."""
-        files = [p for sub in ("shards", "weights") for p in (self.root / sub).iterdir()
-                 if p.suffix in (".bin", ".msgpack")]  # fmt: skip
+        files = [
+            p for sub in ("shards", "weights") for p in (self.root / sub).iterdir() if p.suffix in (".bin", ".msgpack")
+        ]
         stats = []
         for p in files:
             try:  # one stat: another worker sharing this folder may unlink the file at any moment

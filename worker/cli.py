@@ -34,8 +34,12 @@ def train_cmd(
     seed: Optional[int] = typer.Option(None, min=0, max=MAX_SEED, help="Override the config's seed."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:i] | an ORT execution provider."),
     threads: Optional[int] = typer.Option(None, help="ORT intra-op threads (0 = ORT decides)."),
-    out: Optional[Path] = typer.Option(None, help="Write the trained weights and optimizer state here (checksummed msgpack)."),
-    resume: Optional[Path] = typer.Option(None, help="Continue from a checkpoint that --out wrote (weights, step, optimizer state)."),
+    out: Optional[Path] = typer.Option(
+        None, help="Write the trained weights and optimizer state here (checksummed msgpack)."
+    ),
+    resume: Optional[Path] = typer.Option(
+        None, help="Continue from a checkpoint that --out wrote (weights, step, optimizer state)."
+    ),
     eval_windows: int = typer.Option(128, min=1, help="Held-out windows for the before/after loss."),
     check_steps: int = typer.Option(100, min=1, help="Steps between val checks of the plateau rule (spsa.plateau)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a summary."),
@@ -70,8 +74,11 @@ def train_cmd(
     seconds = time.perf_counter() - t0
     after = mean_loss(evaluator, state.weights, xt, yt)
     if out is not None:
-        checkpoint.save(out, {"config": cfg.to_dict(), "step": state.step, "weights": state.weights,
-                              "opt": state.opt.to_record()}, "expert")  # fmt: skip
+        checkpoint.save(
+            out,
+            {"config": cfg.to_dict(), "step": state.step, "weights": state.weights, "opt": state.opt.to_record()},
+            "expert",
+        )
     summary = {
         "params": int(state.weights.size),
         "steps": done,
@@ -113,27 +120,44 @@ def _resume(path: Path, cfg: config_mod.Config) -> State:
 @app.command("join")
 def join_cmd(
     coordinator: str = typer.Option(..., "--coordinator", help="HOST:PORT of the coordinator's SuperLink."),
-    name: Optional[str] = typer.Option(None, help="This worker's name in the coordinator's table (default: host name)."),
-    cache: Optional[Path] = typer.Option(None, help="Cache for shards, weights and the probe (default: $SOMA_CACHE/worker)."),
+    name: Optional[str] = typer.Option(
+        None, help="This worker's name in the coordinator's table (default: host name)."
+    ),
+    cache: Optional[Path] = typer.Option(
+        None, help="Cache for shards, weights and the probe (default: $SOMA_CACHE/worker)."
+    ),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:i] | an ORT execution provider."),
     threads: int = typer.Option(0, min=0, help="ORT intra-op threads (0 = ORT decides; 1 when workers share a box)."),
     no_spin: bool = typer.Option(False, "--no-spin", help="No ORT spin-waiting (for workers sharing cores)."),
-    parallel: int = typer.Option(0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."),
+    parallel: int = typer.Option(
+        0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."
+    ),
     port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0 = a free one)."),
     cache_mb: int = typer.Option(2048, min=16, help="Bound on the cache size; least recently used entries go first."),
     root_certificates: Optional[Path] = typer.Option(
         None, "--root-certificates", help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure."
     ),
     probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
-    auth_key: Optional[Path] = typer.Option(None, "--auth-key", help="This worker's private key (`keygen` writes "
-                                            "worker.key), for a coordinator started with --auth."),
-    patience: float = typer.Option(join.PATIENCE, min=1.0, help="Seconds the coordinator may not answer, before this "
-                                   "worker joins or after, until it gives up with an error."),
-    stay: bool = typer.Option(False, "--stay", help="When the run ends, or the coordinator goes, wait for the next "
-                              "run instead of exiting."),
-    heartbeat: str = typer.Option("auto", help="Seconds between this worker's liveness reports to Flower (10 to "
-                                  "1800); the coordinator notices a dead worker within twice that. auto: what the "
-                                  "coordinator advises, 10 on a fast link, 30 on a slow one or until it has measured."),
+    auth_key: Optional[Path] = typer.Option(
+        None,
+        "--auth-key",
+        help="This worker's private key (`keygen` writes worker.key), for a coordinator started with --auth.",
+    ),
+    patience: float = typer.Option(
+        join.PATIENCE,
+        min=1.0,
+        help="Seconds the coordinator may not answer, before this "
+        "worker joins or after, until it gives up with an error.",
+    ),
+    stay: bool = typer.Option(
+        False, "--stay", help="When the run ends, or the coordinator goes, wait for the next run instead of exiting."
+    ),
+    heartbeat: str = typer.Option(
+        "auto",
+        help="Seconds between this worker's liveness reports to Flower (10 to "
+        "1800); the coordinator notices a dead worker within twice that. auto: what the "
+        "coordinator advises, 10 on a fast link, 30 on a slow one or until it has measured.",
+    ),
 ) -> None:
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until the run ends.
     With --log-level info (the default) it prints its own lines and Flower's warnings; debug adds Flower's
@@ -170,16 +194,38 @@ def join_cmd(
     join.preflight(host, int(port_s), root_certificates, wait=patience)
     if port == 0:
         port = free_port()
-    node_config = (f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
-                   f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}")  # fmt: skip
-    cmd = [sys.executable, "-m", "worker.supernode", heartbeat, str(cache), "--superlink", coordinator, "--port",
-           str(port), "--node-config", node_config]  # fmt: skip
+    node_config = (
+        f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
+        f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.supernode",
+        heartbeat,
+        str(cache),
+        "--superlink",
+        coordinator,
+        "--port",
+        str(port),
+        "--node-config",
+        node_config,
+    ]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
     marker = join.accepted_marker(cache, auth_key, coordinator) if auth_key else None
-    j = join.Join(name=name, host=host, port=int(port_s), cmd=cmd, env=env, patience=patience, marker=marker, stay=stay,
-                  log_level="warning" if log_level() == "error" else log_level())  # fmt: skip
+    j = join.Join(
+        name=name,
+        host=host,
+        port=int(port_s),
+        cmd=cmd,
+        env=env,
+        patience=patience,
+        marker=marker,
+        stay=stay,
+        log_level="warning" if log_level() == "error" else log_level(),
+    )
     j.say(f"joining {coordinator} (device {device}, threads {threads}, cache {cache})")
     raise typer.Exit(join.serve(j))
 
@@ -193,8 +239,10 @@ def keygen_cmd(
     from soma_edge.certs import fingerprint, make_worker_key, read_public_key
 
     key, pub = make_worker_key(out, force=force)
-    print(f"wrote {key} (keep it here: soma-worker join --auth-key {key}) and {pub} (key "
-          f"{fingerprint(read_public_key(pub))}: soma-coord add-worker RUN {pub.name})")
+    print(
+        f"wrote {key} (keep it here: soma-worker join --auth-key {key}) and {pub} (key "
+        f"{fingerprint(read_public_key(pub))}: soma-coord add-worker RUN {pub.name})"
+    )
 
 
 main = entry(app, "soma-worker")

@@ -27,13 +27,17 @@ import numpy as np  # noqa: E402
 from flwr.app import Context, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
-from soma_edge import __version__, codec, protocol  # noqa: E402
+from soma_edge import (  # noqa: E402
+    __version__,
+    codec,
+    protocol,
+    steps,  # noqa: E402
+)
 from soma_edge import config as config_mod  # noqa: E402
 from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
 from soma_edge.errors import CheckpointError, SomaError, ValidationError  # noqa: E402
-from soma_edge import steps  # noqa: E402
-from soma_edge.spsa import OptState, State, record_log  # noqa: E402
 from soma_edge.logs import role_logger  # noqa: E402
+from soma_edge.spsa import OptState, State, record_log  # noqa: E402
 from worker import probe  # noqa: E402
 from worker.cache import HEARTBEAT_ADVICE, Cache  # noqa: E402
 from worker.trainer import train as train_loop  # noqa: E402
@@ -90,11 +94,22 @@ def capabilities(msg: Message, context: Context) -> Message:
     caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
     # The run's model fixes how large its train requests can be: decode none larger (`train`).
     cache.put_json(_limit_name(context.run_id), protocol.train_request_limit(cfg))
-    log.info("capabilities: %.1f forward evals/s on %s (probe %s)", caps["evals_per_s"], caps["providers"][0],
-             "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s")  # fmt: skip
-    reply = {"soma_version": __version__, "node": context.node_id, "name": s.name, "pid": os.getpid(),
-             "torch_importable": torch_importable(), "cache": cache.inventory(), "numpy": np.__version__,
-             **caps}  # fmt: skip
+    log.info(
+        "capabilities: %.1f forward evals/s on %s (probe %s)",
+        caps["evals_per_s"],
+        caps["providers"][0],
+        "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s",
+    )
+    reply = {
+        "soma_version": __version__,
+        "node": context.node_id,
+        "name": s.name,
+        "pid": os.getpid(),
+        "torch_importable": torch_importable(),
+        "cache": cache.inventory(),
+        "numpy": np.__version__,
+        **caps,
+    }
     return _reply(msg, reply, protocol.KIND_CAPS)
 
 
@@ -121,8 +136,15 @@ def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, erro
         errors.append(f"expert {t['expert']}: the downstream log replays to other weights than {t['base_sha256'][:12]}")
         return None
     opt = got.opt.to_record()
-    cache.put_weights(t["base_sha256"], expert=t["expert"], version=t["version"], step=got.step, weights=got.weights,
-                      opt=opt, run_id=run_id)  # fmt: skip
+    cache.put_weights(
+        t["base_sha256"],
+        expert=t["expert"],
+        version=t["version"],
+        step=got.step,
+        weights=got.weights,
+        opt=opt,
+        run_id=run_id,
+    )
     return {"weights": got.weights, "opt": opt}
 
 
@@ -134,13 +156,28 @@ def _as_sent(t: dict[str, Any], state: State, reply_dtype: str) -> np.ndarray:
 def _result(t: dict[str, Any], state: State, out: np.ndarray, start: int, rep, cfg) -> dict[str, Any]:
     """One expert's result in the form its task asked for (weights `out`, update log, or both)."""
     mode, sha = t.get("reply", "weights"), protocol.weights_sha256(out)
-    log.info("sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f", t["expert"], t["version"] + 1,
-             sha, rep.steps, rep.seconds, rep.loss)  # fmt: skip
+    log.info(
+        "sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f",
+        t["expert"],
+        t["version"] + 1,
+        sha,
+        rep.steps,
+        rep.seconds,
+        rep.loss,
+    )
     res = {
-        "expert": t["expert"], "base_sha256": t["base_sha256"], "version": t["version"] + 1, "step": state.step,
-        "steps": rep.steps, "forward_evals": rep.forward_evals, "seconds": rep.seconds, "train_loss": rep.loss,
-        "sha256": sha, "weights": out, "opt": state.opt.to_record(),
-    }  # fmt: skip
+        "expert": t["expert"],
+        "base_sha256": t["base_sha256"],
+        "version": t["version"] + 1,
+        "step": state.step,
+        "steps": rep.steps,
+        "forward_evals": rep.forward_evals,
+        "seconds": rep.seconds,
+        "train_loss": rep.loss,
+        "sha256": sha,
+        "weights": out,
+        "opt": state.opt.to_record(),
+    }
     if mode in ("log", "both"):
         res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg)).to_record()
     if mode == "log":
@@ -170,8 +207,12 @@ def shard_pieces(msg: Message, context: Context) -> Message:
     body = protocol.unpack(msg.content, protocol.KIND_PIECES, protocol.PIECE_BYTES + protocol.SMALL_BYTES)
     s = settings(dict(context.node_config))
     done, errors = _store_pieces(Cache(s.cache, max_bytes=s.cache_bytes), body.get("pieces"))
-    log.info("stored %d shard pieces: %d shards complete%s", len(body.get("pieces") or []), len(done),
-             f", errors: {errors}" if errors else "")  # fmt: skip
+    log.info(
+        "stored %d shard pieces: %d shards complete%s",
+        len(body.get("pieces") or []),
+        len(done),
+        f", errors: {errors}" if errors else "",
+    )
     return _reply(msg, {"node": context.node_id, "complete": done, "errors": errors}, protocol.KIND_ACK)
 
 
@@ -198,11 +239,19 @@ def train(msg: Message, context: Context) -> Message:
     t_start = time.perf_counter()
     s = settings(dict(context.node_config))
     body = protocol.unpack(msg.content, protocol.KIND_TRAIN, _train_limit(s.cache, context.run_id))
-    header = {"node": context.node_id, "name": s.name, "round": body.get("round"), "pid": os.getpid(),
-              "torch_importable": torch_importable(), "soma_version": __version__}  # fmt: skip
+    header = {
+        "node": context.node_id,
+        "name": s.name,
+        "round": body.get("round"),
+        "pid": os.getpid(),
+        "torch_importable": torch_importable(),
+        "soma_version": __version__,
+    }
     if body.get("node") != context.node_id:
         log.warning("refusing a request addressed to node %s (this is node %s)", body.get("node"), context.node_id)
-        return _reply(msg, {**header, "results": [], "errors": ["request addressed to another node"]}, protocol.KIND_REPLY)
+        return _reply(
+            msg, {**header, "results": [], "errors": ["request addressed to another node"]}, protocol.KIND_REPLY
+        )
     cfg = config_mod.from_dict(body["config"])
     reply_dtype = body["reply_dtype"]
     if reply_dtype not in protocol.REPLY_DTYPES:
@@ -222,8 +271,9 @@ def train(msg: Message, context: Context) -> Message:
             if protocol.weights_sha256(w) != base:
                 errors.append(f"expert {t['expert']}: sent weights do not hash to {base[:12]}")
                 continue
-            cache.put_weights(base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, opt=opt,
-                              run_id=run_id)  # fmt: skip
+            cache.put_weights(
+                base, expert=t["expert"], version=t["version"], step=t["step"], weights=w, opt=opt, run_id=run_id
+            )
         else:
             hit = cache.get_weights(base) or _from_downstream_log(cache, cfg, t, run_id, errors)
             if hit is None:
@@ -235,8 +285,11 @@ def train(msg: Message, context: Context) -> Message:
             missing_s += [h for h, x in zip(t["shards"], shards) if x is None]
             continue
         try:
-            state = State(protocol.decode_weights(w), step=t["step"],
-                          opt=OptState.from_record(opt, w.size, f"expert {t['expert']}: optimizer state"))  # fmt: skip
+            state = State(
+                protocol.decode_weights(w),
+                step=t["step"],
+                opt=OptState.from_record(opt, w.size, f"expert {t['expert']}: optimizer state"),
+            )
         except CheckpointError as err:
             errors.append(str(err))
             continue
@@ -249,8 +302,9 @@ def train(msg: Message, context: Context) -> Message:
     evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel) if runnable else None
     budget = float(body["max_seconds"])
     if runnable:
-        log.info("round %s: training experts %s for up to %.0f s", body["round"], [t["expert"] for t, *_ in runnable],
-                 budget)  # fmt: skip
+        log.info(
+            "round %s: training experts %s for up to %.0f s", body["round"], [t["expert"] for t, *_ in runnable], budget
+        )
     for i, (t, state, shards) in enumerate(runnable):
         e = t["expert"]
         remaining = budget - (time.perf_counter() - t_start)
@@ -260,10 +314,22 @@ def train(msg: Message, context: Context) -> Message:
         rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
         out = _as_sent(t, state, reply_dtype)
         results.append(_result(t, state, out, start, rep, cfg))
-        cache.put_weights(results[-1]["sha256"], expert=e, version=t["version"] + 1, step=state.step, weights=out,
-                          opt=state.opt.to_record(), run_id=run_id)  # fmt: skip
+        cache.put_weights(
+            results[-1]["sha256"],
+            expert=e,
+            version=t["version"] + 1,
+            step=state.step,
+            weights=out,
+            opt=state.opt.to_record(),
+            run_id=run_id,
+        )
     protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
     cache.evict(protect)
-    reply = {**header, "results": results, "missing": {"weights": missing_w, "shards": sorted(set(missing_s))},
-             "errors": errors, "seconds_total": time.perf_counter() - t_start}  # fmt: skip
+    reply = {
+        **header,
+        "results": results,
+        "missing": {"weights": missing_w, "shards": sorted(set(missing_s))},
+        "errors": errors,
+        "seconds_total": time.perf_counter() - t_start,
+    }
     return _reply(msg, reply, protocol.KIND_REPLY)

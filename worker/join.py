@@ -97,8 +97,10 @@ def _serve(j: Join) -> int:
         # that ended without signing off (a crash, kill -9): when this key was accepted here before, wait.
         first_refusal = first_refusal or time.monotonic()
         if j.marker is None or not j.marker.exists() or time.monotonic() - first_refusal > REJOIN_SECONDS:
-            raise ConfigError(f"the coordinator at {j.address} refused this worker's key: register its public key "
-                              "there (`soma-coord add-worker RUN worker.pub`), or check --auth-key")  # fmt: skip
+            raise ConfigError(
+                f"the coordinator at {j.address} refused this worker's key: register its public key "
+                "there (`soma-coord add-worker RUN worker.pub`), or check --auth-key"
+            )
         j.say("the coordinator still holds this worker's previous session (Flower frees it within 60 s); joining again")
         time.sleep(5.0)
 
@@ -113,10 +115,18 @@ def _serve_once(j: Join) -> tuple[int, "Relay"]:
         # Its own session: a Ctrl-C or a group kill reaches `join` alone, which passes it on once. Flower
         # signs the node off on the first signal but dies at once on a second, and a node that did not sign
         # off is refused for up to a minute when it joins again.
-        proc = subprocess.Popen(j.cmd, env=j.env, preexec_fn=die_with_parent, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            j.cmd,
+            env=j.env,
+            preexec_fn=die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     except OSError as e:
-        raise ConfigError(f"cannot start the Flower SuperNode ({e.strerror}): is flwr installed in this environment?") from None
+        raise ConfigError(
+            f"cannot start the Flower SuperNode ({e.strerror}): is flwr installed in this environment?"
+        ) from None
     relay = Relay(proc, j)
 
     def forward(sig, _frame):
@@ -220,8 +230,9 @@ class Relay:
         self._thread.join(timeout=5)
 
 
-def supervise(proc, host: str, port: int, gone_after: float = PATIENCE,
-              stop_when: Optional[Callable[[], bool]] = None) -> int:  # fmt: skip
+def supervise(
+    proc, host: str, port: int, gone_after: float = PATIENCE, stop_when: Optional[Callable[[], bool]] = None
+) -> int:
     """Wait for the SuperNode to exit, checking that the coordinator's port still answers; stop it and
     return 0 once `stop_when()` holds. When the coordinator has refused us (or been unreachable) for
     `gone_after` seconds, or not answered at all for max(gone_after, SLOW_LINK_SECONDS), stop the
@@ -243,11 +254,15 @@ def supervise(proc, host: str, port: int, gone_after: float = PATIENCE,
         except OSError:
             pass  # a timeout, or the network is unreachable: maybe only slow
         now = time.monotonic()
-        if now - last_seen >= max(gone_after, SLOW_LINK_SECONDS) or (now - last_seen >= gone_after and last_answer > last_seen):
+        if now - last_seen >= max(gone_after, SLOW_LINK_SECONDS) or (
+            now - last_seen >= gone_after and last_answer > last_seen
+        ):
             break
     _stop(proc)
-    raise LinkError(f"the coordinator at {host}:{port} is gone: no answer for {now - last_seen:.0f} s (it stopped, "
-                    "or the network to it is down); start this worker again once it is back")  # fmt: skip
+    raise LinkError(
+        f"the coordinator at {host}:{port} is gone: no answer for {now - last_seen:.0f} s (it stopped, "
+        "or the network to it is down); start this worker again once it is back"
+    )
 
 
 def _stop(proc) -> None:
@@ -277,8 +292,10 @@ def preflight(host: str, port: int, ca: Optional[Path], wait: float = PATIENCE, 
             break
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise ConfigError(f"--coordinator {host}:{port}: unreachable for {wait:.0f} s ({e.strerror or e}); is "
-                                  "`soma-coord start` running there, and the port open to this box?") from None  # fmt: skip
+                raise ConfigError(
+                    f"--coordinator {host}:{port}: unreachable for {wait:.0f} s ({e.strerror or e}); is "
+                    "`soma-coord start` running there, and the port open to this box?"
+                ) from None
             time.sleep(1.0)
     if not tls_check:
         sock.close()
@@ -292,16 +309,22 @@ def preflight(host: str, port: int, ca: Optional[Path], wait: float = PATIENCE, 
         with ctx.wrap_socket(sock, server_hostname=host):
             speaks_tls = True
     except ssl.SSLCertVerificationError as e:
-        raise ConfigError(f"TLS: the coordinator's certificate does not verify with --root-certificates {ca} "
-                          f"({e.verify_message}); use the ca.pem that `soma-coord certs` wrote for it, with a "
-                          f"--host that names {host}") from None  # fmt: skip
+        raise ConfigError(
+            f"TLS: the coordinator's certificate does not verify with --root-certificates {ca} "
+            f"({e.verify_message}); use the ca.pem that `soma-coord certs` wrote for it, with a "
+            f"--host that names {host}"
+        ) from None
     except (ssl.SSLError, OSError):
         speaks_tls = False
     finally:
         sock.close()
     if ca and not speaks_tls:
-        raise ConfigError(f"TLS: the coordinator at {host}:{port} does not speak TLS; drop --root-certificates, "
-                          "or start it with --tls")  # fmt: skip
+        raise ConfigError(
+            f"TLS: the coordinator at {host}:{port} does not speak TLS; drop --root-certificates, "
+            "or start it with --tls"
+        )
     if not ca and speaks_tls:
-        raise ConfigError(f"TLS: the coordinator at {host}:{port} uses TLS; pass --root-certificates ca.pem (the "
-                          "CA that `soma-coord certs` wrote)")  # fmt: skip
+        raise ConfigError(
+            f"TLS: the coordinator at {host}:{port} uses TLS; pass --root-certificates ca.pem (the "
+            "CA that `soma-coord certs` wrote)"
+        )

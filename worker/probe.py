@@ -33,8 +33,12 @@ def host_memory_bytes() -> int | None:
 def cuda_memory_bytes() -> int | None:
     """Total memory of GPU 0 from nvidia-smi (no torch on workers), None when there is none."""
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=10)  # fmt: skip
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return int(r.stdout.split()[0]) * (1 << 20) if r.returncode == 0 and r.stdout.strip() else None
     except (OSError, ValueError, subprocess.SubprocessError, IndexError):
         return None
@@ -49,9 +53,17 @@ def make_evaluator(cfg: Config, device: str, threads: int, spin: bool, parallel:
 def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> str:
     import onnxruntime
 
-    what = {"soma": __version__, "ort": onnxruntime.__version__, "model": cfg.to_dict()["model"],
-            "batch": cfg.data.batch, "seq_len": cfg.data.seq_len, "device": device, "threads": threads, "spin": spin,
-            "parallel": parallel}  # fmt: skip
+    what = {
+        "soma": __version__,
+        "ort": onnxruntime.__version__,
+        "model": cfg.to_dict()["model"],
+        "batch": cfg.data.batch,
+        "seq_len": cfg.data.seq_len,
+        "device": device,
+        "threads": threads,
+        "spin": spin,
+        "parallel": parallel,
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -69,8 +81,9 @@ def measure(evaluator: LossEvaluator, cfg: Config, seconds: float = PROBE_SECOND
     return n / (time.perf_counter() - t0)
 
 
-def capabilities(cfg: Config, cache: Cache, device: str, threads: int, spin: bool, parallel: int = 0,
-                 seconds: float = PROBE_SECONDS) -> dict[str, Any]:  # fmt: skip
+def capabilities(
+    cfg: Config, cache: Cache, device: str, threads: int, spin: bool, parallel: int = 0, seconds: float = PROBE_SECONDS
+) -> dict[str, Any]:
     """Measured (or cached) throughput plus static facts about this box."""
     key = _key(cfg, device, threads, spin, parallel)
     hit = cache.get_json(key)

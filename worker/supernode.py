@@ -41,8 +41,10 @@ def set_heartbeat(seconds: float) -> None:
 
     for module in (fleet_http_connection, heartbeat):
         if not hasattr(module, "HEARTBEAT_DEFAULT_INTERVAL"):  # a flwr whose SuperNode no longer reads it there
-            raise SystemExit(f"error: {module.__name__} has no HEARTBEAT_DEFAULT_INTERVAL; this flwr is not the "
-                             "1.42 that soma-edge pins: reinstall soma-edge")  # fmt: skip
+            raise SystemExit(
+                f"error: {module.__name__} has no HEARTBEAT_DEFAULT_INTERVAL; this flwr is not the "
+                "1.42 that soma-edge pins: reinstall soma-edge"
+            )
     fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL = seconds  # what each heartbeat reports
     heartbeat.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_MIN  # what the sender's period is computed from
 
@@ -54,8 +56,10 @@ def eager_polls(window: float = EAGER_SECONDS, poll: float = EAGER_POLL) -> None
     from flwr.supernode import start_client_internal as sci
 
     if not all(hasattr(sci, name) for name in ("time", "_push_messages")):
-        raise SystemExit("error: flwr.supernode.start_client_internal has changed; this flwr is not the 1.42 that "
-                         "soma-edge pins: reinstall soma-edge")  # fmt: skip
+        raise SystemExit(
+            "error: flwr.supernode.start_client_internal has changed; this flwr is not the 1.42 that "
+            "soma-edge pins: reinstall soma-edge"
+        )
     real_push, real_time, last = sci._push_messages, sci.time, [-math.inf]
 
     def push(*args, **kwargs):

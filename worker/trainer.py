@@ -13,7 +13,8 @@ import numpy as np
 from soma_edge.config import Config
 from soma_edge.runtime import LossEvaluator
 from soma_edge.spsa import State, evals_per_step
-from soma_edge.steps import objectives, stepper as make_stepper
+from soma_edge.steps import objectives
+from soma_edge.steps import stepper as make_stepper
 
 
 @dataclass
