@@ -67,7 +67,8 @@ def table(run: Path) -> dict:
         rows.append(row)
         print(
             f"{row['round']:>5} {row['wall']:>7.1f} {row['compute_per_node']:>15.1f} {100 * row['share']:>5.1f}% "
-            f"{row['moved']:>6} {row['w_down']:>11.0f} {row['s_down']:>16.0f} {row['w_up']:>9.0f} {row['sticky_down']:>14}"
+            f"{row['moved']:>6} {row['w_down']:>11.0f} {row['s_down']:>16.0f}"
+            f" {row['w_up']:>9.0f} {row['sticky_down']:>14}"
         )
     steady = rows[1:] or rows
     share = sum(r["share"] for r in steady) / max(len(steady), 1)

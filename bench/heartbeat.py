@@ -40,21 +40,11 @@ def _counters(boxes, box) -> tuple[int, int]:
     import subprocess
 
     dev = box.devices[0]
-    read = lambda what: int(
-        subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                box.name,
-                "cat",  # noqa: E731
-                f"/sys/class/net/{dev}/statistics/{what}",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
+
+    def read(what: str) -> int:
+        cmd = ["ip", "netns", "exec", box.name, "cat", f"/sys/class/net/{dev}/statistics/{what}"]
+        return int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
     return read("rx_bytes") + read("tx_bytes"), read("rx_packets") + read("tx_packets")
 
 

@@ -279,7 +279,8 @@ def table(title: str, rows: list[Result], unigram: float, ref: float) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.name} | {r.test:.3f} | {captured(unigram, r.test, ref):.2f} | {r.steps} | {r.evals} | {r.seconds:.0f} |"
+            f"| {r.name} | {r.test:.3f} | {captured(unigram, r.test, ref):.2f}"
+            f" | {r.steps} | {r.evals} | {r.seconds:.0f} |"
         )
     lines.append(f"| byte unigram (cluster train split) | {unigram:.3f} | 0 | | | |")
     return "\n".join(lines)

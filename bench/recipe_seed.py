@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from bench.recipe import N_CLUSTERS, SOMA_ARMS, Data, _map, arm_config, cluster_data, prepared, run_spsa, say
-from soma_edge import mixture, params
+from soma_edge import params
 from soma_edge import seed as seed_mod
 from soma_edge.config import Config, ModelConfig
 from soma_edge.spsa import State, evals_per_step
@@ -66,7 +66,9 @@ def _expert_job(args: tuple) -> np.ndarray:
 
 
 def _seed_data(datas: list[Data]) -> Data:
-    cat = lambda parts: tuple(np.concatenate(p) for p in zip(*parts))  # noqa: E731
+    def cat(parts):
+        return tuple(np.concatenate(p) for p in zip(*parts))
+
     return Data(
         train=np.concatenate([d.train for d in datas]),
         val=cat([d.val for d in datas]),
@@ -133,7 +135,8 @@ def run_seed_table(
             )
         )
         say(
-            f"  {name}: stream {stream:.4f}, paper {paper:.4f} (stream on its bytes {same:.4f}), {rows[-1].seconds:.0f} s"
+            f"  {name}: stream {stream:.4f}, paper {paper:.4f}"
+            f" (stream on its bytes {same:.4f}), {rows[-1].seconds:.0f} s"
         )
     return rows
 

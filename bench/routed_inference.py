@@ -200,7 +200,8 @@ def main() -> int:
     import onnxruntime
 
     print(
-        f"machine: {platform.machine()}, {cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, "
+        f"machine: {platform.machine()}, {cpu_count()} cores, {platform.platform()},"
+        f" python {platform.python_version()}, "
         f"onnxruntime {onnxruntime.__version__}, numpy {np.__version__}"
     )
     t_start = time.perf_counter()

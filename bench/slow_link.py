@@ -126,7 +126,8 @@ def main() -> None:
         f"{args.rounds} rounds of {args.round_seconds:g} s; {args.experts} experts on the slow worker"
     )
     print(
-        f"{'expert':>6} {'mode':>7} {'round':>5} {'wall s':>7} {'compute s':>9} {'share':>6} {'down B':>11} {'up B':>11}"
+        f"{'expert':>6} {'mode':>7} {'round':>5} {'wall s':>7} {'compute s':>9}"
+        f" {'share':>6} {'down B':>11} {'up B':>11}"
     )
     work = Path(tempfile.mkdtemp(prefix="soma-slow-link-"))
     for size in args.sizes.split(","):

@@ -45,7 +45,10 @@ class TorchExpert(torch.nn.Module):
         out = np.empty(lay.size, dtype=np.float32)
         v = lay.views(out)
         H = self.m.hidden
-        g = lambda p: p.grad.detach().numpy()  # noqa: E731
+
+        def g(p):
+            return p.grad.detach().numpy()
+
         v["embed"][...] = g(self.embed.weight)
         for layer in range(self.m.layers):
             v[f"lstm{layer}.W"][0] = from_torch_gates(g(getattr(self.lstm, f"weight_ih_l{layer}")), H)
@@ -131,8 +134,8 @@ class TorchSomaExpert(torch.nn.Module):
         r, out = self.E[x], []
         for b in range(self.m.layers):
             init = None if state is None else (state[2 * b], state[2 * b + 1])
-            l, (hn, cn) = self.lstms[b](self._ln(r, self.g1[b]), init)
-            r = r + l
+            y, (hn, cn) = self.lstms[b](self._ln(r, self.g1[b]), init)
+            r = r + y
             u = self._ln(r, self.g2[b]) @ self.w1[b]
             r = r + torch.nn.functional.gelu(u, approximate="none") @ self.w2[b]
             out += [hn, cn]

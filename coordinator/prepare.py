@@ -165,7 +165,10 @@ def prepare(
         report("writing shards", 0, n_clusters)
         tmp = _make_tmp(out)
         try:
-            on_cluster = lambda k: report("writing shards", k, n_clusters)  # noqa: E731
+
+            def on_cluster(k):
+                return report("writing shards", k, n_clusters)
+
             summary = _write(tmp, corpus, seed, experts, docs, router, labels, on_cluster)
             summary["seconds"] = round(time.perf_counter() - t0, 3)
             atomic_write(tmp / "prepare.json", (json.dumps(summary, indent=1) + "\n").encode())

@@ -83,7 +83,7 @@ def assign(
     for e in sorted(experts):
         if e in out:
             continue
-        cost = (lambda n: transfer(e, n)) if transfer else (lambda n: 0.0)
+        cost = (lambda n, e=e: transfer(e, n)) if transfer else (lambda n: 0.0)
         n = min(sorted(n for n in left if left[n] > 0), key=lambda n: (cost(n), -left[n], -rates[n]))
         out[e] = n
         left[n] -= 1

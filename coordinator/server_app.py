@@ -23,6 +23,7 @@ RUN/metrics.jsonl, which `soma-coord start` tails.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -1567,7 +1568,7 @@ def _make_app():
         if request:  # external mode: `soma-coord start --superlink` sent the config along
             from coordinator.remote import apply_request
 
-            setup = lambda: apply_request(run, request)  # noqa: E731
+            setup = functools.partial(apply_request, run, request)
         Coordinator(grid, run, setup=setup).main()
 
     return server

@@ -150,7 +150,8 @@ def eval_cmd(
     for f in report.files:
         rate = f.bytes / f.seconds if f.seconds > 0 else float("inf")
         print(
-            f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f} {f.nats_per_byte / math.log(2):>10.4f} {rate:>10.0f}"
+            f"{f.path:<{width}} {f.bytes:>10} {f.nats_per_byte:>10.4f}"
+            f" {f.nats_per_byte / math.log(2):>10.4f} {rate:>10.0f}"
         )
     if report.compared is not None:
         print(

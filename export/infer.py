@@ -100,7 +100,8 @@ class Deployment:
             raise BundleError(f"{self.bundle.path(rel)}: cannot load the router ({e})") from None
         if self.router.n_experts != self.bundle.n_experts:
             raise BundleError(
-                f"{self.bundle.root}: the router maps {self.router.n_experts} experts, the manifest lists {self.bundle.n_experts}"
+                f"{self.bundle.root}: the router maps {self.router.n_experts} experts,"
+                f" the manifest lists {self.bundle.n_experts}"
             )
         self.experts = [Expert(self.bundle, e, device, threads) for e in self.bundle.experts]
 

@@ -130,7 +130,10 @@ def _lstm_body(m: ModelConfig, stream: bool) -> tuple[list[onnx.NodeProto], str,
 def _soma_body(m: ModelConfig, stream: bool) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
     """Pre-norm residual blocks x += LSTM(LN(x)); x += W2 gelu(LN(x) W1), then the final LN."""
     node = helper.make_node
-    ln = lambda src, g, out: node("LayerNormalization", [src, g], [out], axis=-1, epsilon=LN_EPS)  # noqa: E731
+
+    def ln(src, g, out):
+        return node("LayerNormalization", [src, g], [out], axis=-1, epsilon=LN_EPS)
+
     nodes = [node("Transpose", ["x"], ["x_tb"], perm=[1, 0]), node("Gather", ["E", "x_tb"], ["r0"])]
     for b in range(m.layers):
         p, r = f"block{b}.", f"r{b}"
@@ -150,7 +153,10 @@ def _soma_body(m: ModelConfig, stream: bool) -> tuple[list[onnx.NodeProto], str,
             node("Add", [f"s{b}", f"o{b}"], [f"r{b + 1}"]),
         ]
     nodes.append(ln(f"r{m.layers}", "ln_f.g", "top"))
-    f32 = lambda name, v: numpy_helper.from_array(np.array(v, dtype=np.float32), name)  # noqa: E731
+
+    def f32(name, v):
+        return numpy_helper.from_array(np.array(v, dtype=np.float32), name)
+
     return nodes, "top", [f32("sqrt2", np.sqrt(2.0)), f32("one", 1.0), f32("half", 0.5)]
 
 
@@ -220,8 +226,13 @@ def router_features(r: "Router") -> onnx.ModelProto:
     width = max(len(m) for m in members)
     # Each expert's clusters, padded by repeating one of them (the minimum is unchanged).
     gather = np.array([np.resize(m, width) for m in members], dtype=np.int64)
-    u64 = lambda name, v: numpy_helper.from_array(np.array(v, dtype=np.uint64), name)  # noqa: E731
-    i64 = lambda name, v: numpy_helper.from_array(np.array(v, dtype=np.int64), name)  # noqa: E731
+
+    def u64(name, v):
+        return numpy_helper.from_array(np.array(v, dtype=np.uint64), name)
+
+    def i64(name, v):
+        return numpy_helper.from_array(np.array(v, dtype=np.int64), name)
+
     inits = [
         u64("k_gram", [int(router_mod._H_GRAM)]),
         u64("k_dim", [int(router_mod._H_DIM)]),
@@ -248,13 +259,12 @@ def router_features(r: "Router") -> onnx.ModelProto:
     node = helper.make_node
     nodes = [node("Cast", ["context"], ["b"], to=TensorProto.UINT64)]
     hashes = []
+    gram = "b"
     for n in range(1, 5):
-        if n == 1:
-            gram = "b"
-        else:  # gram_n[p] = gram_{n-1}[p] << 8 | b[p + n - 1]: the n bytes at p, big-endian
+        if n > 1:  # gram_n[p] = gram_{n-1}[p] << 8 | b[p + n - 1]: the n bytes at p, big-endian
             inits.append(i64(f"start{n}", [n - 1]))
             nodes += [
-                node("Slice", [prev, "zero", "minus1"], [f"head{n}"]),
+                node("Slice", [gram, "zero", "minus1"], [f"head{n}"]),
                 node("BitShift", [f"head{n}", "shift8"], [f"shl{n}"], direction="LEFT"),
                 node("Slice", ["b", f"start{n}", "big"], [f"tail{n}"]),
                 node("BitwiseOr", [f"shl{n}", f"tail{n}"], [f"gram{n}"]),
@@ -267,7 +277,6 @@ def router_features(r: "Router") -> onnx.ModelProto:
             node("BitShift", [f"mix{n}", "shift_bucket"], [f"h{n}"], direction="RIGHT"),
         ]
         hashes.append(f"h{n}")
-        prev = gram
     nodes += [
         node("Concat", hashes, ["h_all"], axis=0),
         node("Cast", ["h_all"], ["buckets"], to=TensorProto.INT64),

@@ -119,7 +119,9 @@ class OptState:
     best_step: int = 0
 
     def copy(self) -> "OptState":
-        arr = lambda a: None if a is None else a.copy()  # noqa: E731
+        def arr(a):
+            return None if a is None else a.copy()
+
         return OptState(
             momentum=arr(self.momentum),
             adam_m=arr(self.adam_m),
@@ -386,7 +388,10 @@ class Stepper:
         K, total = cfg.directions, cfg.directions * cfg.accumulate
         cleans = [self._pool.submit(self._clean, w, o.clean) for o in objs] if delta else []
         window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
-        submit = lambda j: self._pool.submit(self._direction, w, objs[j // K].loss, t, j, body, eps)  # noqa: E731
+
+        def submit(j):
+            return self._pool.submit(self._direction, w, objs[j // K].loss, t, j, body, eps)
+
         futures: dict[int, Future] = {j: submit(j) for j in range(min(window, total))}
         acc = np.zeros(body, dtype=np.float32)
         grads = np.empty(total, dtype=np.float64)
@@ -402,7 +407,7 @@ class Stepper:
         if delta:
             outs = [f.result() for f in cleans]
             dec = mean_decoder_grad([g for _, g in outs])
-            loss = sum(l for l, _ in outs) / len(outs)
+            loss = sum(x for x, _ in outs) / len(outs)
         _apply(state, cfg, body, acc, dec)
         return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
 

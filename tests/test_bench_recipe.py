@@ -68,7 +68,6 @@ def test_recipe_bench_tiny(tmp_path, capsys):
 def test_recipe_arms_are_cumulative_and_default_is_the_shipped_config():
     from soma_edge.config import Config
 
-    names = [n for n, _ in recipe.ARMS]
     today, delta, sparse = (recipe.arm_config(n) for n in ("today", "+delta", "+sparse"))
     assert (today.spsa.decoder, today.spsa.update, today.spsa.directions, today.model.input_gain) == (
         "spsa",

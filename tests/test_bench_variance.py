@@ -1,4 +1,5 @@
-"""bench/variance.py runs end to end at a tiny size and prints well-formed JSON (the claim is the result, not a test)."""
+"""bench/variance.py runs end to end at a tiny size and prints well-formed JSON (the claim is the result, not
+a test)."""
 
 import json
 import math

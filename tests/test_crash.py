@@ -244,7 +244,7 @@ def check_resumed(rd: RunDir, snap: dict, expected_tmp: list[str]) -> None:
     check = RunDir(root)
     assert check.load_state(verify=True)["round"] == ROUNDS and check.fallback is None
     fs, ps = state_summary(final), state_summary(prev)
-    for e, x in fs["experts"].items():  # the best version loads and matches too
+    for x in fs["experts"].values():  # the best version loads and matches too
         body = checkpoint.load(root / x["best_path"], "expert")
         assert protocol.weights_sha256(body["weights"]) == x["best_sha256"]
 

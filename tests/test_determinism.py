@@ -66,7 +66,7 @@ def test_concurrency_does_not_change_the_bits():
     out = []
     for parallel in (1, 2):
         ev = evaluator_for(cfg, "cpu", threads=1, parallel=parallel)
-        objs = [Objective(lambda w, x=x: ev.loss(w, x, x), lambda w, x=x: ev.clean(w, x, x)) for x in xs]
+        objs = [Objective(lambda w, x=x, ev=ev: ev.loss(w, x, x), lambda w, x=x, ev=ev: ev.clean(w, x, x)) for x in xs]
         stepper = Stepper(cfg.spsa, seed=5, parallel=ev.parallel, body=params.layout(cfg.model).body)
         state = State(params.init(cfg.model, 0))
         for _ in range(5):

@@ -245,7 +245,10 @@ def test_a_worker_with_stay_serves_the_next_run(tmp_path):
     )
     try:
         assert first.wait(START_TIMEOUT) == 0, (tmp_path / "run1.log").read_text(errors="replace")[-3000:]
-        said = lambda text: text in log.read_text(errors="replace")  # noqa: E731
+
+        def said(text):
+            return text in log.read_text(errors="replace")
+
         assert _wait_for(lambda: said("waiting for it to come back (--stay)"), 60), log.read_text()[-2000:]
         assert said("the run ended (1/1 rounds, complete); waiting for the next run (--stay)")
         assert worker.poll() is None

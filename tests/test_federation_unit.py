@@ -809,7 +809,7 @@ def test_corrupt_commit_falls_back_to_the_one_before(run, tmp_path, damage, capl
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
     prev = checkpoint.load(run.prev_state_path, "run_state")
     assert prev["round"] == 1
-    for e, x in prev["experts"].items():  # keep_versions = 1, yet the fallback's versions were kept
+    for x in prev["experts"].values():  # keep_versions = 1, yet the fallback's versions were kept
         assert (run.root / x["path"]).is_file()
     if damage == "truncated state":
         run.state_path.write_bytes(run.state_path.read_bytes()[:50])

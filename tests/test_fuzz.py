@@ -867,7 +867,7 @@ def _load_guarded(path, kind, max_bytes=None, timeout=10.0):
     def target():
         try:
             out["value"] = checkpoint.load(path, kind, *(() if max_bytes is None else (max_bytes,)))
-        except BaseException as e:  # noqa: BLE001 - reported to the test below
+        except BaseException as e:  # reported to the test below
             out["error"] = e
 
     th = threading.Thread(target=target, daemon=True)

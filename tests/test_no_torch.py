@@ -21,11 +21,12 @@ def test_worker_training_path_without_torch():
         state = State(params.init(cfg.model, 0))
         w0 = state.weights.copy()
         rep = worker.trainer.train(state, data, cfg, evaluator_for(cfg, threads=1), steps=3)
-        assert rep.steps == 3 and state.step == 3 and rep.forward_evals == 3 * evals_per_step(cfg.spsa) == 3 * (2 * cfg.spsa.directions + 1)
+        assert rep.steps == 3 and state.step == 3
+        assert rep.forward_evals == 3 * evals_per_step(cfg.spsa) == 3 * (2 * cfg.spsa.directions + 1)
         assert not np.array_equal(state.weights, w0)
         assert worker.client_app.torch_importable() is False
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401 - the import itself is the test
         except ImportError:
             print("torch-blocked-ok")
         """

@@ -94,7 +94,7 @@ def test_a_refused_claim_costs_its_expert_the_next_round_and_no_second_strike(ru
 
     monkeypatch.setattr(guard, "verdict", verdict)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
-    state = Coordinator(grid, run).main()
+    Coordinator(grid, run).main()
     lines = {(m["round"], m["expert"]): m for m in run.read_metrics() if m["type"] == "expert"}
     (e,) = [e for (r, e), m in lines.items() if r == 1 and not m["accepted"]]
     assert "refused for the test" in lines[(1, e)]["reason"]

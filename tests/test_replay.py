@@ -233,7 +233,7 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
     lines = _expert_lines(run)
     assert len(lines) == 8 and all(m["accepted"] and m["weights_bytes_up"] == 0 for m in lines)
     assert all(m["log_bytes_up"]["body"] > 0 and m["log_bytes_up"]["decoder"] == 0 for m in lines)
-    for e, x in state["experts"].items():
+    for x in state["experts"].values():
         stored = checkpoint.load(run.root / x["path"], "expert")["weights"]
         node = "a" if x["node"] == "a" else "b"
         cached = Cache(tmp_path / "nodes" / node).get_weights(x["sha256"])

@@ -66,7 +66,7 @@ def test_routes_held_out_windows_to_their_domain(fitted):
         experts = [router.cluster_expert[k] for d, k in zip(docs, labels) if d.domain == dom]
         majority[dom] = np.bincount(experts, minlength=4).argmax()
     hits = total = 0
-    for d, k in zip(docs, labels):
+    for d in docs:
         if d.split == "train":
             continue
         experts, _ = router.route_windows(d.text, 256, 1, router.temperature)

@@ -17,30 +17,30 @@ import sys
 if os.environ.get("SOMA_BLOCK_TORCH") == "1" and "torch" not in sys.modules:
     sys.modules["torch"] = None  # type: ignore[assignment]  # any `import torch` now raises ImportError
 
-import importlib.util  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import numpy as np  # noqa: E402
-from flwr.app import Context, Message  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
+import numpy as np
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
 
-from soma_edge import (  # noqa: E402
+from soma_edge import (
     __version__,
     codec,
     protocol,
-    steps,  # noqa: E402
+    steps,
 )
-from soma_edge import config as config_mod  # noqa: E402
-from soma_edge.corpus import SEPARATOR, cache_dir  # noqa: E402
-from soma_edge.errors import CheckpointError, SomaError, ValidationError  # noqa: E402
-from soma_edge.logs import role_logger  # noqa: E402
-from soma_edge.spsa import OptState, State, record_log  # noqa: E402
-from worker import probe  # noqa: E402
-from worker.cache import HEARTBEAT_ADVICE, Cache  # noqa: E402
-from worker.trainer import train as train_loop  # noqa: E402
+from soma_edge import config as config_mod
+from soma_edge.corpus import SEPARATOR, cache_dir
+from soma_edge.errors import CheckpointError, SomaError, ValidationError
+from soma_edge.logs import role_logger
+from soma_edge.spsa import OptState, State, record_log
+from worker import probe
+from worker.cache import HEARTBEAT_ADVICE, Cache
+from worker.trainer import train as train_loop
 
 log = role_logger("soma.worker")
 
