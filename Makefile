@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=20 tests
 
 # The demo: an embedded SuperLink, 2 local workers, 4 experts, a few rounds on the default corpus, then
