@@ -39,10 +39,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.variance import expert_shape  # noqa: E402
-from coordinator.run import RunDir  # noqa: E402
 from soma_edge import corpus, mixture, params  # noqa: E402
 from soma_edge import router as router_mod  # noqa: E402
 from soma_edge.config import Config, ModelConfig  # noqa: E402
+from soma_edge.rundir import RunDir  # noqa: E402
 from soma_edge.runtime import cpu_count, evaluator_for, mean_loss  # noqa: E402
 from soma_edge.spsa import State, evals_per_step  # noqa: E402
 from worker.trainer import train as spsa_train  # noqa: E402

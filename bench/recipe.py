@@ -119,7 +119,7 @@ class Result:
 def prepared(corpus_name: str, work: Path, seed: int = 0):
     """The demo's split of `corpus_name` (prepared once under `work`), as a RunDir."""
     from coordinator.prepare import prepare
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     d = work / f"prepared-{corpus_name}-n{N_CLUSTERS}-s{seed}"
     if not (d / "prepare.json").exists():

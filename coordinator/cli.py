@@ -150,7 +150,7 @@ def add_worker_cmd(
     """Trust a worker's key for RUN's `start --auth`; on a live run it takes effect at once."""
     from coordinator import workers
     from coordinator.launcher import CONNECTION
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     rd = RunDir(run)
     if rd.root.exists() and not rd.root.is_dir():
@@ -174,7 +174,7 @@ def workers_cmd(
     import json
 
     from coordinator import guard, workers
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     rd = RunDir(run)
     rows = workers.load(rd)
@@ -213,8 +213,8 @@ def status_cmd(
     """The experts table of a run, from its checkpoint (no server needed)."""
     from coordinator.progress import experts_table, summary
     from coordinator.progress import watch as watch_run
-    from coordinator.run import RunDir
     from soma_edge.errors import CheckpointError
+    from soma_edge.rundir import RunDir
 
     rd = RunDir(run)
     if not rd.state_path.exists() and not (watch and rd.is_locked()):
@@ -242,7 +242,7 @@ def report_cmd(
 ) -> None:
     """One HTML page about RUN: loss curves, a node timeline, throughput per node, the experts table."""
     from coordinator import report
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     r = report.write(RunDir(run), out)
     print(f"report: {r.html}")
@@ -256,8 +256,8 @@ def stop_cmd(
     """Stop RUN's coordinator once the round in progress has committed; `start --run RUN` resumes it."""
     import time
 
-    from coordinator.run import RunDir
     from soma_edge.errors import SomaError
+    from soma_edge.rundir import RunDir
 
     rd = RunDir(run)
     if not rd.is_locked():

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator import workers
-from coordinator.run import RunDir
 from soma_edge.errors import ConfigError
+from soma_edge.rundir import RunDir
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`prepare`: fit the router on a corpus and cut it into per-cluster, content-addressed shards.
 
-Output (into a run directory, see coordinator/run.py):
+Output (into a run directory, see soma_edge/rundir.py):
 - `router.msgpack`: the fitted router (soma_edge.router);
 - `shards/<sha256>.bin`: for each cluster and split, its documents' bytes joined by corpus.SEPARATOR,
   named by the sha256 of those bytes (workers cache shards by that name);
@@ -26,11 +26,11 @@ from typing import Callable
 
 import numpy as np
 
-from coordinator.run import RunDir
 from soma_edge import corpus as corpus_mod
 from soma_edge import router as router_mod
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, CorpusError
+from soma_edge.rundir import RunDir
 
 SCHEMA = 1
 UNLABELLED = "(unlabelled)"

@@ -14,8 +14,8 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.run import RunDir
 from soma_edge import cli
+from soma_edge.rundir import RunDir
 
 
 def last_expert_lines(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

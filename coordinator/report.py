@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.progress import EXPERT_COLUMNS, expert_rows, summary
-from coordinator.run import RunDir
 from soma_edge import checkpoint
 from soma_edge.errors import CheckpointError, ConfigError
+from soma_edge.rundir import RunDir
 
 
 @dataclass

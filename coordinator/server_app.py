@@ -35,13 +35,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from coordinator import guard, scheduler
-from coordinator.run import RunDir, RunLockedError
 from soma_edge import __version__, params, protocol
 from soma_edge import seed as seed_mod
 from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import CheckpointError, CodecError, CorpusError, SomaError, ValidationError
 from soma_edge.logs import role_logger
+from soma_edge.rundir import RunDir, RunLockedError
 from soma_edge.spsa import OptState, State, UpdateLog, evals_per_step, plateau, schedule
 
 log = role_logger("soma.coord")

@@ -21,12 +21,12 @@ from typing import Any
 from coordinator import launcher
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
-from coordinator.run import RunDir, RunLockedError
 from soma_edge import checkpoint
 from soma_edge import config as config_mod
 from soma_edge.config import Config
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import free_port
+from soma_edge.rundir import RunDir, RunLockedError
 
 IMMUTABLE = ("model", "data", "seed", "federation.experts", "federation.corpus", "federation.seed_steps")
 STATUS_GRACE = 240.0  # seconds for the ServerApp to appear (Flower starts it, it waits for the run lock)

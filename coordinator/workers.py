@@ -16,11 +16,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from coordinator.run import RunDir
 from soma_edge.certs import fingerprint, read_public_key
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import flower_bin, flower_env
+from soma_edge.rundir import RunDir
 
 REGISTRY = "workers.json"
 MAX_REGISTRY_BYTES = 4 << 20

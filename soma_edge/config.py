@@ -6,10 +6,19 @@ import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from soma_edge.errors import ConfigError
+
+
+class ReplyPolicy(StrEnum):
+    """`federation.reply`: what the coordinator asks its workers to send back each round."""
+
+    WEIGHTS = "weights"
+    LOG = "log"
+    AUTO = "auto"  # the log, with the weights as well every `weights_every` rounds
 
 
 @dataclass
@@ -194,7 +203,9 @@ UPDATES = ("rms", "adam", "sgd")
 DECODERS = ("delta", "spsa", "frozen")
 KINDS = ("lstm", "soma")
 SEED_DECODERS = ("frozen", "delta")
-REPLIES = ("weights", "log", "auto")
+
+
+REPLIES = tuple(p.value for p in ReplyPolicy)
 
 
 def _check_finite(obj: Any, prefix: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -202,7 +203,12 @@ def pieces_request(run_id: str, node: int, pieces: list[dict[str, Any]]) -> dict
     return {"soma_version": __version__, "run_id": run_id, "node": node, "pieces": pieces}
 
 
-REPLY_MODES = ("weights", "log", "both")  # what a task asks back: weights, the update log, or both
+class ReplyMode(StrEnum):
+    """What a task asks back. A str, so the wire carries the same bytes as the bare strings did."""
+
+    WEIGHTS = "weights"  # the new weights and optimizer state
+    LOG = "log"  # the round's update log, which the coordinator replays bit for bit
+    BOTH = "both"  # both: the weights are a checkpoint the replay must match
 
 
 def task(

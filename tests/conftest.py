@@ -81,8 +81,8 @@ def run(prepared, tmp_path):
 
     from fakegrid import TINY
 
-    from coordinator.run import RunDir
     from soma_edge import config as config_mod
+    from soma_edge.rundir import RunDir
 
     dest = tmp_path / "run"
     shutil.copytree(prepared, dest)

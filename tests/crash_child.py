@@ -120,10 +120,10 @@ class Injector:
         return False
 
     def install(self) -> None:
-        from coordinator import run as run_mod
         from coordinator import server_app
-        from coordinator.run import RunDir
         from soma_edge import checkpoint
+        from soma_edge import rundir as run_mod
+        from soma_edge.rundir import RunDir
 
         inj = self
         real_round, real_commit = server_app.Coordinator._start_round, server_app.Coordinator._commit
@@ -215,7 +215,7 @@ class Injector:
 
 
 def install_journal(path: Path) -> None:
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     real = RunDir.save_state
 
@@ -243,8 +243,8 @@ def main() -> int:
 
     from fakegrid import FakeGrid
 
-    from coordinator.run import RunDir
     from coordinator.server_app import Coordinator
+    from soma_edge.rundir import RunDir
 
     run = RunDir(a.run)
     if a.journal:

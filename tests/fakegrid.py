@@ -11,9 +11,9 @@ from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from coordinator import scheduler
-from coordinator.run import RunDir
 from soma_edge import config as config_mod
 from soma_edge import protocol
+from soma_edge.rundir import RunDir
 from worker import client_app
 
 TINY = {

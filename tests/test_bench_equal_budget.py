@@ -13,9 +13,9 @@ from pathlib import Path
 from fakegrid import FakeGrid
 
 from bench import equal_budget
-from coordinator.run import RunDir
 from coordinator.server_app import Coordinator
 from soma_edge.config import Config
+from soma_edge.rundir import RunDir
 from soma_edge.spsa import evals_per_step
 from tests.conftest import write_stdlib_corpus
 

@@ -83,8 +83,8 @@ def test_a_real_superlink_serves_the_certificate_to_clients_with_the_ca(tmp_path
 
 def test_worker_keys_register_once_and_list(tmp_path, capsys):
     from coordinator import workers
-    from coordinator.run import RunDir
     from soma_edge.certs import make_worker_key, read_public_key
+    from soma_edge.rundir import RunDir
 
     key, pub = make_worker_key(tmp_path / "k")
     assert stat.S_IMODE(key.stat().st_mode) == 0o600 and read_public_key(pub).startswith("ecdsa-sha2-nistp384 ")

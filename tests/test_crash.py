@@ -45,10 +45,10 @@ import pytest
 from crash_child import CRASH_CODE, EXPERT_RE, POINTS, state_summary
 from fakegrid import TINY, set_fed
 
-from coordinator.run import RunDir
 from soma_edge import checkpoint, protocol
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError
+from soma_edge.rundir import RunDir
 
 CHILD = Path(__file__).resolve().parent / "crash_child.py"
 ROUNDS = 3

@@ -11,9 +11,9 @@ import sys
 import netboxes
 from test_e2e_federation import START_TIMEOUT
 
-from coordinator.run import RunDir
 from soma_edge import params
 from soma_edge.procs import free_port
+from soma_edge.rundir import RunDir
 from tests.conftest import write_stdlib_corpus
 
 CONFIG = """

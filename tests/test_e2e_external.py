@@ -15,8 +15,8 @@ from pathlib import Path
 from test_e2e_federation import _cli
 
 from coordinator.launcher import Launcher
-from coordinator.run import RunDir
 from soma_edge.procs import free_port
+from soma_edge.rundir import RunDir
 from tests.conftest import write_stdlib_corpus
 
 CONFIG = """

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.run import RunDir
 from soma_edge import checkpoint, corpus, protocol
+from soma_edge.rundir import RunDir
 from soma_edge.runtime import LossEvaluator, mean_loss
 from tests.conftest import write_stdlib_corpus
 

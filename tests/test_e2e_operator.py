@@ -18,8 +18,8 @@ import time
 import netboxes
 from test_e2e_federation import START_TIMEOUT
 
-from coordinator.run import RunDir
 from soma_edge.procs import free_port
+from soma_edge.rundir import RunDir
 from tests.conftest import write_stdlib_corpus
 
 DEADLINE_SLACK = 60.0

@@ -19,8 +19,8 @@ from pathlib import Path
 from test_e2e_federation import _cli, _finish, _metrics, secure_federation, secure_join
 
 from coordinator import guard
-from coordinator.run import RunDir
 from soma_edge import checkpoint
+from soma_edge.rundir import RunDir
 
 POISON = Path(__file__).parent / "poison"
 TOL = 0.5

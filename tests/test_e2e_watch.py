@@ -14,7 +14,7 @@ import sys
 from test_e2e_federation import _leftovers, _start, _wait
 from test_watch import _events
 
-from coordinator.run import RunDir
+from soma_edge.rundir import RunDir
 from tests.conftest import write_stdlib_corpus
 
 CONFIG = """

@@ -19,11 +19,11 @@ from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 from flwr.app import Context, Message, RecordDict
 
 from coordinator import scheduler
-from coordinator.run import RunDir, RunLockedError
 from coordinator.server_app import Coordinator
 from soma_edge import checkpoint, protocol
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
+from soma_edge.rundir import RunDir, RunLockedError
 from soma_edge.spsa import OptState
 from worker import client_app
 from worker.cache import Cache

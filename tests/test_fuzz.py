@@ -3,7 +3,7 @@
 1. the codec (`soma_edge.codec.decode`): hypothesis over random bytes, truncated and mutated encodings,
    random envelopes and random array headers, plus explicit cases;
 2. the protocol checks (`soma_edge.protocol`: `unpack`, `check_reply_header`, `check_caps`, `check_result`);
-3. the checkpoint loader (`soma_edge.checkpoint.load`) and the run state (`coordinator.run.RunDir.load_state`);
+3. the checkpoint loader (`soma_edge.checkpoint.load`) and the run state (`soma_edge.rundir.RunDir.load_state`);
 4. the deploy bundle (`export.bundle.read`, and `export.infer.Deployment` where it loads one).
 
 Every case names its input (the parametrize id), expects the loader's own error type with a specific
@@ -943,7 +943,7 @@ def test_checkpoint_random_files_only_checkpoint_errors(tmp_path_factory, payloa
 def _run_dir(root: Path):
     """A run directory with two commits (round 1 in state.prev.msgpack, round 2 in state.msgpack), each
     naming its own version of one expert, as the coordinator leaves them."""
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     rd = RunDir(root)
     for r in (1, 2):
@@ -1074,7 +1074,7 @@ def test_load_state_refuses_when_no_commit_loads(tmp_path, breaker, verify, frag
 
 
 def test_load_state_of_a_run_that_never_committed(tmp_path):
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     assert RunDir(tmp_path).load_state(verify=True) is None
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from fakegrid import FakeGrid, set_fed
 
-from coordinator.run import RunDir
 from coordinator.server_app import Coordinator
+from soma_edge.rundir import RunDir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VERSION_FIELDS = ("soma_edge",)  # the manifest's fields that name the writer's version

@@ -92,7 +92,7 @@ def test_a_late_joiner_takes_the_experts_of_a_node_that_left(run, tmp_path, monk
 
 
 def test_the_console_shows_the_coordinators_events_but_not_its_detail(tmp_path):
-    from coordinator.run import RunDir
+    from soma_edge.rundir import RunDir
 
     rd = RunDir(tmp_path / "run")
     rd.logs.mkdir(parents=True)
