@@ -1,6 +1,6 @@
 """Loss at equal compute budget: SOMA (N experts, federated) vs monolithic SPSA vs backprop (Adam).
 
-    .venv/bin/python bench/equal_budget.py --minutes 5 [--corpus debian] [--params 120000] [--ns 2,4,8]
+    .venv/bin/python -m bench.equal_budget --minutes 5 [--corpus debian] [--params 120000] [--ns 2,4,8]
         [--plot docs/img/equal_budget.png] [--json]
 
 Every arm has the same total parameter count M (an expert has ~M/N parameters, embedding 16, hidden size
@@ -25,50 +25,43 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import tomli_w
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import (
+    ROOT,
+    TOP_K,
+    expert_shape,
+    forward_flops,
+    machine,
+    md_head,
+    md_row,
+    mixture_loss,
+    ort_logprobs,
+    prepared_run,
+    protocol_scores,
+    pyplot,
+    savefig,
+    say,
+    shard_stream,
+)
+from soma_edge import corpus, params
+from soma_edge import router as router_mod
+from soma_edge.config import Config, ModelConfig
+from soma_edge.rundir import RunDir
+from soma_edge.runtime import cpu_count, evaluator_for, mean_loss
+from soma_edge.spsa import State, evals_per_step
+from worker.trainer import train as spsa_train
 
-from bench.variance import expert_shape  # noqa: E402
-from soma_edge import corpus, mixture, params  # noqa: E402
-from soma_edge import router as router_mod  # noqa: E402
-from soma_edge.config import Config, ModelConfig  # noqa: E402
-from soma_edge.rundir import RunDir  # noqa: E402
-from soma_edge.runtime import cpu_count, evaluator_for, mean_loss  # noqa: E402
-from soma_edge.spsa import State, evals_per_step  # noqa: E402
-from worker.trainer import train as spsa_train  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-TOP_K = 2  # the mixture's top-k (top-1 when N = 1), as the coordinator's per-round val loss
 SWEEP_VAL_WINDOWS = 64
 Federate = Callable[[Path], None]  # runs the federation on a prepared, configured run directory
-
-
-def say(*a: Any) -> None:
-    """Progress goes to stderr: stdout is the table, or the one JSON object with --json."""
-    print(*a, file=sys.stderr, flush=True)
-
-
-def forward_flops(m: ModelConfig, batch: int, seq: int) -> float:
-    """Analytic FLOPs (2 x multiply-adds) of one forward pass on a [batch, seq] minibatch.
-
-    Per byte: the LSTM gate matmuls 2*4H*(in+H) per layer and the head 2*256*H; the embedding is a lookup,
-    and the element-wise gate math and log-softmax (O(H) and O(256)) are left out, as usual."""
-    per_byte, inp = 0, m.embed
-    for _ in range(m.layers):
-        per_byte += 2 * 4 * m.hidden * (inp + m.hidden)
-        inp = m.hidden
-    per_byte += 2 * 256 * m.hidden
-    return float(per_byte * batch * seq)
 
 
 def default_corpus() -> str:
@@ -104,66 +97,9 @@ def spread_sample(data: np.ndarray, size: int, pieces: int = 16) -> np.ndarray:
     return np.concatenate([data[i * step : i * step + piece] for i in range(pieces)])
 
 
-def ort_logprobs(m: ModelConfig, w: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-    from soma_edge.graph import build
-    from soma_edge.runtime import make_session
-
-    sess = make_session(build(m, "logprobs", weights=np.asarray(w, dtype=np.float32)), "cpu", cpu_count(), False)
-    return lambda x: sess.run(None, {"x": x})[0]
-
-
-def mixture_loss(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -> float:
-    k = min(TOP_K, len(fns))
-    return float(mixture.evaluate(router, fns, data, seq, k, router.temperature).nats_per_byte)
-
-
-@dataclass
-class ProtocolScores:
-    """One stream's held-out nats/byte under both protocols (soma_edge.mixture)."""
-
-    stream: float  # the stream protocol, `mixture_loss`'s top-k, every byte after the first
-    stream_bytes: int
-    paper: float | None  # the paper protocol, top-min(4, N) uniform on its scored bytes (None: no full window)
-    paper_bytes: int
-    stream_on_paper: float | None  # the stream protocol on the paper protocol's scored bytes
-
-    def arm_fields(self) -> dict[str, float | None]:
-        return {
-            "test_nats_per_byte": self.stream,
-            "test_paper": self.paper,
-            "test_stream_paper_bytes": self.stream_on_paper,
-        }
-
-
-def protocol_scores(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -> ProtocolScores:
-    stream = mixture.evaluate(router, fns, data, seq, min(TOP_K, len(fns)), router.temperature, keep_logprobs=True)
-    if data.size < mixture.PAPER_WINDOW:
-        return ProtocolScores(stream.nats_per_byte, stream.bytes, None, 0, None)
-    paper = mixture.evaluate_paper(router, fns, data, min(4, len(fns)), router.temperature, uniform=True)
-    return ProtocolScores(
-        stream.nats_per_byte,
-        stream.bytes,
-        paper.nats_per_byte,
-        paper.bytes,
-        float(-stream.logprobs[paper.positions].mean()),
-    )
-
-
 def prepared(work: Path, corpus_name: str, n: int, seed: int) -> RunDir:
     """A prepared directory per N (router + shards), reused across reruns; arms copy it."""
-    from coordinator.prepare import prepare
-
-    d = work / "prepared" / f"n{n}"
-    if not (d / "prepare.json").exists():
-        prepare(corpus_name, n, d, seed=seed, progress=False)
-    return RunDir(d)
-
-
-def shard_stream(rd: RunDir, expert: int, split: str) -> np.ndarray:
-    from coordinator.prepare import expert_shards
-
-    data = [rd.shard(h) for h in expert_shards(rd.load_prepare(), expert, split)]
-    return np.frombuffer(corpus.SEPARATOR.join(data), dtype=np.uint8)
+    return prepared_run(work / "prepared" / f"n{n}", corpus_name, n, seed)
 
 
 def sweep_val(rd: RunDir) -> np.ndarray:
@@ -229,9 +165,9 @@ def adam_train(
     seed: int,
     on_step: Callable[[int, Any], None] | None = None,
 ):
-    import torch
+    import torch  # optional (the bench extra): only the Adam arm needs it
 
-    from bench.torch_ref import TorchExpert
+    from bench.torch_ref import TorchExpert  # torch, as above
 
     torch.manual_seed(seed)
     model = TorchExpert(m).load_flat(params.init(m, seed))  # the same initialization as the SPSA monolith
@@ -251,7 +187,7 @@ def adam_train(
 
 
 def torch_eval_loss(model, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:
-    import torch
+    import torch  # optional (the bench extra): only the Adam arm needs it
 
     total = 0.0
     with torch.no_grad():
@@ -264,7 +200,7 @@ def torch_eval_loss(model, x: np.ndarray, y: np.ndarray, batch: int = 64) -> flo
 
 
 def torch_logprobs(model) -> Callable[[np.ndarray], np.ndarray]:
-    import torch
+    import torch  # optional (the bench extra): only the Adam arm needs it
 
     def fn(x: np.ndarray) -> np.ndarray:
         with torch.no_grad():
@@ -282,7 +218,7 @@ def soma_coord_start(run: Path) -> None:
     exe = Path(sys.executable).parent / "soma-coord"
     cmd = [str(exe), "start", "--run", str(run), "--config", str(run / "bench.toml"), "--port", "0"]
     with open(run / "start.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if rc != 0:
         tail = (run / "start.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"soma-coord start failed (exit {rc}) on {run}:\n{tail}")
@@ -298,8 +234,6 @@ def run_spsa_arm(
     round_seconds: float,
     name: str,
 ) -> dict[str, Any]:
-    import tomli_w
-
     n, m, seq = cfg.federation.experts, cfg.model, cfg.data.seq_len
     run = work / "runs" / name
     if run.exists():
@@ -450,29 +384,48 @@ def table(out: dict[str, Any]) -> str:
     monos = [a for a in out["arms"] if a["kind"] == "monolithic-spsa"]
     mono = min(monos, key=lambda a: a["test_nats_per_byte"]) if monos else None
     lines = [
-        "| arm | N | params | lr | steps/expert | forward evals | FLOPs / budget | test nats/byte | vs mono SPSA "
-        "| paper protocol | stream, paper's bytes | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        md_head(
+            [
+                "arm",
+                "N",
+                "params",
+                "lr",
+                "steps/expert",
+                "forward evals",
+                "FLOPs / budget",
+                "test nats/byte",
+                "vs mono SPSA",
+                "paper protocol",
+                "stream, paper's bytes",
+                "wall s",
+            ]
+        )
     ]
     for a in out["arms"]:
         rel = f"{(a['test_nats_per_byte'] / mono['test_nats_per_byte'] - 1) * 100:+.1f}%" if mono else "n/a"
-        paper = " | ".join(
-            f"{a[k]:.4f}" if a.get(k) is not None else "-" for k in ("test_paper", "test_stream_paper_bytes")
-        )
+        paper = [f"{a[k]:.4f}" if a.get(k) is not None else "-" for k in ("test_paper", "test_stream_paper_bytes")]
         lines.append(
-            f"| {a['arm']} | {a['experts']} | {a['params_total']:,} | {a['lr']:g} | {a['steps_per_expert'][0]:,} | "
-            f"{a['forward_evals']:,} | {a['flops'] / out['budget_flops']:.3f} | {a['test_nats_per_byte']:.4f} | "
-            f"{rel} | {paper} | {a['wall_seconds']:.0f} |"
+            md_row(
+                [
+                    a["arm"],
+                    str(a["experts"]),
+                    f"{a['params_total']:,}",
+                    f"{a['lr']:g}",
+                    f"{a['steps_per_expert'][0]:,}",
+                    f"{a['forward_evals']:,}",
+                    f"{a['flops'] / out['budget_flops']:.3f}",
+                    f"{a['test_nats_per_byte']:.4f}",
+                    rel,
+                    *paper,
+                    f"{a['wall_seconds']:.0f}",
+                ]
+            )
         )
     return "\n".join(lines)
 
 
 def plot(out: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 4.8))
     for a in out["arms"]:
         xs = [p["flops"] / 1e12 for p in a["curve"]]
@@ -503,8 +456,7 @@ def plot(out: dict[str, Any], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    savefig(fig, Path(path), dpi=110)
     plt.close(fig)
 
 
@@ -584,7 +536,7 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     say(f"budget: {how} = {budget / 1e12:.2f} TFLOPs; SPSA steps per expert {steps}, Adam steps {adam_steps}")
 
     out: dict[str, Any] = {
-        "machine": f"{platform.machine()} {cpu_count()} cores",
+        "machine": machine(),
         "corpus": corpus_name,
         "params_target": args.params,
         "minutes": args.minutes,
@@ -618,7 +570,7 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
         out["sweep"][f"n{n}"] = {"steps": s, "val_nats_per_byte": {f"{k:g}": v for k, v in res.items()}}
         save()
     if not args.no_adam:
-        import torch
+        import torch  # optional (the bench extra): only the Adam arm needs it
 
         torch.set_num_threads(cpu_count())
     if not args.no_adam and "adam" not in chosen:

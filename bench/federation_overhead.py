@@ -5,9 +5,9 @@ seconds of SPSA compute, the compute share (mean over nodes of compute / wall), 
 expert: weights down (coordinator -> worker), shard bytes down, weights up. Steady state = every round
 after the first (the first pays for capability probes, shard and version-0 transfers).
 
-    python bench/federation_overhead.py --run runs/demo          # analyse an existing run
-    python bench/federation_overhead.py --fresh --rounds 4 --round-seconds 55   # run the demo setting first
-    python bench/federation_overhead.py --log-bytes [--seconds 60]  # log replies against weights replies
+    python -m bench.federation_overhead --run runs/demo          # analyse an existing run
+    python -m bench.federation_overhead --fresh --rounds 4 --round-seconds 55   # run the demo setting first
+    python -m bench.federation_overhead --log-bytes [--seconds 60]  # log replies against weights replies
 
 `--log-bytes` trains the ~124K, ~1M and ~8M experts for one round of `--seconds` each on this box (the
 worker's own loop, ORT CPU EP), with a decoder that SPSA perturbs with the body and with the delta-rule
@@ -30,6 +30,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from soma_edge import codec, corpus, params, protocol, spsa, steps
+from soma_edge.config import Config, ModelConfig
+from soma_edge.runtime import evaluator_for
+from worker.trainer import train
 
 
 def load(run: Path) -> list[dict]:
@@ -119,12 +124,6 @@ SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}  # (embed, hidde
 
 
 def log_bytes(seconds: float) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from soma_edge import codec, corpus, params, protocol, spsa, steps
-    from soma_edge.config import Config, ModelConfig
-    from soma_edge.runtime import evaluator_for
-    from worker.trainer import train
-
     data = corpus.to_stream(corpus.by_split(corpus.default_documents())["train"])
     print(
         f"{'expert':>6} {'params':>9} {'decoder':>7} {'steps':>6} {'weights up B':>13} {'log up B':>10} "

@@ -1,9 +1,9 @@
 """What the worker's heartbeat interval costs, and how soon a dead worker is noticed.
 
-    sudo .venv/bin/python bench/heartbeat.py [--intervals 10,30] [--idle-seconds 60] [--mbit 1]
+    sudo .venv/bin/python -m bench.heartbeat [--intervals 10,30] [--idle-seconds 60] [--mbit 1]
 
-For each interval, on simulated boxes (tests/netboxes.py): a coordinator in one network namespace that
-waits for a second worker (so no training traffic), one `soma-worker join --heartbeat S` in another.
+For each interval, on simulated boxes (tests/helpers/netboxes.py): a coordinator in one network namespace
+that waits for a second worker (so no training traffic), one `soma-worker join --heartbeat S` in another.
 Once the worker is active: the bytes and packets its link carries in `--idle-seconds` (heartbeats, plus
 the SuperNode's polling for messages, which does not depend on the interval); then, with `--mbit`, the
 link is limited and saturated in both directions by bulk TCP transfers for `--idle-seconds` (as a large
@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from bench.common import ROOT, coordinator_cmd, platform_line, worker_cmd
+from soma_edge.procs import free_port
+from tests.helpers import netboxes
 
 CONFIG = """
 [federation]
@@ -37,8 +38,6 @@ wait_seconds = 3600
 
 def _counters(boxes, box) -> tuple[int, int]:
     """Bytes and packets, both directions, on the worker's end of its link."""
-    import subprocess
-
     dev = box.devices[0]
 
     def read(what: str) -> int:
@@ -78,8 +77,6 @@ while time.time() < end:
 
 def _saturate(boxes, coord, w, seconds: float, work: Path) -> None:
     """Bulk TCP both ways across the worker's link for `seconds` (returns at once)."""
-    from soma_edge.procs import free_port
-
     port = free_port()
     boxes.popen(coord, [sys.executable, "-c", SINK.format(port=port)], work / "sink.log")
     time.sleep(1.0)
@@ -92,10 +89,6 @@ def _saturate(boxes, coord, w, seconds: float, work: Path) -> None:
 
 
 def one(interval: float, args, work: Path) -> tuple[float, float, float, float, str]:
-    import netboxes
-
-    from soma_edge.procs import free_port
-
     (work / "fed.toml").write_text(CONFIG)
     run, port = work / f"run-{interval:g}", free_port()
     boxes = netboxes.Boxes()
@@ -104,40 +97,14 @@ def one(interval: float, args, work: Path) -> tuple[float, float, float, float, 
         w = boxes.add("w", link_to=coord, mbit=args.mbit)
         boxes.popen(
             coord,
-            [
-                sys.executable,
-                "-m",
-                "coordinator",
-                "start",
-                "--run",
-                str(run),
-                "--config",
-                str(work / "fed.toml"),
-                "--host",
-                "0.0.0.0",
-                "--port",
-                str(port),
-            ],
+            coordinator_cmd(run, work / "fed.toml", port),
             work / f"start-{interval:g}.log",
             env=dict(os.environ),
             cwd=ROOT,
         )
         boxes.popen(
             w,
-            [
-                sys.executable,
-                "-m",
-                "worker.cli",
-                "join",
-                "--coordinator",
-                f"{w.peer}:{port}",
-                "--name",
-                "w",
-                "--cache",
-                str(work / "cache"),
-                "--heartbeat",
-                f"{interval:g}",
-            ],
+            worker_cmd(f"{w.peer}:{port}", "w", work / "cache", "--heartbeat", f"{interval:g}"),
             work / f"w-{interval:g}.log",
             env=dict(os.environ),
             cwd=ROOT,
@@ -177,7 +144,7 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, veth)")
-    print(f"machine: {platform.platform()}, {os.cpu_count()} cores; {args.idle_seconds:g} s idle per interval")
+    print(f"{platform_line()}; {args.idle_seconds:g} s idle per interval")
     print(
         f"{'heartbeat s':>11} {'idle B/s':>9} {'packets/s':>9} {'saturated B/s':>13} {'lost then':>9} "
         f"{'kill -> gone s':>14}"

@@ -1,7 +1,7 @@
 """`soma-coord prepare` on a corpus: time, peak memory, purity, and how well the router routes held-out text.
 
-    .venv/bin/python bench/prepare_router.py [--corpus debian] [--experts 16] [--seed 0] [--ablate]
-    .venv/bin/python bench/prepare_router.py --corpus four --experts 4 --ablate
+    .venv/bin/python -m bench.prepare_router [--corpus debian] [--experts 16] [--seed 0] [--ablate]
+    .venv/bin/python -m bench.prepare_router --corpus four --experts 4 --ablate
 
 CORPUS is any `prepare` corpus, or `four`: the labelled 4-domain sample of the tests (400 KB each of
 Shakespeare, Milton, standard-library Python and pydoc topics from the default corpus, as JSONL). Its test
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -32,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from soma_edge import router as router_mod  # noqa: E402
+from bench.common import ROOT, md_head, md_row
+from coordinator.prepare import purity
+from soma_edge import corpus
+from soma_edge import router as router_mod
 
 
 def _machine() -> str:
@@ -92,20 +93,39 @@ def main() -> int:
         if child.returncode != 0:
             print(stderr.decode(), file=sys.stderr)
             return child.returncode
-        import resource
-
         peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # Linux: KiB
         s = json.loads(stdout)
         sizes = np.array([sum(c["bytes"].values()) for c in s["clusters"]], dtype=float)
         print(f"\n## prepare {args.corpus} --experts {args.experts} --seed {args.seed}\n")
         print(
-            "| documents | MB | clusters | purity | max/mean cluster bytes | min/mean | router KiB | wall s "
-            "| peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|"
+            md_head(
+                [
+                    "documents",
+                    "MB",
+                    "clusters",
+                    "purity",
+                    "max/mean cluster bytes",
+                    "min/mean",
+                    "router KiB",
+                    "wall s",
+                    "peak RSS MiB",
+                ]
+            )
         )
         print(
-            f"| {s['documents']} | {s['bytes'] / 1e6:.1f} | {len(s['clusters'])} | {s['purity']} | "
-            f"{sizes.max() / sizes.mean():.3f} | {sizes.min() / sizes.mean():.3f} | "
-            f"{s['router']['bytes'] / 1024:.0f} | {wall:.1f} | {peak_mib:.0f} |"
+            md_row(
+                [
+                    str(s["documents"]),
+                    f"{s['bytes'] / 1e6:.1f}",
+                    str(len(s["clusters"])),
+                    str(s["purity"]),
+                    f"{sizes.max() / sizes.mean():.3f}",
+                    f"{sizes.min() / sizes.mean():.3f}",
+                    f"{s['router']['bytes'] / 1024:.0f}",
+                    f"{wall:.1f}",
+                    f"{peak_mib:.0f}",
+                ]
+            )
         )
 
         router = router_mod.load(out / "router.msgpack")
@@ -114,8 +134,7 @@ def main() -> int:
             f"\n## routing held-out text (test split, {sum(len(t) for _, t in tests) / 1e6:.2f} MB), "
             f"T = {router.temperature:.4f}\n"
         )
-        print("| window bytes | windows | top-1 = own expert | own expert in top-2 | routing MB/s |")
-        print("|---|---|---|---|---|")
+        print(md_head(["window bytes", "windows", "top-1 = own expert", "own expert in top-2", "routing MB/s"]))
         for w in [int(x) for x in args.windows.split(",")]:
             hit1 = hit2 = n = 0
             t0 = time.perf_counter()
@@ -128,7 +147,7 @@ def main() -> int:
                 n += experts.shape[0] - 1
             secs = time.perf_counter() - t0
             mb = sum(len(t) for _, t in tests) / 1e6
-            print(f"| {w} | {n} | {hit1 / n:.3f} | {hit2 / n:.3f} | {mb / secs:.1f} |")
+            print(md_row([str(w), str(n), f"{hit1 / n:.3f}", f"{hit2 / n:.3f}", f"{mb / secs:.1f}"]))
         if args.ablate:
             ablate(args.corpus, args.experts, args.seed, outside)
     return 0
@@ -136,8 +155,6 @@ def main() -> int:
 
 def _write_four(path: Path, per_domain: int = 400_000) -> tuple[Path, list]:
     """The 4-domain JSONL, and up to 20 documents per domain that are not in it."""
-    from soma_edge import corpus
-
     docs, outside = corpus.default_documents(), []
     with open(path, "w") as f:
         for domain in ("shakespeare", "milton", "python", "pydoc"):
@@ -173,16 +190,12 @@ def _pairs(router: router_mod.Router, docs: list, labels: np.ndarray, outside: l
 
 
 def ablate(corpus_spec: str, experts: int, seed: int, outside: list | None) -> None:
-    from coordinator.prepare import purity
-    from soma_edge import corpus
-
     docs = corpus.load_documents(corpus_spec)
     texts, train = [d.text for d in docs], [i for i, d in enumerate(docs) if d.split == "train"]
     sizes = np.array([len(t) for t in texts], dtype=float)
     where = "test documents" if outside is None else f"{len(outside)} documents outside the sample"
     print(f"\n## ablations ({experts} experts, seed {seed}; top-1 routing agreement on {where})\n")
-    print("| cap | routing centroids | purity | max/mean | 128-byte windows | 512-byte windows | fit s |")
-    print("|---|---|---|---|---|---|---|")
+    print(md_head(["cap", "routing centroids", "purity", "max/mean", "128-byte windows", "512-byte windows", "fit s"]))
     shipped = router_mod.SLACK
     try:
         for slack in (1.0, 1.1, 1.25):
@@ -193,20 +206,34 @@ def ablate(corpus_spec: str, experts: int, seed: int, outside: list | None) -> N
             per, pairs = np.bincount(labels, weights=sizes), _pairs(router, docs, labels, outside)
             pur = purity([d.domain for d in docs], labels, sizes)
             cap = "mean + 1 doc" if slack == 1.0 else f"{slack} x mean"
-            row = f"| {cap} | %s | {pur:.3f} | {per.max() / per.mean():.2f} |"
+            cells = [f"{pur:.3f}", f"{per.max() / per.mean():.2f}"]
             print(
-                row % "256-byte windows",
-                f"{_agreement(router, pairs, 128):.3f} |",
-                f"{_agreement(router, pairs, 512):.3f} | {secs:.1f} |",
+                md_row(
+                    [
+                        cap,
+                        "256-byte windows",
+                        *cells,
+                        f"{_agreement(router, pairs, 128):.3f}",
+                        f"{_agreement(router, pairs, 512):.3f}",
+                        f"{secs:.1f}",
+                    ]
+                )
             )
             if slack == 1.0:  # the same clusters, routed by whole-document centroids instead
                 feats, lab = router.features([texts[i] for i in train]), labels[train]
                 cent = np.stack([feats[lab == k].sum(axis=0, dtype=np.float64) for k in range(router.n_clusters)])
                 router.centroids = (cent / np.linalg.norm(cent, axis=1, keepdims=True)).astype(np.float32)
                 print(
-                    row % "whole documents",
-                    f"{_agreement(router, pairs, 128):.3f} |",
-                    f"{_agreement(router, pairs, 512):.3f} | |",
+                    md_row(
+                        [
+                            cap,
+                            "whole documents",
+                            *cells,
+                            f"{_agreement(router, pairs, 128):.3f}",
+                            f"{_agreement(router, pairs, 512):.3f}",
+                            "",
+                        ]
+                    )
                 )
     finally:
         router_mod.SLACK = shipped

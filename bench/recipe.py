@@ -1,6 +1,6 @@
 """Which parts of the SOMA recipe make one expert learn: cumulative arms on one cluster of a corpus.
 
-    .venv/bin/python bench/recipe.py [--seconds 90] [--evals 0] [--cluster 0] [--corpus default]
+    .venv/bin/python -m bench.recipe [--seconds 90] [--evals 0] [--cluster 0] [--corpus default]
         [--jobs 1] [--arms today,+delta,...] [--plot docs/img/recipe.png] [--json]
 
 One cluster of `soma-coord prepare CORPUS --experts 4` (the demo's split), one expert (E32/H128 LSTM, the
@@ -39,175 +39,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from soma_edge import corpus, params  # noqa: E402
-from soma_edge.config import Config, ModelConfig  # noqa: E402
-from soma_edge.runtime import evaluator_for, mean_loss  # noqa: E402
-from soma_edge.spsa import State, evals_per_step, plateau  # noqa: E402
-from worker.trainer import train as spsa_train  # noqa: E402
-
-MODEL = ModelConfig(embed=32, hidden=128, layers=1, input_gain=1.0)
-N_CLUSTERS = 4  # the demo's split
-TEST_WINDOWS = 256
-VAL_WINDOWS = 32
-
-# Cumulative arms: each adds its settings to all those above it. The last, `default`, is what
-# soma-edge ships: the config's own defaults (fewer directions, a lower body lr, a stronger input drive).
-ARMS: list[tuple[str, dict[str, Any]]] = [
-    (
-        "today",
-        {
-            "decoder": "spsa",
-            "update": "rms",
-            "lr": 1e-2,
-            "directions": 8,
-            "density": 1.0,
-            "weight_decay": 0.0,
-            "plateau": False,
-            "model.input_gain": 1.0,
-        },
-    ),
-    ("+delta", {"decoder": "delta", "decoder_lr": 3e-2}),
-    ("+adam", {"update": "adam", "lr": 1e-3}),
-    ("+sparse", {"density": 0.5}),
-    ("+wd+plat", {"weight_decay": 1e-4, "plateau": True, "plateau_patience": 300}),
-    ("default", {}),  # filled in by arm_config: Config()'s [spsa] and model.input_gain
-]
-# On top of `default`, not cumulative: the paper's expert.
-SOMA_ARMS: dict[str, dict[str, Any]] = {
-    "soma": {"kind": "soma", "embed": 32, "hidden": 32, "layers": 2},
-    "soma-d64": {"kind": "soma", "embed": 64, "hidden": 64, "layers": 2},
-}
-ARM_NAMES = [n for n, _ in ARMS] + list(SOMA_ARMS)
-
-
-def say(*a: Any) -> None:
-    print(*a, file=sys.stderr, flush=True)
-
-
-@dataclass
-class Data:
-    train: np.ndarray
-    val: tuple[np.ndarray, np.ndarray]
-    test: tuple[np.ndarray, np.ndarray]
-    unigram: float
-
-
-@dataclass
-class Result:
-    name: str
-    test: float
-    steps: int
-    evals: int
-    seconds: float
-    curve: list[tuple[float, float]] = field(default_factory=list)  # (train seconds, val nats/byte)
-    weights: np.ndarray | None = None  # the trained weights (SPSA arms)
-
-
-def prepared(corpus_name: str, work: Path, seed: int = 0):
-    """The demo's split of `corpus_name` (prepared once under `work`), as a RunDir."""
-    from coordinator.prepare import prepare
-    from soma_edge.rundir import RunDir
-
-    d = work / f"prepared-{corpus_name}-n{N_CLUSTERS}-s{seed}"
-    if not (d / "prepare.json").exists():
-        prepare(corpus_name, N_CLUSTERS, d, seed=seed, progress=False)
-    return RunDir(d)
-
-
-def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> Data:
-    from bench.equal_budget import shard_stream
-
-    rd = prepared(corpus_name, work, seed)
-    seq = Config().data.seq_len
-
-    def stream(split: str) -> np.ndarray:
-        data = shard_stream(rd, cluster, split)
-        if data.size <= 4 * seq:  # a tiny corpus: the split of every cluster
-            say(f"cluster {cluster} has {data.size} {split} bytes: using the {split} split of all clusters")
-            data = np.concatenate([shard_stream(rd, e, split) for e in range(N_CLUSTERS)])
-        return data
-
-    train, val, test = stream("train"), stream("val"), stream("test")
-    return Data(
-        train=train,
-        val=corpus.eval_windows(val, seq, VAL_WINDOWS),
-        test=corpus.eval_windows(test, seq, TEST_WINDOWS),
-        unigram=corpus.unigram_entropy(train, test),
-    )
-
-
-def arm_config(name: str, seed: int = 0) -> Config:
-    cfg = Config(model=MODEL, seed=seed, device="cpu", threads=1, parallel=1)
-    if name in SOMA_ARMS:
-        cfg.model = ModelConfig(**SOMA_ARMS[name])
-        return cfg
-    if name == "default":
-        cfg.model = ModelConfig(embed=MODEL.embed, hidden=MODEL.hidden, layers=MODEL.layers)
-        return cfg
-    upto = [n for n, _ in ARMS].index(name)
-    for _, overrides in ARMS[: upto + 1]:
-        for k, v in overrides.items():
-            if k.startswith("model."):
-                cfg.model = ModelConfig(**{**cfg.model.__dict__, k.removeprefix("model."): v})
-            else:
-                setattr(cfg.spsa, k, v)
-    return cfg
-
-
-def run_spsa(
-    name: str,
-    cfg: Config,
-    data: Data,
-    seconds: float | None,
-    evals: int | None,
-    check_steps: int,
-    state: State | None = None,
-    expert: int = 0,
-    steps: int | None = None,
-) -> Result:
-    """Train `state` (default: a fresh init) for `seconds`, `evals` forward passes or `steps` steps."""
-    ev = evaluator_for(cfg, "cpu", threads=1, parallel=1)
-    state = state if state is not None else State(params.init(cfg.model, cfg.seed))
-    per = evals_per_step(cfg.spsa)
-    budget_steps = steps if evals is None else max(1, evals // per)
-    res = Result(name=name, test=0.0, steps=0, evals=0, seconds=0.0)
-    while (seconds is None or res.seconds < seconds) and (budget_steps is None or res.steps < budget_steps):
-        chunk = check_steps if budget_steps is None else min(check_steps, budget_steps - res.steps)
-        left = None if seconds is None else seconds - res.seconds
-        rep = spsa_train(state, data.train, cfg, ev, expert=expert, steps=chunk, seconds=left)
-        res.steps, res.evals, res.seconds = (
-            res.steps + rep.steps,
-            res.evals + rep.forward_evals,
-            res.seconds + rep.seconds,
-        )
-        val = mean_loss(ev, state.weights, *data.val)
-        res.curve.append((res.seconds, val))
-        if plateau(cfg.spsa, state.opt, val, state.step):
-            say(f"  {name}: plateau at step {state.step}, lr scale now {state.opt.lr_scale:g}")
-    res.test = mean_loss(ev, state.weights, *data.test)
-    res.weights = state.weights
-    return res
+from bench.common import (
+    ARM_NAMES,
+    MODEL,
+    Data,
+    Result,
+    arm_config,
+    cluster_data,
+    map_jobs,
+    md_head,
+    md_row,
+    pyplot,
+    run_spsa,
+    savefig,
+    say,
+)
+from bench.recipe_seed import run_seed_table, seed_table
+from soma_edge import corpus, params
+from soma_edge.config import Config
 
 
 def run_bptt(
     data: Data, seconds: float | None, steps_cap: int | None, check_steps: int, lr: float = 1e-2, seed: int = 0
 ) -> Result:
-    import torch
+    import torch  # optional (the bench extra): only the backprop reference needs it
 
-    from bench.torch_ref import TorchExpert
+    from bench.torch_ref import TorchExpert  # torch, as above
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -247,20 +112,13 @@ def _job(args: tuple) -> Result:
     return run_spsa(name, arm_config(name), data, seconds, evals, check)
 
 
-def _map(fn, work: list, jobs: int) -> list:
-    if jobs <= 1:
-        return [fn(w) for w in work]
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        return pool.map(fn, work, chunksize=1)
-
-
 def run_table(
     names: list[str], data: Data, seconds: float | None, evals: int | None, check: int, jobs: int, bptt: bool
 ) -> list[Result]:
     work = [("spsa", n, data, seconds, evals, check) for n in names]
     if bptt:
         work.append(("bptt", "bptt", data, seconds, None, max(10, check // 4)))
-    out = _map(_job, work, jobs)
+    out = map_jobs(_job, work, jobs)
     for r in out:
         say(f"  {r.name}: test {r.test:.4f} nats/byte, {r.steps} steps, {r.evals} forward passes, {r.seconds:.0f} s")
     return out
@@ -271,27 +129,26 @@ def captured(unigram: float, arm: float, ref: float) -> float:
 
 
 def table(title: str, rows: list[Result], unigram: float, ref: float) -> str:
-    lines = [
-        title,
-        "",
-        "| arm | test nats/byte | captured | steps | forward passes | train s |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = [title, "", md_head(["arm", "test nats/byte", "captured", "steps", "forward passes", "train s"])]
     for r in rows:
         lines.append(
-            f"| {r.name} | {r.test:.3f} | {captured(unigram, r.test, ref):.2f}"
-            f" | {r.steps} | {r.evals} | {r.seconds:.0f} |"
+            md_row(
+                [
+                    r.name,
+                    f"{r.test:.3f}",
+                    f"{captured(unigram, r.test, ref):.2f}",
+                    str(r.steps),
+                    str(r.evals),
+                    f"{r.seconds:.0f}",
+                ]
+            )
         )
-    lines.append(f"| byte unigram (cluster train split) | {unigram:.3f} | 0 | | | |")
+    lines.append(md_row(["byte unigram (cluster train split)", f"{unigram:.3f}", "0", "", "", ""]))
     return "\n".join(lines)
 
 
 def plot(rows: list[Result], unigram: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in rows:
         if r.curve:
@@ -304,8 +161,7 @@ def plot(rows: list[Result], unigram: float, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    savefig(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
             )
     t3 = None
     if a.seed_evals > 0:
-        from bench.recipe_seed import run_seed_table, seed_table
-
         picked = [n.strip() for n in a.seed_arms.split(",") if n.strip()] or None
         t3 = run_seed_table(a.corpus, a.work, a.seed_evals, a.seed_share, a.check_steps, a.jobs, picked)
         print()

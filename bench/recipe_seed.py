@@ -17,10 +17,26 @@ from typing import Any
 
 import numpy as np
 
-from bench.recipe import N_CLUSTERS, SOMA_ARMS, Data, _map, arm_config, cluster_data, prepared, run_spsa, say
+from bench.common import (
+    N_CLUSTERS,
+    SOMA_ARMS,
+    Data,
+    arm_config,
+    cluster_data,
+    map_jobs,
+    md_head,
+    md_row,
+    ort_logprobs,
+    prepared,
+    protocol_scores,
+    run_spsa,
+    say,
+    shard_stream,
+)
 from soma_edge import params
 from soma_edge import seed as seed_mod
 from soma_edge.config import Config, ModelConfig
+from soma_edge.router import load as load_router
 from soma_edge.spsa import State, evals_per_step
 
 # (name, model overrides on the shipped default, seed decoder or None for no seed run)
@@ -81,8 +97,6 @@ def score(
     router, m: ModelConfig, weights: list[np.ndarray], tests: list[np.ndarray], seq: int
 ) -> tuple[float, float, float]:
     """(stream top-2, paper top-4 uniform, stream on the paper's bytes) nats/byte over the test splits."""
-    from bench.equal_budget import ort_logprobs, protocol_scores
-
     fns = {e: ort_logprobs(m, w) for e, w in enumerate(weights)}
     sums, counts = np.zeros(3), np.zeros(3)
     for data in tests:
@@ -97,9 +111,6 @@ def score(
 def run_seed_table(
     corpus_name: str, work: Path, evals: int, share: float, check: int, jobs: int, names: list[str] | None = None
 ) -> list[SeedRow]:
-    from bench.equal_budget import shard_stream
-    from soma_edge.router import load as load_router
-
     rd = prepared(corpus_name, work)
     router = load_router(rd.router)
     datas = [cluster_data(corpus_name, c, work) for c in range(N_CLUSTERS)]
@@ -118,7 +129,7 @@ def run_seed_table(
             )
         ecfg, steps = seed_mod.expert_config(cfg), seed_mod.expert_steps(cfg)
         work_items = [(f"{name} e{e}", ecfg, datas[e], steps, check, start, e) for e in range(N_CLUSTERS)]
-        weights = _map(_expert_job, work_items, jobs)
+        weights = map_jobs(_expert_job, work_items, jobs)
         total = seed_steps * evals_per_step(cfg.spsa) + N_CLUSTERS * steps * evals_per_step(ecfg.spsa)
         stream, paper, same = score(router, cfg.model, weights, tests, cfg.data.seq_len)
         rows.append(
@@ -146,13 +157,34 @@ def seed_table(rows: list[SeedRow], evals: int, share: float) -> str:
         f"Table 3: N = {N_CLUSTERS} experts, {evals:,} forward passes per expert, the seed's included "
         f"(a seed takes {share:.0%} of them); routed mixture on every cluster's test split",
         "",
-        "| arm | params/expert | seed steps | steps/expert | passes/expert | stream top-2 | paper top-4 uniform "
-        "| stream on the paper's bytes | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        md_head(
+            [
+                "arm",
+                "params/expert",
+                "seed steps",
+                "steps/expert",
+                "passes/expert",
+                "stream top-2",
+                "paper top-4 uniform",
+                "stream on the paper's bytes",
+                "wall s",
+            ]
+        ),
     ]
     for r in rows:
         lines.append(
-            f"| {r.name} | {r.params:,} | {r.seed_steps:,} | {r.expert_steps:,} | {r.evals_per_expert:,.0f} | "
-            f"{r.stream:.4f} | {r.paper:.4f} | {r.stream_on_paper_bytes:.4f} | {r.seconds:.0f} |"
+            md_row(
+                [
+                    r.name,
+                    f"{r.params:,}",
+                    f"{r.seed_steps:,}",
+                    f"{r.expert_steps:,}",
+                    f"{r.evals_per_expert:,.0f}",
+                    f"{r.stream:.4f}",
+                    f"{r.paper:.4f}",
+                    f"{r.stream_on_paper_bytes:.4f}",
+                    f"{r.seconds:.0f}",
+                ]
+            )
         )
     return "\n".join(lines)

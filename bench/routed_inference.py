@@ -1,6 +1,6 @@
 """Routed top-k inference throughput: does routed scoring cost depend on k and not on N?
 
-    .venv/bin/python bench/routed_inference.py [--bytes 65536] [--threads 1] [--experts 1,4,16,64] [--top-k 1,2,4]
+    .venv/bin/python -m bench.routed_inference [--bytes 65536] [--threads 1] [--experts 1,4,16,64] [--top-k 1,2,4]
 
 Three tables, all measured in one run through the real deploy path (soma_edge.router fitted on the default
 corpus, `soma-export onnx` bundles, export.infer sessions):
@@ -24,14 +24,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from export import bundle  # noqa: E402
-from export.infer import Deployment, generate  # noqa: E402
-from soma_edge import checkpoint, corpus, params, router  # noqa: E402
-from soma_edge.config import Config, DataConfig, ModelConfig  # noqa: E402
-from soma_edge.runtime import cpu_count, make_session  # noqa: E402
+from export import bundle
+from export.infer import Deployment, generate
+from soma_edge import checkpoint, corpus, params, router
+from soma_edge.config import Config, DataConfig, ModelConfig
+from soma_edge.runtime import cpu_count, make_session
 
 SEQ_LEN = 128
 PER_EXPERT = ModelConfig(embed=32, hidden=128, layers=1)  # 124K params
@@ -196,9 +195,6 @@ def main() -> int:
     args = ap.parse_args()
     ns = [int(v) for v in args.experts.split(",")]
     ks = [int(v) for v in args.top_k.split(",")]
-
-    import onnxruntime
-
     print(
         f"machine: {platform.machine()}, {cpu_count()} cores, {platform.platform()},"
         f" python {platform.python_version()}, "

@@ -1,11 +1,11 @@
 """Compute share of federated rounds on a slow link, in weights mode and in log mode.
 
-    sudo .venv/bin/python bench/slow_link.py [--sizes 124K,1M] [--modes weights,log] [--rounds 3]
+    sudo .venv/bin/python -m bench.slow_link [--sizes 124K,1M] [--modes weights,log] [--rounds 3]
                                              [--round-seconds 60] [--mbit 1] [--experts 2]
                                              [--deadline-slack 600]
 
-For each expert size and reply mode, a real federation on simulated boxes (tests/netboxes.py: network
-namespaces, a veth link limited with tc htb): the coordinator in one namespace, one worker in another
+For each expert size and reply mode, a real federation on simulated boxes (tests/helpers/netboxes.py:
+network namespaces, a veth link limited with tc htb): the coordinator in one namespace, one worker in another
 behind `--mbit` Mbit/s, `--experts` experts (all on that worker), `spsa.decoder = "spsa"` (no dense
 decoder). Prints, per round, the round's wall time, the worker's compute seconds, the compute share,
 and the bytes down and up; then the mean share of the rounds after the first, and of those before
@@ -18,23 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from bench.common import ROOT, coordinator_cmd, platform_line, worker_cmd
+from soma_edge.procs import free_port
+from tests.helpers import netboxes
 
 SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}
 
 
 def one(size: str, mode: str, args, work: Path) -> list[dict]:
-    import netboxes
-
-    from soma_edge.procs import free_port
-
     embed, hidden = SIZES[size]
     cfg = work / f"{size}-{mode}.toml"
     cfg.write_text(f"""
@@ -59,38 +54,14 @@ reply = "{mode}"
         slow = boxes.add("slow", link_to=coord, mbit=args.mbit)
         start = boxes.popen(
             coord,
-            [
-                sys.executable,
-                "-m",
-                "coordinator",
-                "start",
-                "--run",
-                str(run),
-                "--config",
-                str(cfg),
-                "--host",
-                "0.0.0.0",
-                "--port",
-                str(port),
-            ],
+            coordinator_cmd(run, cfg, port),
             work / f"{size}-{mode}.log",
             env=env,
             cwd=ROOT,
         )
         boxes.popen(
             slow,
-            [
-                sys.executable,
-                "-m",
-                "worker.cli",
-                "join",
-                "--coordinator",
-                f"{slow.peer}:{port}",
-                "--name",
-                "slow",
-                "--cache",
-                str(work / f"cache-{size}-{mode}"),
-            ],
+            worker_cmd(f"{slow.peer}:{port}", "slow", work / f"cache-{size}-{mode}"),
             work / f"{size}-{mode}-w.log",
             env=env,
             cwd=ROOT,
@@ -122,7 +93,7 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, veth, tc)")
     print(
-        f"machine: {platform.platform()}, {os.cpu_count()} cores; link {args.mbit:g} Mbit/s; "
+        f"{platform_line()}; link {args.mbit:g} Mbit/s; "
         f"{args.rounds} rounds of {args.round_seconds:g} s; {args.experts} experts on the slow worker"
     )
     print(

@@ -1,6 +1,6 @@
 """SPSA throughput on this machine: ORT loss graph vs torch eager, matmul peak, SPSA step overhead.
 
-    .venv/bin/python bench/spsa_throughput.py [--seconds 3] [--sizes S,L]
+    .venv/bin/python -m bench.spsa_throughput [--seconds 3] [--sizes S,L]
 
 Prints one table. Everything is measured in the same run, so the ratios are what to read.
 """
@@ -10,28 +10,19 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from soma_edge import params  # noqa: E402
-from soma_edge.config import ModelConfig, SPSAConfig  # noqa: E402
-from soma_edge.runtime import LossEvaluator, cpu_count  # noqa: E402
-from soma_edge.spsa import State, Stepper  # noqa: E402
+from bench.common import forward_flops
+from soma_edge import params
+from soma_edge.config import ModelConfig, SPSAConfig
+from soma_edge.runtime import LossEvaluator, cpu_count
+from soma_edge.spsa import State, Stepper
 
 SIZES = {"S": ModelConfig(embed=64, hidden=416, layers=1), "L": ModelConfig(embed=64, hidden=1344, layers=1)}
 B, T, K = 16, 128, 8
-
-
-def forward_flops(m: ModelConfig) -> float:
-    per_token = sum(4 * m.hidden * ((m.embed if i == 0 else m.hidden) + m.hidden) for i in range(m.layers))
-    per_token += m.hidden * 256
-    return 2.0 * B * T * per_token
 
 
 def rate(fn, seconds: float) -> float:
@@ -45,7 +36,7 @@ def rate(fn, seconds: float) -> float:
 
 
 def matmul_peak(seconds: float) -> float:
-    import torch
+    import torch  # optional (the bench extra): only the peak and the torch rows need it
 
     torch.set_num_threads(cpu_count())
     n = 2048
@@ -57,9 +48,9 @@ def matmul_peak(seconds: float) -> float:
 
 
 def torch_rate(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> float:
-    import torch
+    import torch  # optional (the bench extra): only the peak and the torch rows need it
 
-    from bench.torch_ref import TorchExpert
+    from bench.torch_ref import TorchExpert  # torch, as above
 
     torch.set_num_threads(cpu_count())
     model = TorchExpert(m).load_flat(w).eval()
@@ -119,7 +110,7 @@ def main() -> None:
         m = SIZES[name]
         w = params.init(m, 0)
         x = np.random.default_rng(0).integers(0, 256, (B, T)).astype(np.int64)
-        flops = forward_flops(m)
+        flops = forward_flops(m, B, T)
         rates = {"torch_eager": torch_rate(m, w, x, args.seconds), **ort_rates(m, w, x, args.seconds)}
         for ev, r in rates.items():
             g = r * flops / 1e9

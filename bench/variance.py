@@ -1,6 +1,6 @@
 """Gradient-estimator variance: one shared loss vs separable per-expert losses, against backprop.
 
-    .venv/bin/python bench/variance.py [--params 120000] [--trials 100] [--kind lstm|soma] [--plot PNG] [--json]
+    .venv/bin/python -m bench.variance [--params 120000] [--trials 100] [--kind lstm|soma] [--plot PNG] [--json]
 
 At a fixed checkpoint and a fixed batch of real text per expert, the true gradient g comes from torch
 autograd (the reference whose loss matches the ORT graph, see tests/test_parity.py). SPSA then probes the
@@ -20,49 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from soma_edge import corpus, params  # noqa: E402
-from soma_edge.config import ModelConfig  # noqa: E402
-from soma_edge.runtime import LossEvaluator, cpu_count  # noqa: E402
-from soma_edge.spsa import noise  # noqa: E402
-
-EMBED = 16
-
-
-SOMA_BLOCKS = 2  # the paper's depth
-
-
-def _model(kind: str, h: int) -> ModelConfig:
-    if kind == "soma":
-        return ModelConfig(kind="soma", embed=h, hidden=h, layers=SOMA_BLOCKS)
-    return ModelConfig(embed=EMBED, hidden=h, layers=1)
-
-
-def perturbed(m: ModelConfig) -> int:
-    """How many leading weights the estimators cover: all of an lstm expert, the soma kind's body."""
-    lay = params.layout(m)
-    return lay.body if m.kind == "soma" else lay.size
-
-
-def expert_shape(total: int, n: int, kind: str = "lstm") -> ModelConfig:
-    """The width whose expert has closest to total/n perturbed parameters (lstm: embed fixed)."""
-    target = total / n
-    best = min(range(2, 2048), key=lambda h: abs(perturbed(_model(kind, h)) - target))
-    return _model(kind, best)
+from bench.common import expert_shape, machine, perturbed, pyplot, savefig, say
+from soma_edge import corpus, params
+from soma_edge.config import ModelConfig
+from soma_edge.runtime import LossEvaluator, cpu_count
+from soma_edge.spsa import noise
 
 
 def true_grads(m: ModelConfig, weights: list[np.ndarray], batches) -> list[np.ndarray]:
-    import torch
+    import torch  # optional (the bench extra): only the true gradient needs it
 
-    from bench.torch_ref import reference
+    from bench.torch_ref import reference  # torch, as above
 
     out = []
     for w, (x, y) in zip(weights, batches):
@@ -91,7 +64,7 @@ def measure(
     g = true_grads(m, weights, batches)
     g_norm2 = sum(float(gi @ gi) for gi in g)
     # Check the reference and the ORT graph agree at this checkpoint, or the "true" gradient is not ours.
-    from bench.torch_ref import torch_loss
+    from bench.torch_ref import torch_loss  # torch is optional (the bench extra): only this check needs it
 
     for w, (x, y) in zip(weights, batches[:1]):
         assert abs(ev.loss(w, x, y) - torch_loss(m, w, x, y)) < 1e-4
@@ -148,11 +121,7 @@ def measure(
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     ns = sorted({r["N"] for r in rows})
     colors = plt.cm.viridis(np.linspace(0, 0.85, len(ns)))
@@ -181,8 +150,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_title("variance ratio")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    savefig(fig, Path(path), dpi=90)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -204,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     rows = []
     for n in ns:
-        print(f"N={n} ...", file=sys.stderr, flush=True)
+        say(f"N={n} ...")
         rows += measure(args.params, n, ks, args.trials, args.eps, args.batch, args.seq, data, args.seed, args.kind)[
             "rows"
         ]
@@ -212,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["N"] == 1:  # one expert: the shared and separable estimators are the same numbers
             assert abs(r["shared"] - r["separable"]) <= 1e-9 * max(1.0, r["shared"]), r
     out = {
-        "machine": f"{platform.machine()} {cpu_count()} cores",
+        "machine": machine(),
         "seconds": time.perf_counter() - t0,
         "trials": args.trials,
         "eps": args.eps,

@@ -18,7 +18,8 @@ def test_variance_bench_tiny_json(kind):
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "variance.py"),
+            "-m",
+            "bench.variance",
             "--params",
             "12000",
             "--trials",
@@ -34,6 +35,7 @@ def test_variance_bench_tiny_json(kind):
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
