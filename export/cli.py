@@ -14,7 +14,10 @@ from typing import List, Optional
 
 import typer
 
+from export.bundle import write
+from export.infer import Deployment, evaluate, generate
 from soma_edge.cli import entry, make_app
+from soma_edge.mixture import check_protocol
 
 app = make_app("soma-edge export: ONNX deploy bundles with routed top-k eval and generation.")
 
@@ -33,8 +36,6 @@ def onnx_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as one JSON object."),
 ) -> None:
     """Export every expert of RUN as ONNX (scoring + streaming), plus the router and a manifest."""
-    from export.bundle import write
-
     manifest = write(run, out, quantize=quantize, force=force, version=version)
     if as_json:
         print(json.dumps(manifest))
@@ -98,9 +99,6 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Held-out nats/byte of the routed top-k mixture. The router never sees a byte it helps score."""
-    from export.infer import Deployment, evaluate
-    from soma_edge.mixture import check_protocol
-
     check_protocol(protocol)  # before the bundle loads
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k, protocol)
@@ -180,8 +178,6 @@ def generate_cmd(
     threads: int = typer.Option(1, min=0, help="ORT intra-op threads per session (one byte at a time: 1 is best)."),
 ) -> None:
     """Stream sampled bytes to stdout with the streaming graphs, routing each window on the one before."""
-    from export.infer import Deployment, generate
-
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k)
     text = prompt.encode("utf-8", "surrogateescape")  # argv bytes that are not UTF-8 come back as they were

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import tomllib
@@ -10,6 +11,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from soma_edge import devices
 from soma_edge.errors import ConfigError
 
 
@@ -133,6 +135,34 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def evals_per_step(spsa: SPSAConfig) -> int:
+    """Forward passes one update costs: 2K probes, plus a clean forward for the delta rule, per batch."""
+    return spsa.accumulate * (2 * spsa.directions + (1 if spsa.decoder == "delta" else 0))
+
+
+# The seed run's config rules (soma_edge.seed holds the rest of it). They live here, below spsa and seed,
+# because `validate` checks the budget they define: a seed run must leave the experts steps.
+
+
+def expert_config(cfg: Config) -> Config:
+    """The config the experts train with after a seed run (the run's own config without one)."""
+    if cfg.federation.seed_steps <= 0 or cfg.model.seed_decoder != "frozen":
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.spsa.decoder = "frozen"
+    return out
+
+
+def expert_steps(cfg: Config) -> int:
+    """Steps each expert may take under `federation.max_steps` once the seed's forward passes are paid:
+    max_steps - ceil(seed_steps * seed evals per step / (N * expert evals per step)). 0 means no cap."""
+    f = cfg.federation
+    if not f.max_steps or f.seed_steps <= 0:
+        return f.max_steps
+    seed_evals = f.seed_steps * evals_per_step(cfg.spsa)
+    return f.max_steps - math.ceil(seed_evals / (f.experts * evals_per_step(expert_config(cfg).spsa)))
 
 
 _SECTIONS = {"model": ModelConfig, "spsa": SPSAConfig, "data": DataConfig, "federation": FederationConfig}
@@ -278,8 +308,6 @@ def validate(cfg: Config) -> Config:
     _check(f.max_steps >= 0, "federation.max_steps", ">= 0", f.max_steps)
     _check(0 <= f.seed_steps < 2**40, "federation.seed_steps", ">= 0", f.seed_steps)
     if f.max_steps and f.seed_steps:
-        from soma_edge.seed import expert_steps  # lazy: seed imports spsa, which imports this module
-
         left = expert_steps(cfg)
         _check(
             left >= 1,
@@ -304,10 +332,8 @@ def validate(cfg: Config) -> Config:
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
     _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
-    from soma_edge.runtime import parse_device  # lazy: config must load without onnxruntime imported
-
     try:
-        parse_device(cfg.device)
+        devices.parse(cfg.device)
     except ConfigError as e:
         raise ConfigError(f"device: {e}") from None
     return cfg

@@ -29,6 +29,7 @@ import numpy as np
 
 from soma_edge import __version__, codec
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
+from soma_edge.params import count
 from soma_edge.spsa import OptState, UpdateLog
 
 PROTOCOL = 3  # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces)
@@ -65,7 +66,7 @@ def weights_sha256(weights: np.ndarray) -> str:
 
 def pack(body: dict[str, Any], kind: str):
     """A Flower RecordDict holding `body` as one codec blob."""
-    from flwr.app import Array, ArrayRecord, RecordDict
+    from flwr.app import Array, ArrayRecord, RecordDict  # flwr (~1 s): the worker CLI's own training never sends
 
     data = codec.encode({"protocol": PROTOCOL, **body}, kind)
     return RecordDict({RECORD: ArrayRecord({"body": Array(dtype="uint8", shape=(len(data),), stype=STYPE, data=data)})})
@@ -152,8 +153,6 @@ def train_request_limit(cfg) -> int:
     """The most bytes a train request of this run (a `Config`) can need: every expert's weights and
     optimizer state (the seed's too) and one piece of shards, with room for the rest; what a worker
     decodes at most, once the capability query told it the run's config."""
-    from soma_edge.params import count
-
     per = count(cfg.model) * 4 * 4 + 64 * 1024
     return min(codec.MAX_BYTES, (cfg.federation.experts + 1) * per + PIECE_BYTES + SMALL_BYTES)
 

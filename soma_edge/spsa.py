@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from soma_edge.config import SPSAConfig
+from soma_edge.config import evals_per_step as evals_per_step  # defined with the config (validate needs it)
 from soma_edge.errors import CheckpointError
 
 LossFn = Callable[[np.ndarray], float]
@@ -94,11 +95,6 @@ def schedule(cfg: SPSAConfig, step: int, scale: float = 1.0) -> tuple[float, flo
 def decoder_lr(cfg: SPSAConfig, step: int, scale: float = 1.0) -> float:
     """The delta-rule decoder's Adam lr: no warmup (its gradient is exact), the same cosine and plateau."""
     return cfg.decoder_lr * _cosine(cfg, step) * scale
-
-
-def evals_per_step(cfg: SPSAConfig) -> int:
-    """Forward passes one update costs: 2K probes, plus a clean forward for the delta rule, per batch."""
-    return cfg.accumulate * (2 * cfg.directions + (1 if cfg.decoder == "delta" else 0))
 
 
 # --- optimizer state -----------------------------------------------------------------------------------

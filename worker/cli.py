@@ -12,8 +12,9 @@ from typing import Optional
 import numpy as np
 import typer
 
-from soma_edge import checkpoint, corpus, params, protocol
+from soma_edge import checkpoint, corpus, devices, params, protocol
 from soma_edge import config as config_mod
+from soma_edge.certs import check_private_key, fingerprint, make_worker_key, read_public_key
 from soma_edge.cli import entry, log_level, make_app
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError
@@ -162,8 +163,6 @@ def join_cmd(
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until the run ends.
     With --log-level info (the default) it prints its own lines and Flower's warnings; debug adds Flower's
     per-message lines; warning or error keeps warnings and errors only."""
-    from soma_edge.runtime import parse_device
-
     host, sep, port_s = coordinator.rpartition(":")
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT, for example 10.0.0.5:9092")
@@ -171,14 +170,12 @@ def join_cmd(
     if heartbeat != "auto" and not (heartbeat.replace(".", "", 1).isdigit() and lo <= float(heartbeat) <= hi):
         raise ConfigError(f"--heartbeat {heartbeat!r}: expected auto, or seconds from {lo:g} to {hi:g}")
     try:
-        parse_device(device)
+        devices.parse(device)
     except ConfigError as e:
         raise ConfigError(f"--device: {e}") from None
     if root_certificates is not None and not root_certificates.is_file():
         raise ConfigError(f"--root-certificates {root_certificates}: no such file")
     if auth_key is not None:
-        from soma_edge.certs import check_private_key
-
         if root_certificates is None:
             raise ConfigError("--auth-key needs --root-certificates: Flower authenticates workers over TLS only")
         check_private_key(auth_key)
@@ -236,8 +233,6 @@ def keygen_cmd(
     force: bool = typer.Option(False, help="Replace a key pair already in OUT."),
 ) -> None:
     """This worker's key pair: give worker.pub to the coordinator (`soma-coord add-worker RUN worker.pub`)."""
-    from soma_edge.certs import fingerprint, make_worker_key, read_public_key
-
     key, pub = make_worker_key(out, force=force)
     print(
         f"wrote {key} (keep it here: soma-worker join --auth-key {key}) and {pub} (key "

@@ -37,7 +37,7 @@ from soma_edge import config as config_mod
 from soma_edge.corpus import SEPARATOR, cache_dir
 from soma_edge.errors import CheckpointError, SomaError, ValidationError
 from soma_edge.logs import role_logger
-from soma_edge.spsa import OptState, State, record_log
+from soma_edge.spsa import OptState, State, UpdateLog, record_log
 from worker import probe
 from worker.cache import HEARTBEAT_ADVICE, Cache
 from worker.trainer import train as train_loop
@@ -116,8 +116,6 @@ def capabilities(msg: Message, context: Context) -> Message:
 def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, errors: list[str]) -> dict[str, Any] | None:
     """The task's base version rebuilt from a version this node holds and the log the coordinator sent in
     place of the weights (`base_log`), cached like sent weights; None (reported missing) if that fails."""
-    from soma_edge.spsa import UpdateLog
-
     sent = t.get("base_log")
     if not isinstance(sent, dict):
         return None

@@ -51,7 +51,7 @@ def make_evaluator(cfg: Config, device: str, threads: int, spin: bool, parallel:
 
 
 def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> str:
-    import onnxruntime
+    import onnxruntime  # for its version only; loaded (heavy) by the evaluator anyway, not at import
 
     what = {
         "soma": __version__,
