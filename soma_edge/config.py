@@ -109,10 +109,10 @@ class FederationConfig:
     guard_tolerance: float = 0.05
     max_strikes: int = 3
     piece_bytes: int = 32 << 20  # shard bytes a node lacks travel in messages of at most this many (<= 32 MiB)
-    # What a worker returns: "weights" (and optimizer state), "log" (the round's update log: the SPSA scalars,
-    # which the coordinator replays bit for bit), or "auto" (the log, with the weights as well every
+    # What a worker returns: weights (and optimizer state), log (the round's update log: the SPSA scalars,
+    # which the coordinator replays bit for bit), or auto (the log, with the weights as well every
     # `weights_every` rounds as a checkpoint the replay must match).
-    reply: str = "weights"
+    reply: ReplyPolicy = ReplyPolicy.WEIGHTS
     weights_every: int = 10
     audit_steps: int = 0  # steps per log reply whose losses the coordinator recomputes to check its scalars
     # Start the next round as soon as every reply of this one is in, from the versions the replies claim,
@@ -179,16 +179,23 @@ def _coerce(path: str, value: Any, typ: type) -> Any:
     return value
 
 
+_VALUE_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool, "ReplyPolicy": ReplyPolicy}
+
+
 def _fill(obj: Any, values: dict[str, Any], prefix: str) -> None:
     types = {f.name: f.type for f in dataclasses.fields(obj)}
     for key, value in values.items():
         path = f"{prefix}{key}"
         if key not in types:
             raise ConfigError(f"{path}: unknown setting (known: {', '.join(sorted(types))})")
-        typ = {"int": int, "float": float, "str": str, "bool": bool}.get(str(types[key]))
+        typ = _VALUE_TYPES.get(str(types[key]))
         if typ is None:
             raise ConfigError(f"{path}: is a section, not a value")
-        setattr(obj, key, _coerce(path, value, typ))
+        if issubclass(typ, StrEnum):  # TOML holds the member's string; validate names the field if it is none
+            value = _coerce(path, value, str)
+            setattr(obj, key, typ(value) if value in {m.value for m in typ} else value)
+        else:
+            setattr(obj, key, _coerce(path, value, typ))
 
 
 def from_dict(values: dict[str, Any]) -> Config:
@@ -326,6 +333,7 @@ def validate(cfg: Config) -> Config:
         f.piece_bytes,
     )
     _check(f.reply in REPLIES, "federation.reply", " | ".join(map(repr, REPLIES)), f.reply)
+    f.reply = ReplyPolicy(f.reply)  # a config built in code may hold the bare string
     _check(f.weights_every >= 1, "federation.weights_every", ">= 1", f.weights_every)
     _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)

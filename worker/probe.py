@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from soma_edge import __version__, params
+from soma_edge import __version__, devices, params
 from soma_edge.config import Config
 from soma_edge.runtime import LossEvaluator, evaluator_for
 from worker.cache import Cache
@@ -92,7 +92,7 @@ def capabilities(
     t0 = time.perf_counter()
     evaluator = make_evaluator(cfg, device, threads, spin, parallel)
     rate = measure(evaluator, cfg, seconds)
-    on_cuda = evaluator.providers[0] == "CUDAExecutionProvider"
+    on_cuda = evaluator.providers[0] == devices.CUDA
     out = {
         "evals_per_s": rate,
         "providers": list(evaluator.providers),
