@@ -10,12 +10,12 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
 from export.bundle import write
-from export.infer import Deployment, evaluate, generate
+from export.infer import Deployment, EvalReport, evaluate, generate
 from soma_edge.cli import entry, make_app
 from soma_edge.mixture import check_protocol
 
@@ -104,20 +104,7 @@ def eval_cmd(
     k = _top_k(dep, top_k, protocol)
     uniform = protocol == "paper" if uniform is None else uniform
     report = evaluate(dep, data, k, router_temperature, uniform, protocol, compare)
-    experts = [
-        {
-            "id": e.id,
-            "version": e.version,
-            "windows": report.expert_windows.get(e.id, 0),
-            "weight": report.expert_weight.get(e.id, 0.0),
-            "bytes": report.expert_bytes.get(e.id, 0),
-            "nats_per_byte_alone": (
-                report.expert_nats_sum[e.id] / report.expert_bytes[e.id] if report.expert_bytes.get(e.id) else None
-            ),
-            "val_loss": e.val_loss,
-        }
-        for e in dep.bundle.experts
-    ]
+    experts = _expert_rows(dep, report)
     if as_json:
         out = {
             "nats_per_byte": report.nats_per_byte,
@@ -135,6 +122,31 @@ def eval_cmd(
         }
         print(json.dumps(out))
         return
+    _print_eval(dep, report, experts, k, uniform, protocol)
+
+
+def _expert_rows(dep: Deployment, report: EvalReport) -> list[dict[str, Any]]:
+    """Each expert's part in an evaluation: windows, weight, bytes it scored and its own nats/byte there."""
+    return [
+        {
+            "id": e.id,
+            "version": e.version,
+            "windows": report.expert_windows.get(e.id, 0),
+            "weight": report.expert_weight.get(e.id, 0.0),
+            "bytes": report.expert_bytes.get(e.id, 0),
+            "nats_per_byte_alone": (
+                report.expert_nats_sum[e.id] / report.expert_bytes[e.id] if report.expert_bytes.get(e.id) else None
+            ),
+            "val_loss": e.val_loss,
+        }
+        for e in dep.bundle.experts
+    ]
+
+
+def _print_eval(
+    dep: Deployment, report: EvalReport, experts: list[dict[str, Any]], k: int, uniform: bool, protocol: str
+) -> None:
+    """An evaluation as tables: per expert, per file, then the mixture's held-out nats/byte."""
     windows = sum(report.expert_windows.values()) / k
     print(f"{'expert':>6} {'version':>7} {'windows':>8} {'share':>7} {'nats/byte alone':>16} {'val_loss':>9}")
     for e in experts:

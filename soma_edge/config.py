@@ -255,8 +255,25 @@ def _check_finite(obj: Any, prefix: str) -> None:
 
 
 def validate(cfg: Config) -> Config:
+    """`cfg`, once every setting is in its range (ConfigError naming the first that is not)."""
     _check_finite(cfg, "")
-    m, s, d = cfg.model, cfg.spsa, cfg.data
+    _check_model(cfg.model)
+    _check_spsa(cfg.spsa)
+    d = cfg.data
+    _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
+    _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
+    _check_federation(cfg)
+    _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
+    _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
+    _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
+    try:
+        devices.parse(cfg.device)
+    except ConfigError as e:
+        raise ConfigError(f"device: {e}") from None
+    return cfg
+
+
+def _check_model(m: ModelConfig) -> None:
     _check(m.kind in KINDS, "model.kind", " | ".join(map(repr, KINDS)), m.kind)
     _check(m.embed >= 1, "model.embed", ">= 1", m.embed)
     if m.kind == "soma" and m.embed != m.hidden:
@@ -268,6 +285,9 @@ def validate(cfg: Config) -> Config:
     _check(m.hidden >= 1, "model.hidden", ">= 1", m.hidden)
     _check(1 <= m.layers <= 8, "model.layers", "between 1 and 8", m.layers)
     _check(0 < m.input_gain <= 100, "model.input_gain", "> 0 and <= 100", m.input_gain)
+
+
+def _check_spsa(s: SPSAConfig) -> None:
     _check(1 <= s.directions <= 65536, "spsa.directions", "between 1 and 65536", s.directions)
     _check(s.eps > 0 and s.eps < 1, "spsa.eps", "> 0 and < 1", s.eps)
     _check(0 < s.eps_min <= 1, "spsa.eps_min", "> 0 and <= 1", s.eps_min)
@@ -296,8 +316,9 @@ def validate(cfg: Config) -> Config:
     _check(0 < s.plateau_factor < 1, "spsa.plateau_factor", "> 0 and < 1", s.plateau_factor)
     _check(s.plateau_min_delta >= 0, "spsa.plateau_min_delta", ">= 0", s.plateau_min_delta)
     _check(0 < s.lr_floor <= s.lr, "spsa.lr_floor", f"> 0 and <= spsa.lr ({s.lr})", s.lr_floor)
-    _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
-    _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
+
+
+def _check_federation(cfg: Config) -> None:
     f = cfg.federation
     _check(1 <= f.experts <= 4096, "federation.experts", "between 1 and 4096", f.experts)
     _check(f.rounds >= 0, "federation.rounds", ">= 0", f.rounds)
@@ -337,11 +358,3 @@ def validate(cfg: Config) -> Config:
     _check(f.weights_every >= 1, "federation.weights_every", ">= 1", f.weights_every)
     _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)
-    _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
-    _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
-    _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
-    try:
-        devices.parse(cfg.device)
-    except ConfigError as e:
-        raise ConfigError(f"device: {e}") from None
-    return cfg
