@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from soma_edge.cli import entry, make_app
+from coordinator import guard, report, workers
+from coordinator import start as start_mod
+from coordinator.launcher import APP_DIR, CONNECTION, TLS
+from coordinator.prepare import prepare, print_summary
+from coordinator.progress import experts_table, summary
+from coordinator.progress import watch as watch_run
+from soma_edge import certs
+from soma_edge.cli import console, entry, make_app
 from soma_edge.config import MAX_SEED
-from soma_edge.errors import ConfigError
+from soma_edge.errors import CheckpointError, ConfigError, SomaError
+from soma_edge.rundir import RunDir
 
 app = make_app("soma-edge coordinator: prepare data clusters, orchestrate training over Flower.")
 
@@ -27,13 +37,11 @@ def prepare_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print prepare.json instead of the summary table."),
 ) -> None:
     """Fit the router (hashed byte n-gram tf-idf, balanced k-means) and write per-cluster shards."""
-    from coordinator.prepare import prepare, print_summary
-
-    summary = prepare(corpus, experts, out, seed=seed, clusters=clusters, progress=not as_json)
+    prep = prepare(corpus, experts, out, seed=seed, clusters=clusters, progress=not as_json)
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps(prep))
     else:
-        print_summary(summary, out)
+        print_summary(prep, out)
 
 
 @app.command("start")
@@ -90,9 +98,6 @@ def start_cmd(
     ),
 ) -> None:
     """Run or resume federated training: embedded SuperLink (+ local workers), or submit to --superlink."""
-    from coordinator import start as start_mod
-    from coordinator.launcher import TLS
-
     overrides = {
         k: v
         for k, v in {
@@ -109,18 +114,22 @@ def start_cmd(
     }
     if superlink is not None and local_workers:
         raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
-    tls = TLS(ssl_ca_certfile, ssl_certfile, ssl_keyfile) if ssl_ca_certfile or ssl_certfile or ssl_keyfile else None
-    if tls_dir is not None:
-        from soma_edge.certs import files
-
-        if tls is not None:
-            raise typer.BadParameter("give --tls DIR or the --ssl-* files, not both")
-        f = files(tls_dir)
-        tls = TLS(f.ca, f.cert, f.key)
+    tls = _tls(ssl_ca_certfile, ssl_certfile, ssl_keyfile, tls_dir)
     opts = start_mod.Options(
         run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls, auth=auth
     )
     raise typer.Exit(start_mod.start(opts))
+
+
+def _tls(ca: Path | None, cert: Path | None, key: Path | None, folder: Path | None) -> TLS | None:
+    """TLS from the --ssl-* files or from --tls DIR (`soma-coord certs DIR`), or None for neither."""
+    tls = TLS(ca, cert, key) if ca or cert or key else None
+    if folder is not None:
+        if tls is not None:
+            raise typer.BadParameter("give --tls DIR or the --ssl-* files, not both")
+        f = certs.files(folder)
+        tls = TLS(f.ca, f.cert, f.key)
+    return tls
 
 
 @app.command("certs")
@@ -132,9 +141,7 @@ def certs_cmd(
     force: bool = typer.Option(False, help="Replace certificates already in OUT."),
 ) -> None:
     """A CA and a SuperLink certificate for --host names and IPs: `start --tls OUT`, workers get OUT/ca.pem."""
-    from soma_edge.certs import make_certs
-
-    f = make_certs(out, hosts, force=force)
+    f = certs.make_certs(out, hosts, force=force)
     print(
         f"wrote {f.ca} (give it to every worker: soma-worker join --root-certificates ca.pem), {f.cert} and {f.key} "
         f"for {', '.join(hosts)}; start the coordinator with --tls {out}"
@@ -148,10 +155,6 @@ def add_worker_cmd(
     name: Optional[str] = typer.Option(None, help="The worker's name in the registry (default: the key file's stem)."),
 ) -> None:
     """Trust a worker's key for RUN's `start --auth`; on a live run it takes effect at once."""
-    from coordinator import workers
-    from coordinator.launcher import CONNECTION
-    from soma_edge.rundir import RunDir
-
     rd = RunDir(run)
     if rd.root.exists() and not rd.root.is_dir():
         raise ConfigError(f"{run}: not a directory")
@@ -170,12 +173,6 @@ def workers_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """The workers whose keys RUN trusts."""
-    import dataclasses
-    import json
-
-    from coordinator import guard, workers
-    from soma_edge.rundir import RunDir
-
     rd = RunDir(run)
     rows = workers.load(rd)
     state = rd.load_state() if rd.state_path.exists() or rd.prev_state_path.exists() else None
@@ -211,11 +208,6 @@ def status_cmd(
     every: float = typer.Option(1.0, "--every", min=0.1, help="With --watch: seconds between redraws."),
 ) -> None:
     """The experts table of a run, from its checkpoint (no server needed)."""
-    from coordinator.progress import experts_table, summary
-    from coordinator.progress import watch as watch_run
-    from soma_edge.errors import CheckpointError
-    from soma_edge.rundir import RunDir
-
     rd = RunDir(run)
     if not rd.state_path.exists() and not (watch and rd.is_locked()):
         raise CheckpointError(f"{run}: no state.msgpack, so no training has started in this directory")
@@ -228,8 +220,6 @@ def status_cmd(
     if as_json:
         print(json.dumps(s, default=str))
     else:
-        from soma_edge.cli import console
-
         console().print(experts_table(s))
 
 
@@ -241,9 +231,6 @@ def report_cmd(
     ),
 ) -> None:
     """One HTML page about RUN: loss curves, a node timeline, throughput per node, the experts table."""
-    from coordinator import report
-    from soma_edge.rundir import RunDir
-
     r = report.write(RunDir(run), out)
     print(f"report: {r.html}")
 
@@ -254,11 +241,6 @@ def stop_cmd(
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the coordinator has stopped."),
 ) -> None:
     """Stop RUN's coordinator once the round in progress has committed; `start --run RUN` resumes it."""
-    import time
-
-    from soma_edge.errors import SomaError
-    from soma_edge.rundir import RunDir
-
     rd = RunDir(run)
     if not rd.is_locked():
         raise SomaError(f"{run}: no coordinator is running on it, so there is nothing to stop")
@@ -279,8 +261,6 @@ def stop_cmd(
 @app.command("app-path")
 def app_path_cmd() -> None:
     """Print the path of the Flower app directory, for `flwr run "$(soma-coord app-path)" ...`."""
-    from coordinator.launcher import APP_DIR
-
     print(APP_DIR)
 
 

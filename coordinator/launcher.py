@@ -21,6 +21,7 @@ from pathlib import Path
 
 import tomli_w
 
+from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import SomaError
 from soma_edge.procs import die_with_parent, flower_bin, flower_env
 
@@ -204,8 +205,6 @@ def _tls_server_args(tls: TLS | None) -> list[str]:
 
 def write_connection(flwr_home: Path, address: str, tls: TLS | None = None) -> None:
     """The `flwr` CLI reads connections from $FLWR_HOME/config.toml (not from the app's pyproject)."""
-    from soma_edge.checkpoint import atomic_write
-
     conn: dict[str, object] = {"address": address}
     if tls is not None and tls.enabled:
         conn["root-certificates"] = str(Path(tls.ca).resolve())
@@ -239,21 +238,6 @@ def submit(
         detail = (out.get("error-message") or r.stderr.strip() or r.stdout.strip()).splitlines()[-3:]
         raise SomaError(f"`flwr run` against {address} failed: {' '.join(detail)}")
     return str(out["run-id"])
-
-
-def stop_run(flwr_home: Path, run_id: str) -> bool:
-    """Best effort `flwr stop` of a leftover run on the configured SuperLink."""
-    try:
-        r = subprocess.run(
-            [flower_bin("flwr"), "stop", run_id, CONNECTION],
-            capture_output=True,
-            text=True,
-            env=flower_env(flwr_home),
-            timeout=60,
-        )
-    except (subprocess.SubprocessError, OSError):
-        return False
-    return r.returncode == 0
 
 
 def run_status(flwr_home: Path, run_id: str) -> str | None:

@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
+from coordinator import debian_corpus
+from soma_edge import cli
 from soma_edge import corpus as corpus_mod
 from soma_edge import router as router_mod
 from soma_edge.checkpoint import atomic_write
@@ -39,8 +43,6 @@ UNLABELLED = "(unlabelled)"
 def ensure_debian(progress: bool = False) -> None:
     """Build the `debian` corpus into the cache (as root) unless it is there already."""
     if not (corpus_mod.cache_dir() / corpus_mod.DEBIAN / "manifest.json").exists():
-        from coordinator import debian_corpus
-
         debian_corpus.build(progress=progress)
 
 
@@ -236,10 +238,6 @@ def _write(
 
 
 def _progress_bar():
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from soma_edge import cli
-
     console = cli.console(stderr=True)
     # Transient, and off when stderr is not a terminal: logs and error output stay one clean line each.
     return Progress(
@@ -259,10 +257,6 @@ def _mb(n: int) -> str:
 
 def print_summary(summary: dict, out: Path) -> None:
     """A short table of clusters on stdout: expert, documents, MB per split, largest domain."""
-    from rich.table import Table
-
-    from soma_edge import cli
-
     top: dict[int, tuple[str, float]] = {}
     for k in range(len(summary["clusters"])):
         col = {name: row.get(str(k), 0) for name, row in summary["domains"].items()}

@@ -1,11 +1,12 @@
-"""External mode: `soma-coord start --superlink HOST:PORT`, for a SuperLink on another box.
+"""External mode's helpers: `soma-coord start --superlink HOST:PORT`, for a SuperLink on another box.
 
 Flower runs the ServerApp on the SuperLink's host, so the run directory lives there and this box may
 not see it at all. `start` therefore reads and writes nothing in RUN: it submits the run with its
-config (the --config file's TOML and the command-line overrides, passed through Flower's run config and
-applied by the ServerApp, under the run lock, on the SuperLink's host), and follows it through the
-SuperLink alone: the run's status (`flwr ls`) and the coordinator's log lines (`flwr log`), which
-Flower delivers in batches, often tens of seconds late.
+config (the --config file's TOML and the command-line overrides, passed through Flower's run config as
+one start request, `encode_request`, and applied by the ServerApp, under the run lock, on the
+SuperLink's host: `apply_request`), and follows it through the SuperLink alone (`follow`): the run's
+status (`flwr ls`) and the coordinator's log lines (`flwr log`), which Flower delivers in batches, often
+tens of seconds late.
 
 Its Flower connection lives in $SOMA_CACHE/coord-flwr, not in RUN.
 """
@@ -17,14 +18,16 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from coordinator import launcher
+from coordinator import launcher, runconfig
 from soma_edge import corpus
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import flower_bin, flower_env
+from soma_edge.rundir import RunDir
 
 START_KEY = "start"  # the app's run-config key that carries the start request
 POLL_SECONDS = 5.0
@@ -52,54 +55,26 @@ def decode_request(value: str) -> tuple[str | None, dict[str, Any]]:
     return config, overrides
 
 
-def apply_request(run, value: str) -> None:
+def apply_request(run: RunDir, value: str) -> None:
     """On the SuperLink's host, under the run lock: resolve the config as a local start would, prepare
     RUN if it is not, and save run.toml."""
-    import tempfile
-
-    from coordinator.start import _explicit_keys, ensure_prepared, resolve_config
-
     config_text, overrides = decode_request(value)
     with tempfile.TemporaryDirectory(prefix="soma-start-") as tmp:
         path = None
         if config_text is not None:
             path = Path(tmp) / "config.toml"
             path.write_text(config_text, encoding="utf-8")
-        run.root.mkdir(parents=True, exist_ok=True)
-        cfg = resolve_config(run, path, overrides)
-        given = set(overrides) | (_explicit_keys(path) if path else set())
-        ensure_prepared(run, cfg, given, own_lock=True)  # the ServerApp holds the lock it prepares under
-    run.save_config(cfg)
+        runconfig.configure(run, path, overrides, own_lock=True)  # the ServerApp holds the lock it prepares under
 
 
-def start(opts) -> int:
-    """Submit to the external SuperLink and follow the run there until it finishes."""
-    if not Path(opts.run).is_absolute():
-        raise ConfigError(
-            f"--run {opts.run}: with --superlink, give the absolute path of the run directory on the "
-            "SuperLink's host (Flower runs the coordinator there)"
-        )
-    if opts.auth:
-        raise ConfigError(
-            "--auth registers worker keys with the embedded SuperLink; with --superlink, register "
-            "them there (`flwr supernode register KEY.pub`)"
-        )
-    text = None
-    if opts.config is not None:
-        try:
-            text = Path(opts.config).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"--config {opts.config}: cannot read ({e.strerror})") from None
-    home = flwr_home()
-    run_id = launcher.submit(
-        home, Path(opts.run), opts.superlink, opts.tls, extra={START_KEY: encode_request(text, opts.overrides or {})}
-    )
-    print(
-        f"submitted Flower run {run_id} to {opts.superlink}; following it through the SuperLink "
-        "(Flower delivers the coordinator's log in batches)",
-        flush=True,
-    )
-    return follow(home, run_id)
+def read_config_text(config: Path | None) -> str | None:
+    """The --config file's TOML, sent as it is: the ServerApp parses it on the SuperLink's host."""
+    if config is None:
+        return None
+    try:
+        return Path(config).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--config {config}: cannot read ({e.strerror})") from None
 
 
 def follow(home: Path, run_id: str) -> int:

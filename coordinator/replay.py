@@ -40,7 +40,7 @@ def audit(cfg: Config, base: State, log: UpdateLog, expert: int, data: np.ndarra
     stepper = expert_steps.stepper(cfg, expert)
     state = State(base.weights.copy(), step=base.step, opt=base.opt.copy())
     state.opt.lr_scale = log.lr_scale
-    body, delta = stepper._split(state.weights.size)
+    body, delta = stepper.split(state.weights.size)
     wanted, last = set(steps), max(steps, default=-1)
     try:
         for i, g in enumerate(log.grads):
@@ -73,7 +73,7 @@ def _check_step(
 ) -> None:
     _, eps = schedule(stepper.cfg, state.step, state.opt.lr_scale)
     for j, want in enumerate(claimed):
-        lp, lm, _ = stepper._direction(state.weights, objs[j // k].loss, state.step, j, body, eps)
+        lp, lm, _ = stepper.direction(state.weights, objs[j // k].loss, state.step, j, body, eps)
         got = (lp - lm) / (2.0 * eps)
         if not abs(got - float(want)) <= G_TOLERANCE * (1 + abs(float(want))):
             raise ValidationError(

@@ -2,9 +2,11 @@
 
 Embedded mode (no --superlink): a `flower-superlink` on this box with FLWR_HOME in RUN/flwr, plus
 `--local-workers` SuperNodes (`soma-worker join`), all stopped when `start` ends or is interrupted.
-External mode (--superlink HOST:PORT, `coordinator.remote`): only the submission, and progress read from
-the SuperLink; Flower runs the ServerApp on the SuperLink's host, where RUN lives.
+External mode (--superlink HOST:PORT): only the submission, and progress read from the SuperLink;
+Flower runs the ServerApp on the SuperLink's host, where RUN lives (`coordinator.remote`).
 
+`start` is the whole sequence, top to bottom; `coordinator.runconfig` (the config and the prepared RUN),
+`coordinator.launcher` (processes) and `coordinator.remote` (the external request) are the helpers it calls.
 Starting again on the same RUN resumes from its last committed round.
 """
 
@@ -18,17 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator import launcher
+from coordinator import launcher, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
 from soma_edge import checkpoint
-from soma_edge import config as config_mod
-from soma_edge.config import Config
+from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import free_port
 from soma_edge.rundir import RunDir, RunLockedError
 
-IMMUTABLE = ("model", "data", "seed", "federation.experts", "federation.corpus", "federation.seed_steps")
 STATUS_GRACE = 240.0  # seconds for the ServerApp to appear (Flower starts it, it waits for the run lock)
 
 
@@ -45,100 +45,79 @@ class Options:
     worker_device: str = "cpu"
 
 
-def _get(cfg: Config, dotted: str) -> Any:
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj.__dict__ if hasattr(obj, "__dataclass_fields__") else obj
+def start(opts: Options) -> int:
+    """The whole of `soma-coord start`: check the options, then run embedded or submit to --superlink."""
+    check_options(opts)
+    if opts.superlink:
+        return start_external(opts)
+    run = RunDir(opts.run)
+    run.root.mkdir(parents=True, exist_ok=True)
+    if run.is_locked():
+        raise RunLockedError(f"{run.root} is in use by a running coordinator (pid {run.lock_holder()}); stop it first")
+    cfg = runconfig.configure(run, opts.config, opts.overrides or {})
+    state = run.load_state()
+    if state and state["round"] >= cfg.federation.rounds:
+        print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
+        Follower(run).final()
+        return 0
+
+    procs = launcher.Launcher(logs=run.logs, flwr_home=run.flwr_home)
+    try:
+        workers = cfg.federation.local_workers
+        keys = _local_worker_keys(run, workers) if opts.auth else {}
+        address = _launch_superlink(procs, run, opts)
+        if opts.auth:
+            _register_workers(run, address, opts.tls)
+        _launch_workers(procs, run, opts, address, keys, workers)
+        t_submit = time.time()
+        run_id = launcher.submit(run.flwr_home, run.root, address, opts.tls)
+        checkpoint.atomic_write(
+            _flwr_run_path(run), json.dumps({"run_id": run_id, "address": address, "time": t_submit}).encode()
+        )
+        print(f"submitted Flower run {run_id} to {address}", flush=True)
+        return follow(run, procs, run_id, t_submit)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: stopping; resume with `soma-coord start --run {run.root}`", flush=True)
+        return 130
+    finally:
+        procs.stop_all()
 
 
-def _set(cfg: Config, dotted: str, value: Any) -> None:
-    *path, last = dotted.split(".")
-    obj: Any = cfg
-    for part in path:
-        obj = getattr(obj, part)
-    setattr(obj, last, value)
-
-
-def resolve_config(run: RunDir, config_path: Path | None, overrides: dict[str, Any]) -> Config:
-    """The run's config: run.toml when resuming, else --config or the defaults; then the CLI overrides.
-
-    A resumed run may change rounds, round length, workers and SPSA settings, but not what its
-    checkpoints depend on (model, data, seed, experts, corpus, the seed run's length)."""
-    given = config_mod.load(config_path) if config_path else None
-    if run.has_config():
-        cfg = run.load_config()
-        explicit = _explicit_keys(config_path) if config_path else set()
-        changed = [(k, _get(given, k)) for k in IMMUTABLE if k in explicit and _get(given, k) != _get(cfg, k)]
-        changed += [(k, v) for k, v in overrides.items() if k in IMMUTABLE and v != _get(cfg, k)]
-        if changed:
-            key, new = changed[0]
-            raise ConfigError(
-                f"{run.root} was started with {key} = {_get(cfg, key)!r}; it cannot change to {new!r} "
-                "on resume (use a new --run directory)"
-            )
-        if given is not None:  # a resumed run takes the file's SPSA and federation settings, not its identity
-            keep = (cfg.federation.experts, cfg.federation.corpus, cfg.federation.seed_steps)
-            cfg.spsa, cfg.federation = given.spsa, given.federation
-            cfg.federation.experts, cfg.federation.corpus, cfg.federation.seed_steps = keep
-    else:
-        cfg = given or Config()
-    for k, v in overrides.items():
-        _set(cfg, k, v)
-    fed = cfg.federation
-    if fed.local_workers > 0 and fed.min_nodes < fed.local_workers:
-        fed.min_nodes = fed.local_workers
-    return config_mod.validate(cfg)
-
-
-def _explicit_keys(path: Path) -> set[str]:
-    """Which IMMUTABLE keys the TOML file itself sets (defaults filled in by Config do not count)."""
-    import tomllib
-
-    raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    out = {k for k in ("model", "data", "seed") if k in raw}
-    fed = raw.get("federation") or {}
-    return out | {f"federation.{k}" for k in ("experts", "corpus", "seed_steps") if k in fed}
-
-
-def _same_corpus(a: str, b: str) -> bool:
-    """Corpus names are equal, or both name the same existing path (`data/` vs `./data`)."""
-    if a == b:
-        return True
-    pa, pb = Path(a), Path(b)
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
-
-
-def ensure_prepared(
-    run: RunDir, cfg: Config, given: set[str] | frozenset[str] = frozenset(), own_lock: bool = False
-) -> None:
-    """Prepare RUN unless it is; a prepared RUN must match the experts, and the corpus and seed when the
-    user gave them (`given`: dotted keys set on the command line or in --config), else training would
-    silently run on another corpus than the one asked for."""
-    if run.is_prepared():
-        prep = run.load_prepare()
-        if int(prep.get("experts", -1)) != cfg.federation.experts:
-            raise ConfigError(f"{run.root} is prepared for {prep.get('experts')} experts, not {cfg.federation.experts}")
-        if "federation.corpus" in given and not _same_corpus(cfg.federation.corpus, str(prep.get("corpus"))):
-            raise ConfigError(
-                f"{run.root} is prepared from corpus {prep.get('corpus')!r}, not "
-                f"{cfg.federation.corpus!r} (use a new --run directory)"
-            )
-        if "seed" in given and prep.get("seed") != cfg.seed:
-            raise ConfigError(
-                f"{run.root} is prepared with seed {prep.get('seed')!r}, not {cfg.seed!r} (use a new --run directory)"
-            )
+def check_options(opts: Options) -> None:
+    """What the options alone can tell is wrong, before anything starts or is read."""
+    if opts.tls:
+        opts.tls.check(server=opts.superlink is None)
+    if not opts.superlink:
+        if opts.auth and not (opts.tls and opts.tls.enabled):
+            raise ConfigError("--auth needs --tls DIR: Flower authenticates workers over TLS only")
         return
-    from coordinator.prepare import prepare
+    if not Path(opts.run).is_absolute():
+        raise ConfigError(
+            f"--run {opts.run}: with --superlink, give the absolute path of the run directory on the "
+            "SuperLink's host (Flower runs the coordinator there)"
+        )
+    if opts.auth:
+        raise ConfigError(
+            "--auth registers worker keys with the embedded SuperLink; with --superlink, register "
+            "them there (`flwr supernode register KEY.pub`)"
+        )
 
-    print(f"preparing {cfg.federation.corpus} into {run.root} ({cfg.federation.experts} experts)", flush=True)
-    prepare(cfg.federation.corpus, cfg.federation.experts, run.root, seed=cfg.seed, progress=True, own_lock=own_lock)
+
+def start_external(opts: Options) -> int:
+    """Submit to the external SuperLink, the config along, and follow the run there until it finishes."""
+    request = remote.encode_request(remote.read_config_text(opts.config), opts.overrides or {})
+    home = remote.flwr_home()
+    run_id = launcher.submit(home, Path(opts.run), opts.superlink, opts.tls, extra={remote.START_KEY: request})
+    print(
+        f"submitted Flower run {run_id} to {opts.superlink}; following it through the SuperLink "
+        "(Flower delivers the coordinator's log in batches)",
+        flush=True,
+    )
+    return remote.follow(home, run_id)
 
 
 def _local_worker_keys(run: RunDir, n: int) -> dict[str, Path]:
     """Keys for the local workers w0..w{n-1} (made once, kept in RUN/workers/<name>/key), in the registry."""
-    from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
-
     out, known = {}, {x.name for x in workers_mod.load(run)}
     for i in range(n):
         name, folder = f"w{i}", run.root / "workers" / f"w{i}" / "key"
@@ -171,76 +150,49 @@ def _flwr_run_path(run: RunDir) -> Path:
     return run.root / "flwr_run.json"
 
 
-def start(opts: Options) -> int:
-    if opts.tls:
-        opts.tls.check(server=opts.superlink is None)
-    if opts.superlink:
-        from coordinator import remote
+def _launch_superlink(procs: launcher.Launcher, run: RunDir, opts: Options) -> str:
+    """Start the embedded SuperLink; returns the address this box's workers and `flwr run` reach it at."""
+    port = opts.port or free_port()
+    procs.superlink(opts.host, port, opts.tls, auth=opts.auth)
+    address = f"127.0.0.1:{port}" if opts.host in ("0.0.0.0", "", "127.0.0.1") else f"{opts.host}:{port}"
+    where = f"{opts.host}:{port}" + (
+        "" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)"
+    )
+    print(f"SuperLink listening on {where}; logs in {run.logs}", flush=True)
+    _warn_if_open(opts)
+    return address
 
-        return remote.start(opts)
-    if opts.auth and not (opts.tls and opts.tls.enabled):
-        raise ConfigError("--auth needs --tls DIR: Flower authenticates workers over TLS only")
-    run = RunDir(opts.run)
-    run.root.mkdir(parents=True, exist_ok=True)
-    if run.is_locked():
-        raise RunLockedError(f"{run.root} is in use by a running coordinator (pid {run.lock_holder()}); stop it first")
-    cfg = resolve_config(run, opts.config, opts.overrides or {})
-    given = set(opts.overrides or {}) | (_explicit_keys(opts.config) if opts.config else set())
-    ensure_prepared(run, cfg, given)
-    run.save_config(cfg)
-    state = run.load_state()
-    if state and state["round"] >= cfg.federation.rounds:
-        print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
-        Follower(run).final()
-        return 0
 
-    procs = launcher.Launcher(logs=run.logs, flwr_home=run.flwr_home)
-    try:
-        port = opts.port or free_port()
-        w = cfg.federation.local_workers
-        keys = _local_worker_keys(run, w) if opts.auth else {}
-        procs.superlink(opts.host, port, opts.tls, auth=opts.auth)
-        address = f"127.0.0.1:{port}" if opts.host in ("0.0.0.0", "", "127.0.0.1") else f"{opts.host}:{port}"
-        where = f"{opts.host}:{port}" + (
-            "" if opts.host != "127.0.0.1" else " (loopback only; --host 0.0.0.0 for other boxes)"
+def _register_workers(run: RunDir, address: str, tls: launcher.TLS | None) -> None:
+    """Register every key in RUN's registry with the live SuperLink (--auth)."""
+    launcher.write_connection(run.flwr_home, address, tls)
+    registered = workers_mod.register_all(run, launcher.CONNECTION)
+    print(
+        f"registered {len(registered)} worker key(s): {', '.join(x.name for x in registered) or 'none'}"
+        " (add more with `soma-coord add-worker`)",
+        flush=True,
+    )
+
+
+def _launch_workers(
+    procs: launcher.Launcher, run: RunDir, opts: Options, address: str, keys: dict[str, Path], n: int
+) -> None:
+    """Start the --local-workers SuperNodes w0..w{n-1}; they split this box's cores."""
+    threads = 0 if n == 1 else max(1, (os.cpu_count() or 1) // max(n, 1))
+    for i in range(n):
+        procs.worker(
+            f"w{i}",
+            address,
+            run.root / "workers" / f"w{i}" / "cache",
+            threads=threads,
+            device=opts.worker_device,
+            spin=n == 1,
+            parallel=0 if n == 1 else 1,
+            tls=opts.tls,
+            auth_key=keys.get(f"w{i}"),
         )
-        print(f"SuperLink listening on {where}; logs in {run.logs}", flush=True)
-        _warn_if_open(opts)
-        if opts.auth:
-            launcher.write_connection(run.flwr_home, address, opts.tls)
-            registered = workers_mod.register_all(run, launcher.CONNECTION)
-            print(
-                f"registered {len(registered)} worker key(s): {', '.join(x.name for x in registered) or 'none'}"
-                " (add more with `soma-coord add-worker`)",
-                flush=True,
-            )
-        threads = 0 if w == 1 else max(1, (os.cpu_count() or 1) // max(w, 1))  # workers split the cores
-        for i in range(w):
-            procs.worker(
-                f"w{i}",
-                address,
-                run.root / "workers" / f"w{i}" / "cache",
-                threads=threads,
-                device=opts.worker_device,
-                spin=w == 1,
-                parallel=0 if w == 1 else 1,
-                tls=opts.tls,
-                auth_key=keys.get(f"w{i}"),
-            )
-        if w:
-            print(f"started {w} local worker(s), {threads} thread(s) each", flush=True)
-        t_submit = time.time()
-        run_id = launcher.submit(run.flwr_home, run.root, address, opts.tls)
-        checkpoint.atomic_write(
-            _flwr_run_path(run), json.dumps({"run_id": run_id, "address": address, "time": t_submit}).encode()
-        )
-        print(f"submitted Flower run {run_id} to {address}", flush=True)
-        return follow(run, procs, run_id, t_submit)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: stopping; resume with `soma-coord start --run {run.root}`", flush=True)
-        return 130
-    finally:
-        procs.stop_all()
+    if n:
+        print(f"started {n} local worker(s), {threads} thread(s) each", flush=True)
 
 
 def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) -> int:

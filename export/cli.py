@@ -10,11 +10,14 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
+from export.bundle import write
+from export.infer import Deployment, EvalReport, evaluate, generate
 from soma_edge.cli import entry, make_app
+from soma_edge.mixture import check_protocol
 
 app = make_app("soma-edge export: ONNX deploy bundles with routed top-k eval and generation.")
 
@@ -33,8 +36,6 @@ def onnx_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as one JSON object."),
 ) -> None:
     """Export every expert of RUN as ONNX (scoring + streaming), plus the router and a manifest."""
-    from export.bundle import write
-
     manifest = write(run, out, quantize=quantize, force=force, version=version)
     if as_json:
         print(json.dumps(manifest))
@@ -98,28 +99,12 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Held-out nats/byte of the routed top-k mixture. The router never sees a byte it helps score."""
-    from export.infer import Deployment, evaluate
-    from soma_edge.mixture import check_protocol
-
     check_protocol(protocol)  # before the bundle loads
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k, protocol)
     uniform = protocol == "paper" if uniform is None else uniform
     report = evaluate(dep, data, k, router_temperature, uniform, protocol, compare)
-    experts = [
-        {
-            "id": e.id,
-            "version": e.version,
-            "windows": report.expert_windows.get(e.id, 0),
-            "weight": report.expert_weight.get(e.id, 0.0),
-            "bytes": report.expert_bytes.get(e.id, 0),
-            "nats_per_byte_alone": (
-                report.expert_nats_sum[e.id] / report.expert_bytes[e.id] if report.expert_bytes.get(e.id) else None
-            ),
-            "val_loss": e.val_loss,
-        }
-        for e in dep.bundle.experts
-    ]
+    experts = _expert_rows(dep, report)
     if as_json:
         out = {
             "nats_per_byte": report.nats_per_byte,
@@ -137,6 +122,31 @@ def eval_cmd(
         }
         print(json.dumps(out))
         return
+    _print_eval(dep, report, experts, k, uniform, protocol)
+
+
+def _expert_rows(dep: Deployment, report: EvalReport) -> list[dict[str, Any]]:
+    """Each expert's part in an evaluation: windows, weight, bytes it scored and its own nats/byte there."""
+    return [
+        {
+            "id": e.id,
+            "version": e.version,
+            "windows": report.expert_windows.get(e.id, 0),
+            "weight": report.expert_weight.get(e.id, 0.0),
+            "bytes": report.expert_bytes.get(e.id, 0),
+            "nats_per_byte_alone": (
+                report.expert_nats_sum[e.id] / report.expert_bytes[e.id] if report.expert_bytes.get(e.id) else None
+            ),
+            "val_loss": e.val_loss,
+        }
+        for e in dep.bundle.experts
+    ]
+
+
+def _print_eval(
+    dep: Deployment, report: EvalReport, experts: list[dict[str, Any]], k: int, uniform: bool, protocol: str
+) -> None:
+    """An evaluation as tables: per expert, per file, then the mixture's held-out nats/byte."""
     windows = sum(report.expert_windows.values()) / k
     print(f"{'expert':>6} {'version':>7} {'windows':>8} {'share':>7} {'nats/byte alone':>16} {'val_loss':>9}")
     for e in experts:
@@ -180,8 +190,6 @@ def generate_cmd(
     threads: int = typer.Option(1, min=0, help="ORT intra-op threads per session (one byte at a time: 1 is best)."),
 ) -> None:
     """Stream sampled bytes to stdout with the streaming graphs, routing each window on the one before."""
-    from export.infer import Deployment, generate
-
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k)
     text = prompt.encode("utf-8", "surrogateescape")  # argv bytes that are not UTF-8 come back as they were

@@ -12,6 +12,7 @@ what gRPC checks when a worker connects by address. Keys are ECDSA P-256.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ def files(root: str | Path) -> TLSFiles:
 
 
 def _san(host: str):
+    # cryptography (a compiled library, ~30 ms to load) serves only `certs`, `keygen` and --auth: loaded here
     from cryptography import x509
 
     try:
@@ -64,6 +66,7 @@ def _check_out(root: Path, names: tuple[str, ...], force: bool) -> None:
 
 
 def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFiles:
+    # cryptography (a compiled library, ~30 ms to load) serves only `certs`, `keygen` and --auth: loaded here
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -149,6 +152,7 @@ WORKER_KEY, WORKER_PUB = "worker.key", "worker.pub"
 def make_worker_key(root: str | Path, force: bool = False) -> tuple[Path, Path]:
     """A worker's EC key pair (P-384) in the OpenSSH formats Flower reads: DIR/worker.key (owner only),
     which `soma-worker join --auth-key` uses, and DIR/worker.pub, which the coordinator registers."""
+    # cryptography (a compiled library, ~30 ms to load) serves only `certs`, `keygen` and --auth: loaded here
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -166,6 +170,7 @@ def make_worker_key(root: str | Path, force: bool = False) -> tuple[Path, Path]:
 
 def read_public_key(path: str | Path) -> str:
     """The one-line OpenSSH text of a worker's EC public key (a NIST curve, as Flower requires)."""
+    # cryptography (a compiled library, ~30 ms to load) serves only `certs`, `keygen` and --auth: loaded here
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -185,6 +190,7 @@ def read_public_key(path: str | Path) -> str:
 
 def check_private_key(path: str | Path) -> None:
     """ConfigError unless `path` holds an unencrypted OpenSSH EC private key (what `keygen` writes)."""
+    # cryptography (a compiled library, ~30 ms to load) serves only `certs`, `keygen` and --auth: loaded here
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -204,6 +210,4 @@ def check_private_key(path: str | Path) -> None:
 
 def fingerprint(public_key: str) -> str:
     """A short, stable id of a public key: sha256 of its OpenSSH text, 16 hex digits."""
-    import hashlib
-
     return hashlib.sha256(public_key.strip().encode()).hexdigest()[:16]

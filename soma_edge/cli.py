@@ -7,11 +7,13 @@ usage error from typer/click); 1 for an internal failure.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable
 
 import click
 import typer
+from rich.console import Console
 
 from soma_edge.errors import ConfigError, SomaError
 
@@ -75,10 +77,6 @@ def _take_log_level(argv: list[str]) -> list[str]:
 def console(stderr: bool = False):
     """A rich console for tables and progress: the terminal's width on a terminal; off one (piped, in a
     file) $COLUMNS or 160 columns, where rich would assume 80 and cut the tables."""
-    import os
-
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else int(os.environ.get("COLUMNS", "") or 160)
     return Console(stderr=stderr, width=width, soft_wrap=True)

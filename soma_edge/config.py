@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import tomllib
@@ -10,6 +11,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from soma_edge import devices
 from soma_edge.errors import ConfigError
 
 
@@ -107,10 +109,10 @@ class FederationConfig:
     guard_tolerance: float = 0.05
     max_strikes: int = 3
     piece_bytes: int = 32 << 20  # shard bytes a node lacks travel in messages of at most this many (<= 32 MiB)
-    # What a worker returns: "weights" (and optimizer state), "log" (the round's update log: the SPSA scalars,
-    # which the coordinator replays bit for bit), or "auto" (the log, with the weights as well every
+    # What a worker returns: weights (and optimizer state), log (the round's update log: the SPSA scalars,
+    # which the coordinator replays bit for bit), or auto (the log, with the weights as well every
     # `weights_every` rounds as a checkpoint the replay must match).
-    reply: str = "weights"
+    reply: ReplyPolicy = ReplyPolicy.WEIGHTS
     weights_every: int = 10
     audit_steps: int = 0  # steps per log reply whose losses the coordinator recomputes to check its scalars
     # Start the next round as soon as every reply of this one is in, from the versions the replies claim,
@@ -135,6 +137,34 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def evals_per_step(spsa: SPSAConfig) -> int:
+    """Forward passes one update costs: 2K probes, plus a clean forward for the delta rule, per batch."""
+    return spsa.accumulate * (2 * spsa.directions + (1 if spsa.decoder == "delta" else 0))
+
+
+# The seed run's config rules (soma_edge.seed holds the rest of it). They live here, below spsa and seed,
+# because `validate` checks the budget they define: a seed run must leave the experts steps.
+
+
+def expert_config(cfg: Config) -> Config:
+    """The config the experts train with after a seed run (the run's own config without one)."""
+    if cfg.federation.seed_steps <= 0 or cfg.model.seed_decoder != "frozen":
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.spsa.decoder = "frozen"
+    return out
+
+
+def expert_steps(cfg: Config) -> int:
+    """Steps each expert may take under `federation.max_steps` once the seed's forward passes are paid:
+    max_steps - ceil(seed_steps * seed evals per step / (N * expert evals per step)). 0 means no cap."""
+    f = cfg.federation
+    if not f.max_steps or f.seed_steps <= 0:
+        return f.max_steps
+    seed_evals = f.seed_steps * evals_per_step(cfg.spsa)
+    return f.max_steps - math.ceil(seed_evals / (f.experts * evals_per_step(expert_config(cfg).spsa)))
+
+
 _SECTIONS = {"model": ModelConfig, "spsa": SPSAConfig, "data": DataConfig, "federation": FederationConfig}
 
 
@@ -149,16 +179,23 @@ def _coerce(path: str, value: Any, typ: type) -> Any:
     return value
 
 
+_VALUE_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool, "ReplyPolicy": ReplyPolicy}
+
+
 def _fill(obj: Any, values: dict[str, Any], prefix: str) -> None:
     types = {f.name: f.type for f in dataclasses.fields(obj)}
     for key, value in values.items():
         path = f"{prefix}{key}"
         if key not in types:
             raise ConfigError(f"{path}: unknown setting (known: {', '.join(sorted(types))})")
-        typ = {"int": int, "float": float, "str": str, "bool": bool}.get(str(types[key]))
+        typ = _VALUE_TYPES.get(str(types[key]))
         if typ is None:
             raise ConfigError(f"{path}: is a section, not a value")
-        setattr(obj, key, _coerce(path, value, typ))
+        if issubclass(typ, StrEnum):  # TOML holds the member's string; validate names the field if it is none
+            value = _coerce(path, value, str)
+            setattr(obj, key, typ(value) if value in {m.value for m in typ} else value)
+        else:
+            setattr(obj, key, _coerce(path, value, typ))
 
 
 def from_dict(values: dict[str, Any]) -> Config:
@@ -218,8 +255,25 @@ def _check_finite(obj: Any, prefix: str) -> None:
 
 
 def validate(cfg: Config) -> Config:
+    """`cfg`, once every setting is in its range (ConfigError naming the first that is not)."""
     _check_finite(cfg, "")
-    m, s, d = cfg.model, cfg.spsa, cfg.data
+    _check_model(cfg.model)
+    _check_spsa(cfg.spsa)
+    d = cfg.data
+    _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
+    _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
+    _check_federation(cfg)
+    _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
+    _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
+    _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
+    try:
+        devices.parse(cfg.device)
+    except ConfigError as e:
+        raise ConfigError(f"device: {e}") from None
+    return cfg
+
+
+def _check_model(m: ModelConfig) -> None:
     _check(m.kind in KINDS, "model.kind", " | ".join(map(repr, KINDS)), m.kind)
     _check(m.embed >= 1, "model.embed", ">= 1", m.embed)
     if m.kind == "soma" and m.embed != m.hidden:
@@ -231,6 +285,9 @@ def validate(cfg: Config) -> Config:
     _check(m.hidden >= 1, "model.hidden", ">= 1", m.hidden)
     _check(1 <= m.layers <= 8, "model.layers", "between 1 and 8", m.layers)
     _check(0 < m.input_gain <= 100, "model.input_gain", "> 0 and <= 100", m.input_gain)
+
+
+def _check_spsa(s: SPSAConfig) -> None:
     _check(1 <= s.directions <= 65536, "spsa.directions", "between 1 and 65536", s.directions)
     _check(s.eps > 0 and s.eps < 1, "spsa.eps", "> 0 and < 1", s.eps)
     _check(0 < s.eps_min <= 1, "spsa.eps_min", "> 0 and <= 1", s.eps_min)
@@ -259,8 +316,9 @@ def validate(cfg: Config) -> Config:
     _check(0 < s.plateau_factor < 1, "spsa.plateau_factor", "> 0 and < 1", s.plateau_factor)
     _check(s.plateau_min_delta >= 0, "spsa.plateau_min_delta", ">= 0", s.plateau_min_delta)
     _check(0 < s.lr_floor <= s.lr, "spsa.lr_floor", f"> 0 and <= spsa.lr ({s.lr})", s.lr_floor)
-    _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
-    _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
+
+
+def _check_federation(cfg: Config) -> None:
     f = cfg.federation
     _check(1 <= f.experts <= 4096, "federation.experts", "between 1 and 4096", f.experts)
     _check(f.rounds >= 0, "federation.rounds", ">= 0", f.rounds)
@@ -278,8 +336,6 @@ def validate(cfg: Config) -> Config:
     _check(f.max_steps >= 0, "federation.max_steps", ">= 0", f.max_steps)
     _check(0 <= f.seed_steps < 2**40, "federation.seed_steps", ">= 0", f.seed_steps)
     if f.max_steps and f.seed_steps:
-        from soma_edge.seed import expert_steps  # lazy: seed imports spsa, which imports this module
-
         left = expert_steps(cfg)
         _check(
             left >= 1,
@@ -298,16 +354,7 @@ def validate(cfg: Config) -> Config:
         f.piece_bytes,
     )
     _check(f.reply in REPLIES, "federation.reply", " | ".join(map(repr, REPLIES)), f.reply)
+    f.reply = ReplyPolicy(f.reply)  # a config built in code may hold the bare string
     _check(f.weights_every >= 1, "federation.weights_every", ">= 1", f.weights_every)
     _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)
-    _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
-    _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
-    _check(0 <= cfg.parallel <= 2, "parallel", "0 (auto), 1 or 2", cfg.parallel)
-    from soma_edge.runtime import parse_device  # lazy: config must load without onnxruntime imported
-
-    try:
-        parse_device(cfg.device)
-    except ConfigError as e:
-        raise ConfigError(f"device: {e}") from None
-    return cfg

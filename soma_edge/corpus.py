@@ -21,6 +21,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
 
@@ -161,8 +162,6 @@ def _stdlib_documents(budget: int = STDLIB_BYTES) -> list[Document]:
 
 
 def _pydoc_documents() -> list[Document]:
-    from pydoc_data.topics import topics
-
     return [d for key in sorted(topics) for d in _docs(f"pydoc:{key}", "pydoc", topics[key].encode("utf-8"))]
 
 

@@ -17,17 +17,14 @@ With `weights=None` the weights are graph inputs; with a flat vector they become
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from soma_edge import router as router_mod
 from soma_edge.config import ModelConfig
 from soma_edge.params import VOCAB, layout
-
-if TYPE_CHECKING:
-    from soma_edge.router import Router
+from soma_edge.router import Router
 
 OPSET = 17
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, so the torch reference matches
@@ -207,7 +204,7 @@ def _decoder_grad_constants(m: ModelConfig) -> list[onnx.TensorProto]:
     return out
 
 
-def router_features(r: "Router") -> onnx.ModelProto:
+def router_features(r: Router) -> onnx.ModelProto:
     """The router's featurizer and distances as ONNX: context uint8[L] (L >= 1) -> distances float32[1, N].
 
     The same computation as `Router.distances` for one non-empty context, so a deployment can route with
@@ -216,37 +213,55 @@ def router_features(r: "Router") -> onnx.ModelProto:
     `dim` signed dimensions, normalize, and take each expert's minimum squared distance over its clusters.
     An empty context (a document's first window) has no features: route it on the prior instead.
     """
-    from soma_edge import router as router_mod
-
     if router_mod.FEATURIZER != "byte-ngram-tfidf-sketch-v1" or router_mod.MAX_N != 4:
         raise NotImplementedError(f"no ONNX builder for router featurizer {router_mod.FEATURIZER!r}")
+    inits = _router_constants(r)
+    hash_nodes, hashes = _ngram_hash_nodes(inits)
+    nodes = [helper.make_node("Cast", ["context"], ["b"], to=TensorProto.UINT64)]
+    nodes += hash_nodes + _feature_nodes(hashes) + _distance_nodes()
+    graph = helper.make_graph(
+        nodes,
+        "soma_router_features",
+        [helper.make_tensor_value_info("context", TensorProto.UINT8, ["L"])],
+        [helper.make_tensor_value_info("distances", TensorProto.FLOAT, [1, r.n_experts])],
+        inits,
+    )
+    graph.doc_string = f"{router_mod.FEATURIZER}: {r.n_clusters} clusters, {r.n_experts} experts, dim {r.dim}"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="soma-edge")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _u64(name: str, v: list[int]) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(v, dtype=np.uint64), name)
+
+
+def _i64(name: str, v: list[int]) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(v, dtype=np.int64), name)
+
+
+def _router_constants(r: Router) -> list[onnx.TensorProto]:
+    """The featurizer's hash constants and shifts, the router's idf and centroids, and each expert's clusters."""
     bits, dim = r.bucket_bits, r.dim
-    n_clusters = r.n_clusters
     members = [np.flatnonzero(r.cluster_expert == e) for e in range(r.n_experts)]
     width = max(len(m) for m in members)
     # Each expert's clusters, padded by repeating one of them (the minimum is unchanged).
     gather = np.array([np.resize(m, width) for m in members], dtype=np.int64)
-
-    def u64(name, v):
-        return numpy_helper.from_array(np.array(v, dtype=np.uint64), name)
-
-    def i64(name, v):
-        return numpy_helper.from_array(np.array(v, dtype=np.int64), name)
-
-    inits = [
-        u64("k_gram", [int(router_mod._H_GRAM)]),
-        u64("k_dim", [int(router_mod._H_DIM)]),
-        u64("k_sign", [int(router_mod._H_SIGN)]),
-        u64("shift8", [8]),
-        u64("shift_bucket", [64 - bits]),
-        u64("shift_dim", [64 - int(dim).bit_length() + 1]),
-        u64("shift_sign", [63]),
-        u64("one_u", [1]),
-        i64("zero", [0]),
-        i64("minus1", [-1]),
-        i64("big", [np.iinfo(np.int64).max]),
-        i64("axis0", [0]),
-        i64("axis2", [2]),
+    return [
+        _u64("k_gram", [int(router_mod.H_GRAM)]),
+        _u64("k_dim", [int(router_mod.H_DIM)]),
+        _u64("k_sign", [int(router_mod.H_SIGN)]),
+        _u64("shift8", [8]),
+        _u64("shift_bucket", [64 - bits]),
+        _u64("shift_dim", [64 - int(dim).bit_length() + 1]),
+        _u64("shift_sign", [63]),
+        _u64("one_u", [1]),
+        _i64("zero", [0]),
+        _i64("minus1", [-1]),
+        _i64("big", [np.iinfo(np.int64).max]),
+        _i64("axis0", [0]),
+        _i64("axis2", [2]),
         numpy_helper.from_array(np.asarray(r.idf, dtype=np.float32), "idf"),
         numpy_helper.from_array(np.zeros(dim, dtype=np.float64), "fold0"),
         numpy_helper.from_array(np.array(1.0), "one_d"),
@@ -256,13 +271,17 @@ def router_features(r: "Router") -> onnx.ModelProto:
         numpy_helper.from_array(np.ascontiguousarray(np.asarray(r.centroids, dtype=np.float32).T), "centroids_t"),
         numpy_helper.from_array(gather, "expert_clusters"),
     ]
+
+
+def _ngram_hash_nodes(inits: list[onnx.TensorProto]) -> tuple[list[onnx.NodeProto], list[str]]:
+    """Nodes hashing every n-gram of the bytes "b" (n = 1..4) into buckets, and the names of the four
+    hash vectors; appends the constants they use to `inits` (in the order the bundle's bytes fix)."""
     node = helper.make_node
-    nodes = [node("Cast", ["context"], ["b"], to=TensorProto.UINT64)]
-    hashes = []
+    nodes, hashes = [], []
     gram = "b"
     for n in range(1, 5):
         if n > 1:  # gram_n[p] = gram_{n-1}[p] << 8 | b[p + n - 1]: the n bytes at p, big-endian
-            inits.append(i64(f"start{n}", [n - 1]))
+            inits.append(_i64(f"start{n}", [n - 1]))
             nodes += [
                 node("Slice", [gram, "zero", "minus1"], [f"head{n}"]),
                 node("BitShift", [f"head{n}", "shift8"], [f"shl{n}"], direction="LEFT"),
@@ -270,14 +289,20 @@ def router_features(r: "Router") -> onnx.ModelProto:
                 node("BitwiseOr", [f"shl{n}", f"tail{n}"], [f"gram{n}"]),
             ]
             gram = f"gram{n}"
-        inits.append(u64(f"tag{n}", [n << 32]))
+        inits.append(_u64(f"tag{n}", [n << 32]))
         nodes += [
             node("BitwiseOr", [gram, f"tag{n}"], [f"key{n}"]),
             node("Mul", [f"key{n}", "k_gram"], [f"mix{n}"]),  # wraps mod 2^64, as numpy's uint64 does
             node("BitShift", [f"mix{n}", "shift_bucket"], [f"h{n}"], direction="RIGHT"),
         ]
         hashes.append(f"h{n}")
-    nodes += [
+    return nodes, hashes
+
+
+def _feature_nodes(hashes: list[str]) -> list[onnx.NodeProto]:
+    """Buckets -> the unit feature vector "feat" [1, dim]: tf-idf weights folded into signed dimensions."""
+    node = helper.make_node
+    return [
         node("Concat", hashes, ["h_all"], axis=0),
         node("Cast", ["h_all"], ["buckets"], to=TensorProto.INT64),
         node("Unique", ["buckets"], ["present", "", "", "counts"], sorted=1),
@@ -305,6 +330,13 @@ def router_features(r: "Router") -> onnx.ModelProto:
         node("Div", ["folded", "norm"], ["unit_d"]),
         node("Cast", ["unit_d"], ["unit"], to=TensorProto.FLOAT),
         node("Unsqueeze", ["unit", "axis0"], ["feat"]),
+    ]
+
+
+def _distance_nodes() -> list[onnx.NodeProto]:
+    """ "feat" -> "distances" [1, N]: each expert's least squared distance over its clusters' unit centroids."""
+    node = helper.make_node
+    return [
         node("MatMul", ["feat", "centroids_t"], ["dots"]),
         node("Mul", ["dots", "two_f"], ["dots2"]),
         node("Sub", ["two_f", "dots2"], ["d2_raw"]),
@@ -312,15 +344,3 @@ def router_features(r: "Router") -> onnx.ModelProto:
         node("Gather", ["d2", "expert_clusters"], ["d2_e"], axis=1),  # [1, N, width]
         node("ReduceMin", ["d2_e", "axis2"], ["distances"], keepdims=0),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "soma_router_features",
-        [helper.make_tensor_value_info("context", TensorProto.UINT8, ["L"])],
-        [helper.make_tensor_value_info("distances", TensorProto.FLOAT, [1, r.n_experts])],
-        inits,
-    )
-    graph.doc_string = f"{router_mod.FEATURIZER}: {n_clusters} clusters, {r.n_experts} experts, dim {dim}"
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="soma-edge")
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model

@@ -2,15 +2,18 @@
 
 Every Flower message of ours carries one bounded, schema-versioned `codec` body as the bytes of a single
 Flower `Array` (stype `soma/msgpack`), so Flower chunks large weights for us and nothing is ever
-unpickled. Two exchanges exist:
+unpickled. Four exchanges exist, each a Flower message type and the codec kinds of its two bodies:
 
-- `query.capabilities`: CapabilityQuery -> Capabilities (version, providers, memory, measured forward
-  evaluations/s for the run's model shape, and what the worker's disk cache holds).
-- `train`: TrainRequest (one per node per round, one Task per expert it trains) -> TrainReply (one
-  Result per task, or what the worker was missing).
-- `query.shards`: ShardPieces -> ShardAck. Shard bytes a node lacks travel in pieces of at most
-  PIECE_BYTES (`pieces`): the last piece rides in the TrainRequest, any before it go first as their own
-  messages, so no message of ours carries more than one piece of data besides one round's weights.
+- `query.capabilities`: `capability_query` (`capability_query`: version, run id, the run's config) ->
+  `capabilities` (`Capabilities`: version, providers, memory, measured forward evaluations/s for the
+  run's model shape, and what the worker's disk cache holds).
+- `train`: `train_request` (`train_request`: one per node per round, one `Task` per expert it trains) ->
+  `train_reply` (one result per task, or what the worker was missing).
+- `query.shards`: `shard_pieces` (`pieces_request`) -> `shard_ack`. Shard bytes a node lacks travel in
+  pieces of at most PIECE_BYTES (`pieces`): the last piece rides in the train request, any before it go
+  first as their own messages, so no message of ours carries more than one piece of data besides one
+  round's weights.
+- `query.end`: `run_end` (`run_end`: the run is over) -> `shard_ack`; `soma-worker join` exits.
 
 The coordinator trusts nothing in a reply: `check_result` verifies node, expert, base version hash,
 shape, dtype, finiteness, loss, counters and the claimed sha256 before a version is accepted;
@@ -23,12 +26,13 @@ import hashlib
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from soma_edge import __version__, codec
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
+from soma_edge.params import count
 from soma_edge.spsa import OptState, UpdateLog
 
 PROTOCOL = 3  # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces)
@@ -65,7 +69,7 @@ def weights_sha256(weights: np.ndarray) -> str:
 
 def pack(body: dict[str, Any], kind: str):
     """A Flower RecordDict holding `body` as one codec blob."""
-    from flwr.app import Array, ArrayRecord, RecordDict
+    from flwr.app import Array, ArrayRecord, RecordDict  # flwr (~1 s): the worker CLI's own training never sends
 
     data = codec.encode({"protocol": PROTOCOL, **body}, kind)
     return RecordDict({RECORD: ArrayRecord({"body": Array(dtype="uint8", shape=(len(data),), stype=STYPE, data=data)})})
@@ -122,7 +126,7 @@ def train_request(
     config: dict[str, Any],
     reply_dtype: str,
     max_seconds: float,
-    tasks: list[dict[str, Any]],
+    tasks: list[Task],
     pieces: list[dict[str, Any]],
     heartbeat: float = HEARTBEAT_SLOW,
 ) -> dict[str, Any]:
@@ -152,8 +156,6 @@ def train_request_limit(cfg) -> int:
     """The most bytes a train request of this run (a `Config`) can need: every expert's weights and
     optimizer state (the seed's too) and one piece of shards, with room for the rest; what a worker
     decodes at most, once the capability query told it the run's config."""
-    from soma_edge.params import count
-
     per = count(cfg.model) * 4 * 4 + 64 * 1024
     return min(codec.MAX_BYTES, (cfg.federation.experts + 1) * per + PIECE_BYTES + SMALL_BYTES)
 
@@ -211,6 +213,57 @@ class ReplyMode(StrEnum):
     BOTH = "both"  # both: the weights are a checkpoint the replay must match
 
 
+class BaseLog(TypedDict):
+    """A task's base sent as a log: the replay of `log` (an `UpdateLog` record) from version `from_sha256`."""
+
+    from_sha256: str
+    log: dict[str, Any]
+
+
+class Task(TypedDict):
+    """One expert's work in a train request, as `task` builds it (a map on the wire, in this key order)."""
+
+    expert: int
+    version: int
+    base_sha256: str
+    step: int
+    steps: int
+    shards: list[str]
+    lr_scale: float
+    weights: np.ndarray | None  # None: the node holds the base version already (or gets it as base_log)
+    opt: dict[str, Any] | None  # spsa.OptState.to_record of the base
+    reply: ReplyMode
+    base_log: BaseLog | None
+
+
+class Inventory(TypedDict):
+    """Hashes by kind: what a worker's cache holds, or what it lacked for a round."""
+
+    weights: list[str]
+    shards: list[str]
+
+
+class Capabilities(TypedDict, total=False):
+    """A worker's capability reply (`worker.client_app.capabilities`). It comes from the network: any key
+    may be missing or of the wrong type until `check_caps` has passed it."""
+
+    soma_version: str
+    node: int
+    name: str
+    pid: int
+    torch_importable: bool
+    cache: Inventory
+    numpy: str  # numpy's version: gaussian noise is bit-identical only across equal versions
+    evals_per_s: float  # measured forward (loss) evaluations per second at the run's batch shape
+    providers: list[str]
+    device: str
+    threads: int
+    parallel: int
+    device_memory: int | None
+    probe_seconds: float
+    probe_cached: bool
+
+
 def task(
     *,
     expert: int,
@@ -222,9 +275,9 @@ def task(
     lr_scale: float = 1.0,
     weights: np.ndarray | None = None,
     opt: dict[str, Any] | None = None,
-    reply: str = "weights",
-    base_log: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    reply: ReplyMode = ReplyMode.WEIGHTS,
+    base_log: BaseLog | None = None,
+) -> Task:
     """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
 
     `weights` and `opt` (its optimizer state, `spsa.OptState.to_record`) are None when the node already
@@ -241,8 +294,19 @@ def task(
         "weights": weights,
         "opt": opt,
         "reply": reply,
-        "base_log": base_log,  # {"from_sha256", "log"}: the base is the replay of this log from a version the node has
+        "base_log": base_log,  # the base is the replay of this log from a version the node has
     }
+
+
+class SentTask(TypedDict, total=False):
+    """The fields of a sent `Task` that its result is checked against (no reply: ReplyMode.WEIGHTS)."""
+
+    version: int
+    base_sha256: str
+    step: int
+    steps: int
+    lr_scale: float
+    reply: ReplyMode
 
 
 @dataclass
@@ -251,7 +315,7 @@ class Expected:
 
     node: int
     round: int
-    tasks: dict[int, dict[str, Any]]  # expert -> {"version", "base_sha256", "step", "steps", "lr_scale", "reply"}
+    tasks: dict[int, SentTask]  # expert -> what its task asked
     size: int  # parameters per expert
     reply_dtype: str
 
@@ -325,7 +389,7 @@ def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> No
         raise ValidationError("errors is not a list of strings")
 
 
-def check_caps(caps: dict[str, Any]) -> float:
+def check_caps(caps: Capabilities) -> float:
     """Validate a capability reply (the fields the coordinator uses); returns its throughput in forward
     evaluations/s, or raises ValidationError. The caller still clamps the rate (a huge claim is legal here)."""
     rate = caps.get("evals_per_s")
@@ -372,7 +436,7 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
         raise ValidationError(f"expert {e}: ran {steps!r} steps, asked for 1..{sent['steps']}")
     if not _is_int(res.get("step")) or res["step"] != sent["step"] + steps:
         raise ValidationError(f"expert {e}: step counter {res.get('step')!r}, expected {sent['step'] + steps}")
-    if sent.get("reply", "weights") == "log":  # the weights come from the coordinator's replay (check_log)
+    if sent.get("reply", ReplyMode.WEIGHTS) == ReplyMode.LOG:  # the weights come from the coordinator's replay
         if res.get("weights") is not None or res.get("opt") is not None:
             raise ValidationError(f"expert {e}: weights or optimizer state in a reply that was asked for its log")
         _check_tail(res, e)
@@ -417,7 +481,7 @@ def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:
     and continuing the version it was sent (whether it replays to the claimed weights is the caller's)."""
     e = res["expert"]
     sent = exp.tasks[e]
-    if sent.get("reply", "weights") == "weights":
+    if sent.get("reply", ReplyMode.WEIGHTS) == ReplyMode.WEIGHTS:
         return None
     try:
         log = UpdateLog.from_record(res.get("log"), f"expert {e}: update log")

@@ -43,10 +43,11 @@ MAX_FIT_DOCS = 16384  # k-means runs on a seeded sample of at most this many doc
 MAX_ROUTER_BYTES = 64 * 1024 * 1024
 _BLOCK_BYTES = 2 * 1024 * 1024  # featurize in blocks of about this many bytes (bounds peak memory)
 _BLOCK_SEGS = 4096  # ... and at most this many texts (at dim 2048: a 64 MiB float64 block)
-# Fixed odd 64-bit multipliers (Fibonacci hashing): the n-gram -> bucket hash, and bucket -> (dim, sign).
-_H_GRAM = np.uint64(0x9E3779B97F4A7C15)
-_H_DIM = np.uint64(0xC2B2AE3D27D4EB4F)
-_H_SIGN = np.uint64(0x165667B19E3779F9)
+# Fixed odd 64-bit multipliers (Fibonacci hashing): the n-gram -> bucket hash, and bucket -> (dim, sign);
+# public, since the ONNX featurizer (soma_edge.graph.router_features) must hash exactly as this one does.
+H_GRAM = np.uint64(0x9E3779B97F4A7C15)
+H_DIM = np.uint64(0xC2B2AE3D27D4EB4F)
+H_SIGN = np.uint64(0x165667B19E3779F9)
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -75,7 +76,7 @@ def _bucket_counts(buf: np.ndarray, bounds: np.ndarray, bits: int = BUCKET_BITS)
         # gram[p] = the n bytes at p, big-endian, built from the (n-1)-gram at p.
         gram = (gram[:m] << np.uint64(8)) | buf[n - 1 :].astype(np.uint64)
         ok = np.arange(m) + n <= end[:m]
-        h = ((gram[ok] | np.uint64(n << 32)) * _H_GRAM) >> np.uint64(64 - bits)
+        h = ((gram[ok] | np.uint64(n << 32)) * H_GRAM) >> np.uint64(64 - bits)
         keys.append((seg[:m][ok] << np.uint32(bits)) | h.astype(np.uint32))
     if not keys:
         return np.zeros(0, np.uint32), np.zeros(0, np.int64)
@@ -87,8 +88,8 @@ def _bucket_counts(buf: np.ndarray, bounds: np.ndarray, bits: int = BUCKET_BITS)
 def _sketch(dim: int, bits: int = BUCKET_BITS) -> tuple[np.ndarray, np.ndarray]:
     """Each bucket's (dimension, sign) in the folded space."""
     b = np.arange(1, (1 << bits) + 1, dtype=np.uint64)
-    dims = ((b * _H_DIM) >> np.uint64(64 - int(dim).bit_length() + 1)).astype(np.int64)
-    signs = np.where((b * _H_SIGN) >> np.uint64(63), 1.0, -1.0)
+    dims = ((b * H_DIM) >> np.uint64(64 - int(dim).bit_length() + 1)).astype(np.int64)
+    signs = np.where((b * H_SIGN) >> np.uint64(63), 1.0, -1.0)
     return dims, signs
 
 
@@ -455,21 +456,56 @@ def fit(
     n_docs = len(texts)
     c = n_clusters or n_experts
     pool = np.arange(n_docs) if fit_on is None else np.unique(np.asarray(fit_on, dtype=np.int64))
-    if n_experts < 1:
-        raise ConfigError(f"experts must be >= 1, got {n_experts}")
-    if c < n_experts:
-        raise ConfigError(f"clusters ({c}) must be >= experts ({n_experts}): every expert needs a cluster")
-    if c > pool.size:
-        raise ConfigError(f"{c} clusters need at least {c} documents to fit on, there are {pool.size}")
-    if dim < 2 or dim & (dim - 1):
-        raise ConfigError(f"router dim must be a power of two >= 2, got {dim}")
+    _check_fit(n_experts, c, pool.size, dim)
     report = progress or (lambda phase, done, total: None)
     lengths = np.array([len(t) for t in texts], dtype=np.int64)
     rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, 0xF17])))
     sample = pool if pool.size <= MAX_FIT_DOCS else np.sort(rng.choice(pool, MAX_FIT_DOCS, replace=False))
-    bits = BUCKET_BITS
 
-    # 1. (document, bucket) counts of the sample, kept for the idf and then the features.
+    # 1. idf and features of the sample; the router's clusters, map and prior are placeholders until 4.
+    router, x = _sample_features(texts, lengths, sample, n_experts, c, dim, seed, report)
+
+    # 2. balanced k-means on whole documents.
+    report("k-means", 0, N_INIT)
+    doc_cent, _, _ = balanced_kmeans(x, lengths[sample], c, seed, progress=report)
+
+    # 3. every document to a cluster, under the same byte cap.
+    labels = _assign_documents(router, texts, lengths, sample, x, doc_cent, report)
+
+    # 4. routing centroids from windows of the sample documents.
+    router.centroids = _window_centroids(router, texts, sample, labels, doc_cent, report)
+    sizes = np.bincount(labels, weights=lengths, minlength=c)
+    router.cluster_expert = _map_clusters(doc_cent, n_experts, seed)
+    prior = np.bincount(router.cluster_expert, weights=sizes, minlength=n_experts)
+    router.prior = prior / prior.sum()
+    router.temperature = _calibrate(router, texts, sample, rng)
+    return router, labels
+
+
+def _check_fit(n_experts: int, c: int, pool: int, dim: int) -> None:
+    if n_experts < 1:
+        raise ConfigError(f"experts must be >= 1, got {n_experts}")
+    if c < n_experts:
+        raise ConfigError(f"clusters ({c}) must be >= experts ({n_experts}): every expert needs a cluster")
+    if c > pool:
+        raise ConfigError(f"{c} clusters need at least {c} documents to fit on, there are {pool}")
+    if dim < 2 or dim & (dim - 1):
+        raise ConfigError(f"router dim must be a power of two >= 2, got {dim}")
+
+
+def _sample_features(
+    texts: Sequence[bytes],
+    lengths: np.ndarray,
+    sample: np.ndarray,
+    n_experts: int,
+    c: int,
+    dim: int,
+    seed: int,
+    report: Progress,
+) -> tuple[Router, np.ndarray]:
+    """A router with the sample's idf (its clusters still zero), and the sample's features [sample, dim]."""
+    bits = BUCKET_BITS
+    # (document, bucket) counts of the sample, kept for the idf and then the features.
     blocks, done, total = [], 0, int(lengths[sample].sum())
     for i, j in _blocks(lengths[sample]):
         bounds = np.concatenate([[0], np.cumsum(lengths[sample[i:j]])])
@@ -494,13 +530,21 @@ def fit(
     x = np.zeros((sample.size, dim), dtype=np.float32)
     for i, j, keys, counts in blocks:
         x[i:j] = _weigh(keys, counts, j - i, idf, router._dims, router._signs, dim)
-    del blocks
+    return router, x
 
-    # 2. balanced k-means on whole documents.
-    report("k-means", 0, N_INIT)
-    doc_cent, _, _ = balanced_kmeans(x, lengths[sample], c, seed, progress=report)
 
-    # 3. every document to a cluster, under the same byte cap.
+def _assign_documents(
+    router: Router,
+    texts: Sequence[bytes],
+    lengths: np.ndarray,
+    sample: np.ndarray,
+    x: np.ndarray,
+    doc_cent: np.ndarray,
+    report: Progress,
+) -> np.ndarray:
+    """Every document's cluster (held-out ones too), balanced under a byte cap; no cluster left empty.
+    Sets the router's centroids to `doc_cent` to featurize the documents outside the sample."""
+    n_docs, c = len(texts), doc_cent.shape[0]
     d2 = np.empty((n_docs, c), dtype=np.float32)
     d2[sample] = _sq_dist(x, doc_cent)
     rest = np.setdiff1d(np.arange(n_docs), sample)
@@ -515,15 +559,7 @@ def fit(
         if not np.any(labels == k):
             movable = np.bincount(labels, minlength=c)[labels] > 1
             labels[int(np.argmin(np.where(movable, d2[:, k], np.inf)))] = k
-
-    # 4. routing centroids from windows of the sample documents.
-    router.centroids = _window_centroids(router, texts, sample, labels, doc_cent, report)
-    sizes = np.bincount(labels, weights=lengths, minlength=c)
-    router.cluster_expert = _map_clusters(doc_cent, n_experts, seed)
-    prior = np.bincount(router.cluster_expert, weights=sizes, minlength=n_experts)
-    router.prior = prior / prior.sum()
-    router.temperature = _calibrate(router, texts, sample, rng)
-    return router, labels
+    return labels
 
 
 def _window_centroids(

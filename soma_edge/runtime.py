@@ -8,31 +8,26 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from soma_edge.config import ModelConfig
-from soma_edge.errors import ConfigError, DeviceError
+from soma_edge import devices
+from soma_edge.config import Config, ModelConfig
+from soma_edge.devices import CPU, CUDA
+from soma_edge.errors import DeviceError
 from soma_edge.params import layout
 
 if TYPE_CHECKING:  # the deploy path creates sessions from bytes and must run without the onnx package
     import onnx
 
-    from soma_edge.config import Config
-
 log = logging.getLogger("soma_edge.runtime")
-
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-_CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")
 
 
 def _ort():
-    import onnxruntime
+    import onnxruntime  # heavy (~0.3 s, and a GPU build loads CUDA libraries): only where a session is made
 
     return onnxruntime
 
@@ -45,25 +40,14 @@ def _nvidia_present() -> bool:
 
 def parse_device(device: str) -> list[Any]:
     """Map `auto | cpu | cuda[:i] | <EP name>` to an ORT providers list (CPU always last, as fallback)."""
-    ort = _ort()
-    d = device.strip()
-    low = d.lower()
-    if low == "auto":
-        if CUDA in ort.get_available_providers() and _nvidia_present():
+    d = devices.parse(device)
+    if d.auto:
+        if CUDA in _ort().get_available_providers() and _nvidia_present():
             return [(CUDA, {"device_id": 0}), CPU]
         return [CPU]
-    if low == "cpu":
-        return [CPU]
-    m = _CUDA_RE.match(low)
-    if m:
-        return [(CUDA, {"device_id": int(m.group(1) or 0)}), CPU]
-    known = ort.get_all_providers()
-    for name in known:
-        if low in (name.lower(), name.lower().removesuffix("executionprovider")):
-            return [name] if name == CPU else [name, CPU]
-    raise ConfigError(
-        f"unknown execution provider {device!r} (use auto, cpu, cuda, cuda:N, or one of: {', '.join(known)})"
-    )
+    if d.cuda_id is not None:
+        return [(CUDA, {"device_id": d.cuda_id}), CPU]
+    return [d.provider] if d.provider == CPU else [d.provider, CPU]
 
 
 def session_options(threads: int = 0, spin: bool = True):
@@ -148,7 +132,7 @@ class LossEvaluator:
     decoder_grad: bool = False
 
     def __post_init__(self) -> None:
-        from soma_edge.graph import build
+        from soma_edge.graph import build  # graph imports onnx, which the deploy path (export.infer) must not need
 
         self.threads, self.parallel = plan_concurrency(self.device, self.threads, self.parallel)
         self.layout = layout(self.model)
@@ -178,7 +162,7 @@ class LossEvaluator:
 
 
 def evaluator_for(
-    cfg: "Config", device: str | None = None, threads: int | None = None, spin: bool = True, parallel: int | None = None
+    cfg: Config, device: str | None = None, threads: int | None = None, spin: bool = True, parallel: int | None = None
 ) -> LossEvaluator:
     """The evaluator a config trains with: its model, and the clean-forward session when the decoder
     learns by the delta rule. Arguments left None come from the config."""

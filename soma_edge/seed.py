@@ -12,11 +12,11 @@ the experts' steps, so a seeded run and an unseeded one cost the same compute (`
 
 from __future__ import annotations
 
-import copy
-import math
-
+# The seed run's config and budget are config rules (config.validate checks the budget), defined there;
+# named here too, with the rest of the seed run, for the round loop.
 from soma_edge.config import Config
-from soma_edge.spsa import evals_per_step
+from soma_edge.config import expert_config as expert_config
+from soma_edge.config import expert_steps as expert_steps
 
 
 def enabled(cfg: Config) -> bool:
@@ -26,22 +26,3 @@ def enabled(cfg: Config) -> bool:
 def seed_expert(cfg: Config) -> int:
     """The seed's expert id (noise key and batch stream): one past the last expert."""
     return cfg.federation.experts
-
-
-def expert_config(cfg: Config) -> Config:
-    """The config the experts train with after a seed run (the run's own config without one)."""
-    if not enabled(cfg) or cfg.model.seed_decoder != "frozen":
-        return cfg
-    out = copy.deepcopy(cfg)
-    out.spsa.decoder = "frozen"
-    return out
-
-
-def expert_steps(cfg: Config) -> int:
-    """Steps each expert may take under `federation.max_steps` once the seed's forward passes are paid:
-    max_steps - ceil(seed_steps * seed evals per step / (N * expert evals per step)). 0 means no cap."""
-    f = cfg.federation
-    if not f.max_steps or not enabled(cfg):
-        return f.max_steps
-    seed_evals = f.seed_steps * evals_per_step(cfg.spsa)
-    return f.max_steps - math.ceil(seed_evals / (f.experts * evals_per_step(expert_config(cfg).spsa)))

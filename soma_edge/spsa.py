@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from soma_edge.config import SPSAConfig
+from soma_edge.config import evals_per_step as evals_per_step  # defined with the config (validate needs it)
 from soma_edge.errors import CheckpointError
 
 LossFn = Callable[[np.ndarray], float]
@@ -94,11 +95,6 @@ def schedule(cfg: SPSAConfig, step: int, scale: float = 1.0) -> tuple[float, flo
 def decoder_lr(cfg: SPSAConfig, step: int, scale: float = 1.0) -> float:
     """The delta-rule decoder's Adam lr: no warmup (its gradient is exact), the same cosine and plateau."""
     return cfg.decoder_lr * _cosine(cfg, step) * scale
-
-
-def evals_per_step(cfg: SPSAConfig) -> int:
-    """Forward passes one update costs: 2K probes, plus a clean forward for the delta rule, per batch."""
-    return cfg.accumulate * (2 * cfg.directions + (1 if cfg.decoder == "delta" else 0))
 
 
 # --- optimizer state -----------------------------------------------------------------------------------
@@ -331,8 +327,8 @@ class Stepper:
         self._gate = threading.BoundedSemaphore(self.parallel)
         self._buffers = threading.local()
 
-    def _split(self, n: int) -> tuple[int, bool]:
-        """(perturbed length, whether the delta rule trains the rest)."""
+    def split(self, n: int) -> tuple[int, bool]:
+        """(perturbed length, whether the delta rule trains the rest) for n weights."""
         body = self.body or n
         if self.cfg.decoder == "spsa":
             return n, False
@@ -353,9 +349,10 @@ class Stepper:
             buf = self._buffers.probe = np.empty(n, dtype=np.float32)
         return buf
 
-    def _direction(
+    def direction(
         self, w: np.ndarray, loss_fn: LossFn, t: int, j: int, body: int, eps: float
     ) -> tuple[float, float, np.ndarray]:
+        """Direction j of step t: (L(w + eps z), L(w - eps z), z), z perturbing the first `body` weights."""
         z = self._z(t, j, body)
         probe = self._probe(w.size)
         probe[body:] = w[body:]
@@ -381,7 +378,7 @@ class Stepper:
         cfg, w, t = self.cfg, state.weights, state.step
         if len(objs) != cfg.accumulate:
             raise ValueError(f"spsa.accumulate = {cfg.accumulate} needs that many minibatches, got {len(objs)}")
-        body, delta = self._split(w.size)
+        body, delta = self.split(w.size)
         if delta and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
         lr, eps = schedule(cfg, t, state.opt.lr_scale)
@@ -390,7 +387,7 @@ class Stepper:
         window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
 
         def submit(j):
-            return self._pool.submit(self._direction, w, objs[j // K].loss, t, j, body, eps)
+            return self._pool.submit(self.direction, w, objs[j // K].loss, t, j, body, eps)
 
         futures: dict[int, Future] = {j: submit(j) for j in range(min(window, total))}
         acc = np.zeros(body, dtype=np.float32)
@@ -420,7 +417,7 @@ class Stepper:
         total = cfg.directions * cfg.accumulate
         if len(grads) != total:
             raise ValueError(f"replay needs {total} scalars, got {len(grads)}")
-        body, delta = self._split(n)
+        body, delta = self.split(n)
         if delta and not body_only and (decoder_grad is None or decoder_grad.shape != (n - body,)):
             raise ValueError(f"replay of a delta-rule step needs the decoder gradient float32[{n - body}]")
         acc = np.zeros(body, dtype=np.float32)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from enum import Enum
 
 import pytest
 
@@ -145,6 +146,7 @@ def test_the_readme_table_lists_every_setting_with_its_default():
             expected[f.name] = v
     assert documented.keys() == expected.keys(), set(documented) ^ set(expected)
     for key, default in expected.items():
+        default = default.value if isinstance(default, Enum) else default  # an enum setting is its string in TOML
         assert documented[key] == default and type(documented[key]) is type(default), (key, documented[key], default)
 
 

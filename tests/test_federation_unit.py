@@ -672,7 +672,7 @@ def test_prepare_refuses_a_trained_or_running_run_and_start_refuses_another_corp
     """Re-preparing would swap router and shards under trained experts; `start --corpus/--seed` on a run
     prepared otherwise would silently train on the prepared corpus."""
     from coordinator.prepare import prepare
-    from coordinator.start import ensure_prepared
+    from coordinator.runconfig import ensure_prepared
     from soma_edge.errors import ConfigError
 
     prep = run.load_prepare()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,9 +70,6 @@ class Cache:
 
     def _assemble(self, sha: str, total: int, folder: Path) -> bool:
         """Join the pieces in `folder` into the shard once they cover it, hashing as they stream to disk."""
-        import shutil
-        import tempfile
-
         parts = []
         for p in folder.glob("*.bin"):
             try:

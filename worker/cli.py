@@ -12,8 +12,9 @@ from typing import Optional
 import numpy as np
 import typer
 
-from soma_edge import checkpoint, corpus, params, protocol
+from soma_edge import checkpoint, corpus, devices, params, protocol
 from soma_edge import config as config_mod
+from soma_edge.certs import check_private_key, fingerprint, make_worker_key, read_public_key
 from soma_edge.cli import entry, log_level, make_app
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError
@@ -162,26 +163,7 @@ def join_cmd(
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until the run ends.
     With --log-level info (the default) it prints its own lines and Flower's warnings; debug adds Flower's
     per-message lines; warning or error keeps warnings and errors only."""
-    from soma_edge.runtime import parse_device
-
-    host, sep, port_s = coordinator.rpartition(":")
-    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
-        raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT, for example 10.0.0.5:9092")
-    lo, hi = protocol.HEARTBEAT_MIN, protocol.HEARTBEAT_MAX
-    if heartbeat != "auto" and not (heartbeat.replace(".", "", 1).isdigit() and lo <= float(heartbeat) <= hi):
-        raise ConfigError(f"--heartbeat {heartbeat!r}: expected auto, or seconds from {lo:g} to {hi:g}")
-    try:
-        parse_device(device)
-    except ConfigError as e:
-        raise ConfigError(f"--device: {e}") from None
-    if root_certificates is not None and not root_certificates.is_file():
-        raise ConfigError(f"--root-certificates {root_certificates}: no such file")
-    if auth_key is not None:
-        from soma_edge.certs import check_private_key
-
-        if root_certificates is None:
-            raise ConfigError("--auth-key needs --root-certificates: Flower authenticates workers over TLS only")
-        check_private_key(auth_key)
+    host, link_port = _check_join(coordinator, heartbeat, device, root_certificates, auth_key)
     name = name or socket.gethostname()
     cache = (cache or corpus.cache_dir() / "worker").resolve()
     for what, v in (("--name", name), ("--cache", str(cache)), ("--device", device)):
@@ -191,13 +173,64 @@ def join_cmd(
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--cache {cache}: cannot create ({e.strerror or e})") from None
-    join.preflight(host, int(port_s), root_certificates, wait=patience)
+    join.preflight(host, link_port, root_certificates, wait=patience)
     if port == 0:
         port = free_port()
     node_config = (
         f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
         f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}"
     )
+    cmd = _supernode_cmd(heartbeat, cache, coordinator, port, node_config, root_certificates, auth_key)
+    env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
+    marker = join.accepted_marker(cache, auth_key, coordinator) if auth_key else None
+    j = join.Join(
+        name=name,
+        host=host,
+        port=link_port,
+        cmd=cmd,
+        env=env,
+        patience=patience,
+        marker=marker,
+        stay=stay,
+        log_level="warning" if log_level() == "error" else log_level(),
+    )
+    j.say(f"joining {coordinator} (device {device}, threads {threads}, cache {cache})")
+    raise typer.Exit(join.serve(j))
+
+
+def _check_join(
+    coordinator: str, heartbeat: str, device: str, root_certificates: Path | None, auth_key: Path | None
+) -> tuple[str, int]:
+    """join's options that can be checked before anything starts; returns the coordinator's host and port."""
+    host, sep, port_s = coordinator.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT, for example 10.0.0.5:9092")
+    lo, hi = protocol.HEARTBEAT_MIN, protocol.HEARTBEAT_MAX
+    if heartbeat != "auto" and not (heartbeat.replace(".", "", 1).isdigit() and lo <= float(heartbeat) <= hi):
+        raise ConfigError(f"--heartbeat {heartbeat!r}: expected auto, or seconds from {lo:g} to {hi:g}")
+    try:
+        devices.parse(device)
+    except ConfigError as e:
+        raise ConfigError(f"--device: {e}") from None
+    if root_certificates is not None and not root_certificates.is_file():
+        raise ConfigError(f"--root-certificates {root_certificates}: no such file")
+    if auth_key is not None:
+        if root_certificates is None:
+            raise ConfigError("--auth-key needs --root-certificates: Flower authenticates workers over TLS only")
+        check_private_key(auth_key)
+    return host, int(port_s)
+
+
+def _supernode_cmd(
+    heartbeat: str,
+    cache: Path,
+    coordinator: str,
+    port: int,
+    node_config: str,
+    root_certificates: Path | None,
+    auth_key: Path | None,
+) -> list[str]:
+    """The SuperNode's command line: `worker.supernode` (Flower's, with our heartbeat) for this worker."""
     cmd = [
         sys.executable,
         "-m",
@@ -213,21 +246,7 @@ def join_cmd(
     ]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
-    env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
-    marker = join.accepted_marker(cache, auth_key, coordinator) if auth_key else None
-    j = join.Join(
-        name=name,
-        host=host,
-        port=int(port_s),
-        cmd=cmd,
-        env=env,
-        patience=patience,
-        marker=marker,
-        stay=stay,
-        log_level="warning" if log_level() == "error" else log_level(),
-    )
-    j.say(f"joining {coordinator} (device {device}, threads {threads}, cache {cache})")
-    raise typer.Exit(join.serve(j))
+    return cmd
 
 
 @app.command("keygen")
@@ -236,8 +255,6 @@ def keygen_cmd(
     force: bool = typer.Option(False, help="Replace a key pair already in OUT."),
 ) -> None:
     """This worker's key pair: give worker.pub to the coordinator (`soma-coord add-worker RUN worker.pub`)."""
-    from soma_edge.certs import fingerprint, make_worker_key, read_public_key
-
     key, pub = make_worker_key(out, force=force)
     print(
         f"wrote {key} (keep it here: soma-worker join --auth-key {key}) and {pub} (key "

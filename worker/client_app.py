@@ -34,10 +34,12 @@ from soma_edge import (
     steps,
 )
 from soma_edge import config as config_mod
+from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, cache_dir
 from soma_edge.errors import CheckpointError, SomaError, ValidationError
 from soma_edge.logs import role_logger
-from soma_edge.spsa import OptState, State, record_log
+from soma_edge.protocol import ReplyMode
+from soma_edge.spsa import OptState, State, UpdateLog, record_log
 from worker import probe
 from worker.cache import HEARTBEAT_ADVICE, Cache
 from worker.trainer import train as train_loop
@@ -100,7 +102,7 @@ def capabilities(msg: Message, context: Context) -> Message:
         caps["providers"][0],
         "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s",
     )
-    reply = {
+    reply: protocol.Capabilities = {
         "soma_version": __version__,
         "node": context.node_id,
         "name": s.name,
@@ -113,11 +115,11 @@ def capabilities(msg: Message, context: Context) -> Message:
     return _reply(msg, reply, protocol.KIND_CAPS)
 
 
-def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, errors: list[str]) -> dict[str, Any] | None:
+def _from_downstream_log(
+    cache: Cache, cfg: Config, t: protocol.Task, run_id: str, errors: list[str]
+) -> dict[str, Any] | None:
     """The task's base version rebuilt from a version this node holds and the log the coordinator sent in
     place of the weights (`base_log`), cached like sent weights; None (reported missing) if that fails."""
-    from soma_edge.spsa import UpdateLog
-
     sent = t.get("base_log")
     if not isinstance(sent, dict):
         return None
@@ -148,14 +150,14 @@ def _from_downstream_log(cache: Cache, cfg, t: dict[str, Any], run_id: str, erro
     return {"weights": got.weights, "opt": opt}
 
 
-def _as_sent(t: dict[str, Any], state: State, reply_dtype: str) -> np.ndarray:
+def _as_sent(t: protocol.Task, state: State, reply_dtype: str) -> np.ndarray:
     # With the log alone, the coordinator stores its float32 replay: the hash is of the float32 weights.
-    return state.weights if t.get("reply", "weights") == "log" else state.weights.astype(reply_dtype)
+    return state.weights if t.get("reply", ReplyMode.WEIGHTS) == ReplyMode.LOG else state.weights.astype(reply_dtype)
 
 
-def _result(t: dict[str, Any], state: State, out: np.ndarray, start: int, rep, cfg) -> dict[str, Any]:
+def _result(t: protocol.Task, state: State, out: np.ndarray, start: int, rep, cfg: Config) -> dict[str, Any]:
     """One expert's result in the form its task asked for (weights `out`, update log, or both)."""
-    mode, sha = t.get("reply", "weights"), protocol.weights_sha256(out)
+    mode, sha = t.get("reply", ReplyMode.WEIGHTS), protocol.weights_sha256(out)
     log.info(
         "sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f",
         t["expert"],
@@ -178,9 +180,9 @@ def _result(t: dict[str, Any], state: State, out: np.ndarray, start: int, rep, c
         "weights": out,
         "opt": state.opt.to_record(),
     }
-    if mode in ("log", "both"):
+    if mode in (ReplyMode.LOG, ReplyMode.BOTH):
         res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg)).to_record()
-    if mode == "log":
+    if mode == ReplyMode.LOG:
         res["weights"] = res["opt"] = None
     return res
 
@@ -263,8 +265,37 @@ def train(msg: Message, context: Context) -> Message:
     run_id = str(body.get("run_id"))  # versions are pruned per run: a cache serves many runs
     _, errors = _store_pieces(cache, body.get("pieces", []))
 
+    runnable, missing = _runnable(cache, cfg, body["tasks"], run_id, errors)
+    if missing["weights"] or missing["shards"]:
+        log.info(
+            "round %s: cache misses: %d weight versions, %d shards",
+            body["round"],
+            len(missing["weights"]),
+            len(missing["shards"]),
+        )
+    results = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), t_start, body)
+    protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
+    cache.evict(protect)
+    reply = {
+        **header,
+        "results": results,
+        "missing": missing,
+        "errors": errors,
+        "seconds_total": time.perf_counter() - t_start,
+    }
+    return _reply(msg, reply, protocol.KIND_REPLY)
+
+
+Runnable = tuple[protocol.Task, State, list[bytes]]  # a task, its base state, its shards' bytes
+
+
+def _runnable(
+    cache: Cache, cfg: Config, tasks: list[protocol.Task], run_id: str, errors: list[str]
+) -> tuple[list[Runnable], protocol.Inventory]:
+    """The tasks this node can run now, each with its base state and shards (sent weights are cached),
+    and the weight versions and shards it lacks for the others (reported back as missing)."""
     runnable, missing_w, missing_s = [], [], []
-    for t in body["tasks"]:
+    for t in tasks:
         base = t["base_sha256"]
         if t.get("weights") is not None:
             w, opt = t["weights"], t.get("opt")
@@ -295,16 +326,29 @@ def train(msg: Message, context: Context) -> Message:
             continue
         state.opt.lr_scale = float(t["lr_scale"])  # the coordinator's plateau decision for this round
         runnable.append((t, state, shards))
-    if missing_w or missing_s:
-        log.info("round %s: cache misses: %d weight versions, %d shards", body["round"], len(missing_w), len(missing_s))
+    return runnable, {"weights": missing_w, "shards": sorted(set(missing_s))}
 
+
+def _train_all(
+    runnable: list[Runnable],
+    cfg: Config,
+    s: Settings,
+    cache: Cache,
+    run_id: str,
+    reply_dtype: str,
+    budget: float,
+    t_start: float,
+    body: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Train each runnable task in turn within the round's `budget` seconds (shared out evenly among the
+    tasks left), cache each new version, and return their results."""
+    if not runnable:
+        return []
+    evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel)
+    log.info(
+        "round %s: training experts %s for up to %.0f s", body["round"], [t["expert"] for t, *_ in runnable], budget
+    )
     results = []
-    evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel) if runnable else None
-    budget = float(body["max_seconds"])
-    if runnable:
-        log.info(
-            "round %s: training experts %s for up to %.0f s", body["round"], [t["expert"] for t, *_ in runnable], budget
-        )
     for i, (t, state, shards) in enumerate(runnable):
         e = t["expert"]
         remaining = budget - (time.perf_counter() - t_start)
@@ -323,13 +367,4 @@ def train(msg: Message, context: Context) -> Message:
             opt=state.opt.to_record(),
             run_id=run_id,
         )
-    protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
-    cache.evict(protect)
-    reply = {
-        **header,
-        "results": results,
-        "missing": {"weights": missing_w, "shards": sorted(set(missing_s))},
-        "errors": errors,
-        "seconds_total": time.perf_counter() - t_start,
-    }
-    return _reply(msg, reply, protocol.KIND_REPLY)
+    return results

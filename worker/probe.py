@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from soma_edge import __version__, params
+from soma_edge import __version__, devices, params
 from soma_edge.config import Config
 from soma_edge.runtime import LossEvaluator, evaluator_for
 from worker.cache import Cache
@@ -51,7 +51,7 @@ def make_evaluator(cfg: Config, device: str, threads: int, spin: bool, parallel:
 
 
 def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> str:
-    import onnxruntime
+    import onnxruntime  # for its version only; loaded (heavy) by the evaluator anyway, not at import
 
     what = {
         "soma": __version__,
@@ -92,7 +92,7 @@ def capabilities(
     t0 = time.perf_counter()
     evaluator = make_evaluator(cfg, device, threads, spin, parallel)
     rate = measure(evaluator, cfg, seconds)
-    on_cuda = evaluator.providers[0] == "CUDAExecutionProvider"
+    on_cuda = evaluator.providers[0] == devices.CUDA
     out = {
         "evals_per_s": rate,
         "providers": list(evaluator.providers),

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 from soma_edge.protocol import HEARTBEAT_MAX, HEARTBEAT_MIN, HEARTBEAT_SLOW
+from worker.cache import HEARTBEAT_ADVICE, Cache
 
 AUTO_START = HEARTBEAT_SLOW  # until the coordinator has measured the link: Flower's own default
 POLL_SECONDS = 2.0
@@ -36,6 +37,7 @@ def set_heartbeat(seconds: float) -> None:
     """Make this process's SuperNode report (and be judged on) a `seconds` heartbeat interval. It sends
     one every ~4 s whatever it reports (Flower's sender waits 0.8 x (interval - 5 s) between them), so a
     new interval counts within seconds, and a slow link gets many tries."""
+    # flwr (~1 s to load) only in the SuperNode process itself, not in whoever imports this module's constants
     from flwr.supercore import heartbeat
     from flwr.supernode import fleet_http_connection
 
@@ -53,7 +55,7 @@ def eager_polls(window: float = EAGER_SECONDS, poll: float = EAGER_POLL) -> None
     """Make this process's SuperNode poll every `poll` seconds for `window` seconds after each reply it
     pushes, instead of Flower's bare 3 s: idle traffic stays Flower's, a round's next request is picked
     up ~1.5 s sooner on average. flwr 1.42 has no option for it: its loop's module globals are wrapped."""
-    from flwr.supernode import start_client_internal as sci
+    from flwr.supernode import start_client_internal as sci  # flwr: heavy, see set_heartbeat
 
     if not all(hasattr(sci, name) for name in ("time", "_push_messages")):
         raise SystemExit(
@@ -81,8 +83,6 @@ def eager_polls(window: float = EAGER_SECONDS, poll: float = EAGER_POLL) -> None
 
 def follow_advice(cache: Path, stop: threading.Event, poll: float = POLL_SECONDS) -> None:
     """Apply the coordinator's advised interval whenever it changes, until `stop` is set."""
-    from worker.cache import HEARTBEAT_ADVICE, Cache
-
     store, current = Cache(cache), None
     while not stop.wait(poll):
         advice = store.get_json(HEARTBEAT_ADVICE)
@@ -96,8 +96,6 @@ def main() -> None:
         raise SystemExit("usage: python -m worker.supernode SECONDS|auto CACHE [flower-supernode arguments...]")
     mode, cache = sys.argv[1], Path(sys.argv[2])
     if mode == "auto":
-        from worker.cache import HEARTBEAT_ADVICE, Cache
-
         Cache(cache).put_json(HEARTBEAT_ADVICE, AUTO_START)  # not a previous session's advice: links change
         set_heartbeat(AUTO_START)
         threading.Thread(target=follow_advice, args=(cache, threading.Event()), daemon=True).start()
@@ -107,7 +105,7 @@ def main() -> None:
             raise SystemExit(f"error: heartbeat {seconds:g} s: Flower accepts {HEARTBEAT_MIN:g} to {HEARTBEAT_MAX:g} s")
         set_heartbeat(seconds)
     eager_polls()
-    from flwr.supernode.cli import flower_supernode
+    from flwr.supernode.cli import flower_supernode  # flwr: heavy, see set_heartbeat
 
     sys.argv = ["flower-supernode", *sys.argv[3:]]
     sys.exit(flower_supernode())

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_edge.config import Config
+from soma_edge.config import Config, evals_per_step
 from soma_edge.runtime import LossEvaluator
-from soma_edge.spsa import State, evals_per_step
+from soma_edge.spsa import State
 from soma_edge.steps import objectives
 from soma_edge.steps import stepper as make_stepper
 
