@@ -16,7 +16,6 @@ after its checks, which no next round overlaps). Needs root.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -27,10 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from soma_edge import metrics  # noqa: E402 (after the sys.path line above, which the bench restructuring drops)
+from soma_edge.metrics import RoundLine  # noqa: E402 (the same)
+from soma_edge.rundir import RunDir  # noqa: E402 (the same)
+
 SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}
 
 
-def one(size: str, mode: str, args, work: Path) -> list[dict]:
+def one(size: str, mode: str, args, work: Path) -> list[RoundLine]:
     import netboxes
 
     from soma_edge.procs import free_port
@@ -100,8 +103,7 @@ reply = "{mode}"
             raise SystemExit(f"{size} {mode}: start exited {code}; see {work / f'{size}-{mode}.log'}")
     finally:
         boxes.close()
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if m["type"] == "round"]
+    return metrics.round_lines(metrics.read_lines(RunDir(run)))
 
 
 def main() -> None:
@@ -135,21 +137,21 @@ def main() -> None:
             t0 = time.time()
             rounds = one(size, mode, args, work)
             for r in rounds:
-                comp = sum((r.get("compute_seconds") or {}).values())
+                comp = sum((r.compute_seconds or {}).values())
                 print(
-                    f"{size:>6} {mode:>7} {r['round']:>5} {r['round_seconds_total']:>7.1f} {comp:>9.1f} "
-                    f"{100 * r['compute_share']:>5.1f}% {r['bytes_down']:>11,} {r['bytes_up']:>11,}",
+                    f"{size:>6} {mode:>7} {r.round:>5} {r.round_seconds_total:>7.1f} {comp:>9.1f} "
+                    f"{100 * r.compute_share:>5.1f}% {r.bytes_down:>11,} {r.bytes_up:>11,}",
                     flush=True,
                 )
             later = rounds[1:] or rounds
-            share = sum(r["compute_share"] for r in later) / len(later)
+            share = sum(r.compute_share for r in later) / len(later)
             print(
                 f"{size:>6} {mode:>7} rounds 2+: compute share {100 * share:.1f}% ({time.time() - t0:.0f} s)",
                 flush=True,
             )
             steady = rounds[1:-1]  # the last round's checks have no next round to overlap (pipelining)
             if steady:
-                share = sum(r["compute_share"] for r in steady) / len(steady)
+                share = sum(r.compute_share for r in steady) / len(steady)
                 print(f"{size:>6} {mode:>7} rounds 2..{len(rounds) - 1}: compute share {100 * share:.1f}%", flush=True)
 
 
