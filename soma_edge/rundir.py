@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
@@ -264,6 +264,7 @@ class PrepareSummary(Record):
 class RunDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
+        self.fallback: str | None = None  # why the last load_state fell back to state.prev.msgpack
 
     # --- paths ----------------------------------------------------------------------------------------
     run_toml = property(lambda self: self.root / "run.toml")
@@ -380,7 +381,7 @@ class RunDir:
         """The last committed state that loads (and, with `verify`, whose expert files all load and match
         their hashes): state.msgpack, else the commit before it (state.prev.msgpack), with one warning in
         `self.fallback`. None for a run that never committed; CheckpointError when nothing committed loads."""
-        self.fallback: str | None = None
+        self.fallback = None
         errors = []
         for path in (self.state_path, self.prev_state_path):
             if not path.exists():
@@ -390,7 +391,7 @@ class RunDir:
                 if not isinstance(state, dict):
                     raise CheckpointError(f"{path}: not a run state (a {type(state).__name__}, not a map)")
                 if verify:
-                    self._verify_experts(state, path)
+                    verify_experts(self, state, path)
             except CheckpointError as e:
                 errors.append(str(e))
                 continue
@@ -419,18 +420,6 @@ class RunDir:
         """One state file as a record, with no fallback (export reads the last commit, and only it)."""
         return RunState.from_dict(self.load_state_file(path), str(path))
 
-    def _verify_experts(self, state: Any, where: Path) -> None:
-        experts = state.get("experts") if isinstance(state, dict) else None
-        if not isinstance(experts, dict):
-            raise CheckpointError(f"{where}: no experts map")
-        for e, x in experts.items():
-            if not isinstance(x, dict) or not isinstance(x.get("sha256"), str):
-                raise CheckpointError(f"{where}: expert {e!r} is not a version record")
-            body = self.load_expert(str(x.get("path", "")))
-            w = body.get("weights") if isinstance(body, dict) else None
-            if not isinstance(w, np.ndarray) or weights_sha256(w) != x["sha256"]:
-                raise CheckpointError(f"{self.root / str(x.get('path'))}: weights do not match {where.name}")
-
     def save_state(self, state: dict[str, Any]) -> None:
         """Commit `state`; the state it replaces stays as state.prev.msgpack, the fallback of `load_state`
         (a crash between the two steps leaves that fallback, which `load_state` then uses)."""
@@ -443,13 +432,7 @@ class RunDir:
             text = self.metrics_path.read_text()
         except FileNotFoundError:
             return []
-        out = []
-        for line in text.splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn tail cannot happen with atomic rewrites, but never fail on a log
-        return out
+        return json_lines(text.splitlines())
 
     def append_metrics(self, lines: list[dict[str, Any]]) -> None:
         """Add a commit's lines in one write, then fsync: the file only grows while a run goes on, so what
@@ -476,13 +459,7 @@ class RunDir:
         except FileNotFoundError:
             return
         *whole, tail = raw.split(b"\n")  # what follows the last newline is torn (or nothing)
-        lines = []
-        for line in whole:
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                continue
-        kept = [m for m in lines if int(m.get("round", 0)) <= last_round]
+        kept = [m for m in json_lines(whole) if int(m.get("round", 0)) <= last_round]
         if tail or len(kept) != len(whole):
             self.write_metrics(kept)
 
@@ -515,48 +492,91 @@ class RunDir:
 
     # --- the lock -------------------------------------------------------------------------------------
 
-    @contextmanager
-    def lock(self, wait: float = 0.0) -> Iterator[None]:
+    def lock(self, wait: float = 0.0) -> AbstractContextManager[None]:
         """Exclusive hold on the run directory (flock: released by the kernel when the holder dies, even
         by kill -9). Waits up to `wait` seconds for a previous holder to exit."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            deadline = time.monotonic() + wait
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        holder = self.lock_holder()
-                        raise RunLockedError(
-                            f"{self.root} is in use by another coordinator (pid {holder}); stop it first"
-                        ) from None
-                    time.sleep(0.2)
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
+        return hold(self.root, self.lock_path, wait)
 
     def lock_holder(self) -> int | None:
-        try:
-            return int(self.lock_path.read_text().strip() or 0) or None
-        except (OSError, ValueError):
-            return None
+        return holder(self.lock_path)
 
     def is_locked(self) -> bool:
-        if not self.lock_path.exists():
-            return False
-        fd = os.open(self.lock_path, os.O_RDONLY)
+        return held(self.lock_path)
+
+
+def verify_experts(run: RunDir, state: Any, where: Path) -> None:
+    """Every expert file that a state (read from `where`) refers to loads, and holds the weights it names."""
+    experts = state.get("experts") if isinstance(state, dict) else None
+    if not isinstance(experts, dict):
+        raise CheckpointError(f"{where}: no experts map")
+    for e, x in experts.items():
+        if not isinstance(x, dict) or not isinstance(x.get("sha256"), str):
+            raise CheckpointError(f"{where}: expert {e!r} is not a version record")
+        body = run.load_expert(str(x.get("path", "")))
+        w = body.get("weights") if isinstance(body, dict) else None
+        if not isinstance(w, np.ndarray) or weights_sha256(w) != x["sha256"]:
+            raise CheckpointError(f"{run.root / str(x.get('path'))}: weights do not match {where.name}")
+
+
+# --- the lock (RunDir.lock) -------------------------------------------------------------------------------
+
+
+@contextmanager
+def hold(root: Path, lock_path: Path, wait: float) -> Iterator[None]:
+    """Hold the flock on `lock_path` (with our pid in it), waiting up to `wait` seconds for it."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    pid = holder(lock_path)
+                    raise RunLockedError(
+                        f"{root} is in use by another coordinator (pid {pid}); stop it first"
+                    ) from None
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def holder(lock_path: Path) -> int | None:
+    """The pid written by the last holder of the lock."""
+    try:
+        return int(lock_path.read_text().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def held(lock_path: Path) -> bool:
+    """Whether a live process holds the lock."""
+    if not lock_path.exists():
+        return False
+    fd = os.open(lock_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def json_lines(lines: list[str] | list[bytes]) -> list[Any]:
+    """The lines that parse as JSON: a log is never a reason to fail."""
+    out = []
+    for line in lines:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def metrics_bytes(lines: list[dict[str, Any]]) -> bytes:
