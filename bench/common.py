@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from coordinator.prepare import expert_shards, prepare
+from coordinator.prepare import prepare
 from soma_edge import corpus, mixture, params
 from soma_edge.config import Config, ModelConfig
 from soma_edge.graph import build
@@ -121,7 +121,7 @@ def prepared_run(d: Path, corpus_name: str, n: int, seed: int) -> RunDir:
 
 
 def shard_stream(rd: RunDir, expert: int, split: str) -> np.ndarray:
-    data = [rd.shard(h) for h in expert_shards(rd.load_prepare(), expert, split)]
+    data = [rd.shard(h) for h in rd.read_prepare().shards(expert, split)]
     return np.frombuffer(corpus.SEPARATOR.join(data), dtype=np.uint8)
 
 

@@ -55,6 +55,7 @@ from bench.common import (
 from soma_edge import corpus, params
 from soma_edge import router as router_mod
 from soma_edge.config import Config, ModelConfig
+from soma_edge.metrics import expert_lines, read_lines, round_lines
 from soma_edge.rundir import RunDir
 from soma_edge.runtime import cpu_count, evaluator_for, mean_loss
 from soma_edge.spsa import State, evals_per_step
@@ -106,7 +107,7 @@ def sweep_val(rd: RunDir) -> np.ndarray:
     """Expert 0's val split; all experts' when its cluster has almost no held-out text (tiny corpora)."""
     val = shard_stream(rd, 0, "val")
     if val.size <= 4 * Config().data.seq_len:
-        n = int(rd.load_prepare()["experts"])
+        n = int(rd.read_prepare().experts)
         val = np.concatenate([shard_stream(rd, e, "val") for e in range(n)])
     return val
 
@@ -251,23 +252,23 @@ def run_spsa_arm(
     wall = time.perf_counter() - t0
 
     rd = RunDir(run)
-    state = rd.load_state()
+    state = rd.read_state()
     f1 = forward_flops(m, cfg.data.batch, seq)
-    metrics = rd.read_metrics()
-    rounds = sorted({x["round"] for x in metrics if x["type"] == "round"})
+    lines = read_lines(rd)
+    rounds = sorted({x.round for x in round_lines(lines)})
     router = router_mod.load(rd.router)
     points, evals, compute = [], 0, 0.0
     versions = {e: 0 for e in range(n)}
     fns = {e: ort_logprobs(m, rd.load_expert(rd.expert_rel(e, 0))["weights"]) for e in range(n)}
     points.append({"round": 0, "forward_evals": 0, "flops": 0.0, "loss": mixture_loss(router, fns, curve_data, seq)})
     for r in rounds:
-        for x in (x for x in metrics if x["type"] == "expert" and x["round"] == r):
-            evals += int(x.get("forward_evals", 0))
-            compute += float(x.get("seconds", 0.0))
-            if x["version"] != versions[x["expert"]]:
-                versions[x["expert"]] = x["version"]
-                w = rd.load_expert(rd.expert_rel(x["expert"], x["version"]))["weights"]
-                fns[x["expert"]] = ort_logprobs(m, w)
+        for x in (x for x in expert_lines(lines) if x.round == r):
+            evals += int(x.forward_evals)
+            compute += float(x.seconds)
+            if x.version != versions[x.expert]:
+                versions[x.expert] = x.version
+                w = rd.load_expert(rd.expert_rel(x.expert, x.version))["weights"]
+                fns[x.expert] = ort_logprobs(m, w)
         points.append(
             {
                 "round": r,
@@ -276,8 +277,8 @@ def run_spsa_arm(
                 "loss": mixture_loss(router, fns, curve_data, seq),
             }
         )
-    final = {e: ort_logprobs(m, rd.load_expert(state["experts"][str(e)]["path"])["weights"]) for e in range(n)}
-    steps = [int(state["experts"][str(e)]["step"]) for e in range(n)]
+    final = {e: ort_logprobs(m, rd.load_expert(state.expert(e).path)["weights"]) for e in range(n)}
+    steps = [int(state.expert(e).step) for e in range(n)]
     return {
         "arm": name,
         "kind": "soma" if n > 1 else "monolithic-spsa",

@@ -31,20 +31,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from soma_edge import codec, corpus, params, protocol, spsa, steps
+from soma_edge import codec, corpus, metrics, params, protocol, spsa, steps
 from soma_edge.config import Config, ModelConfig
+from soma_edge.rundir import RunDir
 from soma_edge.runtime import evaluator_for
 from worker.trainer import train
 
 
-def load(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def load(run: Path) -> list[metrics.Line]:
+    return metrics.read_lines(RunDir(run))
 
 
 def table(run: Path) -> dict:
-    metrics = load(run)
-    rounds = [m for m in metrics if m["type"] == "round"]
-    experts = [m for m in metrics if m["type"] == "expert"]
+    lines_all = load(run)
+    rounds = metrics.round_lines(lines_all)
+    experts = metrics.expert_lines(lines_all)
     print(f"run: {run}")
     print(
         f"{'round':>5} {'wall s':>7} {'compute s/node':>15} {'share':>6} {'moved':>6} "
@@ -52,21 +53,21 @@ def table(run: Path) -> dict:
     )
     rows = []
     for r in rounds:
-        lines = [m for m in experts if m["round"] == r["round"]]
+        lines = [m for m in experts if m.round == r.round]
         n = max(len(lines), 1)
-        comp = r.get("compute_seconds") or {}
-        per_node = sum(comp.values()) / max(len(r.get("nodes") or [1]), 1)
-        moved = set(r.get("moved") or [])
-        sticky_down = sum(m.get("weights_bytes_down", 0) for m in lines if m["expert"] not in moved)
+        comp = r.compute_seconds or {}
+        per_node = sum(comp.values()) / max(len(r.nodes or [1]), 1)
+        moved = set(r.moved or [])
+        sticky_down = sum(m.weights_bytes_down for m in lines if m.expert not in moved)
         row = {
-            "round": r["round"],
-            "wall": r["round_seconds_total"],
+            "round": r.round,
+            "wall": r.round_seconds_total,
             "compute_per_node": per_node,
-            "share": r["compute_share"],
+            "share": r.compute_share,
             "moved": len(moved),
-            "w_down": sum(m.get("weights_bytes_down", 0) for m in lines) / n,
-            "s_down": sum(m.get("shard_bytes_down", 0) for m in lines) / n,
-            "w_up": sum(m.get("weights_bytes_up", 0) for m in lines) / n,
+            "w_down": sum(m.weights_bytes_down for m in lines) / n,
+            "s_down": sum(m.shard_bytes_down for m in lines) / n,
+            "w_up": sum(m.weights_bytes_up for m in lines) / n,
             "sticky_down": sticky_down,
         }
         rows.append(row)

@@ -16,20 +16,22 @@ after its checks, which no next round overlaps). Needs root.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 
 from bench.common import ROOT, coordinator_cmd, platform_line, worker_cmd
+from soma_edge import metrics
+from soma_edge.metrics import RoundLine
 from soma_edge.procs import free_port
+from soma_edge.rundir import RunDir
 from tests.helpers import netboxes
 
 SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}
 
 
-def one(size: str, mode: str, args, work: Path) -> list[dict]:
+def one(size: str, mode: str, args, work: Path) -> list[RoundLine]:
     embed, hidden = SIZES[size]
     cfg = work / f"{size}-{mode}.toml"
     cfg.write_text(f"""
@@ -71,8 +73,7 @@ reply = "{mode}"
             raise SystemExit(f"{size} {mode}: start exited {code}; see {work / f'{size}-{mode}.log'}")
     finally:
         boxes.close()
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if m["type"] == "round"]
+    return metrics.round_lines(metrics.read_lines(RunDir(run)))
 
 
 def main() -> None:
@@ -106,21 +107,21 @@ def main() -> None:
             t0 = time.time()
             rounds = one(size, mode, args, work)
             for r in rounds:
-                comp = sum((r.get("compute_seconds") or {}).values())
+                comp = sum((r.compute_seconds or {}).values())
                 print(
-                    f"{size:>6} {mode:>7} {r['round']:>5} {r['round_seconds_total']:>7.1f} {comp:>9.1f} "
-                    f"{100 * r['compute_share']:>5.1f}% {r['bytes_down']:>11,} {r['bytes_up']:>11,}",
+                    f"{size:>6} {mode:>7} {r.round:>5} {r.round_seconds_total:>7.1f} {comp:>9.1f} "
+                    f"{100 * r.compute_share:>5.1f}% {r.bytes_down:>11,} {r.bytes_up:>11,}",
                     flush=True,
                 )
             later = rounds[1:] or rounds
-            share = sum(r["compute_share"] for r in later) / len(later)
+            share = sum(r.compute_share for r in later) / len(later)
             print(
                 f"{size:>6} {mode:>7} rounds 2+: compute share {100 * share:.1f}% ({time.time() - t0:.0f} s)",
                 flush=True,
             )
             steady = rounds[1:-1]  # the last round's checks have no next round to overlap (pipelining)
             if steady:
-                share = sum(r["compute_share"] for r in steady) / len(steady)
+                share = sum(r.compute_share for r in steady) / len(steady)
                 print(f"{size:>6} {mode:>7} rounds 2..{len(rounds) - 1}: compute share {100 * share:.1f}%", flush=True)
 
 

@@ -21,37 +21,49 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from soma_edge import metrics
 from soma_edge.errors import ConfigError
+from soma_edge.metrics import ExpertLine, Line, RoundLine
 
 EXPERT_SCALARS = ("train_loss", "val_loss", "steps_per_s", "lr", "eps")
-ROUND_SCALARS = {
-    "mixture_val_loss": "mixture_val_loss",
-    "val_loss_mean": "val_loss_mean",
-    "compute_share": "compute_share",
-    "bytes_down": "bytes_down",
-    "bytes_up": "bytes_up",
-    "seconds": "round_seconds_total",
-    "accepted": "accepted",
-}
+ROUND_SCALARS = ("mixture_val_loss", "val_loss_mean", "compute_share", "bytes_down", "bytes_up", "seconds", "accepted")
 
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def scalars(lines: list[dict[str, Any]]) -> Iterator[tuple[str, float, int]]:
+def _expert_values(m: ExpertLine) -> tuple[Any, ...]:
+    """`EXPERT_SCALARS` of an expert line, in that order."""
+    return (m.train_loss, m.val_loss, m.steps_per_s, m.lr, m.eps)
+
+
+def _round_values(m: RoundLine) -> tuple[Any, ...]:
+    """`ROUND_SCALARS` of a round line, in that order (seconds: plan to commit)."""
+    return (
+        m.mixture_val_loss,
+        m.val_loss_mean,
+        m.compute_share,
+        m.bytes_down,
+        m.bytes_up,
+        m.round_seconds_total,
+        m.accepted,
+    )
+
+
+def scalars(lines: list[Line]) -> Iterator[tuple[str, float, int]]:
     """(tag, value, round) of every scalar that metrics lines give."""
     for m in lines:
-        r = int(m["round"])
-        if m.get("type") == "expert" and m.get("accepted"):
-            for key in EXPERT_SCALARS:
-                if _number(m.get(key)):
-                    yield f"expert_{m['expert']}/{key}", float(m[key]), r
-        elif m.get("type") == "round":
-            for tag, key in ROUND_SCALARS.items():
-                if _number(m.get(key)):
-                    yield f"round/{tag}", float(m[key]), r
-            yield "round/rejected", float(len(m.get("rejected") or [])), r
+        r = int(m.round)
+        if isinstance(m, ExpertLine) and m.accepted:
+            for key, v in zip(EXPERT_SCALARS, _expert_values(m)):
+                if _number(v):
+                    yield f"expert_{m.expert}/{key}", float(v), r
+        elif isinstance(m, RoundLine):
+            for tag, v in zip(ROUND_SCALARS, _round_values(m)):
+                if _number(v):
+                    yield f"round/{tag}", float(v), r
+            yield "round/rejected", float(len(m.rejected)), r
 
 
 class Board:
@@ -74,12 +86,14 @@ class Board:
             str(folder), purge_step=committed_round + 1, filename_suffix=f".{os.getpid()}.{time.time_ns()}"
         )
 
-    def commit(self, lines: list[dict[str, Any]]) -> None:
-        for tag, value, r in scalars(lines):
+    def commit(self, lines: list[Line | dict[str, Any]]) -> None:
+        """Add a commit's lines (records, or the dicts that the coordinator writes to metrics.jsonl)."""
+        typed = metrics.as_lines(lines)
+        for tag, value, r in scalars(typed):
             self.writer.add_scalar(tag, value, r)
-        for m in lines:
-            if m.get("type") == "expert" and m.get("accepted"):
-                self.writer.add_text(f"expert_{m['expert']}/node", str(m["node"]), int(m["round"]))
+        for m in metrics.expert_lines(typed):
+            if m.accepted:
+                self.writer.add_text(f"expert_{m.expert}/node", str(m.node), int(m.round))
         self.writer.flush()
 
     def close(self) -> None:

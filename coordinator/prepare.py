@@ -34,7 +34,7 @@ from soma_edge import corpus as corpus_mod
 from soma_edge import router as router_mod
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, CorpusError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import ClusterShards, PrepareSummary, RouterSummary, RunDir
 
 SCHEMA = 1
 UNLABELLED = "(unlabelled)"
@@ -60,10 +60,9 @@ def purity(domains: list[str], labels: np.ndarray, weights: np.ndarray) -> float
 
 
 def expert_shards(prepare_json: dict, expert: int, split: str) -> list[str]:
-    """The shard hashes of `expert`'s clusters for `split`, in cluster order."""
-    if split not in corpus_mod.SPLITS:
-        raise ConfigError(f"split must be one of {', '.join(corpus_mod.SPLITS)}, got {split!r}")
-    return [c["shards"][split] for c in prepare_json["clusters"] if c["expert"] == expert]
+    """The shard hashes of `expert`'s clusters for `split`, in cluster order (`PrepareSummary.shards` of
+    the dict that RunDir.load_prepare gives)."""
+    return PrepareSummary.from_dict(prepare_json, "prepare.json").shards(expert, split)
 
 
 def _n(count: int, noun: str) -> str:
@@ -172,13 +171,13 @@ def prepare(
                 return report("writing shards", k, n_clusters)
 
             summary = _write(tmp, corpus, seed, experts, docs, router, labels, on_cluster)
-            summary["seconds"] = round(time.perf_counter() - t0, 3)
-            atomic_write(tmp / "prepare.json", (json.dumps(summary, indent=1) + "\n").encode())
+            summary.seconds = round(time.perf_counter() - t0, 3)
+            atomic_write(tmp / "prepare.json", (json.dumps(summary.to_dict(), indent=1) + "\n").encode())
             _check_untrained(out, own_lock)  # again: a coordinator may have started while the router was fitted
             _install(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return summary
+    return summary.to_dict()
 
 
 def _write(
@@ -190,7 +189,7 @@ def _write(
     router: router_mod.Router,
     labels: np.ndarray,
     on_cluster: Callable[[int], None],
-) -> dict:
+) -> PrepareSummary:
     router_bytes = router.to_bytes()
     atomic_write(tmp / "router.msgpack", router_bytes)
     (tmp / "shards").mkdir()
@@ -199,14 +198,14 @@ def _write(
     clusters = []
     for k in range(router.n_clusters):
         members = np.flatnonzero(labels == k).tolist()
-        entry = {"id": k, "expert": int(router.cluster_expert[k]), "docs": len(members), "bytes": {}, "shards": {}}
+        entry = ClusterShards(id=k, expert=int(router.cluster_expert[k]), docs=len(members), bytes={}, shards={})
         for split in corpus_mod.SPLITS:
             data = corpus_mod.SEPARATOR.join(docs[i].text for i in members if splits[i] == split)
             digest = hashlib.sha256(data).hexdigest()
             path = tmp / "shards" / f"{digest}.bin"
             if not path.exists():
                 atomic_write(path, data)
-            entry["bytes"][split], entry["shards"][split] = len(data), digest
+            entry.bytes[split], entry.shards[split] = len(data), digest
         clusters.append(entry)
         on_cluster(k + 1)
     domains: dict[str, dict[str, int]] = {}
@@ -215,26 +214,26 @@ def _write(
         row[str(k)] = row.get(str(k), 0) + len(d.text)
     domains = {name: dict(sorted(row.items(), key=lambda kv: int(kv[0]))) for name, row in sorted(domains.items())}
     p = purity([d.domain for d in docs], labels, sizes)
-    return {
-        "schema": SCHEMA,
-        "corpus": corpus,
-        "seed": seed,
-        "experts": experts,
-        "documents": len(docs),
-        "bytes": int(sizes.sum()),
-        "separator": corpus_mod.SEPARATOR.decode(),
-        "router": {
-            "sha256": hashlib.sha256(router_bytes).hexdigest(),
-            "bytes": len(router_bytes),
-            "clusters": router.n_clusters,
-            "dim": router.dim,
-            "temperature": router.temperature,
-            "prior": [round(float(x), 6) for x in router.prior],
-        },
-        "clusters": clusters,
-        "purity": None if p is None else round(p, 6),
-        "domains": domains,
-    }
+    return PrepareSummary(
+        schema=SCHEMA,
+        corpus=corpus,
+        seed=seed,
+        experts=experts,
+        documents=len(docs),
+        bytes=int(sizes.sum()),
+        separator=corpus_mod.SEPARATOR.decode(),
+        router=RouterSummary(
+            sha256=hashlib.sha256(router_bytes).hexdigest(),
+            bytes=len(router_bytes),
+            clusters=router.n_clusters,
+            dim=router.dim,
+            temperature=router.temperature,
+            prior=[round(float(x), 6) for x in router.prior],
+        ),
+        clusters=clusters,
+        purity=None if p is None else round(p, 6),
+        domains=domains,
+    )
 
 
 def _progress_bar():

@@ -14,45 +14,49 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from soma_edge import cli
+from soma_edge import cli, metrics
+from soma_edge.metrics import ExpertLine, Line, RoundLine, Status
 from soma_edge.rundir import RunDir
 
 
-def last_expert_lines(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for m in metrics:
-        if m.get("type") == "expert" and m.get("accepted"):
-            out[int(m["expert"])] = m
-    return out
+def last_expert_lines(lines: list[Line]) -> dict[int, ExpertLine]:
+    """Each expert's last accepted line."""
+    return {int(m.expert): m for m in metrics.expert_lines(lines) if m.accepted}
 
 
-def last_round(metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
-    rounds = [m for m in metrics if m.get("type") == "round"]
+def last_round(lines: list[Line]) -> RoundLine | None:
+    rounds = metrics.round_lines(lines)
     return rounds[-1] if rounds else None
 
 
 def summary(run: RunDir) -> dict[str, Any]:
-    """Everything `soma-coord status` reports, from the checkpoint alone (no server needed)."""
-    state = run.load_state()
-    metrics = run.read_metrics()
+    """Everything `soma-coord status` reports, from the checkpoint alone (no server needed): the JSON of
+    `soma-coord status --json`."""
+    state = run.read_state()
+    lines = metrics.read_lines(run)
     cfg = run.load_config() if run.has_config() else None
-    last = last_expert_lines(metrics)
-    lr = last_round(metrics)
+    last = last_expert_lines(lines)
+    lr = last_round(lines)
     experts = {}
-    for e, x in sorted(((int(k), v) for k, v in (state or {}).get("experts", {}).items())):
-        m = last.get(e, {})
-        experts[str(e)] = {**x, "steps_per_s": m.get("steps_per_s"), "last_round": m.get("round")}
+    for e in state.expert_ids() if state else []:
+        m = last.get(e)
+        experts[str(e)] = {
+            **state.expert(e).to_dict(),
+            "steps_per_s": m.steps_per_s if m else None,
+            "last_round": m.round if m else None,
+        }
     return {
         "run": str(run.root),
-        "round": (state or {}).get("round", 0),
+        "round": state.round if state else 0,
         "rounds": cfg.federation.rounds if cfg else None,
         "experts": experts,
-        "mixture_val_loss": lr.get("mixture_val_loss") if lr else None,
-        "val_loss_mean": lr.get("val_loss_mean") if lr else None,
-        "compute_share": lr.get("compute_share") if lr else None,
+        "mixture_val_loss": lr.mixture_val_loss if lr else None,
+        "val_loss_mean": lr.val_loss_mean if lr else None,
+        "compute_share": lr.compute_share if lr else None,
         "running": run.is_locked(),
-        "phase": (state or {}).get("phase", "experts"),  # "seed" while the seed run trains
-        "seed": (state or {}).get("seed"),  # the finished seed's version, once the experts started from it
+        "phase": state.phase if state else "experts",  # "seed" while the seed run trains
+        # the finished seed's version, once the experts started from it
+        "seed": state.seed.to_dict() if state and state.seed else None,
     }
 
 
@@ -60,7 +64,7 @@ def _f(v: Any, digits: int = 4) -> str:
     return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Table:
+def experts_table(s: dict[str, Any], status: Status | None = None) -> Table:
     title = f"{s['run']}: round {s['round']}/{s['rounds'] or '?'}"
     if s.get("phase") == "seed":
         title += ", seed run (the experts start from it)"
@@ -77,10 +81,10 @@ def experts_table(s: dict[str, Any], status: dict[str, Any] | None = None) -> Ta
 EXPERT_COLUMNS = ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s")
 
 
-def expert_rows(s: dict[str, Any], status: dict[str, Any] | None = None) -> list[tuple[str, ...]]:
+def expert_rows(s: dict[str, Any], status: Status | None = None) -> list[tuple[str, ...]]:
     """The experts table's cells (`EXPERT_COLUMNS`) of a `summary`; the node is the live assignment's
     where a running round has one."""
-    live_nodes = (status or {}).get("assignment") or {}
+    live_nodes = (status.assignment if status else None) or {}
     return [
         (
             f"{e} (seed)" if s.get("phase") == "seed" else e,
@@ -165,23 +169,25 @@ class Follower:
         if self.live is not None:
             self.live.__exit__(*exc)
 
-    def update(self, status: dict[str, Any] | None) -> None:
+    def update(self, status: Status | dict[str, Any] | None) -> None:
+        if isinstance(status, dict):  # `soma-coord start` still hands over RunDir.read_status()'s dict
+            status = Status.from_dict(status, str(self.run.status_path))
         for line in self.events.new():
             (self.live.console if self.live is not None else self.console).print(line, markup=False, highlight=False)
         if self.live is not None:
             s = summary(self.run)
             self.progress.update(self.task, completed=s["round"], total=s["rounds"])
-            if status and status.get("phase") == "round" and status.get("started"):
-                total = float(status.get("round_seconds") or 1)
-                done = min(total, time.time() - float(status["started"]))
+            if status and status.phase == "round" and status.started:
+                total = float(status.round_seconds or 1)
+                done = min(total, time.time() - float(status.started))
                 self.progress.update(
                     self.rtask,
                     completed=round(done),
                     total=round(total),
-                    description=f"round {status.get('round')} compute (s)",
+                    description=f"round {status.round} compute (s)",
                 )
-            phase = (status or {}).get("phase", "starting")
-            msg = (status or {}).get("message") or ""
+            phase = status.phase if status else "starting"
+            msg = (status.message if status else None) or ""
             self.live.update(Group(experts_table(s, status), self.progress, f"[dim]{msg or phase}[/dim]"))
 
     def final(self) -> None:
@@ -199,12 +205,13 @@ def watch(run: RunDir, every: float = 1.0) -> None:
         try:
             with Follower(run) as view:
                 while True:
-                    view.update(run.read_status())
+                    view.update(metrics.read_status(run))
                     if not run.is_locked():
                         break
                     time.sleep(every)
         except KeyboardInterrupt:
             pass
-        if (run.read_status() or {}).get("phase") == "done" and not run.is_locked():
+        status = metrics.read_status(run)
+        if status is not None and status.phase == "done" and not run.is_locked():
             print("the coordinator has stopped; its last checkpoint:")
     Follower(run).final()

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.progress import EXPERT_COLUMNS, expert_rows, summary
-from soma_edge import checkpoint
+from soma_edge import checkpoint, metrics
 from soma_edge.errors import CheckpointError, ConfigError
+from soma_edge.metrics import Line
 from soma_edge.rundir import RunDir
 
 
@@ -44,50 +45,44 @@ def _pyplot():
     return plt
 
 
-def _lines(metrics: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [m for m in metrics if m.get("type") == kind]
-
-
-def _losses(plt, metrics: list[dict[str, Any]]):
+def _losses(plt, lines: list[Line]):
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    experts = _lines(metrics, "expert")
-    for e in sorted({m["expert"] for m in experts}):
-        got = [m for m in experts if m["expert"] == e and m.get("accepted")]
-        (line,) = ax.plot(
-            [m["round"] for m in got], [m["val_loss"] for m in got], marker="o", ms=3, label=f"expert {e} val"
-        )
-        ax.plot([m["round"] for m in got], [m["train_loss"] for m in got], ls=":", color=line.get_color(), lw=1)
-    mix = [m for m in _lines(metrics, "round") if m.get("mixture_val_loss") is not None]
+    experts = metrics.expert_lines(lines)
+    for e in sorted({m.expert for m in experts}):
+        got = [m for m in experts if m.expert == e and m.accepted]
+        (line,) = ax.plot([m.round for m in got], [m.val_loss for m in got], marker="o", ms=3, label=f"expert {e} val")
+        ax.plot([m.round for m in got], [m.train_loss for m in got], ls=":", color=line.get_color(), lw=1)
+    mix = [m for m in metrics.round_lines(lines) if m.mixture_val_loss is not None]
     if mix:
         ax.plot(
-            [m["round"] for m in mix],
-            [m["mixture_val_loss"] for m in mix],
+            [m.round for m in mix],
+            [m.mixture_val_loss for m in mix],
             color="black",
             lw=2.5,
             label="routed mixture val",
         )
-    ax.set_xticks(sorted({m["round"] for m in experts}))
+    ax.set_xticks(sorted({m.round for m in experts}))
     ax.set(xlabel="round", ylabel="nats/byte", title="Loss (solid: val, dotted: train)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     return fig
 
 
-def _timeline(plt, metrics: list[dict[str, Any]]):
-    experts = _lines(metrics, "expert")
-    nodes = sorted({m["node"] for m in experts if m.get("node")})
-    rounds = sorted({m["round"] for m in experts})
-    ids = sorted({m["expert"] for m in experts})
+def _timeline(plt, lines: list[Line]):
+    experts = metrics.expert_lines(lines)
+    nodes = sorted({m.node for m in experts if m.node})
+    rounds = sorted({m.round for m in experts})
+    ids = sorted({m.expert for m in experts})
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(ids) + 1.6))
     colors = plt.get_cmap("tab10")
     for m in experts:
-        y, c = ids.index(m["expert"]), colors(nodes.index(m["node"]) % 10) if m.get("node") in nodes else "lightgrey"
-        ax.barh(y, 0.9, left=m["round"] - 0.45, color=c, alpha=1.0 if m.get("accepted") else 0.35)
-        why = str(m.get("reason") or "")
+        y, c = ids.index(m.expert), colors(nodes.index(m.node) % 10) if m.node in nodes else "lightgrey"
+        ax.barh(y, 0.9, left=m.round - 0.45, color=c, alpha=1.0 if m.accepted else 0.35)
+        why = str(m.reason or "")
         if "deadline" in why or "gone" in why:
-            ax.plot(m["round"], y, marker="x", color="black", ms=9, mew=2)
-        elif not m.get("accepted") and (why.startswith("rejected") or "refused" in why):
-            ax.plot(m["round"], y, marker="o", mfc="none", color="red", ms=10, mew=2)
+            ax.plot(m.round, y, marker="x", color="black", ms=9, mew=2)
+        elif not m.accepted and (why.startswith("rejected") or "refused" in why):
+            ax.plot(m.round, y, marker="o", mfc="none", color="red", ms=10, mew=2)
     for i, n in enumerate(nodes):
         ax.barh(0, 0, color=colors(i % 10), label=n)
     ax.plot([], [], marker="x", color="black", ls="", label="missed deadline / node gone")
@@ -100,13 +95,13 @@ def _timeline(plt, metrics: list[dict[str, Any]]):
     return fig
 
 
-def _throughput(plt, metrics: list[dict[str, Any]]):
+def _throughput(plt, lines: list[Line]):
     fig, ax = plt.subplots(figsize=(8, 4))
     per: dict[str, dict[int, list[float]]] = {}
-    for m in _lines(metrics, "expert"):
-        if m.get("accepted") and m.get("seconds"):
-            evals, secs = per.setdefault(m["node"], {}).setdefault(m["round"], [0.0, 0.0]), float(m["seconds"])
-            evals[0] += float(m.get("forward_evals") or 0)
+    for m in metrics.expert_lines(lines):
+        if m.accepted and m.seconds:
+            evals, secs = per.setdefault(m.node, {}).setdefault(m.round, [0.0, 0.0]), float(m.seconds)
+            evals[0] += float(m.forward_evals or 0)
             evals[1] += secs
     for node, by_round in sorted(per.items()):
         rs = sorted(by_round)
@@ -134,8 +129,8 @@ def _table(s: dict[str, Any]) -> str:
 
 def write(run: RunDir, out: Path | None = None) -> Report:
     """Write OUT/report.html (default RUN/report/) and its PNGs; returns their paths."""
-    metrics = run.read_metrics()
-    if not run.state_path.exists() or not _lines(metrics, "round"):
+    lines = metrics.read_lines(run)
+    if not run.state_path.exists() or not metrics.round_lines(lines):
         raise CheckpointError(f"{run.root}: no committed round yet, so nothing to report")
     plt = _pyplot()
     out = out or run.root / "report"
@@ -147,7 +142,7 @@ def write(run: RunDir, out: Path | None = None) -> Report:
         ("timeline", _timeline, "Node timeline"),
         ("throughput", _throughput, "Throughput per node"),
     ):
-        fig = draw(plt, metrics)
+        fig = draw(plt, lines)
         path = out / f"{name}.png"
         data = _png(fig, path)
         plt.close(fig)

@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from soma_edge.certs import fingerprint, read_public_key
 from soma_edge.checkpoint import atomic_write
@@ -34,6 +35,20 @@ class Worker:
     added: float
     node_id: int | None = None  # from the last registration with a live SuperLink
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Worker":
+        """A row of workers.json (KeyError for a missing key; `node_id` came later, and may be absent)."""
+        return cls(
+            name=d["name"],
+            public_key=d["public_key"],
+            fingerprint=d["fingerprint"],
+            added=d["added"],
+            node_id=d.get("node_id"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
 
 def load(run: RunDir) -> list[Worker]:
     path = run.root / REGISTRY
@@ -43,10 +58,7 @@ def load(run: RunDir) -> list[Worker]:
         if path.stat().st_size > MAX_REGISTRY_BYTES:
             raise ValueError("too large")
         rows = json.loads(path.read_bytes())
-        return [
-            Worker(**{k: r[k] for k in ("name", "public_key", "fingerprint", "added")}, node_id=r.get("node_id"))
-            for r in rows
-        ]
+        return [Worker.from_dict(r) for r in rows]
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(
             f"{path}: not a worker registry ({e}); fix or remove it, then add the workers again"
@@ -54,7 +66,9 @@ def load(run: RunDir) -> list[Worker]:
 
 
 def save(run: RunDir, workers: list[Worker]) -> None:
-    atomic_write(run.root / REGISTRY, (json.dumps([asdict(w) for w in workers], indent=2) + "\n").encode(), mode=0o644)
+    atomic_write(
+        run.root / REGISTRY, (json.dumps([w.to_dict() for w in workers], indent=2) + "\n").encode(), mode=0o644
+    )
 
 
 def add(run: RunDir, public_key: Path, name: str | None = None) -> Worker:

@@ -11,7 +11,8 @@ Weights are initializers, so any ONNX Runtime runs an expert with no soma-edge c
 whole bundle in a hidden sibling folder and renames it into place: a failed export leaves nothing behind.
 
 `read` is on the inference path: it must not import onnx, flwr or torch (only hashlib/json here). It checks
-the manifest and the sha256 of every file it lists before anything is loaded.
+the manifest and the sha256 of every file it lists before anything is loaded. `write` reads the run through
+soma_edge.rundir (RunDir, RunState, ExpertRecord), never by file names and keys of its own.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from soma_edge import __version__, checkpoint
-from soma_edge.errors import CheckpointError, SomaError
+from soma_edge import __version__, checkpoint, params
+from soma_edge import config as config_mod
+from soma_edge.config import Config
+from soma_edge.errors import CheckpointError, ConfigError, SomaError
 from soma_edge.protocol import weights_sha256
+from soma_edge.router import Router
+from soma_edge.rundir import ExpertRecord, RunDir, RunState
 
 FORMAT = "soma-edge-deploy"
 FORMAT_VERSION = 1
@@ -195,10 +200,6 @@ def read(root: str | Path) -> Bundle:
 
 def _check_model(entry: ExpertEntry, where: str) -> None:
     """The entry's config is a valid soma-edge config whose model has exactly `params` weights."""
-    from soma_edge import config as config_mod
-    from soma_edge import params
-    from soma_edge.errors import ConfigError
-
     _field(entry.config, "model", dict, f"{where}: config")
     try:
         m = config_mod.from_dict(entry.config).model
@@ -212,7 +213,7 @@ def _check_model(entry: ExpertEntry, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Writing (needs onnx; imported lazily so that `read` stays importable without it)
+# Writing (needs onnx, imported where it is used so that `read` stays importable without it)
 
 
 @dataclass
@@ -221,7 +222,7 @@ class _Expert:
     version: int
     step: int
     val_loss: float | None
-    config: Any  # soma_edge.config.Config
+    config: Config
     weights: np.ndarray  # float32
     weights_sha256: str
 
@@ -229,84 +230,72 @@ class _Expert:
 VERSIONS = ("best", "latest")  # which version of each expert to export: lowest val loss, or last accepted
 
 
-def _load_run(run: Path, version: str = "best") -> tuple[dict[str, Any], list[_Expert], bytes]:
-    from soma_edge import config as config_mod
-    from soma_edge import params
-    from soma_edge.errors import ConfigError
-    from soma_edge.router import Router
-
+def _load_run(run: Path, version: str = "best") -> tuple[RunState, list[_Expert], bytes, Router]:
+    """The run's last commit (state.msgpack, no fallback), its experts' `version`s and its router."""
     if not run.is_dir():
         raise CheckpointError(f"{run}: not a run directory")
-    state = checkpoint.load(run / "state.msgpack", "run_state")
-    if isinstance(state, dict) and state.get("phase") == "seed":
+    rd = RunDir(run)
+    state = rd.read_state_file(rd.state_path)
+    if state.phase == "seed":
         raise CheckpointError(
             f"{run}: the run is still in its seed run (federation.seed_steps); its experts have not "
             "started yet: export after a round of the experts"
         )
-    entries = state.get("experts") if isinstance(state, dict) else None
-    if not isinstance(entries, dict) or not entries:
-        raise CheckpointError(f"{run / 'state.msgpack'}: no experts recorded; has the run trained a round?")
-
-    router_path = run / ROUTER
-    try:
-        router_bytes = router_path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{router_path}: cannot read the router ({e.strerror})") from None
+    if not state.experts:
+        raise CheckpointError(f"{rd.state_path}: no experts recorded; has the run trained a round?")
+    router_bytes = rd.router_bytes()
     try:
         router = Router.from_bytes(router_bytes)
     except SomaError as e:
-        raise CheckpointError(f"{router_path}: {e}") from None
-    ids = sorted(int(k) for k in entries)
+        raise CheckpointError(f"{rd.router}: {e}") from None
+    ids = state.expert_ids()
     if ids != list(range(router.n_experts)):
-        raise CheckpointError(
-            f"{run / 'state.msgpack'}: experts {ids} do not match the router's {router.n_experts} experts"
-        )
-
-    experts = []
-    for i in ids:
-        meta = entries[str(i)] if str(i) in entries else entries[i]
-        if version == "best" and isinstance(meta.get("best"), dict):  # runs from before guarded updates have none
-            meta = meta["best"]
-        rel = Path(str(meta.get("path", "")))
-        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-            raise CheckpointError(f"{run / 'state.msgpack'}: expert {i} has a bad path {str(rel)!r}")
-        path = run / rel
-        body = checkpoint.load(path, "expert")
-        weights = body.get("weights")
-        if not isinstance(weights, np.ndarray) or weights.ndim != 1 or weights.dtype.name not in ("float32", "float16"):
-            raise CheckpointError(f"{path}: weights must be a flat float32 or float16 array")
-        digest = weights_sha256(weights)
-        for name, want in (("the file's sha256", body.get("sha256")), ("state.msgpack's sha256", meta.get("sha256"))):
-            if digest != want:
-                raise CheckpointError(f"{path}: weights do not match {name}; the checkpoint is inconsistent")
-        if body.get("expert") != i or body.get("version") != meta.get("version"):
-            raise CheckpointError(
-                f"{path}: holds expert {body.get('expert')} v{body.get('version')}, state.msgpack expects "
-                f"expert {i} v{meta.get('version')}"
-            )
-        try:
-            cfg = config_mod.from_dict(body.get("config") or {})
-        except ConfigError as e:
-            raise CheckpointError(f"{path}: config: {e}") from None
-        w32 = weights.astype(np.float32)
-        if w32.size != params.count(cfg.model):
-            raise CheckpointError(f"{path}: {w32.size} weights, but the config's model has {params.count(cfg.model)}")
-        if not np.all(np.isfinite(w32)):
-            raise CheckpointError(f"{path}: weights hold NaN or infinity")
-        val = body.get("val_loss")
-        experts.append(
-            _Expert(
-                i, int(body["version"]), int(body.get("step", 0)), None if val is None else float(val), cfg, w32, digest
-            )
-        )
+        raise CheckpointError(f"{rd.state_path}: experts {ids} do not match the router's {router.n_experts} experts")
+    experts = [_load_expert(rd, i, state.expert(i), version) for i in ids]
     seq_lens = {e.config.data.seq_len for e in experts}
     if len(seq_lens) != 1:
         raise CheckpointError(f"{run}: experts were trained with different seq_len {sorted(seq_lens)}")
-    return state, experts, router_bytes
+    return state, experts, router_bytes, router
+
+
+def _load_expert(rd: RunDir, i: int, rec: ExpertRecord, version: str) -> _Expert:
+    """Expert i's `version` ("best" or "latest"), checked against state.msgpack, its own header and config."""
+    meta = rec.best if version == "best" and rec.best is not None else rec  # runs from before guards have no best
+    rel = Path(str(meta.path))
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise CheckpointError(f"{rd.state_path}: expert {i} has a bad path {str(rel)!r}")
+    path = rd.root / rel
+    body = rd.load_expert(str(rel))
+    weights = body.get("weights")
+    if not isinstance(weights, np.ndarray) or weights.ndim != 1 or weights.dtype.name not in ("float32", "float16"):
+        raise CheckpointError(f"{path}: weights must be a flat float32 or float16 array")
+    digest = weights_sha256(weights)
+    for name, want in (("the file's sha256", body.get("sha256")), ("state.msgpack's sha256", meta.sha256)):
+        if digest != want:
+            raise CheckpointError(f"{path}: weights do not match {name}; the checkpoint is inconsistent")
+    if body.get("expert") != i or body.get("version") != meta.version:
+        raise CheckpointError(
+            f"{path}: holds expert {body.get('expert')} v{body.get('version')}, state.msgpack expects "
+            f"expert {i} v{meta.version}"
+        )
+    try:
+        cfg = config_mod.from_dict(body.get("config") or {})
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: config: {e}") from None
+    w32 = weights.astype(np.float32)
+    if w32.size != params.count(cfg.model):
+        raise CheckpointError(f"{path}: {w32.size} weights, but the config's model has {params.count(cfg.model)}")
+    if not np.all(np.isfinite(w32)):
+        raise CheckpointError(f"{path}: weights hold NaN or infinity")
+    val = body.get("val_loss")
+    return _Expert(
+        i, int(body["version"]), int(body.get("step", 0)), None if val is None else float(val), cfg, w32, digest
+    )
 
 
 def _quantize_int8(model: bytes) -> bytes:
     # Dynamic quantization works on files; do it in a private temp folder.
+    # onnxruntime.quantization (it imports onnx) only on this path: `read` is on the inference path.
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory(prefix="soma-q-") as tmp:
@@ -321,7 +310,8 @@ def _quantize_int8(model: bytes) -> bytes:
         return dst.read_bytes()
 
 
-def _router_features(router: Any) -> bytes | None:
+def _router_features(router: Router) -> bytes | None:
+    # soma_edge.graph imports onnx at module level: only on the writing path, as `read` is on the inference path.
     from soma_edge import graph
 
     try:
@@ -332,6 +322,7 @@ def _router_features(router: Any) -> bytes | None:
 
 
 def _graphs(e: _Expert, quantize: str | None) -> dict[str, bytes]:
+    # onnx (and soma_edge.graph, which imports it): only on the writing path, as `read` is on the inference path.
     import onnx
 
     from soma_edge import graph
@@ -348,12 +339,7 @@ def _graphs(e: _Expert, quantize: str | None) -> dict[str, bytes]:
     return out
 
 
-def write(
-    run: str | Path, out: str | Path, quantize: str | None = None, force: bool = False, version: str = "best"
-) -> dict[str, Any]:
-    """Export a run directory to a deploy bundle at `out` (each expert's `version`: "best" or "latest");
-    returns the manifest."""
-    run, out = Path(run), Path(out)
+def _check_write(out: Path, quantize: str | None, force: bool, version: str) -> None:
     if version not in VERSIONS:
         raise BundleError(f"--version must be one of {', '.join(VERSIONS)}, got {version!r}")
     if quantize is not None and quantize not in QUANTIZE:
@@ -362,10 +348,77 @@ def write(
         raise BundleError(f"{out}: already exists; pass --force to replace it")
     if out.exists() and not (out / MANIFEST).is_file():
         raise BundleError(f"{out}: exists and is not a deploy bundle; refusing to replace it")
-    state, experts, router_bytes = _load_run(run, version)
-    from soma_edge.router import Router
 
-    router = Router.from_bytes(router_bytes)
+
+def _entry(e: _Expert, rels: dict[str, str]) -> dict[str, Any]:
+    """An expert's entry in the manifest."""
+    return {
+        "id": e.id,
+        "version": e.version,
+        "step": e.step,
+        "val_loss": e.val_loss,
+        "params": int(e.weights.size),
+        "weights_sha256": e.weights_sha256,
+        "config": e.config.to_dict(),
+        "score": rels["score"],
+        "stream": rels["stream"],
+    }
+
+
+def _manifest(
+    run: Path,
+    state: RunState,
+    version: str,
+    quantize: str | None,
+    router: Router,
+    *,
+    seq_len: int,
+    features: str | None,
+    experts: list[dict[str, Any]],
+    files: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The manifest: `features` names the router featurizer's file (None: there is none), `experts` holds
+    the experts' entries and `files` the sha256 and size of every file."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "soma_edge": __version__,
+        "run": {"name": run.resolve().name, "round": state.round, "version": version},
+        "quantize": quantize,
+        "seq_len": seq_len,
+        "router": {
+            "file": ROUTER,
+            "n_experts": router.n_experts,
+            "temperature": float(router.temperature),
+            # Routing without soma-edge: distances from the featurizer graph (a non-empty context), or
+            # the prior for a document's first window; top-k of softmax(-d^2 / temperature).
+            "features": features,
+            "prior": [float(p) for p in router.prior],
+        },
+        "experts": experts,
+        "files": files,
+    }
+
+
+def _into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished bundle to `out`, replacing the one there (if any) only once it is complete."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+        os.replace(out, old / "bundle")
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def write(
+    run: str | Path, out: str | Path, quantize: str | None = None, force: bool = False, version: str = "best"
+) -> dict[str, Any]:
+    """Export a run directory to a deploy bundle at `out` (each expert's `version`: "best" or "latest");
+    returns the manifest."""
+    run, out = Path(run), Path(out)
+    _check_write(out, quantize, force, version)
+    state, experts, router_bytes, router = _load_run(run, version)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
@@ -386,47 +439,21 @@ def write(
             for kind, data in _graphs(e, quantize).items():
                 rels[kind] = f"experts/{e.id}/{kind}.onnx"
                 put(rels[kind], data)
-            entries.append(
-                {
-                    "id": e.id,
-                    "version": e.version,
-                    "step": e.step,
-                    "val_loss": e.val_loss,
-                    "params": int(e.weights.size),
-                    "weights_sha256": e.weights_sha256,
-                    "config": e.config.to_dict(),
-                    "score": rels["score"],
-                    "stream": rels["stream"],
-                }
-            )
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "soma_edge": __version__,
-            "run": {"name": run.resolve().name, "round": state.get("round"), "version": version},
-            "quantize": quantize,
-            "seq_len": experts[0].config.data.seq_len,
-            "router": {
-                "file": ROUTER,
-                "n_experts": router.n_experts,
-                "temperature": float(router.temperature),
-                # Routing without soma-edge: distances from the featurizer graph (a non-empty context), or
-                # the prior for a document's first window; top-k of softmax(-d^2 / temperature).
-                "features": FEATURES if features is not None else None,
-                "prior": [float(p) for p in router.prior],
-            },
-            "experts": entries,
-            "files": files,
-        }
+            entries.append(_entry(e, rels))
+        manifest = _manifest(
+            run,
+            state,
+            version,
+            quantize,
+            router,
+            seq_len=experts[0].config.data.seq_len,
+            features=FEATURES if features is not None else None,
+            experts=entries,
+            files=files,
+        )
         checkpoint.atomic_write(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
         read(tmp)  # what we wrote must verify
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
-            os.replace(out, old / "bundle")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

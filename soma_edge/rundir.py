@@ -28,17 +28,21 @@ import hashlib
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import numpy as np
 import tomli_w
 
-from soma_edge import checkpoint
+from soma_edge import checkpoint, records
 from soma_edge import config as config_mod
 from soma_edge.config import Config
-from soma_edge.errors import CheckpointError, CorpusError
+from soma_edge.corpus import SPLITS
+from soma_edge.errors import CheckpointError, ConfigError, CorpusError
+from soma_edge.protocol import weights_sha256
+from soma_edge.records import Record
 
 STATE_KIND = "run_state"
 EXPERT_KIND = "expert"
@@ -49,9 +53,218 @@ class RunLockedError(CheckpointError):
     """Another live process holds the run directory."""
 
 
+# --- the records of state.msgpack and prepare.json (soma_edge.records: same bytes, older runs read) -------
+
+
+@dataclass(kw_only=True)
+class BestVersion(Record):
+    """An expert's best version so far (lowest val loss): what the guard bounds replies by, what export takes."""
+
+    version: int
+    sha256: str
+    path: str
+    val_loss: float
+
+    KEYS: ClassVar = ("version", "sha256", "path", "val_loss")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "BestVersion":
+        return records.read(cls, d, where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return records.write(self, self.KEYS)
+
+
+@dataclass(kw_only=True)
+class ExpertRecord(Record):
+    """An expert's entry in state.msgpack: its current version and where it is stored. `best` and the plateau
+    rule's state (`lr_scale`, `best_val`, `best_step`) came later: older runs lack them. `expert` is set
+    only in the finished seed's record (state.msgpack's `seed`)."""
+
+    version: int
+    sha256: str
+    path: str | None  # relative to the run directory
+    step: int = 0
+    train_loss: float | None = None
+    val_loss: float | None = None
+    node: str | None = None  # the label of the node that trained it
+    best: BestVersion | None = None
+    lr_scale: float = 1.0
+    best_val: float | None = None
+    best_step: int = 0
+    expert: int | None = None
+
+    KEYS: ClassVar = (
+        "version",
+        "sha256",
+        "path",
+        "step",
+        "train_loss",
+        "val_loss",
+        "node",
+        "best",
+        "lr_scale",
+        "best_val",
+        "best_step",
+    )
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "ExpertRecord":
+        return records.read(cls, d, where, best=BestVersion.from_dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return records.write(self, self.KEYS, best=None if self.best is None else self.best.to_dict())
+
+    def best_or_current(self) -> BestVersion | None:
+        """Its best version; the current one for a run from before guards (None without a path or val loss)."""
+        if self.best is not None:
+            return self.best
+        if self.path is None or self.val_loss is None:
+            return None
+        return BestVersion(version=self.version, sha256=self.sha256, path=self.path, val_loss=self.val_loss)
+
+
+def expert_records(d: Any, where: str) -> dict[Any, ExpertRecord]:
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{where}: not a map (a {type(d).__name__})")
+    return {e: ExpertRecord.from_dict(x, f"{where}[{e!r}]") for e, x in d.items()}
+
+
+@dataclass(kw_only=True)
+class RunState(Record):
+    """state.msgpack: the commit point of a round. `phase`, `strikes` (guard's table: identity -> count,
+    name, last reason, round) and `seed` (the finished seed's record) came later: older runs lack them."""
+
+    round: int
+    rounds: int | None = None
+    run_id: str | None = None
+    experts: dict[Any, ExpertRecord]  # by expert id, as the file spells it (a string)
+    assignment: dict[str, str] = field(default_factory=dict)  # expert -> label of the node that trained it
+    phase: str = "experts"  # "seed" while the seed run trains
+    strikes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    soma_version: str | None = None
+    seed: ExpertRecord | None = None
+
+    KEYS: ClassVar = ("round", "rounds", "run_id", "experts", "assignment", "phase", "strikes", "soma_version")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "RunState":
+        return records.read(cls, d, where, experts=expert_records, seed=ExpertRecord.from_dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        experts = {e: x.to_dict() for e, x in self.experts.items()}
+        return records.write(self, self.KEYS, experts=experts, seed=None if self.seed is None else self.seed.to_dict())
+
+    def expert_ids(self) -> list[int]:
+        return sorted(int(e) for e in self.experts)
+
+    def expert(self, e: int) -> ExpertRecord:
+        """Expert e's record (KeyError if the state has none)."""
+        return self.experts[str(e)] if str(e) in self.experts else self.experts[e]
+
+
+@dataclass(kw_only=True)
+class ClusterShards(Record):
+    """One cluster of prepare.json: the expert it trains, and its bytes and shard hash per split."""
+
+    id: int
+    expert: int
+    docs: int = 0
+    bytes: dict[str, int] = field(default_factory=dict)  # split -> bytes
+    shards: dict[str, str]  # split -> sha256 of the shard (RUN/shards/<sha256>.bin)
+
+    KEYS: ClassVar = ("id", "expert", "docs", "bytes", "shards")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "ClusterShards":
+        return records.read(cls, d, where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return records.write(self, self.KEYS)
+
+
+@dataclass(kw_only=True)
+class RouterSummary(Record):
+    """prepare.json's account of the router it wrote (router.msgpack)."""
+
+    sha256: str
+    bytes: int | None = None
+    clusters: int | None = None
+    dim: int | None = None
+    temperature: float | None = None
+    prior: list[float] = field(default_factory=list)
+
+    KEYS: ClassVar = ("sha256", "bytes", "clusters", "dim", "temperature", "prior")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "RouterSummary":
+        return records.read(cls, d, where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return records.write(self, self.KEYS)
+
+
+def _clusters(d: Any, where: str) -> list[ClusterShards]:
+    if not isinstance(d, list):
+        raise CheckpointError(f"{where}: not a list (a {type(d).__name__})")
+    return [ClusterShards.from_dict(c, f"{where}[{i}]") for i, c in enumerate(d)]
+
+
+@dataclass(kw_only=True)
+class PrepareSummary(Record):
+    """prepare.json: what `soma-coord prepare` made, and the shards of each expert per split."""
+
+    schema: int | None = None
+    corpus: str | None = None
+    seed: int | None = None
+    experts: int
+    documents: int | None = None
+    bytes: int | None = None
+    separator: str | None = None
+    router: RouterSummary | None = None
+    clusters: list[ClusterShards]
+    purity: float | None = None  # byte-weighted, against the corpus's domains (None: unlabelled)
+    domains: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> cluster -> bytes
+    seconds: float | None = None
+
+    KEYS: ClassVar = (
+        "schema",
+        "corpus",
+        "seed",
+        "experts",
+        "documents",
+        "bytes",
+        "separator",
+        "router",
+        "clusters",
+        "purity",
+        "domains",
+        "seconds",
+    )
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "PrepareSummary":
+        return records.read(cls, d, where, router=RouterSummary.from_dict, clusters=_clusters)
+
+    def to_dict(self) -> dict[str, Any]:
+        router = None if self.router is None else self.router.to_dict()
+        return records.write(self, self.KEYS, router=router, clusters=[c.to_dict() for c in self.clusters])
+
+    def shards(self, expert: int, split: str) -> list[str]:
+        """The shard hashes of `expert`'s clusters for `split`, in cluster order."""
+        if split not in SPLITS:
+            raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        return [c.shards[split] for c in self.clusters if c.expert == expert]
+
+    def shard_sizes(self) -> dict[str, int]:
+        """Every shard's bytes, by its hash."""
+        return {c.shards[s]: int(c.bytes[s]) for c in self.clusters for s in c.shards}
+
+
 class RunDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
+        self.fallback: str | None = None  # why the last load_state fell back to state.prev.msgpack
 
     # --- paths ----------------------------------------------------------------------------------------
     run_toml = property(lambda self: self.root / "run.toml")
@@ -93,6 +306,16 @@ class RunDir:
             ) from None
         except ValueError as e:
             raise CorpusError(f"{self.prepare_json}: not valid JSON ({e})") from None
+
+    def read_prepare(self) -> PrepareSummary:
+        """prepare.json as a record (CheckpointError naming a required key it lacks)."""
+        return PrepareSummary.from_dict(self.load_prepare(), str(self.prepare_json))
+
+    def router_bytes(self) -> bytes:
+        try:
+            return self.router.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{self.router}: cannot read the router ({e.strerror})") from None
 
     def shard(self, sha: str) -> bytes:
         path = self.root / "shards" / f"{sha}.bin"
@@ -158,7 +381,7 @@ class RunDir:
         """The last committed state that loads (and, with `verify`, whose expert files all load and match
         their hashes): state.msgpack, else the commit before it (state.prev.msgpack), with one warning in
         `self.fallback`. None for a run that never committed; CheckpointError when nothing committed loads."""
-        self.fallback: str | None = None
+        self.fallback = None
         errors = []
         for path in (self.state_path, self.prev_state_path):
             if not path.exists():
@@ -168,7 +391,7 @@ class RunDir:
                 if not isinstance(state, dict):
                     raise CheckpointError(f"{path}: not a run state (a {type(state).__name__}, not a map)")
                 if verify:
-                    self._verify_experts(state, path)
+                    verify_experts(self, state, path)
             except CheckpointError as e:
                 errors.append(str(e))
                 continue
@@ -186,19 +409,16 @@ class RunDir:
     def load_state_file(self, path: Path) -> dict[str, Any]:
         return checkpoint.load(path, STATE_KIND)
 
-    def _verify_experts(self, state: Any, where: Path) -> None:
-        from soma_edge.protocol import weights_sha256
+    def read_state(self, verify: bool = False) -> RunState | None:
+        """`load_state` as a record (CheckpointError naming a required key it lacks)."""
+        state = self.load_state(verify)
+        if state is None:
+            return None
+        return RunState.from_dict(state, str(self.prev_state_path if self.fallback else self.state_path))
 
-        experts = state.get("experts") if isinstance(state, dict) else None
-        if not isinstance(experts, dict):
-            raise CheckpointError(f"{where}: no experts map")
-        for e, x in experts.items():
-            if not isinstance(x, dict) or not isinstance(x.get("sha256"), str):
-                raise CheckpointError(f"{where}: expert {e!r} is not a version record")
-            body = self.load_expert(str(x.get("path", "")))
-            w = body.get("weights") if isinstance(body, dict) else None
-            if not isinstance(w, np.ndarray) or weights_sha256(w) != x["sha256"]:
-                raise CheckpointError(f"{self.root / str(x.get('path'))}: weights do not match {where.name}")
+    def read_state_file(self, path: Path) -> RunState:
+        """One state file as a record, with no fallback (export reads the last commit, and only it)."""
+        return RunState.from_dict(self.load_state_file(path), str(path))
 
     def save_state(self, state: dict[str, Any]) -> None:
         """Commit `state`; the state it replaces stays as state.prev.msgpack, the fallback of `load_state`
@@ -212,13 +432,7 @@ class RunDir:
             text = self.metrics_path.read_text()
         except FileNotFoundError:
             return []
-        out = []
-        for line in text.splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn tail cannot happen with atomic rewrites, but never fail on a log
-        return out
+        return json_lines(text.splitlines())
 
     def append_metrics(self, lines: list[dict[str, Any]]) -> None:
         """Add a commit's lines in one write, then fsync: the file only grows while a run goes on, so what
@@ -245,13 +459,7 @@ class RunDir:
         except FileNotFoundError:
             return
         *whole, tail = raw.split(b"\n")  # what follows the last newline is torn (or nothing)
-        lines = []
-        for line in whole:
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                continue
-        kept = [m for m in lines if int(m.get("round", 0)) <= last_round]
+        kept = [m for m in json_lines(whole) if int(m.get("round", 0)) <= last_round]
         if tail or len(kept) != len(whole):
             self.write_metrics(kept)
 
@@ -284,48 +492,91 @@ class RunDir:
 
     # --- the lock -------------------------------------------------------------------------------------
 
-    @contextmanager
-    def lock(self, wait: float = 0.0) -> Iterator[None]:
+    def lock(self, wait: float = 0.0) -> AbstractContextManager[None]:
         """Exclusive hold on the run directory (flock: released by the kernel when the holder dies, even
         by kill -9). Waits up to `wait` seconds for a previous holder to exit."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            deadline = time.monotonic() + wait
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        holder = self.lock_holder()
-                        raise RunLockedError(
-                            f"{self.root} is in use by another coordinator (pid {holder}); stop it first"
-                        ) from None
-                    time.sleep(0.2)
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
+        return hold(self.root, self.lock_path, wait)
 
     def lock_holder(self) -> int | None:
-        try:
-            return int(self.lock_path.read_text().strip() or 0) or None
-        except (OSError, ValueError):
-            return None
+        return holder(self.lock_path)
 
     def is_locked(self) -> bool:
-        if not self.lock_path.exists():
-            return False
-        fd = os.open(self.lock_path, os.O_RDONLY)
+        return held(self.lock_path)
+
+
+def verify_experts(run: RunDir, state: Any, where: Path) -> None:
+    """Every expert file that a state (read from `where`) refers to loads, and holds the weights it names."""
+    experts = state.get("experts") if isinstance(state, dict) else None
+    if not isinstance(experts, dict):
+        raise CheckpointError(f"{where}: no experts map")
+    for e, x in experts.items():
+        if not isinstance(x, dict) or not isinstance(x.get("sha256"), str):
+            raise CheckpointError(f"{where}: expert {e!r} is not a version record")
+        body = run.load_expert(str(x.get("path", "")))
+        w = body.get("weights") if isinstance(body, dict) else None
+        if not isinstance(w, np.ndarray) or weights_sha256(w) != x["sha256"]:
+            raise CheckpointError(f"{run.root / str(x.get('path'))}: weights do not match {where.name}")
+
+
+# --- the lock (RunDir.lock) -------------------------------------------------------------------------------
+
+
+@contextmanager
+def hold(root: Path, lock_path: Path, wait: float) -> Iterator[None]:
+    """Hold the flock on `lock_path` (with our pid in it), waiting up to `wait` seconds for it."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    pid = holder(lock_path)
+                    raise RunLockedError(
+                        f"{root} is in use by another coordinator (pid {pid}); stop it first"
+                    ) from None
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def holder(lock_path: Path) -> int | None:
+    """The pid written by the last holder of the lock."""
+    try:
+        return int(lock_path.read_text().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def held(lock_path: Path) -> bool:
+    """Whether a live process holds the lock."""
+    if not lock_path.exists():
+        return False
+    fd = os.open(lock_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def json_lines(lines: list[str] | list[bytes]) -> list[Any]:
+    """The lines that parse as JSON: a log is never a reason to fail."""
+    out = []
+    for line in lines:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def metrics_bytes(lines: list[dict[str, Any]]) -> bytes:

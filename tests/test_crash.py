@@ -48,7 +48,7 @@ from fakegrid import TINY, set_fed
 from soma_edge import checkpoint, protocol
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import RunDir, verify_experts
 
 CHILD = Path(__file__).resolve().parent / "crash_child.py"
 ROUNDS = 3
@@ -236,10 +236,10 @@ def check_resumed(rd: RunDir, snap: dict, expected_tmp: list[str]) -> None:
     final = checkpoint.load(rd.state_path, "run_state")
     assert final["round"] == ROUNDS
     assert (rd.read_status() or {}).get("phase") == "done"
-    rd._verify_experts(final, rd.state_path)
+    verify_experts(rd, final, rd.state_path)
     assert rd.prev_state_path.exists()
     prev = checkpoint.load(rd.prev_state_path, "run_state")
-    rd._verify_experts(prev, rd.prev_state_path)
+    verify_experts(rd, prev, rd.prev_state_path)
     assert prev["round"] < ROUNDS
     check = RunDir(root)
     assert check.load_state(verify=True)["round"] == ROUNDS and check.fallback is None
