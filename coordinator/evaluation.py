@@ -19,6 +19,7 @@ from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import SomaError
 from soma_edge.logs import role_logger
 from soma_edge.rundir import RunDir
+from soma_edge.runtime import LossEvaluator, make_session, mean_loss
 
 log = role_logger("soma.coord")
 
@@ -29,7 +30,7 @@ class Evaluation:
     def __init__(self, run: RunDir, cfg: Config, shards: Shards) -> None:
         self.run, self.cfg, self.shards = run, cfg, shards
         self.windows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # expert -> its val windows (x, y)
-        self.evaluator: Any = None  # the loss session, made on first use (onnxruntime)
+        self.evaluator: LossEvaluator | None = None  # the loss session (onnxruntime), made on first use
         self.router: Any = None  # RUN/router, loaded on first use
 
     def val_stream(self, e: int) -> np.ndarray:
@@ -42,9 +43,6 @@ class Evaluation:
         return stream
 
     def val_loss(self, e: int, weights: np.ndarray) -> float:
-        # soma_edge.runtime's sessions import onnxruntime (heavy): only a coordinator that evaluates loads it.
-        from soma_edge.runtime import LossEvaluator, mean_loss
-
         if e not in self.windows:
             self.windows[e] = eval_windows(self.val_stream(e), self.cfg.data.seq_len, self.cfg.federation.val_windows)
         if self.evaluator is None:
@@ -71,9 +69,8 @@ class Evaluation:
             return None
 
     def _logprobs(self, path: str) -> Callable[[np.ndarray], np.ndarray]:
-        # The graph builder imports onnx and the session onnxruntime (both heavy): loaded for this only.
+        # soma_edge.graph imports onnx (heavy) at its top: loaded only where a commit scores the mixture.
         from soma_edge.graph import build
-        from soma_edge.runtime import make_session
 
         w = protocol.decode_weights(self.run.load_expert(path)["weights"])
         sess = make_session(build(self.cfg.model, "logprobs", weights=w), "cpu", 1, False)

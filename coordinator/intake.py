@@ -27,6 +27,7 @@ from soma_edge.corpus import SEPARATOR
 from soma_edge.errors import CodecError, ValidationError
 from soma_edge.logs import role_logger
 from soma_edge.rundir import RunDir
+from soma_edge.runtime import evaluator_for
 from soma_edge.spsa import OptState, State, UpdateLog, plateau, schedule
 
 log = role_logger("soma.coord")
@@ -218,9 +219,6 @@ class Intake:
         return w, opt
 
     def _audit_evaluator(self, cfg: Config) -> Any:
-        # soma_edge.runtime's sessions import onnxruntime (heavy): only a coordinator that audits loads it.
-        from soma_edge.runtime import evaluator_for
-
         if self.auditor is None:  # one thread, no spinning, as for the val loss
             self.auditor = evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1)
         return self.auditor
