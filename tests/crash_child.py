@@ -120,13 +120,13 @@ class Injector:
         return False
 
     def install(self) -> None:
-        from coordinator import server_app
+        from coordinator.loop import Loop
         from soma_edge import checkpoint
         from soma_edge import rundir as run_mod
         from soma_edge.rundir import RunDir
 
         inj = self
-        real_round, real_commit = server_app.Coordinator._start_round, server_app.Coordinator._commit
+        real_round, real_commit = Loop.start_round, Loop.commit
         real_atomic, real_replace = checkpoint._atomic_write, os.replace
         real_save_state, real_prune, real_unlink = RunDir.save_state, RunDir.prune, Path.unlink
         real_append = RunDir.append_metrics
@@ -135,9 +135,9 @@ class Injector:
             inj.current_round = r
             return real_round(self, r, ahead)
 
-        def _commit(self, r, ctx, t_next):
+        def _commit(self, rnd, t_next):
             inj.unlinks_this_commit = 0
-            return real_commit(self, r, ctx, t_next)
+            return real_commit(self, rnd, t_next)
 
         def _atomic_write(path, data, mode=None):
             mine = inj.phase in ("experts", "metrics", "state") and inj.target(path)
@@ -204,8 +204,8 @@ class Injector:
             if mine and inj.point == "after_unlink":
                 inj.hit(f"unlink {self} done")
 
-        server_app.Coordinator._start_round = _round
-        server_app.Coordinator._commit = _commit
+        Loop.start_round = _round
+        Loop.commit = _commit
         checkpoint._atomic_write = _atomic_write
         RunDir.append_metrics = append_metrics
         os.replace = replace
@@ -243,7 +243,7 @@ def main() -> int:
 
     from fakegrid import FakeGrid
 
-    from coordinator.server_app import Coordinator
+    from coordinator.loop import Coordinator
     from soma_edge.rundir import RunDir
 
     run = RunDir(a.run)

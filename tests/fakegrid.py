@@ -119,10 +119,12 @@ class FakeGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
-def hold_first_train_reply(grid: FakeGrid, coord, node: int) -> None:
+def hold_first_train_reply(grid: FakeGrid, monkeypatch, node: int) -> None:
     """Node `node` answers its first train request only once the round has given up on it: its reply is
-    there when the next round collects late replies (`Coordinator._collect_late`)."""
-    real_pull, real_collect = grid.pull_messages, coord._collect_late
+    there when the next round collects late replies (`Loop.collect_late`)."""
+    from coordinator.loop import Loop
+
+    real_pull, real_collect = grid.pull_messages, Loop.collect_late
     first: list[str] = []
     collecting: list[int] = []
 
@@ -138,14 +140,15 @@ def hold_first_train_reply(grid: FakeGrid, coord, node: int) -> None:
                 first.append(mid)
         return real_pull([mid for mid in ids if mid not in first or collecting])
 
-    def collect(r):
+    def collect(self, r):
         collecting.append(r)
         try:
-            return real_collect(r)
+            return real_collect(self, r)
         finally:
             collecting.pop()
 
-    grid.pull_messages, coord._collect_late = pull, collect
+    grid.pull_messages = pull
+    monkeypatch.setattr(Loop, "collect_late", collect)
 
 
 def set_fed(rd: RunDir, **fed) -> None:

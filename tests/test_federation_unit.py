@@ -19,7 +19,8 @@ from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 from flwr.app import Context, Message, RecordDict
 
 from coordinator import scheduler
-from coordinator.server_app import Coordinator
+from coordinator.dispatch import log_bytes
+from coordinator.loop import Coordinator
 from soma_edge import checkpoint, protocol
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
@@ -534,15 +535,17 @@ def test_a_round_deadline_prices_the_reply_up_a_measured_link(run, tmp_path):
     set_fed(run, rounds=1)
     coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run)
     coord.main()
-    a = coord.nodes[1000]
+    loop = coord.loop
+    a = loop.fleet.nodes[1000]
     a.link, steps = None, {0: 1000, 1: 1000}
-    assert coord._reply_seconds(1000, [0, 1], 2, steps) == 0.0
+    assert loop.planner.reply_seconds(1000, [0, 1], 2, steps) == 0.0
     a.link = 1e5
-    assert coord._reply_seconds(1000, [0, 1], 2, steps) == pytest.approx(2 * 12 * coord.size / 1e5)
+    assert loop.planner.reply_seconds(1000, [0, 1], 2, steps) == pytest.approx(2 * 12 * loop.ledger.size / 1e5)
     set_fed(run, reply="log")
-    coord.cfg = run.load_config()
-    assert coord._reply_seconds(1000, [0, 1], 2, steps) == pytest.approx(2 * coord._log_bytes(1000) / 1e5)
-    assert coord._log_bytes(1000) < 12 * coord.size
+    loop.cfg.federation.reply = run.load_config().federation.reply  # the config every part of the loop shares
+    phase = loop.ledger.phase_config()
+    assert loop.planner.reply_seconds(1000, [0, 1], 2, steps) == pytest.approx(2 * log_bytes(phase, 1000) / 1e5)
+    assert log_bytes(phase, 1000) < 12 * loop.ledger.size
 
 
 def test_scheduler_bounds_claimed_rates_and_steps():
@@ -980,7 +983,7 @@ def test_a_reply_after_the_deadline_but_before_the_next_plan_is_accepted(run, tm
     set_fed(run, rounds=2, deadline_slack=0.5)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     coord = Coordinator(grid, run)
-    hold_first_train_reply(grid, coord, 1001)
+    hold_first_train_reply(grid, monkeypatch, 1001)
     state = coord.main()
     lines = [m for m in run.read_metrics() if m["type"] == "expert"]
     r1 = {m["expert"]: m for m in lines if m["round"] == 1 and not m.get("late")}

@@ -12,7 +12,7 @@ import pytest
 from fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 
 from coordinator import guard
-from coordinator.server_app import Coordinator
+from coordinator.loop import Coordinator
 from soma_edge import checkpoint, protocol
 
 TOL = 0.3  # wide enough for the honest node's noise on TINY's 4 val windows
@@ -36,15 +36,15 @@ def _drift(coord, res):
     """An attacker that knows the coordinator's val set: each reply is 0.9 tolerance worse than the version
     it was sent, found by bisection along a fixed direction, so each single step is within tolerance."""
     e = res["expert"]
-    base = coord.state["experts"][str(e)]["val_loss"]
+    base = coord.loop.ledger.state["experts"][str(e)]["val_loss"]
     w = res["weights"].astype(np.float32)
     d = np.random.default_rng(e).standard_normal(w.size).astype(np.float32)
     lo, hi = 0.0, 1.0
-    while coord._val_loss(e, w + hi * d) < base + 0.9 * TOL:
+    while coord.loop.evaluation.val_loss(e, w + hi * d) < base + 0.9 * TOL:
         hi *= 2
     for _ in range(30):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if coord._val_loss(e, w + mid * d) < base + 0.9 * TOL else (lo, mid)
+        lo, hi = (mid, hi) if coord.loop.evaluation.val_loss(e, w + mid * d) < base + 0.9 * TOL else (lo, mid)
     _rehash(res, w + lo * d)
 
 
@@ -128,7 +128,7 @@ def test_a_late_poisoned_reply_strikes_and_excludes_its_node_in_the_round_that_s
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, _scale10))
     coord = Coordinator(grid, run)
     box.append(coord)
-    hold_first_train_reply(grid, coord, 1001)
+    hold_first_train_reply(grid, monkeypatch, 1001)
     coord.main()
     r2 = next(m for m in run.read_metrics() if m["type"] == "round" and m["round"] == 2)
     assert r2["rejected"] and all(x["node"] == "b" for x in r2["rejected"]) and r2["excluded"] == ["b"], r2

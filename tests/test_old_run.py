@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fakegrid import FakeGrid, set_fed
 
-from coordinator.server_app import Coordinator
+from coordinator.loop import Coordinator
 from soma_edge.rundir import RunDir
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from fakegrid import FakeGrid, equal_rates, set_fed
 
+from coordinator.loop import Coordinator
 from coordinator.progress import Events, Follower
-from coordinator.server_app import Coordinator
 from soma_edge import protocol
 from worker import join
 
@@ -276,11 +276,12 @@ def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
     ]
     assert sent and protocol.heartbeat_advice(sent[0]) == 30.0  # round 1: the link is not measured yet
     assert Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == 30.0
-    a = coord.nodes[1000]
-    biggest = coord._version_bytes() + sum(coord._shard_sizes().values())  # this tiny run's largest message
+    loop = coord.loop
+    a = loop.fleet.nodes[1000]
+    biggest = loop.ledger.version_bytes() + sum(loop.shards.sizes.values())  # this tiny run's largest message
     for link, advice in ((None, 30.0), (biggest / 5, 10.0), (biggest / 20, 30.0)):  # it takes 5 s, 20 s
         a.link = link
-        assert coord._heartbeat(1000) == advice, link
+        assert loop.fleet.heartbeat(1000) == advice, link
 
     before, stop = heartbeat.HEARTBEAT_DEFAULT_INTERVAL, threading.Event()
     cache = Cache(tmp_path / "w")

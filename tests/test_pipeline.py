@@ -11,7 +11,7 @@ import pytest
 from fakegrid import FakeGrid, equal_rates, set_fed
 
 from coordinator import guard
-from coordinator.server_app import Coordinator
+from coordinator.loop import Coordinator, Loop
 from soma_edge import checkpoint, protocol
 
 
@@ -118,13 +118,13 @@ def test_an_expert_moving_to_a_node_without_its_claimed_version_waits_for_the_co
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     marks = _commits(run, grid)
     coord = Coordinator(grid, run)
-    real_start = coord._start_round
+    real_start = Loop.start_round
 
-    def start(r, ahead=None):
+    def start(self, r, ahead=None):
         grid.gone = {1000} if r == 2 else set()
-        return real_start(r, ahead)
+        return real_start(self, r, ahead)
 
-    coord._start_round = start
+    monkeypatch.setattr(Loop, "start_round", start)
     state = coord.main()
     lines = {(m["round"], m["expert"]): m for m in run.read_metrics() if m["type"] == "expert"}
     assert all(m["accepted"] for m in lines.values()) and state["round"] == 2

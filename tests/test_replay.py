@@ -215,7 +215,7 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
     hash), and the replies carry a small fraction of the bytes that weights mode moves."""
     from fakegrid import FakeGrid, equal_rates, set_fed
 
-    from coordinator.server_app import Coordinator
+    from coordinator.loop import Coordinator
     from worker.cache import Cache
 
     equal_rates(monkeypatch)
@@ -247,7 +247,7 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
 def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(run, tmp_path, monkeypatch):
     from fakegrid import FakeGrid, equal_rates, set_fed
 
-    from coordinator.server_app import Coordinator
+    from coordinator.loop import Coordinator
 
     equal_rates(monkeypatch)
     set_fed(run, rounds=2, reply="auto", weights_every=2)
@@ -280,7 +280,7 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
     from fakegrid import FakeGrid, equal_rates, set_fed
 
     from coordinator import replay as replay_mod
-    from coordinator.server_app import Coordinator
+    from coordinator.loop import Coordinator
 
     equal_rates(monkeypatch)
     set_fed(run, rounds=2, reply="log", audit_steps=1024)  # every step: the altered one is surely among them
@@ -291,12 +291,14 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
         for res in body["results"] if nid == 1001 else []:
             log = spsa.UpdateLog.from_record(res["log"])
             log.grads[log.steps // 2, 0] *= 3.0
-            x = coord.state["experts"][str(res["expert"])]
+            x = coord.loop.ledger.state["experts"][str(res["expert"])]
             stored = coord.run.load_expert(x["path"])
             base = spsa.State(
-                protocol.decode_weights(stored["weights"]), step=x["step"], opt=coord._checked_opt(stored, x["path"])
+                protocol.decode_weights(stored["weights"]),
+                step=x["step"],
+                opt=coord.loop.ledger.checked_opt(stored, x["path"]),
             )
-            got = replay_mod.rebuild(coord._phase_config(), base, log, res["expert"])
+            got = replay_mod.rebuild(coord.loop.ledger.phase_config(), base, log, res["expert"])
             res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
         return body
 
@@ -315,7 +317,7 @@ def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, m
     from fakegrid import FakeGrid, set_fed
     from flwr.app import Message
 
-    from coordinator.server_app import Coordinator
+    from coordinator.loop import Coordinator
     from worker import client_app
 
     cfg = run.load_config()
@@ -347,7 +349,7 @@ def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(r
     rebuilds version 2 itself, checked against its hash) instead of the weights; 1 and 3 come as weights."""
     from fakegrid import FakeGrid, equal_rates, set_fed
 
-    from coordinator.server_app import Coordinator
+    from coordinator.loop import Coordinator, Loop
 
     equal_rates(monkeypatch)
     cfg = run.load_config()
@@ -356,13 +358,13 @@ def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(r
     set_fed(run, rounds=3, reply="log", min_nodes=1)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     coord = Coordinator(grid, run)
-    real_start = coord._start_round
+    real_start = Loop.start_round
 
-    def start(r, ahead=None):
+    def start(self, r, ahead=None):
         grid.gone = {1: set(), 2: {1000}, 3: {1001}}[r]
-        return real_start(r, ahead)
+        return real_start(self, r, ahead)
 
-    coord._start_round = start
+    monkeypatch.setattr(Loop, "start_round", start)
     state = coord.main()
     lines = [m for m in run.read_metrics() if m["type"] == "expert"]
     assert all(m["accepted"] for m in lines) and state["round"] == 3

@@ -10,7 +10,8 @@ import pytest
 from fakegrid import FakeGrid, set_fed
 
 from coordinator.board import Board
-from coordinator.server_app import Coordinator
+from coordinator.fleet import Fleet
+from coordinator.loop import Coordinator, Loop
 from soma_edge import protocol
 
 
@@ -71,24 +72,25 @@ def test_tensorboard_false_writes_no_event_files(run, tmp_path):
 
 
 @pytest.mark.parametrize("when,last", [("while round 2 collects", 2), ("when round 3 has gone ahead", 3)])
-def test_a_stop_request_ends_the_run_after_the_round_in_progress(run, tmp_path, when, last):
+def test_a_stop_request_ends_the_run_after_the_round_in_progress(run, tmp_path, monkeypatch, when, last):
     set_fed(run, rounds=6)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     coord = Coordinator(grid, run)
-    real_collect, real_commit = coord._collect, coord._commit
+    real_collect, real_commit = Loop.collect, Loop.commit
 
-    def collect(ctx):
+    def collect(self, ctx):
         if ctx.r == 2 and when.startswith("while"):
             run.request_stop()
-        return real_collect(ctx)
+        return real_collect(self, ctx)
 
-    def commit(r, ctx, t_next):
-        if r == 2 and when.startswith("when"):
+    def commit(self, ctx, t_next):
+        if ctx.r == 2 and when.startswith("when"):
             assert t_next is not None  # round 3 went ahead of this commit
             run.request_stop()
-        return real_commit(r, ctx, t_next)
+        return real_commit(self, ctx, t_next)
 
-    coord._collect, coord._commit = collect, commit
+    monkeypatch.setattr(Loop, "collect", collect)
+    monkeypatch.setattr(Loop, "commit", commit)
     state = coord.main()
     assert state["round"] == last and [m["round"] for m in run.read_metrics() if m["type"] == "round"] == list(
         range(1, last + 1)
@@ -109,26 +111,27 @@ def test_a_stop_request_ends_the_run_after_the_round_in_progress(run, tmp_path, 
     assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()["round"] == 6  # and it resumes
 
 
-def test_a_stop_request_ends_a_wait_for_workers_when_none_is_left(run, tmp_path):
+def test_a_stop_request_ends_a_wait_for_workers_when_none_is_left(run, tmp_path, monkeypatch):
     """Every worker gone after round 1: round 2 waits for one (up to wait_seconds, then the run would fail);
     a stop request ends that wait, and the run stops after round 1 and resumes later."""
     set_fed(run, rounds=4, pipeline=False, wait_seconds=60.0)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     coord = Coordinator(grid, run)
-    real_commit, real_wait, waits = coord._commit, coord._wait_for_nodes, []
+    real_commit, real_wait, waits = Loop.commit, Fleet.wait_for_nodes, []
 
-    def commit(r, ctx, t_next):
-        real_commit(r, ctx, t_next)
-        if r == 1:
+    def commit(self, ctx, t_next):
+        real_commit(self, ctx, t_next)
+        if ctx.r == 1:
             grid.gone.update(grid.nodes)
 
-    def wait(want, grace=0.0, stoppable=False):
+    def wait(self, want, grace=0.0, stoppable=False):
         waits.append(want)
         if want == 1:
             run.request_stop()
-        return real_wait(want, grace, stoppable)
+        return real_wait(self, want, grace, stoppable)
 
-    coord._commit, coord._wait_for_nodes = commit, wait
+    monkeypatch.setattr(Loop, "commit", commit)
+    monkeypatch.setattr(Fleet, "wait_for_nodes", wait)
     t0 = time.monotonic()
     state = coord.main()
     assert state["round"] == 1 and waits[-1] == 1 and time.monotonic() - t0 < 30

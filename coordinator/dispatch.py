@@ -1,0 +1,289 @@
+"""What each node is sent: its experts' train request (each task's base version as weights, as the log
+from a version the node holds, or nothing where it holds it; the shards it lacks, in pieces before the
+request where they are many), what it is asked to send back (`reply_mode`), and the requests that go
+again: a resend after a cache miss, idle experts handed to a node without work.
+
+Called by coordinator.loop (a round's requests), coordinator.intake (a resend) and coordinator.planning
+(how long a reply takes up a link).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from coordinator import scheduler
+from coordinator.fleet import Fleet, Node, Outgoing, message
+from coordinator.ledger import Bases, Ledger
+from coordinator.round import Round, Waiting
+from coordinator.shards import Shards
+from soma_edge import params, protocol
+from soma_edge.config import Config, ReplyPolicy
+from soma_edge.errors import CheckpointError, CorpusError
+from soma_edge.logs import role_logger
+from soma_edge.protocol import ReplyMode
+from soma_edge.rundir import RunDir
+from soma_edge.spsa import UpdateLog, evals_per_step
+
+log = role_logger("soma.coord")
+
+
+def log_bytes(phase: Config, steps: int) -> int:
+    """An update log's size: 4 bytes per direction per step, and a delta-rule decoder's weights and moments."""
+    lay = params.layout(phase.model)
+    dense = 3 * (lay.size - lay.body) if phase.spsa.decoder == "delta" else 0
+    return 4 * (steps * phase.spsa.directions * phase.spsa.accumulate + dense)
+
+
+def reply_mode(cfg: Config, phase: Config, node: Node, r: int, steps: int, version_bytes: int) -> ReplyMode:
+    """What to ask a node's experts back in round r: weights, the update log, or both (a checkpoint)."""
+    fed = cfg.federation
+    if fed.reply == ReplyPolicy.WEIGHTS:
+        return ReplyMode.WEIGHTS
+    if phase.spsa.noise == "gaussian" and node.caps.get("numpy") != np.__version__:
+        return ReplyMode.WEIGHTS  # numpy does not promise the same Gaussian stream from one version to the next
+    if fed.reply == ReplyPolicy.LOG:
+        return ReplyMode.LOG
+    if log_bytes(phase, steps) >= version_bytes:  # a log longer than the weights and their Adam moments
+        return ReplyMode.WEIGHTS
+    return ReplyMode.BOTH if r % fed.weights_every == 0 else ReplyMode.LOG
+
+
+class Dispatcher:
+    def __init__(self, run: RunDir, cfg: Config, ledger: Ledger, fleet: Fleet, shards: Shards) -> None:
+        self.run, self.cfg, self.ledger, self.fleet, self.shards = run, cfg, ledger, fleet, shards
+
+    def send_round(self, rnd: Round, by_node: dict[int, list[int]], bases: Bases, ahead: Round | None) -> None:
+        """Send round rnd's requests (`by_node`: each node's experts). Planned ahead of round `ahead`'s checks,
+        a node given an expert whose claimed version another node made waits for that round's commit."""
+        for nid, es in sorted(by_node.items()):
+            if ahead and any(e in ahead.claims and ahead.claims[e].node != nid for e in es):
+                rnd.deferred[nid] = es
+            else:
+                self.send_train(rnd, nid, es, rnd.plan.steps, bases)
+
+    def send_deferred(self, rnd: Round) -> None:
+        """After the last round's commit: the requests `send_round` held back for it go out, and the
+        round's deadline moves by the time the coordinator spent on that round's checks and commit (it
+        pulled no replies meanwhile, and the held-back requests went out only now)."""
+        rnd.deadline += self.fleet.clock() - rnd.t_sent
+        bases = Bases(self.ledger, self.fleet.nodes)  # committed now
+        for nid, es in sorted(rnd.deferred.items()):
+            self.send_train(rnd, nid, es, rnd.plan.steps, bases)
+        rnd.deferred.clear()
+
+    def send_train(
+        self, rnd: Round, nid: int, experts: list[int], steps: dict[int, int], bases: Bases, max_seconds=None
+    ) -> None:
+        """Give node `nid` its experts: the shard bytes it lacks in pieces of at most PIECE_BYTES, all but
+        the last as messages of their own, then (once those are stored) the train request with the last."""
+        shards, shard_bytes = self.missing_shards(nid, experts)
+        pieces = protocol.split_pieces(shards, self.cfg.federation.piece_bytes)
+        last = pieces.pop() if pieces else []
+        if not pieces:
+            self.push_train(rnd, self.train_request(rnd.r, nid, experts, steps, bases, max_seconds, last, shard_bytes))
+            return
+        before = set(self.fleet.out)
+        run_id = self.ledger.state["run_id"]
+        self.fleet.push(
+            [
+                (
+                    message(protocol.pieces_request(run_id, nid, p), protocol.KIND_PIECES, nid, protocol.QUERY_SHARDS),
+                    Outgoing(node=nid, kind="pieces"),
+                )
+                for p in pieces
+            ]
+        )
+        rnd.waiting[nid] = Waiting(set(self.fleet.out) - before, experts, steps, last, shard_bytes)
+        log.info(
+            "round %d: node %s lacks %.1f MiB of shards: %d pieces go before its experts %s",
+            rnd.r,
+            self.fleet.nodes[nid].label,
+            sum(map(len, shards.values())) / 2**20,
+            len(pieces) + 1,
+            experts,
+        )
+
+    def push_train(self, rnd: Round, item: tuple[Any, Outgoing]) -> None:
+        before = set(self.fleet.out)
+        self.fleet.push([item])
+        rnd.train_mids |= set(self.fleet.out) - before
+
+    def on_pieces(self, mid: str, reply: Any, o: Outgoing, rnd: Round) -> None:
+        """A piece was stored (or not: the train request then finds the shard missing and it comes again).
+        The node's train request goes out with the last piece once every earlier one is answered."""
+        rnd.bytes_down += o.bytes_down
+        wait = rnd.waiting.get(o.node)
+        if wait is None:
+            return
+        if reply.has_error():
+            log.warning("round %d: node %s did not store shard pieces: %s", rnd.r, o.node, reply.error.reason)
+        wait.mids.discard(mid)
+        if wait.mids:
+            return
+        del rnd.waiting[o.node]
+        left = rnd.deadline - self.fleet.clock() - self.cfg.federation.deadline_slack
+        bases = Bases(self.ledger, self.fleet.nodes)  # the committed versions (requests planned ahead defer)
+        item = self.train_request(
+            rnd.r, o.node, wait.experts, wait.steps, bases, max(left, 1.0), wait.last, wait.shard_bytes
+        )
+        self.push_train(rnd, item)
+
+    def missing_shards(self, nid: int, experts: list[int]) -> tuple[dict[str, bytes], dict[int, int]]:
+        """The train shards of `experts` that node `nid` lacks, and how many of their bytes each expert
+        is the first to need."""
+        node, shards, per_expert = self.fleet.nodes[nid], {}, {}
+        for e in experts:
+            hashes = self.shards.train(e)
+            if not hashes:
+                raise CorpusError(f"expert {e} has no train shards in {self.run.prepare_json}")
+            per_expert[e] = 0
+            for h in hashes:
+                if h not in node.shards and h not in shards:
+                    shards[h] = self.run.shard(h)
+                    per_expert[e] += len(shards[h])
+        return shards, per_expert
+
+    def train_request(
+        self,
+        r: int,
+        nid: int,
+        experts: list[int],
+        steps: dict[int, int],
+        bases: Bases,
+        max_seconds: float | None,
+        pieces: list[dict[str, Any]],
+        shard_bytes: dict[int, int],
+    ) -> tuple[Any, Outgoing]:
+        """Node `nid`'s train request for round r, and what it expects back."""
+        node, fed, phase = self.fleet.nodes[nid], self.cfg.federation, self.ledger.phase_config()
+        most = max((steps[e] for e in experts), default=0)
+        mode = reply_mode(self.cfg, phase, node, r, most, self.ledger.version_bytes())
+        tasks, per_expert, exp_tasks = [], {}, {}
+        for e in experts:
+            task, exp_tasks[e], per_expert[e] = self._task(e, node, steps[e], bases, mode)
+            per_expert[e]["shards"] = shard_bytes.get(e, 0)
+            tasks.append(task)
+        body = protocol.train_request(
+            round=r,
+            node=nid,
+            run_id=self.ledger.state["run_id"],
+            config=phase.to_dict(),
+            reply_dtype=fed.reply_dtype,
+            max_seconds=max_seconds or fed.round_seconds,
+            tasks=tasks,
+            pieces=pieces,
+            heartbeat=self.fleet.heartbeat(nid),
+        )
+        size = self.ledger.size
+        expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=size, reply_dtype=fed.reply_dtype)
+        msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
+        return msg, Outgoing(node=nid, kind="train", expected=expected, per_expert=per_expert)
+
+    def _task(
+        self, e: int, node: Node, steps: int, bases: Bases, mode: ReplyMode
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
+        """Expert e's task for `node`, what its reply must match, and the weight bytes it sends down."""
+        x = bases.base(e)
+        send_w = not bases.holds(node.id, e)
+        downstream = self.downstream_log(e, node) if send_w else None
+        base_log, log_nbytes = downstream or (None, 0)
+        send_w = send_w and base_log is None
+        body = self.run.load_expert(x["path"]) if send_w else None
+        w = body["weights"] if body else None
+        stored = self.ledger.checked_opt(body, x["path"]) if body else None
+        scale = float(x.get("lr_scale", 1.0))
+        task = protocol.task(
+            expert=e,
+            version=x["version"],
+            base_sha256=x["sha256"],
+            step=x["step"],
+            steps=steps,
+            shards=self.shards.train(e),
+            lr_scale=scale,
+            weights=w,
+            opt=stored.to_record() if stored is not None else None,
+            reply=mode,
+            base_log=base_log,
+        )
+        expected = {
+            "version": x["version"],
+            "base_sha256": x["sha256"],
+            "step": x["step"],
+            "steps": steps,
+            "lr_scale": scale,
+            "reply": mode,
+        }
+        opt_bytes = stored.nbytes() if stored is not None else 0
+        return task, expected, {"weights": log_nbytes if w is None else w.nbytes + opt_bytes}
+
+    def downstream_log(self, e: int, node: Node) -> tuple[dict[str, Any], int] | None:
+        """For a node that holds the version before expert e's current one: the log between them (and its
+        bytes), when it is shorter than the weights and optimizer state it replaces (downstream logs)."""
+        x = self.ledger.expert(e)
+        rec = self.run.load_log(e, int(x["version"])) if int(x["version"]) > 0 else None
+        if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x["sha256"]:
+            return None
+        try:
+            nbytes = sum(UpdateLog.from_record(rec.get("log")).nbytes().values())
+        except CheckpointError:
+            return None
+        if nbytes >= self.ledger.version_bytes():
+            return None
+        return {"from_sha256": rec["from_sha256"], "log": rec["log"]}, nbytes
+
+    def resend(self, rnd: Round, nid: int, experts: list[int]) -> None:
+        """The node lacked something it was assumed to cache: send again, with the payload, if time allows."""
+        fed = self.cfg.federation
+        left = rnd.deadline - self.fleet.clock() - fed.deadline_slack
+        if left < fed.round_seconds * 0.25:
+            for e in experts:
+                rnd.failed.setdefault(e, "node lacked cached data and too little round time was left to resend")
+            return
+        scale = left / (fed.round_seconds * fed.deadline_factor)
+        steps = {e: max(1, int(rnd.plan.steps[e] * min(1.0, scale))) for e in experts}
+        log.info("round %d: resending %s to node %s with their payload (cache miss)", rnd.r, experts, nid)
+        bases = Bases(self.ledger, self.fleet.nodes)
+        self.send_train(rnd, nid, experts, steps, bases, max_seconds=min(left, fed.round_seconds))
+        rnd.pending_resend |= set(experts)
+
+    def give_idle(self, rnd: Round) -> None:
+        """Experts left idle this round, because their node left or failed, go at once to a node without
+        work this round (a worker that joined since the plan), when a whole round_seconds of training
+        still fits before the deadline. The round then waits for that node's reply too."""
+        fed = self.cfg.federation
+        if rnd.deadline - self.fleet.clock() - fed.deadline_slack < fed.round_seconds:
+            return
+        idle = sorted(
+            e
+            for e, why in rnd.failed.items()
+            if not why.startswith("rejected") and e not in rnd.accepted and e not in rnd.pending_resend
+        )
+        if not idle:  # the usual case: no need to ask the SuperLink for its nodes on every poll
+            return
+        busy = set(rnd.plan.assignment.values())
+        free = [nid for nid in self.fleet.active() if nid not in busy]
+        if not free:
+            return
+        nodes, bases = self.fleet.nodes, Bases(self.ledger, self.fleet.nodes)
+        nid = max(free, key=lambda n: (nodes[n].rate, -n))
+        per = scheduler.steps_for(
+            nodes[nid].rate, len(idle), fed.round_seconds, evals_per_step(self.ledger.phase_config().spsa)
+        )
+        steps = {e: min(scheduler.MAX_STEPS, math.ceil(scheduler.HEADROOM * per)) for e in idle}
+        if self.ledger.capped():
+            left = self.ledger.steps_left(bases)
+            steps = {e: min(s, left[e]) for e, s in steps.items() if left.get(e)}
+        if not steps:
+            return
+        for e in steps:
+            rnd.failed.pop(e)
+            rnd.plan.assignment[e] = nid
+            rnd.plan.moved = sorted(set(rnd.plan.moved) | {e})
+        rnd.plan.steps.update(steps)
+        log.info(
+            "round %d: idle experts %s go to %s, which has no work this round", rnd.r, sorted(steps), nodes[nid].label
+        )
+        self.send_train(rnd, nid, sorted(steps), steps, bases, max_seconds=fed.round_seconds)

@@ -1,0 +1,77 @@
+"""The coordinator's own measures of a version: its val loss on the expert's held-out stream (what the
+guard and the plateau rule judge by), and the routed mixture's val loss of the whole model.
+
+Called by coordinator.ledger (version 0, a best that does not load), coordinator.intake (each accepted
+result) and coordinator.loop (each commit's mixture loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from coordinator.shards import Shards
+from soma_edge import mixture, protocol
+from soma_edge import router as router_mod
+from soma_edge.config import Config
+from soma_edge.corpus import SEPARATOR, eval_windows
+from soma_edge.errors import SomaError
+from soma_edge.logs import role_logger
+from soma_edge.rundir import RunDir
+from soma_edge.runtime import LossEvaluator, make_session, mean_loss
+
+log = role_logger("soma.coord")
+
+MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-1 when N = 1)
+
+
+class Evaluation:
+    def __init__(self, run: RunDir, cfg: Config, shards: Shards) -> None:
+        self.run, self.cfg, self.shards = run, cfg, shards
+        self.windows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # expert -> its val windows (x, y)
+        self.evaluator: LossEvaluator | None = None  # the loss session (onnxruntime), made on first use
+        self.router: Any = None  # RUN/router, loaded on first use
+
+    def val_stream(self, e: int) -> np.ndarray:
+        data = [self.run.shard(h) for h in self.shards.of(e, "val")]
+        stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
+        if stream.size <= self.cfg.data.seq_len + 1:  # a cluster with almost no held-out text: use all of it
+            fed = self.cfg.federation
+            data = [self.run.shard(h) for x in range(fed.experts) for h in self.shards.of(x, "val")]
+            stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
+        return stream
+
+    def val_loss(self, e: int, weights: np.ndarray) -> float:
+        if e not in self.windows:
+            self.windows[e] = eval_windows(self.val_stream(e), self.cfg.data.seq_len, self.cfg.federation.val_windows)
+        if self.evaluator is None:
+            # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
+            self.evaluator = LossEvaluator(self.cfg.model, "cpu", 1, False)
+        x, y = self.windows[e]
+        return float(mean_loss(self.evaluator, weights, x, y))
+
+    def mixture_val_loss(self, experts: dict[str, dict[str, Any]]) -> float | None:
+        """Routed-mixture nats/byte of the whole model (`experts`: state.msgpack's) on held-out text (None if
+        it cannot be computed)."""
+        try:
+            if self.router is None:
+                self.router = router_mod.load(self.run.router)
+            seq = self.cfg.data.seq_len
+            per = self.cfg.federation.val_windows * seq
+            ids = sorted(int(e) for e in experts)
+            data = np.concatenate([self.val_stream(e)[:per] for e in ids])
+            fns = {e: self._logprobs(experts[str(e)]["path"]) for e in ids}
+            top_k = min(MIXTURE_TOP_K, len(fns))
+            return float(mixture.evaluate(self.router, fns, data, seq, top_k, self.router.temperature).nats_per_byte)
+        except (SomaError, AttributeError, ValueError, OSError) as e:
+            log.warning("routed-mixture val loss failed: %s", e)
+            return None
+
+    def _logprobs(self, path: str) -> Callable[[np.ndarray], np.ndarray]:
+        # soma_edge.graph imports onnx (heavy) at its top: loaded only where a commit scores the mixture.
+        from soma_edge.graph import build
+
+        w = protocol.decode_weights(self.run.load_expert(path)["weights"])
+        sess = make_session(build(self.cfg.model, "logprobs", weights=w), "cpu", 1, False)
+        return lambda x: sess.run(None, {"x": x})[0]

@@ -1,0 +1,295 @@
+"""The nodes of the federation: who is live (the grid's node ids), what each one is (its capability
+reply: name, throughput, cache), its status, and the messages in flight to it. Also waiting for nodes
+before a round, and the heartbeat interval advised to each.
+
+A node that fails or misses a deadline goes on probation until it answers a capability query again; one
+whose reply is bad, whose soma-edge version differs or that has too many strikes is excluded for the run.
+
+Called by coordinator.loop (waiting, pulling replies), coordinator.dispatch (sending) and
+coordinator.intake (a node's status, rate and cache as its replies tell them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Callable
+
+from coordinator import guard, scheduler
+from soma_edge import __version__, protocol
+from soma_edge.config import Config
+from soma_edge.errors import CodecError, SomaError, ValidationError
+from soma_edge.logs import role_logger
+from soma_edge.rundir import RunDir
+
+log = role_logger("soma.coord")
+
+POLL_SECONDS = 0.5
+END_SECONDS = 15.0  # how long the end of the run waits for the workers to hear of it
+QUERY_SECONDS = 90.0  # a capability query includes the node's throughput probe
+GRACE_QUERY_SECONDS = 30.0  # after join_grace, how long round 1 waits for a node still answering its query
+
+
+class NodeStatus(StrEnum):
+    """A node's status. A str, so that status.json carries the same bytes as the bare strings did."""
+
+    NEW = "new"  # live, not yet asked for its capabilities
+    QUERYING = "querying"  # asked, no answer yet
+    ACTIVE = "active"  # answered: it gets work
+    PROBATION = "probation"  # failed or missed a deadline: asked again before it gets work
+    EXCLUDED = "excluded"  # bad capability reply, another soma-edge version, or struck out: for the run
+    GONE = "gone"  # left the federation (no longer among the grid's nodes)
+
+
+@dataclass
+class Node:
+    id: int
+    name: str = "?"
+    label: str = "?"  # the name, plus "#id" when another live node has the same name (both default to the host name)
+    status: NodeStatus = NodeStatus.NEW
+    rate: float = 0.0  # forward evaluations/s, probed then updated from real rounds
+    link: float | None = None  # bytes/s, measured from large train exchanges, both ways (None: not yet)
+    weights: set[str] = field(default_factory=set)  # version hashes its cache holds (as far as we know)
+    shards: set[str] = field(default_factory=set)
+    caps: dict[str, Any] = field(default_factory=dict)
+    query_mid: str | None = None
+    query_sent: float = 0.0
+    identity: str = ""  # who strikes count against (`coordinator.guard.identity`), set when it answers a query
+
+    @property
+    def who(self) -> str:
+        return self.identity or f"node:{self.id}"
+
+
+@dataclass
+class Outgoing:
+    node: int
+    kind: str  # "query" | "pieces" | "train" | "end"
+    expected: protocol.Expected | None = None
+    bytes_down: int = 0
+    per_expert: dict[int, dict[str, int]] = field(default_factory=dict)  # expert -> weight/shard bytes sent
+    sent_at: float = 0.0
+    mid: str = ""
+
+
+def message(body: dict[str, Any], kind: str, node: int, message_type: str) -> Any:
+    # flwr is heavy (grpc, protobuf): imported only where a message is made.
+    from flwr.app import Message
+
+    return Message(protocol.pack(body, kind), dst_node_id=node, message_type=message_type)
+
+
+class Fleet:
+    def __init__(
+        self,
+        grid: Any,
+        run: RunDir,
+        cfg: Config,
+        state: dict[str, Any],
+        biggest: int,
+        status: Callable[..., None],
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.grid, self.run, self.cfg, self.clock, self.sleep = grid, run, cfg, clock, sleep
+        self.state = state  # the run state: its run id and strikes
+        self.biggest = biggest  # bytes of the largest message a node may get (a version and a piece of shards)
+        self.status = status  # writes status.json (`Loop.status`)
+        self.nodes: dict[int, Node] = {}
+        self.out: dict[str, Outgoing] = {}  # message id -> what it was
+
+    def live_ids(self) -> set[int]:
+        return {int(n) for n in self.grid.get_node_ids()}
+
+    def push(self, items: list[tuple[Any, Outgoing]]) -> None:
+        if not items:
+            return
+        mids = list(self.grid.push_messages([m for m, _ in items]))
+        for mid, (m, o) in zip(mids, items):
+            o.bytes_down, o.sent_at, o.mid = protocol.payload_bytes(m.content), self.clock(), mid
+            self.out[mid] = o
+            if o.kind == "query":
+                self.nodes[o.node].query_mid = mid
+                self.nodes[o.node].query_sent = self.clock()
+
+    def pull(self, handle_train: Callable[[str, Any, Outgoing], None]) -> None:
+        """Pull replies for every outstanding message once; dispatch them."""
+        if not self.out:
+            return
+        for reply in self.grid.pull_messages(list(self.out)):
+            mid = reply.metadata.reply_to_message_id
+            o = self.out.pop(mid, None)
+            if o is None:
+                log.warning("reply to an unknown message %r from node %s ignored", mid, reply.metadata.src_node_id)
+                continue
+            if o.kind == "query":
+                self.on_capabilities(reply, o)
+            else:
+                handle_train(mid, reply, o)
+
+    def query_new_nodes(self) -> None:
+        """Send a capability query to every live node we have not heard from (or that missed a deadline)."""
+        items = []
+        for nid in sorted(self.live_ids()):
+            node = self.nodes.setdefault(nid, Node(id=nid))
+            stale = node.query_mid is not None and self.clock() - node.query_sent > QUERY_SECONDS
+            again = (NodeStatus.NEW, NodeStatus.PROBATION, NodeStatus.GONE)
+            if node.status in again or (node.status == NodeStatus.QUERYING and stale):
+                if stale:
+                    self.out.pop(node.query_mid, None)
+                body = protocol.capability_query(self.cfg.to_dict(), self.state["run_id"])
+                msg = message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES)
+                items.append((msg, Outgoing(node=nid, kind="query")))
+                node.status = NodeStatus.QUERYING
+        self.push(items)
+
+    def on_capabilities(self, reply: Any, o: Outgoing) -> None:
+        node = self.nodes[o.node]
+        node.query_mid = None
+        if reply.has_error():
+            log.warning("node %s did not answer the capability query: %s", o.node, reply.error.reason)
+            node.status = NodeStatus.PROBATION
+            return
+        try:
+            if reply.metadata.src_node_id != o.node:
+                raise ValidationError(f"capabilities for node {o.node} came from node {reply.metadata.src_node_id}")
+            caps = protocol.unpack(reply.content, protocol.KIND_CAPS, protocol.SMALL_BYTES)
+            rate = scheduler.clamp_rate(protocol.check_caps(caps))
+        except (CodecError, ValidationError) as e:
+            log.warning("node %s: bad capability reply (%s); excluded", o.node, e)
+            node.status = NodeStatus.EXCLUDED
+            return
+        node.name = str(caps.get("name") or o.node)
+        node.label = f"{node.name}#{node.id}" if self._twins(node) else node.name
+        node.caps = {k: v for k, v in caps.items() if k != "cache"}
+        if self._refused(node, caps):
+            node.status = NodeStatus.EXCLUDED
+            return
+        inv = caps.get("cache") or {}
+        node.weights = set(inv.get("weights", []))
+        node.shards = set(inv.get("shards", []))
+        node.rate = rate if node.rate <= 0 else node.rate
+        node.status = NodeStatus.ACTIVE
+        log.info(
+            "node %s (%s) active: %.1f forward evals/s on %s, torch importable: %s, cache: %d versions, %d shards",
+            o.node,
+            node.name,
+            rate,
+            (caps.get("providers") or ["?"])[0],
+            caps.get("torch_importable"),
+            len(node.weights),
+            len(node.shards),
+        )
+
+    def _twins(self, node: Node) -> bool:
+        """Whether another live node that answered has the same name."""
+        live = self.live_ids()
+        working = (NodeStatus.ACTIVE, NodeStatus.QUERYING, NodeStatus.PROBATION)
+        return any(
+            n.id != node.id and n.id in live and n.name == node.name and n.status in working
+            for n in self.nodes.values()
+        )
+
+    def _refused(self, node: Node, caps: dict[str, Any]) -> bool:
+        """Whether a node that answered is excluded all the same: another soma-edge, or struck out."""
+        if caps.get("soma_version") != __version__:
+            log.warning(
+                "node %s (%s) runs soma-edge %s but the coordinator runs %s: excluded",
+                node.id,
+                node.name,
+                caps.get("soma_version"),
+                __version__,
+            )
+            return True
+        node.identity = guard.identity(self.run, node.id)
+        if guard.excluded(self.state["strikes"], node.who, self.cfg.federation.max_strikes):
+            log.warning(
+                "node %s (%s) is excluded from this run: %d strikes against %s",
+                node.id,
+                node.name,
+                self.state["strikes"][node.who]["count"],
+                node.who,
+            )
+            return True
+        return False
+
+    def active(self) -> dict[int, Node]:
+        live = self.live_ids()
+        for nid, node in self.nodes.items():
+            if nid not in live and node.status in (NodeStatus.ACTIVE, NodeStatus.QUERYING):
+                log.warning("node %s (%s) left the federation", nid, node.name)
+                node.status = NodeStatus.GONE
+        return {nid: n for nid, n in self.nodes.items() if n.status == NodeStatus.ACTIVE and nid in live}
+
+    def wait_for_nodes(self, want: int, grace: float = 0.0, stoppable: bool = False) -> dict[int, Node]:
+        """Wait (up to wait_seconds) for `want` active nodes; then `grace` seconds more, and for any node
+        still answering its capability query, so that workers started together all get round 1's work.
+        `stoppable`: a stop request (`soma-coord stop`) ends the wait too."""
+        fed = self.cfg.federation
+        deadline, enough_at = self.clock() + fed.wait_seconds, None
+        self.status("waiting", message=f"waiting for {want} worker(s)")
+        while True:
+            self.query_new_nodes()
+            self.pull(lambda mid, reply, o: None)
+            active = self.active()
+            if stoppable and self.run.stop_requested():
+                return active
+            if len(active) >= want and enough_at is None:
+                enough_at = self.clock()
+                if grace > 0:
+                    log.info(
+                        "%d worker(s) in; waiting %.0f s more for others (federation.join_grace)", len(active), grace
+                    )
+            if enough_at is not None:
+                waited = self.clock() - enough_at
+                querying = any(n.status == NodeStatus.QUERYING for n in self.nodes.values())
+                if (
+                    waited >= grace
+                    and (not querying or waited >= grace + GRACE_QUERY_SECONDS)
+                    or self.clock() >= deadline
+                ):
+                    return active
+            if self.clock() >= deadline:
+                if active:
+                    log.warning(
+                        "only %d of %d wanted workers after %.0f s; going on", len(active), want, fed.wait_seconds
+                    )
+                    return active
+                raise SomaError(
+                    f"no worker joined within {fed.wait_seconds:.0f} s: start `soma-worker join "
+                    f"--coordinator HOST:PORT` on a worker box (or use --local-workers)"
+                )
+            self.sleep(POLL_SECONDS)
+
+    def heartbeat(self, nid: int) -> float:
+        """The heartbeat interval to advise node `nid`: 10 s where its measured link moves the largest
+        message it may get (a version and a piece of shards) or send (a version) within 10 s, else 30 s:
+        a saturated slow link queues heartbeats for longer than two 10 s intervals, and the SuperLink
+        would declare a node gone in the middle of a download."""
+        link = self.nodes[nid].link
+        fast = link is not None and self.biggest / link <= protocol.HEARTBEAT_FAST
+        return protocol.HEARTBEAT_FAST if fast else protocol.HEARTBEAT_SLOW
+
+    def end(self, body: dict[str, Any], why: str) -> None:
+        """Tell every live node that the run is over (`body`: protocol.run_end), so that its `soma-worker
+        join` exits (or waits for the next run); wait up to END_SECONDS for them to hear it, as Flower drops
+        a finished run's messages."""
+        items = [
+            (message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind="end"))
+            for nid in sorted(self.live_ids())
+        ]
+        self.push(items)
+        deadline, heard = self.clock() + END_SECONDS, set()
+
+        def ack(mid: str, reply: Any, o: Outgoing) -> None:
+            if o.kind == "end" and not reply.has_error():
+                heard.add(o.node)
+
+        # Only for nodes that were working: one that missed a deadline may be dead, and Flower takes as long
+        # as its heartbeat patience to say so.
+        waited = {nid for nid, n in self.nodes.items() if n.status == NodeStatus.ACTIVE}
+        while any(o.kind == "end" and o.node in waited for o in self.out.values()) and self.clock() < deadline:
+            self.sleep(POLL_SECONDS)
+            self.pull(ack)
+        log.info("run over (%s): %d worker(s) told", why, len(heard))

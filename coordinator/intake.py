@@ -1,0 +1,268 @@
+"""A reply, from message to verdict: the reply's cheap checks (header, each result's shapes, base version
+and log structure) make each result a claim; settling a claim runs the costly ones (a log's audit and
+replay, coordinator.replay; the guard's val loss, coordinator.guard) and accepts the version into the
+ledger or refuses it with a strike against its node.
+
+Called by coordinator.loop: `on_train` for each train reply it pulls, `settle` while it waits and
+`settle_all` before the commit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from coordinator import guard, records, scheduler
+from coordinator import replay as replay_mod
+from coordinator.dispatch import Dispatcher
+from coordinator.evaluation import Evaluation
+from coordinator.fleet import Fleet, Node, NodeStatus, Outgoing
+from coordinator.ledger import Ledger
+from coordinator.round import Claim, Round
+from coordinator.shards import Shards
+from soma_edge import protocol
+from soma_edge.config import Config
+from soma_edge.corpus import SEPARATOR
+from soma_edge.errors import CodecError, ValidationError
+from soma_edge.logs import role_logger
+from soma_edge.rundir import RunDir
+from soma_edge.runtime import evaluator_for
+from soma_edge.spsa import OptState, State, UpdateLog, plateau, schedule
+
+log = role_logger("soma.coord")
+
+NODE_UNAVAILABLE = 5  # flwr's ErrorCode: the node missed two heartbeats
+
+
+class Intake:
+    def __init__(
+        self,
+        run: RunDir,
+        cfg: Config,
+        ledger: Ledger,
+        fleet: Fleet,
+        shards: Shards,
+        evaluation: Evaluation,
+        dispatcher: Dispatcher,
+        status: Callable[..., None],
+    ) -> None:
+        self.run, self.cfg, self.ledger, self.fleet, self.shards = run, cfg, ledger, fleet, shards
+        self.evaluation, self.dispatcher = evaluation, dispatcher
+        self.status = status  # writes status.json (`Loop.status`)
+        self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
+        self.auditor: Any = None  # the audit's loss session, made on first use (onnxruntime)
+
+    def on_train(self, mid: str, reply: Any, o: Outgoing, rnd: Round) -> None:
+        node, exp = self.fleet.nodes[o.node], o.expected
+        rnd.bytes_down += o.bytes_down
+        if reply.has_error():
+            self._failed(rnd, node, o, reply.error)
+            return
+        rnd.bytes_up += protocol.payload_bytes(reply.content)
+        if node.status == NodeStatus.EXCLUDED:  # struck out after this request went (it went ahead of the checks)
+            for e in exp.tasks:
+                rnd.failed.setdefault(e, f"node {node.label} is excluded")
+            return
+        try:
+            body = protocol.unpack(reply.content, protocol.KIND_REPLY, exp.max_reply_bytes())
+            protocol.check_reply_header(body, exp, reply.metadata.src_node_id)
+        except (CodecError, ValidationError) as err:
+            self.reject(rnd, node, list(exp.tasks), str(err))
+            return
+        node.caps["torch_importable"] = body.get("torch_importable")
+        seen, evals, secs = self._claim(rnd, node, o, body)
+        if secs > 0:
+            node.rate = scheduler.update_rate(node.rate, evals / secs)
+        took = body.get("seconds_total")
+        # The exchange moved the request down and the reply up, one after the other, over the same link.
+        node.link = scheduler.link_rate(
+            node.link,
+            o.bytes_down + protocol.payload_bytes(reply.content),
+            self.fleet.clock() - o.sent_at,
+            float(took) if protocol.is_number(took) else secs,
+        )
+        rnd.compute[node.id] = rnd.compute.get(node.id, 0.0) + secs
+        for err in body.get("errors") or []:
+            log.warning("round %d: node %s (%s) reports: %s", rnd.r, o.node, node.name, err)
+        missing = body.get("missing") or {}
+        node.weights -= set(missing.get("weights") or [])
+        node.shards -= set(missing.get("shards") or [])
+        redo = [e for e in exp.tasks if e not in seen and e not in rnd.failed]
+        if redo and (missing.get("weights") or missing.get("shards")):
+            self.dispatcher.resend(rnd, o.node, redo)
+        for e in redo:
+            if e not in rnd.accepted and e not in rnd.failed and e not in rnd.pending_resend:
+                rnd.failed[e] = f"node {node.label} returned no result"
+
+    def _failed(self, rnd: Round, node: Node, o: Outgoing, error: Any) -> None:
+        """An error reply: the node is gone (no heartbeat) or failed; its experts go to other nodes."""
+        gone = error.code == NODE_UNAVAILABLE
+        if gone:
+            log.warning(
+                "round %d: node %s (%s) is gone (no heartbeat); its experts %s go to other nodes",
+                rnd.r,
+                o.node,
+                node.name,
+                sorted(o.expected.tasks),
+            )
+        else:
+            log.warning(
+                "round %d: node %s (%s) failed: code %s, %s", rnd.r, o.node, node.name, error.code, error.reason
+            )
+        node.status = NodeStatus.PROBATION
+        for e in o.expected.tasks:
+            rnd.failed.setdefault(e, f"node {node.label} is gone" if gone else f"node {node.label} error {error.code}")
+
+    def _claim(self, rnd: Round, node: Node, o: Outgoing, body: dict[str, Any]) -> tuple[set[int], int, float]:
+        """Check each result of a reply for what it claims; those that pass become the round's claims.
+        Returns the experts seen, and the forward evaluations and seconds they took."""
+        exp = o.expected
+        seen, evals, secs = set(), 0, 0.0
+        for res in body["results"]:
+            e = res.get("expert") if isinstance(res, dict) else None
+            e = e if isinstance(e, int) and not isinstance(e, bool) else None  # anything else is only logged
+            if node.status == NodeStatus.EXCLUDED:  # struck out by an earlier result of this reply
+                if e in exp.tasks:
+                    rnd.failed.setdefault(e, f"node {node.label} is excluded")
+                continue
+            if e in exp.tasks and exp.tasks[e]["base_sha256"] in self.refused:
+                seen.add(e)  # trained on from a claimed version that its checks then refused (pipelining)
+                rnd.failed.setdefault(e, f"trained from v{exp.tasks[e]['version']}, which was refused")
+                continue
+            try:
+                if e in seen:
+                    raise ValidationError(f"expert {e} appears twice in one reply")
+                w, opt = protocol.check_result(res, exp, self.ledger.current_sha())
+                ulog = protocol.check_log(res, exp)
+            except ValidationError as err:
+                self.reject(rnd, node, [e], str(err))
+                continue
+            seen.add(e)  # checked for what it claims; its replay, audit and val loss come in settle
+            rnd.claims[e] = Claim(node.id, res, w, opt, o.per_expert.get(e, {}), body, ulog)
+            node.shards |= set(self.shards.train(e))  # it trained on them, whatever its result's checks say
+            evals += res["forward_evals"]
+            secs += float(res["seconds"])
+        return seen, evals, secs
+
+    def settle(self, rnd: Round, e: int) -> None:
+        """Check expert e's claimed result fully (a log's audit and replay, the guard's val loss) and accept
+        or refuse it. A refused claim's sha256 is remembered: the next round may already train from it."""
+        c = rnd.claims.pop(e)
+        node = self.fleet.nodes[c.node]
+        if node.status == NodeStatus.EXCLUDED:  # struck out by an earlier result of the same node
+            rnd.failed.setdefault(e, f"node {node.label} is excluded")
+        else:
+            try:
+                w, opt = (c.w, c.opt) if c.ulog is None else self.from_log(c.res, c.ulog, c.w, c.opt)
+            except ValidationError as err:
+                self.reject(rnd, node, [e], str(err))
+            else:
+                self.accept(rnd, node, c, w, opt)
+        if e not in rnd.accepted:
+            self.refused.add(c.res["sha256"])
+
+    def settle_all(self, rnd: Round) -> None:
+        while rnd.claims:
+            self.settle(rnd, next(iter(rnd.claims)))
+
+    def reject(self, rnd: Round, node: Node, experts: list, reason: str, **extra: Any) -> None:
+        """Refuse these results (the current versions stay) and count a strike for each against the node."""
+        fed, strikes = self.cfg.federation, self.ledger.state["strikes"]
+        for e in experts:
+            n = guard.strike(strikes, node.who, node.label, reason, rnd.r)
+            log.warning(
+                "round %d: rejected expert %s from node %s (%s), strike %d of %s: %s",
+                rnd.r,
+                e,
+                node.id,
+                node.name,
+                n,
+                fed.max_strikes or "unlimited",
+                reason,
+            )
+            rnd.rejected.append(records.rejection(e, node, reason, n, **extra))
+            if isinstance(e, int) and e in rnd.plan.assignment:
+                rnd.failed.setdefault(e, f"rejected: {reason}")
+        if node.status != NodeStatus.EXCLUDED and guard.excluded(strikes, node.who, fed.max_strikes):
+            log.warning(
+                "round %d: node %s (%s) has %d strikes (federation.max_strikes): excluded for the rest of the run",
+                rnd.r,
+                node.id,
+                node.name,
+                fed.max_strikes,
+            )
+            node.status = NodeStatus.EXCLUDED
+            rnd.excluded.append(node.label)
+
+    def from_log(
+        self, res: dict, ulog: UpdateLog, w: np.ndarray | None, opt: OptState | None
+    ) -> tuple[np.ndarray, OptState]:
+        """The version a log reply stands for: the replay of its log from the current version, which must
+        hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first."""
+        e, cfg, fed = res["expert"], self.ledger.phase_config(), self.cfg.federation
+        x = self.ledger.expert(e)
+        stored = self.run.load_expert(x["path"])
+        weights = protocol.decode_weights(stored["weights"])
+        base = State(weights, step=int(x["step"]), opt=self.ledger.checked_opt(stored, x["path"]))
+        if fed.audit_steps:
+            picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, cfg.seed, e, int(res["version"]))
+            data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in self.shards.train(e)), dtype=np.uint8)
+            replay_mod.audit(cfg, base, ulog, e, data, self._audit_evaluator(cfg), picks)
+        got = replay_mod.rebuild(cfg, base, ulog, e)
+        if w is None:
+            if protocol.weights_sha256(got.weights) != res["sha256"]:
+                raise ValidationError(f"expert {e}: its update log replays to other weights than the sha256 it claims")
+            return got.weights, got.opt
+        if got.weights.astype(w.dtype).tobytes() != w.tobytes():
+            raise ValidationError(f"expert {e}: the weights it sent are not what its update log replays to")
+        return w, opt
+
+    def _audit_evaluator(self, cfg: Config) -> Any:
+        if self.auditor is None:  # one thread, no spinning, as for the val loss
+            self.auditor = evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1)
+        return self.auditor
+
+    def accept(self, rnd: Round, node: Node, c: Claim, w: np.ndarray, opt: OptState) -> None:
+        """The guard's verdict on a checked result, by its val loss; then the ledger stores it."""
+        res, e = c.res, c.res["expert"]
+        val = self.evaluation.val_loss(e, protocol.decode_weights(w))
+        best = guard.Best.of(self.ledger.expert(e))
+        why = guard.verdict(val, best, self.cfg.federation.guard_tolerance)
+        if why is not None:
+            self.reject(rnd, node, [e], why, guard=True, val_loss=val, **self.ledger.slow_down(e))
+            return
+        # The plateau counters are the coordinator's own (never the worker's): restore them, then decide the
+        # next round's lr scale from this version's val loss.
+        prev, trained_at = self.ledger.expert(e), opt.lr_scale
+        opt.lr_scale, opt.best_val = prev.get("lr_scale", 1.0), prev.get("best_val")
+        opt.best_step = prev.get("best_step", 0)
+        if plateau(self.cfg.spsa, opt, val, res["step"]):
+            log.info(
+                "round %d: expert %d plateaued (val %.4f, best %.4f): lr and eps now x%g",
+                rnd.r,
+                e,
+                val,
+                opt.best_val,
+                opt.lr_scale,
+            )
+        best = self.ledger.store(res, w, opt, val, c.ulog, best, node)
+        lr, eps = schedule(self.ledger.phase_config().spsa, res["step"] - 1, trained_at)  # at the round's last step
+        node.weights.add(res["sha256"])
+        self.refused.discard(res["sha256"])  # the same version made again and accepted (refused for its node)
+        line = records.expert_line(rnd.r, res, node, val, w, opt, c.ulog, c.sent, c.reply, trained_at, best, lr, eps)
+        rnd.accepted[e] = line
+        rnd.failed.pop(e, None)
+        rnd.pending_resend.discard(e)
+        log.debug(
+            "round %d: accepted expert %d v%d from %s: train %.4f, val %.4f nats/byte, %d steps in %.1f s",
+            rnd.r,
+            e,
+            res["version"],
+            node.label,
+            res["train_loss"],
+            val,
+            res["steps"],
+            res["seconds"],
+        )
+        self.status("round", round=rnd.r)

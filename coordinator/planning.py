@@ -1,0 +1,91 @@
+"""Who trains which expert this round, for how many steps, and the round's deadline: a sticky,
+makespan-minimizing plan (coordinator.scheduler) over the active nodes' rates, that prices what each node
+must fetch and send back over its measured link.
+
+Called by coordinator.loop (`Loop.start_round`).
+"""
+
+from __future__ import annotations
+
+from coordinator import scheduler
+from coordinator.dispatch import log_bytes, reply_mode
+from coordinator.fleet import Fleet, Node
+from coordinator.ledger import Bases, Ledger
+from coordinator.shards import Shards
+from soma_edge.config import Config
+from soma_edge.protocol import ReplyMode
+from soma_edge.spsa import evals_per_step
+
+
+class Planner:
+    def __init__(self, cfg: Config, ledger: Ledger, fleet: Fleet, shards: Shards) -> None:
+        self.cfg, self.ledger, self.fleet, self.shards = cfg, ledger, fleet, shards
+
+    def plan(self, active: dict[int, Node], bases: Bases) -> tuple[scheduler.Plan, dict[int, list[int]]]:
+        """The round's plan from the bases each expert trains from, and each node's experts."""
+        rates = {nid: n.rate for nid, n in active.items()}
+        plan = scheduler.plan(
+            self.ledger.expert_ids(),
+            rates,
+            self.previous(active, bases),
+            self.cfg.federation.round_seconds,
+            evals_per_step(self.ledger.phase_config().spsa),
+            lambda e, nid: self.transfer_seconds(e, nid, bases),
+        )
+        if self.ledger.capped():  # a fixed budget: never past it; experts that have it all sit the round out
+            left = self.ledger.steps_left(bases)
+            plan.steps = {e: min(s, left[e]) for e, s in plan.steps.items() if e in left}
+        by_node: dict[int, list[int]] = {}
+        for e, nid in sorted(plan.assignment.items()):
+            if e in plan.steps:
+                by_node.setdefault(nid, []).append(e)
+        return plan, by_node
+
+    def deadline(self, r: int, plan: scheduler.Plan, by_node: dict[int, list[int]]) -> float:
+        """When round r's replies are due. A node on a slow link gets the time to fetch what it lacks
+        (weights, shards) and to send its reply."""
+        fed = self.cfg.federation
+        transfer = max(
+            (plan.transfer.get(n, 0.0) + self.reply_seconds(n, es, r, plan.steps) for n, es in by_node.items()),
+            default=0.0,
+        )
+        return self.fleet.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + transfer
+
+    def previous(self, active: dict[int, Node], bases: Bases) -> dict[int, int]:
+        """Where each expert's base version already is: last round's node, else any node caching it."""
+        prev: dict[int, int] = {}
+        last = bases.last_assignment()
+        by_label = {n.label: nid for nid, n in active.items()}
+        for e in self.ledger.expert_ids():
+            nid = last.get(e)
+            if isinstance(nid, str):
+                nid = by_label.get(nid)
+            if nid in active and bases.holds(nid, e):
+                prev[e] = nid
+                continue
+            holders = sorted(nid for nid in active if bases.holds(nid, e))
+            if holders:
+                prev[e] = holders[0]
+        return prev
+
+    def transfer_seconds(self, e: int, nid: int, bases: Bases) -> float:
+        """How long node `nid` would take to fetch what expert e needs and its cache lacks (0 while its
+        link is unmeasured): the version with its optimizer state, and the shards."""
+        node = self.fleet.nodes[nid]
+        if not node.link:
+            return 0.0
+        nbytes = 0 if bases.holds(nid, e) else self.ledger.version_bytes()
+        sizes = self.shards.sizes
+        nbytes += sum(sizes.get(h, 0) for h in self.shards.train(e) if h not in node.shards)
+        return nbytes / node.link
+
+    def reply_seconds(self, nid: int, experts: list[int], r: int, steps: dict[int, int]) -> float:
+        """How long node `nid`'s reply for `experts` takes up its link (0 while the link is unmeasured)."""
+        node = self.fleet.nodes[nid]
+        if not node.link:
+            return 0.0
+        phase, vbytes = self.ledger.phase_config(), self.ledger.version_bytes()
+        mode = reply_mode(self.cfg, phase, node, r, max(steps[e] for e in experts), vbytes)  # as the request asks
+        weights = vbytes if mode in (ReplyMode.WEIGHTS, ReplyMode.BOTH) else 0
+        logs = (ReplyMode.LOG, ReplyMode.BOTH)
+        return sum(weights + (log_bytes(phase, steps[e]) if mode in logs else 0) for e in experts) / node.link
