@@ -70,7 +70,7 @@ class Board:
     """The run's event writer; `commit` adds a round's lines and flushes them to disk."""
 
     def __init__(self, folder: Path, committed_round: int) -> None:
-        try:
+        try:  # tensorboardX only where a run writes events: `soma-coord status` and the worker never need it
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ConfigError(

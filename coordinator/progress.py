@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -159,8 +160,6 @@ class Follower:
 
     def __enter__(self) -> "Follower":
         if self.console.is_terminal:
-            from rich.live import Live
-
             self.live = Live(console=self.console, refresh_per_second=2, transient=False)
             self.live.__enter__()
         return self

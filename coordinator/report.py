@@ -33,13 +33,13 @@ class Report:
 
 
 def _pyplot():
-    try:
+    try:  # matplotlib (the optional `report` extra, slow to load) only for `soma-coord report`
         import matplotlib
     except ImportError:
         raise ConfigError(
             "soma-coord report draws with matplotlib, which is not installed: pip install 'soma-edge[report]'"
         ) from None
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot loads: no display here
     import matplotlib.pyplot as plt
 
     return plt
