@@ -1,6 +1,6 @@
 """Pipelined rounds (`federation.pipeline`): the next round starts as soon as every reply of this one is
 in, from the versions the replies claim, while the coordinator checks them and commits. With the fake
-Grid of test_federation_unit.py: real ClientApp, real ORT training."""
+Grid (tests/helpers/fakegrid.py): real ClientApp, real ORT training."""
 
 from __future__ import annotations
 
@@ -37,12 +37,30 @@ def _commits(run, grid: FakeGrid) -> list[int]:
     return marks
 
 
+def _step_budgets_bind(grid: FakeGrid) -> None:
+    """Train requests carry a time limit (max_seconds) far above what their step budgets need, so that each
+    expert takes exactly its budget of steps. Under the round's own limit (round_seconds, 0.4 s: 0.2 s an
+    expert) a busy box once stopped an expert at 58 of its 60 steps in one copy and not in the other."""
+    real = grid.push_messages
+
+    def push(messages):
+        for m in messages:
+            if m.metadata.message_type == protocol.TRAIN:
+                body = protocol.unpack(m.content, protocol.KIND_TRAIN)
+                m.content = protocol.pack({**body, "max_seconds": 600.0}, protocol.KIND_TRAIN)
+        return real(messages)
+
+    grid.push_messages = push
+
+
 def test_pipelining_changes_when_rounds_start_not_what_they_compute(run, tmp_path, monkeypatch):
     """Rounds 2 and 3 go out before the commit of the round before, from the versions its replies claim
     (which their nodes hold: no weights travel); the experts end bit for bit where rounds that wait for
     each other's checks end; and the rounds' spans tile the run."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=3)
+    # The step budgets bind (`_step_budgets_bind`); a deadline far off, so that a slow step on a busy box
+    # cannot make a reply late either (a late reply makes the next round wait for the commit).
+    set_fed(run, rounds=3, deadline_slack=60.0)
     cfg = run.load_config()
     cfg.spsa.plateau = False  # pipelined, a plateau's lr decision would apply a round later
     run.save_config(cfg)
@@ -52,6 +70,7 @@ def test_pipelining_changes_when_rounds_start_not_what_they_compute(run, tmp_pat
         shutil.copytree(run.root, rd.root)
         set_fed(rd, pipeline=pipeline)
         grid = FakeGrid(tmp_path / f"nodes-{pipeline}", ["a", "b"])
+        _step_budgets_bind(grid)
         marks = _commits(rd, grid)
         t0 = time.monotonic()
         state = Coordinator(grid, rd).main()
