@@ -56,6 +56,7 @@ def superlinks(tmp_path_factory):
         launcher.stop_all()
 
 
+@pytest.mark.xdist_group("e2e_certs_superlinks")  # one pair of SuperLinks for all four, not one per process
 @pytest.mark.parametrize(
     "which,ca,fragments",
     [

@@ -40,6 +40,9 @@ from tests.helpers.federation import (
     wait_until,
 )
 
+# The tests that share `fed` continue its run in order: one pytest-xdist process runs them all.
+SHARED_RUN = pytest.mark.xdist_group("e2e_federation_shared_run")
+
 CONFIG = """
 seed = 3
 [model]
@@ -117,6 +120,7 @@ def _kill_worker(run: Path, name: str) -> None:
         os.killpg(g, signal.SIGKILL)
 
 
+@SHARED_RUN
 def test_federation_trains_and_checkpoints_what_workers_sent(fed):
     assert importlib.util.find_spec("torch") is not None  # torch IS installed: blocking it is what is tested
     finish(fed, start_coordinator(fed))
@@ -145,6 +149,7 @@ def test_federation_trains_and_checkpoints_what_workers_sent(fed):
     assert not rd.is_locked()
 
 
+@SHARED_RUN
 def test_killed_worker_loses_its_experts_to_the_other(fed):
     rd = RunDir(fed["run"])
     r0 = rd.load_state()["round"]
@@ -213,6 +218,7 @@ def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
     return code
 
 
+@SHARED_RUN
 def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
     rd = RunDir(fed["run"])
     r0 = rd.load_state()["round"]

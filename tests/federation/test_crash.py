@@ -99,6 +99,10 @@ def plan(i: int) -> Trial:
 
 TRIALS = [plan(i) for i in range(N_TRIALS)]
 
+# One process runs every trial (trial_runs starts them all, PARALLEL at a time, on first use): split across
+# pytest-xdist processes, each would run all of them.
+CRASH_TRIALS = pytest.mark.xdist_group("crash_trials")
+
 # Trials that reveal a bug stay here, xfail(strict=True), with the reason (none at present).
 KNOWN_BUGS: dict[int, str] = {}
 
@@ -351,6 +355,7 @@ def _param(t: Trial):
     return pytest.param(t, id=str(t), marks=marks)
 
 
+@CRASH_TRIALS
 @pytest.mark.parametrize("t", [_param(t) for t in TRIALS])
 def test_crash_trial(t: Trial, trial_runs):
     res = trial_runs["futures"][t.index].result()
@@ -373,6 +378,7 @@ def test_crash_trial(t: Trial, trial_runs):
     check_resumed(rd, snap, tmp)
 
 
+@CRASH_TRIALS
 def test_crash_trials_hit_every_unlink_position(trial_runs):
     """Among the prune trials: crashes before a commit's first unlink, between two, and after its last."""
     seen = set()

@@ -15,6 +15,7 @@ when the test fails.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-SUBNET = "10.213"  # 10.213.<link>.0/30: .1 the coordinator's end, .2 the worker's
+SUBNET = "10.213"  # 10.213.<link>.0/30: .1 the coordinator's end, .2 the worker's (inside the two namespaces only)
+_HARNESSES = itertools.count()  # Boxes made by this process
 
 
 def require() -> None:
@@ -52,7 +54,9 @@ class Box:
 
 class Boxes:
     def __init__(self) -> None:
-        self.prefix = f"soma{os.getpid() % 100000}"
+        # Unique per process and per harness, so that tests in parallel processes (pytest-xdist) never share
+        # or delete each other's namespaces; `ip netns` names have no practical length limit.
+        self.prefix = f"soma{os.getpid()}-{next(_HARNESSES)}"
         self.boxes: list[Box] = []
         self.procs: list[subprocess.Popen] = []
         self._links = 0
