@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup tests
 
 # The demo: an embedded SuperLink, 2 local workers, 4 experts, a few rounds on the default corpus, then
 # the ONNX deploy bundle, the run's report (its path is printed), and its held-out (test split)

@@ -1,0 +1,446 @@
+"""The federation with real processes on 127.0.0.1: `soma-coord start` runs a real `flower-superlink`
+and two real SuperNodes (`soma-worker join`), and Flower spawns real ServerApp/ClientApp processes.
+
+One run directory is shared by the three tests, in order, to keep the suite short:
+1. rounds 1-2: every expert advances, the val loss recomputed here from the checkpoints falls, the
+   checkpoint hashes are the ones the workers logged as sent, and torch was unimportable in the workers;
+2. rounds 3-4: one worker is killed with SIGKILL while it trains; the run completes without it;
+3. rounds 5-6: the coordinator is interrupted (Ctrl-C) in round 5 and killed with SIGKILL in round 6,
+   and started again each time; every process it launched goes away, and it resumes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from soma_edge import checkpoint, corpus, protocol
+from soma_edge.rundir import RunDir
+from soma_edge.runtime import LossEvaluator, mean_loss
+from tests.helpers.corpus import write_stdlib_corpus
+from tests.helpers.federation import (
+    START_TIMEOUT,
+    cli,
+    finish,
+    leftovers,
+    metric_lines,
+    secure_federation,
+    secure_join,
+    start_coordinator,
+    wait_until,
+)
+
+# The tests that share `fed` continue its run in order: one pytest-xdist process runs them all.
+SHARED_RUN = pytest.mark.xdist_group("e2e_federation_shared_run")
+
+CONFIG = """
+seed = 3
+[model]
+embed = 16
+hidden = 32
+[data]
+batch = 8
+seq_len = 64
+[spsa]
+directions = 4
+warmup_steps = 0
+[federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
+experts = 4
+rounds = 2
+round_seconds = 6.0
+deadline_factor = 1.5
+deadline_slack = 12.0
+val_windows = 16
+local_workers = 2
+guard_tolerance = 0.5  # 16 val windows are noisy: an honest round overshot 0.05 once (guards: test_guard.py)
+"""
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fed")
+    src = write_stdlib_corpus(root / "corpus")
+    (root / "fed.toml").write_text(CONFIG)
+    env = dict(os.environ, SOMA_CACHE=str(root / "cache"))  # nothing of the user's cache is touched
+    return {"root": root, "run": root / "run", "corpus": src, "config": root / "fed.toml", "env": env}
+
+
+def _sent(run: Path) -> dict[tuple[int, int], str]:
+    """(expert, version) -> sha256, from every worker's log line for what it sent."""
+    out = {}
+    for log in (run / "logs").glob("w*.log"):
+        for e, v, sha in re.findall(
+            r"sent expert=(\d+) version=(\d+) sha256=([0-9a-f]{64})", log.read_text(errors="replace")
+        ):
+            out[(int(e), int(v))] = sha
+    return out
+
+
+def _val_loss(rd: RunDir, expert: int, version: int) -> float:
+    from coordinator.prepare import expert_shards
+
+    cfg = rd.load_config()
+    body = checkpoint.load(rd.root / f"experts/{expert}/v{version}.msgpack", "expert")
+    prep = rd.load_prepare()
+    data = b"".join(rd.shard(h) for h in expert_shards(prep, expert, "val"))
+    if len(data) < 2000:
+        data = corpus.SEPARATOR.join(rd.shard(h) for e in range(4) for h in expert_shards(prep, e, "val"))
+    x, y = corpus.eval_windows(np.frombuffer(data, dtype=np.uint8), cfg.data.seq_len, 64)
+    ev = LossEvaluator(cfg.model, "cpu", 1)
+    return mean_loss(ev, protocol.decode_weights(body["weights"]), x, y)
+
+
+def _kill_worker(run: Path, name: str) -> None:
+    """SIGKILL the local worker `name` of this run as a crash would: its `join` and its SuperNode (which runs
+    in a session of its own), with their process groups. Both are found by the worker's unique cache path."""
+    needle = f"{run}/workers/{name}/cache".encode()
+    groups = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if needle in cmd and (b"join" in cmd or b"worker.supernode" in cmd):
+                groups.add(os.getpgid(int(pid)))
+        except OSError:
+            continue
+    assert len(groups) == 2, f"worker {name} of {run}: found process groups {groups}"
+    for g in groups:
+        os.killpg(g, signal.SIGKILL)
+
+
+@SHARED_RUN
+def test_federation_trains_and_checkpoints_what_workers_sent(fed):
+    assert importlib.util.find_spec("torch") is not None  # torch IS installed: blocking it is what is tested
+    finish(fed, start_coordinator(fed))
+    rd = RunDir(fed["run"])
+    state = rd.load_state()
+    assert state["round"] == 2
+    sent = _sent(fed["run"])
+    for e in range(4):
+        x = state["experts"][str(e)]
+        assert x["version"] == 2, x
+        for v in (1, 2):
+            body = checkpoint.load(rd.root / f"experts/{e}/v{v}.msgpack", "expert")
+            on_disk = protocol.weights_sha256(body["weights"])
+            assert on_disk == body["sha256"] == sent[(e, v)], (e, v)
+        assert x["sha256"] == sent[(e, 2)]
+        before, after = _val_loss(rd, e, 0), _val_loss(rd, e, 2)
+        assert after < before - 0.2, (e, before, after)
+    lines = metric_lines(rd, "expert")
+    assert len(lines) == 8 and all(m["accepted"] for m in lines)
+    assert {m["torch_importable"] for m in lines} == {False}
+    assert {m["node"] for m in lines} == {"w0", "w1"}
+    rounds = metric_lines(rd, "round")
+    assert [m["round"] for m in rounds] == [1, 2] and all(np.isfinite(m["mixture_val_loss"]) for m in rounds)
+    # Round 2 kept every expert on its node: no weights were sent again.
+    assert sum(m["weights_bytes_down"] for m in lines if m["round"] == 2) == 0
+    assert not rd.is_locked()
+
+
+@SHARED_RUN
+def test_killed_worker_loses_its_experts_to_the_other(fed):
+    rd = RunDir(fed["run"])
+    r0 = rd.load_state()["round"]
+    assert r0 == 2, "needs the run of the previous test"
+    versions_before = {e: x["version"] for e, x in rd.load_state()["experts"].items()}
+    proc = start_coordinator(fed, "--rounds", str(r0 + 2))
+    w1_log = fed["run"] / "logs" / "w1.log"
+    trains_before = w1_log.read_text(errors="replace").count("training experts")
+
+    def w1_training():
+        st = rd.read_status() or {}
+        return (
+            st.get("phase") == "round"
+            and st.get("round") == r0 + 1
+            and w1_log.read_text(errors="replace").count("training experts") > trains_before
+        )
+
+    try:
+        wait_until(w1_training, 120, "w1 to start training in the round", fed)
+        time.sleep(1.0)
+        _kill_worker(fed["run"], "w1")
+        finish(fed, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = rd.load_state()
+    assert state["round"] == r0 + 2
+    lines = metric_lines(rd, "expert")
+    killed = [m for m in lines if m["round"] == r0 + 1 and m["node"] == "w1"]
+    # Flower reports the dead node after two 10 s heartbeats, or the round's deadline (21 s) comes first.
+    assert killed and all(
+        not m["accepted"] and ("deadline" in m["reason"] or "w1 is gone" in m["reason"]) for m in killed
+    )
+    after = [m for m in lines if m["round"] == r0 + 2]
+    assert all(m["accepted"] and m["node"] == "w0" for m in after)  # reassigned, and trained
+    for e, x in state["experts"].items():
+        accepted = sum(1 for m in lines if m["expert"] == int(e) and m["accepted"])
+        assert x["version"] == accepted  # every accepted version counted, none lost
+        assert x["version"] > versions_before[e]
+        body = checkpoint.load(rd.root / x["path"], "expert")
+        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+
+
+def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
+    t0 = time.time()
+    proc = start_coordinator(fed, "--rounds", str(target))
+
+    def in_round() -> bool:
+        # Fresh status only: a coordinator interrupted in round r left "round r" behind, and the signal
+        # would then hit this one in its start-up instead of in round r.
+        st = rd.read_status() or {}
+        return st.get("time", 0) >= t0 and st.get("phase") == "round" and st.get("round") == r
+
+    try:
+        wait_until(in_round, 180, f"round {r} to start", fed)
+        time.sleep(2.0)
+        proc.send_signal(sig)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Everything that `start` launched goes away (Ctrl-C: stopped by it; kill -9: by the kernel's parent-death
+    # signal and Flower's parent watch), and with the ServerApp goes the run lock.
+    wait_until(lambda: not leftovers(fed["run"]), 60, f"no processes of the run left: {leftovers(fed['run'])}", fed)
+    wait_until(lambda: not rd.is_locked(), 30, "the run lock to be released", fed)
+    return code
+
+
+@SHARED_RUN
+def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
+    rd = RunDir(fed["run"])
+    r0 = rd.load_state()["round"]
+    assert r0 == 4, "needs the runs of the previous tests"
+    target = r0 + 3
+    # Ctrl-C in round 5: exit 130. The round may still commit if its replies land while things shut down.
+    assert _interrupt_in_round(fed, rd, r0 + 1, signal.SIGINT, target) == 130
+    c1 = rd.load_state()["round"]
+    assert c1 in (r0, r0 + 1)
+    # kill -9 in the next round.
+    assert _interrupt_in_round(fed, rd, c1 + 1, signal.SIGKILL, target) == -signal.SIGKILL
+    c2 = rd.load_state()["round"]
+    assert c2 in (c1, c1 + 1) and c2 < target
+    finish(fed, start_coordinator(fed, "--rounds", str(target)))
+    state = rd.load_state()
+    assert state["round"] == target
+    rounds = [m["round"] for m in metric_lines(rd, "round")]
+    assert rounds == list(range(1, target + 1))  # none repeated, none skipped
+    per_round = {}
+    for m in metric_lines(rd, "expert"):
+        per_round.setdefault(m["round"], []).append(m["expert"])
+    assert all(sorted(v) == [0, 1, 2, 3] for v in per_round.values())
+    log = (fed["run"] / "logs" / "coordinator.log").read_text()
+    assert f"resuming after round {c1} of {target}" in log and f"resuming after round {c2} of {target}" in log
+    for e, x in state["experts"].items():
+        assert x["version"] == sum(1 for m in metric_lines(rd, "expert") if m["expert"] == int(e) and m["accepted"])
+        body = checkpoint.load(rd.root / x["path"], "expert")
+        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+    # The finished ServerApp exits on its own shortly after `start` returns.
+    wait_until(lambda: not leftovers(fed["run"]), 30, "no processes of the run left")
+
+
+SEED_CONFIG = """
+seed = 5
+[model]
+kind = "soma"
+embed = 16
+hidden = 16
+layers = 1
+[data]
+batch = 8
+seq_len = 64
+[spsa]
+warmup_steps = 0
+[federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
+experts = 4
+rounds = 3
+round_seconds = 4.0
+seed_steps = 40
+keep_versions = 5
+deadline_factor = 1.5
+deadline_slack = 12.0
+val_windows = 16
+local_workers = 2
+"""
+
+
+def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
+    """The paper's setting through real processes, over TLS with certificates from `soma-coord certs`: a
+    soma-kind seed expert trains on every shard, becomes version 0 of every expert bit for bit, and its
+    tied E stays frozen while the experts train; the run exports and evaluates under both protocols."""
+    src = write_stdlib_corpus(tmp_path / "corpus")
+    (tmp_path / "seed.toml").write_text(SEED_CONFIG)
+    fed = {
+        "root": tmp_path,
+        "run": tmp_path / "run",
+        "corpus": src,
+        "config": tmp_path / "seed.toml",
+        "env": dict(os.environ, SOMA_CACHE=str(tmp_path / "cache")),
+    }
+    certs = subprocess.run(
+        [sys.executable, "-m", "coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"],
+        capture_output=True,
+        text=True,
+        env=fed["env"],
+    )
+    assert certs.returncode == 0, certs.stderr
+    finish(fed, start_coordinator(fed, "--tls", str(tmp_path / "tls")))
+    logs = fed["run"] / "logs"
+    assert (
+        "--ssl-certfile" in (logs / "superlink.log").read_text()
+        and "--insecure" not in (logs / "superlink.log").read_text()
+    )
+    assert all("--root-certificates" in (logs / f"w{i}.log").read_text() for i in (0, 1))
+    rd = RunDir(fed["run"])
+    state = rd.load_state()
+    seed = state["seed"]
+    assert (state["round"], state["phase"], seed["expert"], seed["step"]) == (3, "experts", 4, 40)
+    sent = _sent(fed["run"])
+    assert sent[(4, seed["version"])] == seed["sha256"]  # the seed's weights are what a worker sent
+    seed_w = checkpoint.load(rd.root / seed["path"], "expert")["weights"]
+    from soma_edge import params
+
+    body = params.layout(rd.load_config().model).body
+    for e in range(4):
+        v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")
+        assert v0["weights"].tobytes() == seed_w.tobytes() and v0["step"] == 0
+        x = state["experts"][str(e)]
+        assert x["version"] >= 1 and x["sha256"] == sent[(e, x["version"])]
+        w = checkpoint.load(rd.root / x["path"], "expert")["weights"]
+        assert w[body:].tobytes() == seed_w[body:].tobytes()  # E frozen
+        assert not np.array_equal(w[:body], seed_w[:body])
+    phases = [m["phase"] for m in metric_lines(rd, "round")]
+    assert phases[0] == "seed" and phases[-1] == "experts"
+
+    deploy = tmp_path / "deploy"
+    subprocess.run(
+        [sys.executable, "-m", "export.cli", "onnx", str(fed["run"]), "--out", str(deploy)],
+        check=True,
+        capture_output=True,
+        env=fed["env"],
+    )
+    text = tmp_path / "heldout.txt"
+    text.write_bytes(b"".join(rd.shard(h) for h in _test_shards(rd))[:6000])
+    for protocol_name in ("stream", "paper"):
+        r = subprocess.run(
+            [sys.executable, "-m", "export.cli", "eval", str(deploy), "--data", str(text), "--protocol", protocol_name],
+            capture_output=True,
+            text=True,
+            env=fed["env"],
+        )
+        assert r.returncode == 0, r.stderr
+        nats = float(r.stdout.strip().splitlines()[-1].split("nats/byte: ")[1].split()[0])
+        assert f"{protocol_name} protocol" in r.stdout and 0.5 < nats < np.log(256)
+
+
+def _test_shards(rd: RunDir) -> list[str]:
+    from coordinator.prepare import expert_shards
+
+    return [h for e in range(4) for h in expert_shards(rd.load_prepare(), e, "test")]
+
+
+AUTH_CONFIG = """
+seed = 2
+[model]
+embed = 8
+hidden = 16
+[data]
+batch = 4
+seq_len = 32
+[federation]
+join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
+experts = 2
+rounds = 6
+round_seconds = 3.0
+deadline_factor = 1.0
+deadline_slack = 6.0
+val_windows = 4
+local_workers = 1
+min_nodes = 2
+wait_seconds = 120
+"""
+
+
+def test_tls_with_worker_authentication(tmp_path):
+    """Over TLS with --auth: a worker registered on the live run trains and keeps its node id across a
+    restart; a worker with an unregistered key is refused in one line and never gets an assignment; one
+    without the CA fails within 30 s with a line that names TLS."""
+    fed, proc, port = secure_federation(tmp_path, AUTH_CONFIG, "ext", "stranger")
+    env = fed["env"]
+    assert "registered 1 worker key(s): w0" in (tmp_path / "start.log").read_text()
+    # Trust the external worker while the run is live (it waits for min_nodes = 2): registered at once.
+    r = cli(
+        tmp_path,
+        env,
+        "coordinator",
+        "add-worker",
+        str(fed["run"]),
+        str(tmp_path / "ext" / "worker.pub"),
+        "--name",
+        "ext",
+    )
+    assert r.returncode == 0 and "with the live SuperLink as node" in r.stdout, r.stdout + r.stderr
+
+    def join(name: str) -> subprocess.Popen:
+        out = open(tmp_path / f"{name}.log", "ab")
+        return subprocess.Popen(
+            secure_join(tmp_path, port, name), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    no_ca = [
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "join",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--cache",
+        str(tmp_path / "no-ca-cache"),
+    ]
+    t0 = time.monotonic()
+    r = subprocess.run(no_ca, capture_output=True, text=True, env=env, timeout=60)  # no --root-certificates
+    assert r.returncode == 2 and time.monotonic() - t0 < 30, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: TLS: the coordinator at 127.0.0.1:"), r.stderr
+    stranger = join("stranger")
+    ext = join("ext")
+    try:
+        assert stranger.wait(90) == 2  # refused (Flower's exit code 305: unknown key), said in one line
+        assert "error: the coordinator at 127.0.0.1:" in (tmp_path / "stranger.log").read_text(errors="replace")
+        assert "refused this worker's key" in (tmp_path / "stranger.log").read_text(errors="replace")
+        rd = RunDir(fed["run"])
+        wait_until(lambda: any(m["round"] >= 1 for m in metric_lines(rd, "round")), START_TIMEOUT, "round 1")
+        os.killpg(ext.pid, signal.SIGTERM)  # restart the registered worker with the same key
+        ext.wait(60)
+        restarted = max(m["round"] for m in metric_lines(rd, "round"))
+        ext = join("ext")
+        finish(fed, proc)
+    finally:
+        for p in (stranger, ext):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    registered = {w["name"]: w["node_id"] for w in json.loads((fed["run"] / "workers.json").read_text())}
+    coord = (fed["run"] / "logs" / "coordinator.log").read_text()
+    ids = re.findall(r"node (\d+) \(ext\) active", coord)
+    assert ids and {int(i) for i in ids} == {registered["ext"]}  # the registered identity, and only that one
+    assert "stranger" not in coord
+    lines = [m for m in metric_lines(rd, "expert") if m["accepted"]]
+    assert {m["node"] for m in lines} <= {"w0", "ext"}
+    # The restarted process trained too: its replies came from the same node id (the coordinator checks
+    # each reply's source against the node it sent the task to).
+    assert any(m["node"] == "ext" and m["round"] > restarted + 1 for m in lines), [
+        (m["round"], m["node"]) for m in lines
+    ]
+    assert rd.load_state()["round"] == 6

@@ -1,0 +1,263 @@
+"""A federation across simulated boxes (tests/helpers/netboxes.py) as an operator meets it, with real Flower
+processes: workers started 2 s apart both work in round 1, a worker whose box dies (SIGKILL of every
+process in its namespace) mid-round holds the round for well under its deadline (~20 s, with the 10 s
+heartbeats the coordinator advises on these fast links), the console tells what
+happened as it happens, and when the run ends every surviving `soma-worker join` exits 0 by itself.
+
+The time bounds are liveness bounds with slack for a loaded 2-core machine, not performance figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from soma_edge.procs import free_port
+from soma_edge.rundir import RunDir
+from tests.helpers import netboxes
+from tests.helpers.corpus import write_stdlib_corpus
+from tests.helpers.federation import START_TIMEOUT
+
+DEADLINE_SLACK = 60.0
+CONFIG = f"""
+seed = 6
+[data]
+batch = 8
+seq_len = 64
+[federation]
+experts = 3
+rounds = 4
+round_seconds = 6.0
+deadline_factor = 1.5
+deadline_slack = {DEADLINE_SLACK}
+val_windows = 16
+min_nodes = 1
+wait_seconds = 120
+guard_tolerance = 1.0  # 16 val windows are noisy, and the guard is not what this test is about
+"""
+
+
+def _wait_for(what, timeout: float, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(every)
+    return None
+
+
+def _status(rd: RunDir) -> dict:
+    try:
+        return json.loads(rd.status_path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _round_line(rd: RunDir, r: int) -> dict | None:
+    try:
+        return next((m for m in rd.read_metrics() if m["type"] == "round" and m["round"] == r), None)
+    except Exception:  # a metrics file being rewritten
+        return None
+
+
+def test_operator_story_across_namespaces(tmp_path):
+    netboxes.require()
+    src = write_stdlib_corpus(tmp_path / "corpus")
+    (tmp_path / "fed.toml").write_text(CONFIG)
+    env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
+    rd, port = RunDir(tmp_path / "run"), free_port()
+    boxes = netboxes.Boxes()
+    try:
+        coord = boxes.add("coord")
+        workers = {name: boxes.add(name, link_to=coord) for name in ("a", "b", "c")}
+        start = boxes.popen(
+            coord,
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--run",
+                str(rd.root),
+                "--config",
+                str(tmp_path / "fed.toml"),
+                "--corpus",
+                str(src),
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+            ],
+            tmp_path / "start.log",
+            env=env,
+            cwd=tmp_path,
+        )
+        joins = {}
+        for name, box in workers.items():
+            joins[name] = boxes.popen(
+                box,
+                [
+                    sys.executable,
+                    "-m",
+                    "worker.cli",
+                    "join",
+                    "--coordinator",
+                    f"{box.peer}:{port}",
+                    "--name",
+                    name,
+                    "--cache",
+                    str(tmp_path / name),
+                    "--threads",
+                    "1",
+                    "--no-spin",
+                    "--parallel",
+                    "1",
+                ],
+                tmp_path / f"{name}.log",
+                env=env,
+            )
+            if name == "a":
+                time.sleep(2.0)  # b and c join 2 s after a; min_nodes = 1, so a alone could start round 1
+
+        # Round 3 under way (from round 2 on, the workers report 10 s heartbeats, as the coordinator advises
+        # for these fast links): kill the box of a worker that holds an expert in it.
+        st = _wait_for(lambda: (s := _status(rd)).get("phase") == "round" and s.get("round") == 3 and s, START_TIMEOUT)
+        assert st, (tmp_path / "start.log").read_text(errors="replace")[-3000:]
+        victim = sorted(set(st["assignment"].values()))[-1]
+        time.sleep(2.0)
+        t_kill = time.monotonic()
+        for pid in boxes.pids(workers[victim]):
+            os.kill(pid, signal.SIGKILL)
+        r3 = _wait_for(lambda: _round_line(rd, 3), 120, every=0.5)
+        t_round3 = time.monotonic()
+        assert r3, (tmp_path / "start.log").read_text(errors="replace")[-3000:]
+
+        assert start.wait(START_TIMEOUT) == 0, (tmp_path / "start.log").read_text(errors="replace")[-3000:]
+        t_end = time.monotonic()
+        survivors = [n for n in joins if n != victim]
+        codes = {n: joins[n].wait(max(1.0, t_end + 30 - time.monotonic())) for n in survivors}
+    finally:
+        boxes.close()
+    assert boxes.leftovers() == [] and all(p.poll() is not None for p in boxes.procs)
+    console = (tmp_path / "start.log").read_text(errors="replace")
+
+    # Both workers that joined 2 s apart trained in round 1.
+    lines = rd.read_metrics()
+    r1 = {m["node"] for m in lines if m["type"] == "expert" and m["round"] == 1 and m["accepted"]}
+    assert {"a", "b"} <= r1, r1
+    # The dead box held round 3 for well under its deadline, and its experts trained again in round 4.
+    deadline = 6.0 * 1.5 + DEADLINE_SLACK
+    assert t_round3 - t_kill < 30 and r3["round_seconds_total"] < deadline - 20, (t_round3 - t_kill, r3)
+    lost = [m["expert"] for m in lines if m["type"] == "expert" and m["round"] == 3 and m["node"] == victim]
+    assert lost and all(
+        not m["accepted"] for m in lines if m["type"] == "expert" and m["round"] == 3 and m["expert"] in lost
+    )
+    r4 = [m for m in lines if m["type"] == "expert" and m["round"] == 4]
+    assert all(m["accepted"] and m["node"] != victim for m in r4), r4
+    # The console (piped to a file) told the story as it happened.
+    assert "(a) active" in console and f"({victim}) is gone (no heartbeat)" in console
+    assert f"run over (complete): {len(survivors)} worker(s) told" in console
+    # Every surviving worker said the run ended and exited 0 within 30 s of it; no colour codes, no
+    # per-message lines from Flower.
+    assert codes == {n: 0 for n in survivors}, codes
+    for n in survivors:
+        out = (tmp_path / f"{n}.log").read_text(errors="replace")
+        assert f"soma-worker {n}: the run ended (4/4 rounds, complete); exiting" in out, out[-2000:]
+        assert "\x1b[" not in out and "Receiving:" not in out
+
+
+STAY_CONFIG = """
+seed = 2
+[model]
+embed = 16
+hidden = 32
+[data]
+batch = 8
+seq_len = 64
+[federation]
+experts = 2
+rounds = 1
+round_seconds = 3.0
+val_windows = 8
+join_grace = 0.0
+"""
+
+
+def test_a_worker_with_stay_serves_the_next_run(tmp_path):
+    """On loopback: run 1 ends, its SuperLink goes; a `join --stay` worker waits, and trains in run 2."""
+    import subprocess
+
+    src = write_stdlib_corpus(tmp_path / "corpus")
+    (tmp_path / "fed.toml").write_text(STAY_CONFIG)
+    env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
+    port, log = free_port(), tmp_path / "w.log"
+
+    def start(name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "start",
+                "--run",
+                str(tmp_path / name),
+                "--config",
+                str(tmp_path / "fed.toml"),
+                "--corpus",
+                str(src),
+                "--port",
+                str(port),
+            ],
+            stdout=open(tmp_path / f"{name}.log", "ab"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
+
+    first, second = start("run1"), None
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "join",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--stay",
+            "--patience",
+            "3",
+            "--name",
+            "s",
+            "--cache",
+            str(tmp_path / "s"),
+            "--threads",
+            "1",
+        ],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert first.wait(START_TIMEOUT) == 0, (tmp_path / "run1.log").read_text(errors="replace")[-3000:]
+
+        def said(text):
+            return text in log.read_text(errors="replace")
+
+        assert _wait_for(lambda: said("waiting for it to come back (--stay)"), 60), log.read_text()[-2000:]
+        assert said("the run ended (1/1 rounds, complete); waiting for the next run (--stay)")
+        assert worker.poll() is None
+        second = start("run2")
+        assert second.wait(START_TIMEOUT) == 0, (tmp_path / "run2.log").read_text(errors="replace")[-3000:]
+        nodes = {m["node"] for m in RunDir(tmp_path / "run2").read_metrics() if m["type"] == "expert" and m["accepted"]}
+        assert nodes == {"s"} and worker.poll() is None
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+    finally:
+        for p in (first, second, worker):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if p is worker else p.kill()

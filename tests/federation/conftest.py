@@ -1,0 +1,28 @@
+import shutil
+
+import pytest
+
+from coordinator.prepare import prepare
+from soma_edge import config as config_mod
+from soma_edge.rundir import RunDir
+from tests.helpers.corpus import write_stdlib_corpus
+from tests.helpers.fakegrid import TINY
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """A run directory prepared (4 experts) on the standard-library corpus, shared read-only; copy it."""
+    src = write_stdlib_corpus(tmp_path_factory.mktemp("corpus"))
+    run = tmp_path_factory.mktemp("prepared") / "run"
+    prepare(str(src), 4, run, seed=0, progress=False)
+    return run
+
+
+@pytest.fixture
+def run(prepared, tmp_path):
+    """A private copy of `prepared` with the fake grid's tiny config (`fakegrid.TINY`)."""
+    dest = tmp_path / "run"
+    shutil.copytree(prepared, dest)
+    rd = RunDir(dest)
+    rd.save_config(config_mod.from_dict(TINY))
+    return rd

@@ -1,0 +1,146 @@
+"""Real federations on 127.0.0.1 for the e2e tests: `soma-coord start` (a real flower-superlink, real
+SuperNodes, Flower's ServerApp and ClientApp processes) started, waited for and looked into.
+
+`fed` is a dict: root (cwd and start.log), run (the run directory), corpus, config (a TOML file) and env
+(the environment of every process, with SOMA_CACHE under root: nothing of the user's cache is touched)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from soma_edge.rundir import RunDir
+from tests.helpers.corpus import write_stdlib_corpus
+
+START_TIMEOUT = 240
+
+
+def start_coordinator(fed, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordinator",
+        "start",
+        "--run",
+        str(fed["run"]),
+        "--config",
+        str(fed["config"]),
+        "--corpus",
+        str(fed["corpus"]),
+        "--port",
+        "0",
+        *extra,
+    ]
+    log = open(fed["root"] / "start.log", "ab")
+    # SIGINT back to its default: a test run started from a background job inherits it ignored, and then
+    # the Ctrl-C test would see a coordinator that cannot be interrupted.
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=fed["env"],
+        cwd=fed["root"],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def finish(fed, proc: subprocess.Popen) -> None:
+    try:
+        code = proc.wait(START_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"start did not finish within {START_TIMEOUT} s" + log_tails(fed)) from None
+    assert code == 0, f"start exited {code}" + log_tails(fed, 3000)
+
+
+def wait_until(cond, timeout: float, what: str, fed=None) -> None:
+    """Poll `cond` until it holds; on a timeout with `fed`, the message carries the tails of the run's logs
+    (a hang seen once in a whole-suite run left nothing else to go on)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}" + (log_tails(fed) if fed else ""))
+
+
+def log_tails(fed, chars: int = 1500) -> str:
+    logs = [fed["root"] / "start.log", *sorted((fed["run"] / "logs").glob("*.log"))]
+    return "".join(f"\n--- {p.name} (end) ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs if p.exists())
+
+
+def metric_lines(rd: RunDir, kind: str) -> list[dict]:
+    return [m for m in rd.read_metrics() if m["type"] == kind]
+
+
+def leftovers(run: Path) -> list[str]:
+    """Processes of this run still alive: anything whose command line names RUN or that runs inside it
+    (the SuperLink and the ServerApp run in RUN/flwr; workers name their cache under RUN)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (str(run) in cmd or cwd.startswith(str(run))):
+            out.append(f"{pid} {cmd[:120]}")
+    return out
+
+
+def cli(root: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
+    """`python -m ARGV...` in `root`, its output captured."""
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+
+
+def secure_federation(tmp_path: Path, config: str, *workers: str) -> tuple[dict, subprocess.Popen, str]:
+    """A run over TLS with --auth on 127.0.0.1: certificates, key pairs for `workers` (not yet trusted),
+    `soma-coord start --tls --auth` waiting for the ServerApp to hold the run; (fed, start, port)."""
+    src = write_stdlib_corpus(tmp_path / "corpus")
+    (tmp_path / "fed.toml").write_text(config)
+    env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
+    fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "fed.toml", "env": env}
+    for argv in [("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1")] + [
+        ("worker.cli", "keygen", str(tmp_path / w)) for w in workers
+    ]:
+        r = cli(tmp_path, env, *argv)
+        assert r.returncode == 0, r.stderr
+    proc = start_coordinator(fed, "--tls", str(tmp_path / "tls"), "--auth")
+    log = tmp_path / "start.log"
+    wait_until(lambda: "registered" in log.read_text(errors="replace"), START_TIMEOUT, "the local workers' keys")
+    port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
+    wait_until(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run")
+    return fed, proc, port
+
+
+def secure_join(tmp_path: Path, port: str, name: str) -> list[str]:
+    """`soma-worker join` for worker `name` (its keys in tmp_path/name) of a `secure_federation`."""
+    return [
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "join",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--name",
+        name,
+        "--root-certificates",
+        str(tmp_path / "tls" / "ca.pem"),
+        "--auth-key",
+        str(tmp_path / name / "worker.key"),
+        "--cache",
+        str(tmp_path / f"{name}-cache"),
+        "--threads",
+        "1",
+        "--no-spin",
+        "--parallel",
+        "1",
+    ]

@@ -1,0 +1,53 @@
+"""bench/variance.py runs end to end at a tiny size and prints well-formed JSON (the claim is the result, not
+a test)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "soma"])
+def test_variance_bench_tiny_json(kind):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.variance",
+            "--params",
+            "12000",
+            "--trials",
+            "3",
+            "--k",
+            "1,4",
+            "--experts",
+            "1,2",
+            "--kind",
+            kind,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = out["rows"]
+    assert {(row["N"], row["K"]) for row in rows} == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    for row in rows:
+        for key in ("shared", "separable", "theory_shared", "theory_separable"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert -1 <= row["cos_shared"] <= 1 and -1 <= row["cos_separable"] <= 1
+        assert row["M"] == row["N"] * row["expert_params"]
+        assert abs(row["M"] - 12000) / 12000 < 0.15  # M (for soma: the body SPSA perturbs) held fixed
+    assert out["kind"] == kind
+    for row in rows:
+        if row["N"] == 1:
+            assert row["shared"] == pytest.approx(row["separable"])
