@@ -10,6 +10,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from bench import equal_budget
 from coordinator.server_app import Coordinator
 from soma_edge.config import Config
@@ -119,7 +121,8 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
         federate=fake_federation,
     )
     assert [a["arm"] for a in extra["arms"]] == ["mono-spsa-lr1e-3"] and extra["sweep"] == {}
-    assert extra["arms"][0]["lr"] == 1e-3 and extra["budget_flops"] == budget
+    # the budget went through str(budget / 1e12) on the command line: equal to within its decimal rounding
+    assert extra["arms"][0]["lr"] == 1e-3 and extra["budget_flops"] == pytest.approx(budget, rel=1e-12)
     capsys.readouterr()
     merged = equal_budget.main(
         [
