@@ -19,11 +19,11 @@ import numpy as np
 
 from coordinator.prepare import prepare
 from soma_edge import corpus, mixture, params
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, ModelConfig, evals_per_step
 from soma_edge.graph import build
 from soma_edge.rundir import RunDir
 from soma_edge.runtime import cpu_count, evaluator_for, make_session, mean_loss
-from soma_edge.spsa import State, evals_per_step, plateau
+from soma_edge.spsa import State, plateau
 from worker.trainer import train as spsa_train
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: child processes run from it

@@ -9,7 +9,7 @@ chosen to fit, as in bench/variance.py) and the same compute budget F in forward
   monolithic shape (evaluations/s, both cores) times the analytic FLOPs of one forward pass, times the
   minutes. Load from other processes afterwards changes wall time, never what an arm gets.
 - An SPSA step costs 2K forward passes of its expert, plus one clean forward with the delta-rule decoder
-  (`soma_edge.spsa.evals_per_step`); a backprop step costs 3x its forward pass.
+  (`soma_edge.config.evals_per_step`); a backprop step costs 3x its forward pass.
 - SOMA with N experts: each expert gets F/N, i.e. `federation.max_steps` SPSA steps, and trains through
   the real federation (`soma-coord start` with an embedded SuperLink and local workers). Its score is the
   routed top-2 mixture (soma_edge.mixture, the router fitted by `soma-coord prepare`).
@@ -54,11 +54,11 @@ from bench.common import (
 )
 from soma_edge import corpus, params
 from soma_edge import router as router_mod
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, ModelConfig, evals_per_step
 from soma_edge.metrics import expert_lines, read_lines, round_lines
 from soma_edge.rundir import RunDir
 from soma_edge.runtime import cpu_count, evaluator_for, mean_loss
-from soma_edge.spsa import State, evals_per_step
+from soma_edge.spsa import State
 from worker.trainer import train as spsa_train
 
 SWEEP_VAL_WINDOWS = 64

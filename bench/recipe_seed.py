@@ -3,7 +3,7 @@
 Each arm trains one expert per cluster of the demo's split from the same budget of forward passes per
 expert. A seeded arm first trains the seed (expert id N, on every cluster's train split) for `share` of
 all the arm's passes; each expert then starts from the seed's weights with fresh optimizer state and
-takes the steps `soma_edge.seed.expert_steps` leaves it, exactly what `federation.seed_steps` does in a
+takes the steps `soma_edge.config.expert_steps` leaves it, exactly what `federation.seed_steps` does in a
 run. The mixture is scored on every cluster's test split under both protocols (soma_edge.mixture).
 """
 
@@ -35,9 +35,9 @@ from bench.common import (
 )
 from soma_edge import params
 from soma_edge import seed as seed_mod
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, ModelConfig, evals_per_step, expert_config, expert_steps
 from soma_edge.router import load as load_router
-from soma_edge.spsa import State, evals_per_step
+from soma_edge.spsa import State
 
 # (name, model overrides on the shipped default, seed decoder or None for no seed run)
 SEED_ARMS: list[tuple[str, dict[str, Any], str | None]] = [
@@ -71,7 +71,7 @@ def arm_cfg(model: dict[str, Any], seed_decoder: str | None, evals: int, share: 
     if seed_decoder is not None:
         cfg.model.seed_decoder = seed_decoder
         cfg.federation.seed_steps = max(1, round(share * N_CLUSTERS * evals / evals_per_step(cfg.spsa)))
-    cfg.federation.max_steps = evals // evals_per_step(seed_mod.expert_config(cfg).spsa)
+    cfg.federation.max_steps = evals // evals_per_step(expert_config(cfg).spsa)
     return cfg
 
 
@@ -127,7 +127,7 @@ def run_seed_table(
             start = _expert_job(
                 (f"{name} seed", cfg, _seed_data(datas), seed_steps, check, None, seed_mod.seed_expert(cfg))
             )
-        ecfg, steps = seed_mod.expert_config(cfg), seed_mod.expert_steps(cfg)
+        ecfg, steps = expert_config(cfg), expert_steps(cfg)
         work_items = [(f"{name} e{e}", ecfg, datas[e], steps, check, start, e) for e in range(N_CLUSTERS)]
         weights = map_jobs(_expert_job, work_items, jobs)
         total = seed_steps * evals_per_step(cfg.spsa) + N_CLUSTERS * steps * evals_per_step(ecfg.spsa)

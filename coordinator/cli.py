@@ -175,8 +175,8 @@ def workers_cmd(
     """The workers whose keys RUN trusts."""
     rd = RunDir(run)
     rows = workers.load(rd)
-    state = rd.load_state() if rd.state_path.exists() or rd.prev_state_path.exists() else None
-    strikes = (state or {}).get("strikes") or {}
+    state = rd.read_state() if rd.state_path.exists() or rd.prev_state_path.exists() else None
+    strikes = state.strikes if state is not None else {}
     limit = rd.load_config().federation.max_strikes if rd.has_config() else 0
     count = {w.fingerprint: guard.count(strikes, guard.key_identity(w.fingerprint)) for w in rows}
     if as_json:
@@ -255,7 +255,7 @@ def stop_cmd(
     while rd.is_locked():
         time.sleep(0.5)
     rounds = rd.load_config().federation.rounds
-    print(f"stopped after round {rd.load_state()['round']} of {rounds}; `soma-coord start --run {run}` resumes it")
+    print(f"stopped after round {rd.read_state().round} of {rounds}; `soma-coord start --run {run}` resumes it")
 
 
 @app.command("app-path")

@@ -18,14 +18,14 @@ from coordinator import scheduler
 from coordinator.fleet import Fleet, Node, Outgoing, message
 from coordinator.ledger import Bases, Ledger
 from coordinator.round import Round, Waiting
-from coordinator.shards import Shards
 from soma_edge import params, protocol
-from soma_edge.config import Config, ReplyPolicy
+from soma_edge import seed as seed_mod
+from soma_edge.config import Config, ReplyPolicy, evals_per_step
 from soma_edge.errors import CheckpointError, CorpusError
 from soma_edge.logs import role_logger
 from soma_edge.protocol import ReplyMode
-from soma_edge.rundir import RunDir
-from soma_edge.spsa import UpdateLog, evals_per_step
+from soma_edge.rundir import PrepareSummary, RunDir
+from soma_edge.spsa import UpdateLog
 
 log = role_logger("soma.coord")
 
@@ -52,8 +52,8 @@ def reply_mode(cfg: Config, phase: Config, node: Node, r: int, steps: int, versi
 
 
 class Dispatcher:
-    def __init__(self, run: RunDir, cfg: Config, ledger: Ledger, fleet: Fleet, shards: Shards) -> None:
-        self.run, self.cfg, self.ledger, self.fleet, self.shards = run, cfg, ledger, fleet, shards
+    def __init__(self, run: RunDir, cfg: Config, ledger: Ledger, fleet: Fleet, prep: PrepareSummary) -> None:
+        self.run, self.cfg, self.ledger, self.fleet, self.prep = run, cfg, ledger, fleet, prep  # prep: the shards
 
     def send_round(self, rnd: Round, by_node: dict[int, list[int]], bases: Bases, ahead: Round | None) -> None:
         """Send round rnd's requests (`by_node`: each node's experts). Planned ahead of round `ahead`'s checks,
@@ -86,7 +86,7 @@ class Dispatcher:
             self.push_train(rnd, self.train_request(rnd.r, nid, experts, steps, bases, max_seconds, last, shard_bytes))
             return
         before = set(self.fleet.out)
-        run_id = self.ledger.state["run_id"]
+        run_id = self.ledger.state.run_id
         self.fleet.push(
             [
                 (
@@ -136,7 +136,7 @@ class Dispatcher:
         is the first to need."""
         node, shards, per_expert = self.fleet.nodes[nid], {}, {}
         for e in experts:
-            hashes = self.shards.train(e)
+            hashes = seed_mod.shards(self.cfg, self.prep, e, "train")
             if not hashes:
                 raise CorpusError(f"expert {e} has no train shards in {self.run.prepare_json}")
             per_expert[e] = 0
@@ -169,7 +169,7 @@ class Dispatcher:
         body = protocol.train_request(
             round=r,
             node=nid,
-            run_id=self.ledger.state["run_id"],
+            run_id=self.ledger.state.run_id,
             config=phase.to_dict(),
             reply_dtype=fed.reply_dtype,
             max_seconds=max_seconds or fed.round_seconds,
@@ -191,17 +191,17 @@ class Dispatcher:
         downstream = self.downstream_log(e, node) if send_w else None
         base_log, log_nbytes = downstream or (None, 0)
         send_w = send_w and base_log is None
-        body = self.run.load_expert(x["path"]) if send_w else None
+        body = self.run.load_expert(x.path) if send_w else None
         w = body["weights"] if body else None
-        stored = self.ledger.checked_opt(body, x["path"]) if body else None
-        scale = float(x.get("lr_scale", 1.0))
+        stored = self.ledger.checked_opt(body, x.path) if body else None
+        scale = float(x.lr_scale)
         task = protocol.task(
             expert=e,
-            version=x["version"],
-            base_sha256=x["sha256"],
-            step=x["step"],
+            version=x.version,
+            base_sha256=x.sha256,
+            step=x.step,
             steps=steps,
-            shards=self.shards.train(e),
+            shards=seed_mod.shards(self.cfg, self.prep, e, "train"),
             lr_scale=scale,
             weights=w,
             opt=stored.to_record() if stored is not None else None,
@@ -209,9 +209,9 @@ class Dispatcher:
             base_log=base_log,
         )
         expected = {
-            "version": x["version"],
-            "base_sha256": x["sha256"],
-            "step": x["step"],
+            "version": x.version,
+            "base_sha256": x.sha256,
+            "step": x.step,
             "steps": steps,
             "lr_scale": scale,
             "reply": mode,
@@ -223,8 +223,8 @@ class Dispatcher:
         """For a node that holds the version before expert e's current one: the log between them (and its
         bytes), when it is shorter than the weights and optimizer state it replaces (downstream logs)."""
         x = self.ledger.expert(e)
-        rec = self.run.load_log(e, int(x["version"])) if int(x["version"]) > 0 else None
-        if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x["sha256"]:
+        rec = self.run.load_log(e, int(x.version)) if int(x.version) > 0 else None
+        if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x.sha256:
             return None
         try:
             nbytes = sum(UpdateLog.from_record(rec.get("log")).nbytes().values())

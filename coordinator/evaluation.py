@@ -11,14 +11,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from coordinator.shards import Shards
 from soma_edge import mixture, protocol
 from soma_edge import router as router_mod
+from soma_edge import seed as seed_mod
 from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import SomaError
 from soma_edge.logs import role_logger
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import PrepareSummary, RunDir, RunState
 from soma_edge.runtime import LossEvaluator, make_session, mean_loss
 
 log = role_logger("soma.coord")
@@ -27,18 +27,18 @@ MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-
 
 
 class Evaluation:
-    def __init__(self, run: RunDir, cfg: Config, shards: Shards) -> None:
-        self.run, self.cfg, self.shards = run, cfg, shards
+    def __init__(self, run: RunDir, cfg: Config, prep: PrepareSummary) -> None:
+        self.run, self.cfg, self.prep = run, cfg, prep  # prep: each expert's shards
         self.windows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # expert -> its val windows (x, y)
         self.evaluator: LossEvaluator | None = None  # the loss session (onnxruntime), made on first use
         self.router: Any = None  # RUN/router, loaded on first use
 
     def val_stream(self, e: int) -> np.ndarray:
-        data = [self.run.shard(h) for h in self.shards.of(e, "val")]
+        data = [self.run.shard(h) for h in seed_mod.shards(self.cfg, self.prep, e, "val")]
         stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
         if stream.size <= self.cfg.data.seq_len + 1:  # a cluster with almost no held-out text: use all of it
             fed = self.cfg.federation
-            data = [self.run.shard(h) for x in range(fed.experts) for h in self.shards.of(x, "val")]
+            data = [self.run.shard(h) for x in range(fed.experts) for h in self.prep.shards(x, "val")]
             stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
         return stream
 
@@ -51,17 +51,17 @@ class Evaluation:
         x, y = self.windows[e]
         return float(mean_loss(self.evaluator, weights, x, y))
 
-    def mixture_val_loss(self, experts: dict[str, dict[str, Any]]) -> float | None:
-        """Routed-mixture nats/byte of the whole model (`experts`: state.msgpack's) on held-out text (None if
+    def mixture_val_loss(self, state: RunState) -> float | None:
+        """Routed-mixture nats/byte of the whole model (`state`'s current versions) on held-out text (None if
         it cannot be computed)."""
         try:
             if self.router is None:
                 self.router = router_mod.load(self.run.router)
             seq = self.cfg.data.seq_len
             per = self.cfg.federation.val_windows * seq
-            ids = sorted(int(e) for e in experts)
+            ids = state.expert_ids()
             data = np.concatenate([self.val_stream(e)[:per] for e in ids])
-            fns = {e: self._logprobs(experts[str(e)]["path"]) for e in ids}
+            fns = {e: self._logprobs(state.expert(e).path) for e in ids}
             top_k = min(MIXTURE_TOP_K, len(fns))
             return float(mixture.evaluate(self.router, fns, data, seq, top_k, self.router.temperature).nats_per_byte)
         except (SomaError, AttributeError, ValueError, OSError) as e:

@@ -21,7 +21,7 @@ from soma_edge import __version__, protocol
 from soma_edge.config import Config
 from soma_edge.errors import CodecError, SomaError, ValidationError
 from soma_edge.logs import role_logger
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import RunDir, RunState
 
 log = role_logger("soma.coord")
 
@@ -86,7 +86,7 @@ class Fleet:
         grid: Any,
         run: RunDir,
         cfg: Config,
-        state: dict[str, Any],
+        state: RunState,
         biggest: int,
         status: Callable[..., None],
         clock: Callable[[], float] = time.monotonic,
@@ -138,7 +138,7 @@ class Fleet:
             if node.status in again or (node.status == NodeStatus.QUERYING and stale):
                 if stale:
                     self.out.pop(node.query_mid, None)
-                body = protocol.capability_query(self.cfg.to_dict(), self.state["run_id"])
+                body = protocol.capability_query(self.cfg.to_dict(), self.state.run_id)
                 msg = message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES)
                 items.append((msg, Outgoing(node=nid, kind="query")))
                 node.status = NodeStatus.QUERYING
@@ -203,12 +203,12 @@ class Fleet:
             )
             return True
         node.identity = guard.identity(self.run, node.id)
-        if guard.excluded(self.state["strikes"], node.who, self.cfg.federation.max_strikes):
+        if guard.excluded(self.state.strikes, node.who, self.cfg.federation.max_strikes):
             log.warning(
                 "node %s (%s) is excluded from this run: %d strikes against %s",
                 node.id,
                 node.name,
-                self.state["strikes"][node.who]["count"],
+                self.state.strikes[node.who]["count"],
                 node.who,
             )
             return True

@@ -17,35 +17,16 @@ The strike table lives in state.msgpack (`strikes`), so it commits with the roun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from coordinator import workers
 from soma_edge.errors import ConfigError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import BestVersion, RunDir
 
 
-@dataclass
-class Best:
-    """The best version of one expert so far: what the bound is measured against and what export takes."""
-
-    version: int
-    sha256: str
-    path: str
-    val_loss: float
-
-    def to_record(self) -> dict[str, Any]:
-        return {"version": self.version, "sha256": self.sha256, "path": self.path, "val_loss": self.val_loss}
-
-    @classmethod
-    def of(cls, entry: dict[str, Any]) -> "Best":
-        """The best record of a state entry (the entry itself when it has none: runs from before guards)."""
-        rec = entry.get("best") or entry
-        return cls(int(rec["version"]), str(rec["sha256"]), str(rec["path"]), float(rec["val_loss"]))
-
-
-def verdict(val: float, best: Best, tolerance: float) -> str | None:
-    """Why a version of val loss `val` is refused (None: accept)."""
+def verdict(val: float, best: BestVersion, tolerance: float) -> str | None:
+    """Why a version of val loss `val` is refused (None: accept; `best`: the expert's best version so far,
+    soma_edge.rundir.ExpertRecord.best_or_current)."""
     if val <= best.val_loss + tolerance:
         return None
     return (

@@ -20,13 +20,14 @@ from coordinator.evaluation import Evaluation
 from coordinator.fleet import Fleet, Node, NodeStatus, Outgoing
 from coordinator.ledger import Ledger
 from coordinator.round import Claim, Round
-from coordinator.shards import Shards
 from soma_edge import protocol
+from soma_edge import seed as seed_mod
 from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR
 from soma_edge.errors import CodecError, ValidationError
 from soma_edge.logs import role_logger
-from soma_edge.rundir import RunDir
+from soma_edge.metrics import Rejection
+from soma_edge.rundir import PrepareSummary, RunDir
 from soma_edge.runtime import evaluator_for
 from soma_edge.spsa import OptState, State, UpdateLog, plateau, schedule
 
@@ -42,12 +43,12 @@ class Intake:
         cfg: Config,
         ledger: Ledger,
         fleet: Fleet,
-        shards: Shards,
+        prep: PrepareSummary,
         evaluation: Evaluation,
         dispatcher: Dispatcher,
         status: Callable[..., None],
     ) -> None:
-        self.run, self.cfg, self.ledger, self.fleet, self.shards = run, cfg, ledger, fleet, shards
+        self.run, self.cfg, self.ledger, self.fleet, self.prep = run, cfg, ledger, fleet, prep  # prep: the shards
         self.evaluation, self.dispatcher = evaluation, dispatcher
         self.status = status  # writes status.json (`Loop.status`)
         self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
@@ -140,7 +141,7 @@ class Intake:
                 continue
             seen.add(e)  # checked for what it claims; its replay, audit and val loss come in settle
             rnd.claims[e] = Claim(node.id, res, w, opt, o.per_expert.get(e, {}), body, ulog)
-            node.shards |= set(self.shards.train(e))  # it trained on them, whatever its result's checks say
+            node.shards |= set(seed_mod.shards(self.cfg, self.prep, e, "train"))  # whatever its result's checks say
             evals += res["forward_evals"]
             secs += float(res["seconds"])
         return seen, evals, secs
@@ -168,7 +169,7 @@ class Intake:
 
     def reject(self, rnd: Round, node: Node, experts: list, reason: str, **extra: Any) -> None:
         """Refuse these results (the current versions stay) and count a strike for each against the node."""
-        fed, strikes = self.cfg.federation, self.ledger.state["strikes"]
+        fed, strikes = self.cfg.federation, self.ledger.state.strikes
         for e in experts:
             n = guard.strike(strikes, node.who, node.label, reason, rnd.r)
             log.warning(
@@ -181,7 +182,7 @@ class Intake:
                 fed.max_strikes or "unlimited",
                 reason,
             )
-            rnd.rejected.append(records.rejection(e, node, reason, n, **extra))
+            rnd.rejected.append(Rejection(expert=e, node=node.label, node_id=node.id, reason=reason, strike=n, **extra))
             if isinstance(e, int) and e in rnd.plan.assignment:
                 rnd.failed.setdefault(e, f"rejected: {reason}")
         if node.status != NodeStatus.EXCLUDED and guard.excluded(strikes, node.who, fed.max_strikes):
@@ -202,12 +203,13 @@ class Intake:
         hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first."""
         e, cfg, fed = res["expert"], self.ledger.phase_config(), self.cfg.federation
         x = self.ledger.expert(e)
-        stored = self.run.load_expert(x["path"])
+        stored = self.run.load_expert(x.path)
         weights = protocol.decode_weights(stored["weights"])
-        base = State(weights, step=int(x["step"]), opt=self.ledger.checked_opt(stored, x["path"]))
+        base = State(weights, step=int(x.step), opt=self.ledger.checked_opt(stored, x.path))
         if fed.audit_steps:
             picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, cfg.seed, e, int(res["version"]))
-            data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in self.shards.train(e)), dtype=np.uint8)
+            shards = seed_mod.shards(self.cfg, self.prep, e, "train")
+            data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in shards), dtype=np.uint8)
             replay_mod.audit(cfg, base, ulog, e, data, self._audit_evaluator(cfg), picks)
         got = replay_mod.rebuild(cfg, base, ulog, e)
         if w is None:
@@ -227,7 +229,7 @@ class Intake:
         """The guard's verdict on a checked result, by its val loss; then the ledger stores it."""
         res, e = c.res, c.res["expert"]
         val = self.evaluation.val_loss(e, protocol.decode_weights(w))
-        best = guard.Best.of(self.ledger.expert(e))
+        best = self.ledger.expert(e).best_or_current()
         why = guard.verdict(val, best, self.cfg.federation.guard_tolerance)
         if why is not None:
             self.reject(rnd, node, [e], why, guard=True, val_loss=val, **self.ledger.slow_down(e))
@@ -235,8 +237,7 @@ class Intake:
         # The plateau counters are the coordinator's own (never the worker's): restore them, then decide the
         # next round's lr scale from this version's val loss.
         prev, trained_at = self.ledger.expert(e), opt.lr_scale
-        opt.lr_scale, opt.best_val = prev.get("lr_scale", 1.0), prev.get("best_val")
-        opt.best_step = prev.get("best_step", 0)
+        opt.lr_scale, opt.best_val, opt.best_step = prev.lr_scale, prev.best_val, prev.best_step
         if plateau(self.cfg.spsa, opt, val, res["step"]):
             log.info(
                 "round %d: expert %d plateaued (val %.4f, best %.4f): lr and eps now x%g",

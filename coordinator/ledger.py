@@ -10,6 +10,7 @@ and coordinator.planning (what each expert trains from).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,11 @@ from coordinator.fleet import Node
 from coordinator.round import Round
 from soma_edge import params, protocol
 from soma_edge import seed as seed_mod
-from soma_edge.config import Config
+from soma_edge.config import Config, expert_config, expert_steps
 from soma_edge.errors import CheckpointError, SomaError
 from soma_edge.logs import role_logger
-from soma_edge.rundir import RunDir
+from soma_edge.metrics import Line, SeedDone
+from soma_edge.rundir import BestVersion, ExpertRecord, RunDir, RunState
 from soma_edge.spsa import OptState, UpdateLog
 
 log = role_logger("soma.coord")
@@ -34,11 +36,10 @@ class Ledger:
     def __init__(self, run: RunDir, cfg: Config, evaluation: Evaluation) -> None:
         self.run, self.cfg, self.evaluation = run, cfg, evaluation
         self.size = params.layout(cfg.model).size
-        state = run.load_state(verify=True)
+        state = run.read_state(verify=True)
         if run.fallback:
             log.warning("%s", run.fallback)
-        self.state: dict[str, Any] = self._init_state() if state is None else state
-        self.state.setdefault("strikes", {})
+        self.state: RunState = self._init_state() if state is None else state
         self.committed = self.kept()  # what state.msgpack holds: the fallback once the next round commits
 
     def resume(self, locked_at: float) -> None:
@@ -49,86 +50,87 @@ class Ledger:
         if run.clean_debris():
             log.info("removed the temp files of writes a crash interrupted")
         self.prune(self.kept_in(run.prev_state_path))  # a prune that a crash after the commit cut short
-        run.truncate_metrics(self.state["round"])
+        run.truncate_metrics(self.state.round)
         run.clear_stop(before=locked_at)  # a stop addresses the coordinator that held the lock then
 
     # --- a new run, and the best versions --------------------------------------------------------------
 
-    def _init_state(self) -> dict[str, Any]:
+    def _init_state(self) -> RunState:
         """Version 0 of every expert: the same seeded initialization (a common start, as in c-BTM). With a
         seed run, only the seed starts from it; the experts start from the seed (`fan_out`)."""
         w = params.init(self.cfg.model, self.cfg.seed)
         seeded = seed_mod.enabled(self.cfg)
         ids = [seed_mod.seed_expert(self.cfg)] if seeded else range(self.cfg.federation.experts)
         state = records.run_state(self.cfg, {str(e): self._version0(e, w) for e in ids}, seeded)
-        self.run.save_state(state)
+        self.run.save_state(state.to_dict())
         return state
 
-    def _version0(self, e: int, w: np.ndarray) -> dict[str, Any]:
+    def _version0(self, e: int, w: np.ndarray) -> ExpertRecord:
         """Write version 0 of expert `e` with weights `w`, fresh optimizer state and step 0; its state entry.
         Its val loss is the first best that the guard measures replies against."""
         sha = protocol.weights_sha256(w)
         val = self.evaluation.val_loss(e, protocol.decode_weights(w))
         rel = self.run.save_expert(records.expert_body(e, 0, sha, self.cfg, 0, w, None, val))
-        return records.expert_record(0, sha, rel, 0, None, val, None, guard.Best(0, sha, rel, val), OptState())
+        best = BestVersion(version=0, sha256=sha, path=rel, val_loss=val)
+        return records.expert_record(0, sha, rel, 0, None, val, None, best, OptState())
 
     def check_best(self) -> None:
         """Every expert's best version loads and matches its hash; else (corrupt, or a run from before
         guards) the current version becomes the best, with one warning."""
-        for e, x in self.state["experts"].items():
-            rec = x.get("best")
+        for e, x in self.state.experts.items():
+            rec = x.best
             try:
-                body = self.run.load_expert(rec["path"]) if rec else None
-                if body is not None and protocol.weights_sha256(body["weights"]) != rec["sha256"]:
-                    raise CheckpointError(f"{self.run.root / rec['path']}: weights do not match its sha256")
+                body = self.run.load_expert(rec.path) if rec else None
+                if body is not None and protocol.weights_sha256(body["weights"]) != rec.sha256:
+                    raise CheckpointError(f"{self.run.root / rec.path}: weights do not match its sha256")
             except (CheckpointError, KeyError, TypeError) as err:
                 log.warning(
                     "expert %s: its best version does not load (%s); the current version v%s is the best now",
                     e,
                     err,
-                    x["version"],
+                    x.version,
                 )
                 body = None
             if body is None:
-                val = x.get("val_loss")
+                val = x.val_loss
                 if val is None:
-                    w = protocol.decode_weights(self.run.load_expert(x["path"])["weights"])
+                    w = protocol.decode_weights(self.run.load_expert(x.path)["weights"])
                     val = self.evaluation.val_loss(int(e), w)
-                x["best"] = guard.Best(int(x["version"]), x["sha256"], x["path"], float(val)).to_record()
+                x.best = BestVersion(version=int(x.version), sha256=x.sha256, path=x.path, val_loss=float(val))
         self.committed = self.kept()
 
     # --- the seed phase and step budgets ---------------------------------------------------------------
 
     def seeding(self) -> bool:
-        return self.state.get("phase") == "seed"
+        return self.state.phase == "seed"
 
     def fan_out(self) -> bool:
         """When the seed has its steps: every expert's version 0 is the seed's weights, bit for bit (not yet
         committed: the caller's save_state is the commit point). True if it fanned out."""
-        sid = str(seed_mod.seed_expert(self.cfg))
-        seed = self.state["experts"].get(sid)
-        if not self.seeding() or seed is None or seed["step"] < self.cfg.federation.seed_steps:
+        sid = seed_mod.seed_expert(self.cfg)
+        seed = self.state.experts.get(str(sid))
+        if not self.seeding() or seed is None or seed.step < self.cfg.federation.seed_steps:
             return False
-        w = self.run.load_expert(seed["path"])["weights"]
-        if protocol.weights_sha256(w) != seed["sha256"]:
-            raise SomaError(f"{self.run.root / seed['path']}: the seed's weights do not match state.msgpack")
+        w = self.run.load_expert(seed.path)["weights"]
+        if protocol.weights_sha256(w) != seed.sha256:
+            raise SomaError(f"{self.run.root / seed.path}: the seed's weights do not match state.msgpack")
         experts = {str(e): self._version0(e, w) for e in range(self.cfg.federation.experts)}
-        self.state["seed"] = {**seed, "expert": int(sid)}
-        self.state["experts"], self.state["phase"] = experts, "experts"
-        self.state["assignment"] = {}  # the experts' versions 0 are on no node yet
+        self.state.seed = dataclasses.replace(seed, expert=sid)
+        self.state.experts, self.state.phase = experts, "experts"
+        self.state.assignment = {}  # the experts' versions 0 are on no node yet
         log.info(
             "seed expert %s done at step %d (val %.4f): version 0 of all %d experts is its weights %s",
             sid,
-            seed["step"],
-            seed.get("val_loss") or float("nan"),
+            seed.step,
+            seed.val_loss or float("nan"),
             len(experts),
-            seed["sha256"][:12],
+            seed.sha256[:12],
         )
         return True
 
     def phase_config(self) -> Config:
         """What the current phase trains with: the run's config for the seed (or no seed), else the experts'."""
-        return self.cfg if self.seeding() else seed_mod.expert_config(self.cfg)
+        return self.cfg if self.seeding() else expert_config(self.cfg)
 
     def capped(self) -> bool:
         return self.seeding() or bool(self.cfg.federation.max_steps)
@@ -136,21 +138,21 @@ class Ledger:
     def steps_left(self, bases: Bases) -> dict[int, int]:
         """Steps each expert may still take from its base (experts with none left omitted): the seed's
         seed_steps, else federation.max_steps less the seed's share."""
-        cap = self.cfg.federation.seed_steps if self.seeding() else seed_mod.expert_steps(self.cfg)
-        left = {e: cap - int(bases.base(e)["step"]) for e in self.expert_ids()}
+        cap = self.cfg.federation.seed_steps if self.seeding() else expert_steps(self.cfg)
+        left = {e: cap - int(bases.base(e).step) for e in self.expert_ids()}
         return {e: n for e, n in left.items() if n > 0}
 
     # --- the table ------------------------------------------------------------------------------------
 
     def expert_ids(self) -> list[int]:
-        return sorted(int(e) for e in self.state["experts"])
+        return self.state.expert_ids()
 
-    def expert(self, e: int) -> dict[str, Any]:
+    def expert(self, e: int) -> ExpertRecord:
         """Expert e's entry in state.msgpack."""
-        return self.state["experts"][str(e)]
+        return self.state.expert(e)
 
     def current_sha(self) -> dict[int, str]:
-        return {int(e): x["sha256"] for e, x in self.state["experts"].items()}
+        return {int(e): x.sha256 for e, x in self.state.experts.items()}
 
     def version_bytes(self) -> int:
         """What a version weighs on the wire: float32 weights and Adam's two moments."""
@@ -164,13 +166,13 @@ class Ledger:
         """After a refused version: the expert retrains from the same version at a lower lr and eps (the
         plateau factor), so an honest node does not repeat the same refused steps bit for bit."""
         s, x = self.cfg.spsa, self.expert(e)
-        old = float(x.get("lr_scale", 1.0))
-        x["lr_scale"] = max(s.lr_floor / s.lr, old * s.plateau_factor)
-        return {"lr_scale": old, "next_lr_scale": x["lr_scale"]}
+        old = float(x.lr_scale)
+        x.lr_scale = max(s.lr_floor / s.lr, old * s.plateau_factor)
+        return {"lr_scale": old, "next_lr_scale": x.lr_scale}
 
     def store(
-        self, res: dict, w: np.ndarray, opt: OptState, val: float, ulog: UpdateLog | None, best: guard.Best, node: Node
-    ) -> guard.Best:
+        self, res: dict, w: np.ndarray, opt: OptState, val: float, ulog: UpdateLog | None, best: BestVersion, node: Node
+    ) -> BestVersion:
         """Store an accepted version (and the log it replays from) and make it expert e's current one; its
         best too when it improves on it, which forgives the node a strike. Returns the expert's best."""
         e = res["expert"]
@@ -180,38 +182,41 @@ class Ledger:
             rec = {"from_sha256": res["base_sha256"], "sha256": res["sha256"], "log": ulog.to_record()}
             self.run.save_log(e, res["version"], rec)
         if val < best.val_loss:
-            best = guard.Best(res["version"], res["sha256"], rel, val)
-            guard.forgive(self.state["strikes"], node.who)
-        self.state["experts"][str(e)] = records.expert_record(
+            best = BestVersion(version=res["version"], sha256=res["sha256"], path=rel, val_loss=val)
+            guard.forgive(self.state.strikes, node.who)
+        self.state.experts[str(e)] = records.expert_record(
             res["version"], res["sha256"], rel, res["step"], float(res["train_loss"]), val, node.label, best, opt
         )
         return best
 
     # --- commit and pruning ---------------------------------------------------------------------------
 
-    def commit(self, r: int, assignment: dict[str, str], lines: list[dict[str, Any]], board: Any) -> None:
-        """Round r's commit: the seed's fan-out when it is done, its metrics lines, then state.msgpack (the
-        commit point; the state before it becomes the fallback), then the pruning of old versions."""
-        self.state["round"] = r
-        self.state["assignment"] = assignment
+    def commit(self, r: int, assignment: dict[str, str], lines: list[Line], board: Any) -> None:
+        """Round r's commit: the seed's fan-out when it is done, its metrics lines (the last one the round's),
+        then state.msgpack (the commit point; the state before it becomes the fallback), then the pruning of
+        old versions."""
+        self.state.round = r
+        self.state.assignment = assignment
         if self.fan_out():
-            lines[-1]["seed_done"] = {k: self.state["seed"][k] for k in ("expert", "step", "version", "sha256")}
-        self.run.append_metrics(lines)  # the resume's truncate_metrics removed any line of round r
+            seed = self.state.seed
+            lines[-1].seed_done = SeedDone(expert=seed.expert, step=seed.step, version=seed.version, sha256=seed.sha256)
+        self.run.append_metrics([m.to_dict() for m in lines])  # the resume's truncate_metrics removed round r's
         if board is not None:
             board.commit(lines)
-        self.run.save_state(self.state)
+        self.run.save_state(self.state.to_dict())
         fallback, self.committed = self.committed, self.kept()
         self.prune(fallback)
 
-    def kept(self, state: dict[str, Any] | None = None) -> dict[int, set[int]]:
-        """The versions a state refers to (the current one by default), per expert: current and best."""
-        experts = (state or self.state)["experts"]
-        return {int(e): {int(x["version"]), int(guard.Best.of(x).version)} for e, x in experts.items()}
+    def kept(self, state: RunState | None = None) -> dict[int, set[int]]:
+        """The versions a state refers to (the current one by default), per expert: current and best (the
+        current one when it has none: a run from before guards)."""
+        experts = (state or self.state).experts
+        return {int(e): {int(x.version), int(x.best.version if x.best else x.version)} for e, x in experts.items()}
 
     def kept_in(self, path: Path) -> dict[int, set[int]]:
         """`kept` of a state file, or nothing when it does not load."""
         try:
-            return self.kept(self.run.load_state_file(path))
+            return self.kept(self.run.read_state_file(path))
         except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
             return {}
 
@@ -219,7 +224,7 @@ class Ledger:
         """Old versions beyond keep_versions go; never a best version, or one the fallback state refers to."""
         for e in self.expert_ids():
             keep = tuple(sorted(fallback.get(e, set()) | self.committed[e]))
-            self.run.prune(e, self.cfg.federation.keep_versions, self.expert(e)["version"], protect=keep)
+            self.run.prune(e, self.cfg.federation.keep_versions, self.expert(e).version, protect=keep)
 
 
 class Bases:
@@ -230,20 +235,21 @@ class Bases:
     def __init__(self, ledger: Ledger, nodes: dict[int, Node], ahead: Round | None = None) -> None:
         self.ledger, self.nodes, self.ahead = ledger, nodes, ahead
 
-    def base(self, e: int) -> dict[str, Any]:
+    def base(self, e: int) -> ExpertRecord:
         x = self.ledger.expert(e)
         c = self.ahead.claims.get(e) if self.ahead else None
         if c is None:
             return x
-        return {**x, "version": c.res["version"], "sha256": c.res["sha256"], "step": c.res["step"], "path": None}
+        res = c.res
+        return dataclasses.replace(x, version=res["version"], sha256=res["sha256"], step=res["step"], path=None)
 
     def holds(self, nid: int, e: int) -> bool:
         """Whether node `nid` holds the version expert e trains from next (a claimed one: the node that made it)."""
         c = self.ahead.claims.get(e) if self.ahead else None
-        return c.node == nid if c is not None else self.ledger.expert(e)["sha256"] in self.nodes[nid].weights
+        return c.node == nid if c is not None else self.ledger.expert(e).sha256 in self.nodes[nid].weights
 
     def last_assignment(self) -> dict[int, int | str]:
         """Where each expert trained last: the committed assignment (node labels), and round `ahead`'s (ids)."""
-        last: dict[int, int | str] = {int(e): n for e, n in self.ledger.state.get("assignment", {}).items()}
+        last: dict[int, int | str] = {int(e): n for e, n in self.ledger.state.assignment.items()}
         last.update(self.ahead.plan.assignment if self.ahead else {})
         return last

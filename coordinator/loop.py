@@ -32,13 +32,11 @@ from coordinator.intake import Intake
 from coordinator.ledger import Bases, Ledger
 from coordinator.planning import Planner
 from coordinator.round import Round
-from coordinator.shards import Shards
 from soma_edge import protocol
-from soma_edge import seed as seed_mod
-from soma_edge.config import Config
+from soma_edge.config import Config, expert_steps
 from soma_edge.errors import SomaError
 from soma_edge.logs import role_logger
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import RunDir, RunState
 
 log = role_logger("soma.coord")
 
@@ -61,7 +59,7 @@ class Coordinator:
         self.clock, self.sleep = clock, sleep
         self.loop: Loop | None = None  # the last `main`'s loop, once it opened the run (tests inspect it)
 
-    def main(self, lock_wait: float = 60.0) -> dict[str, Any]:
+    def main(self, lock_wait: float = 60.0) -> RunState:
         # Flower keeps the ServerApp's own output to itself (`flwr log`); ours also goes to RUN/logs.
         self.run.logs.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(self.run.logs / "coordinator.log")
@@ -94,26 +92,26 @@ class Coordinator:
     def _finish(self, loop: Loop, why: str) -> None:
         """Tell the workers the run is over, and say why in status.json and the log."""
         state, fed = loop.ledger.state, loop.cfg.federation
-        loop.fleet.end(protocol.run_end(state["run_id"], state["round"], fed.rounds, why), why)
+        loop.fleet.end(protocol.run_end(state.run_id, state.round, fed.rounds, why), why)
         if why == STOPPED:
             self.run.clear_stop()
             loop.status("done", stopped=True)
             log.info(
                 "run stopped after round %d of %d: `soma-coord start --run %s` resumes it",
-                state["round"],
+                state.round,
                 fed.rounds,
                 self.run.root,
             )
         else:
             loop.status("done")
-            log.info("run complete: %d rounds", state["round"])
+            log.info("run complete: %d rounds", state.round)
 
     def _failed(self, cfg: Config, e: Exception) -> None:
         why = {"message": f"{type(e).__name__}: {e}", "user_error": isinstance(e, SomaError)}
         if self.loop is not None:
             self.loop.status("failed", **why)
         else:  # the run state did not load
-            self.run.write_status(records.status("failed", cfg, {}, {}, **why))
+            self.run.write_status(records.status("failed", cfg, None, {}, **why).to_dict())
 
 
 class Loop:
@@ -131,15 +129,15 @@ class Loop:
     ) -> None:
         self.run, self.cfg, self.clock, self.sleep = run, cfg, clock, sleep
         self.locked_at = locked_at  # when this coordinator took the run lock
-        self.shards = Shards(cfg, run.load_prepare())
-        self.evaluation = Evaluation(run, cfg, self.shards)
+        self.prep = run.read_prepare()  # which shards each expert trains and validates on
+        self.evaluation = Evaluation(run, cfg, self.prep)
         self.ledger = Ledger(run, cfg, self.evaluation)
-        biggest = self.ledger.version_bytes() + min(cfg.federation.piece_bytes, sum(self.shards.sizes.values()))
+        biggest = self.ledger.version_bytes() + min(cfg.federation.piece_bytes, sum(self.prep.shard_sizes().values()))
         self.fleet = Fleet(grid, run, cfg, self.ledger.state, biggest, self.status, clock, sleep)
-        self.dispatcher = Dispatcher(run, cfg, self.ledger, self.fleet, self.shards)
-        self.planner = Planner(cfg, self.ledger, self.fleet, self.shards)
+        self.dispatcher = Dispatcher(run, cfg, self.ledger, self.fleet, self.prep)
+        self.planner = Planner(cfg, self.ledger, self.fleet, self.prep)
         self.intake = Intake(
-            run, cfg, self.ledger, self.fleet, self.shards, self.evaluation, self.dispatcher, self.status
+            run, cfg, self.ledger, self.fleet, self.prep, self.evaluation, self.dispatcher, self.status
         )
         self.late: dict[str, Outgoing] = {}  # train requests of the last round that missed its deadline
         self.board: Board | None = None  # RUN/tb/'s event writer, while rounds run with federation.tensorboard
@@ -148,20 +146,20 @@ class Loop:
         """Resume the run and run its rounds left; returns why they ended (None: the run had none left)."""
         run, fed, state = self.run, self.cfg.federation, self.ledger.state
         self.ledger.resume(self.locked_at)
-        if state["round"] >= fed.rounds:
+        if state.round >= fed.rounds:
             log.info("run %s already completed its %d rounds", run.root, fed.rounds)
             self.status("done")
             return None
-        self.board = Board(run.tb, state["round"]) if fed.tensorboard else None
+        self.board = Board(run.tb, state.round) if fed.tensorboard else None
         try:
             log.info(
-                "run %s: resuming after round %d of %d" if state["round"] else "run %s: starting, round %d of %d",
+                "run %s: resuming after round %d of %d" if state.round else "run %s: starting, round %d of %d",
                 run.root,
-                state["round"],
+                state.round,
                 fed.rounds,
             )
             if self.ledger.fan_out():  # a seed that finished in a round whose commit never happened
-                run.save_state(state)
+                run.save_state(state.to_dict())
             self.fleet.wait_for_nodes(fed.min_nodes, grace=fed.join_grace, stoppable=True)
             return self.rounds()
         finally:
@@ -171,7 +169,7 @@ class Loop:
     def rounds(self) -> str:
         """Run the rounds left; returns why they ended."""
         rnd = None
-        for r in range(self.ledger.state["round"] + 1, self.cfg.federation.rounds + 1):
+        for r in range(self.ledger.state.round + 1, self.cfg.federation.rounds + 1):
             if rnd is None:
                 why = self.why_stop(r)
                 if why is not None:
@@ -203,7 +201,7 @@ class Loop:
             )
             return STOPPED
         if self.ledger.capped() and not self.ledger.steps_left(Bases(self.ledger, self.fleet.nodes)):
-            why = f"every expert has its {seed_mod.expert_steps(self.cfg)} steps (federation.max_steps)"
+            why = f"every expert has its {expert_steps(self.cfg)} steps (federation.max_steps)"
             log.info("%s: stopping before round %d", why, r)
             return why
         return None
@@ -264,15 +262,15 @@ class Loop:
             self.fleet.out.pop(mid, None)
         self.intake.settle_all(rnd)
         for line in rnd.accepted.values():
-            line["late"] = True
+            line.late = True
             log.info(
                 "round %d: accepted expert %d v%d from %s after the last round's deadline",
                 r,
-                line["expert"],
-                line["version"],
-                line["node"],
+                line.expert,
+                line.version,
+                line.node,
             )
-            self.fleet.nodes[line["node_id"]].status = NodeStatus.ACTIVE  # it answered after all
+            self.fleet.nodes[line.node_id].status = NodeStatus.ACTIVE  # it answered after all
         return rnd
 
     def collect(self, rnd: Round) -> None:
@@ -335,7 +333,7 @@ class Loop:
         """Write round rnd.r's metrics and state (the commit point). Its span runs from its plan to the next
         round's plan when that went ahead of this commit (`t_next`), else to now: spans tile the run."""
         r, fed, state = rnd.r, self.cfg.federation, self.ledger.state
-        mix = None if self.ledger.seeding() else self.evaluation.mixture_val_loss(state["experts"])
+        mix = None if self.ledger.seeding() else self.evaluation.mixture_val_loss(state)
         round_total = (self.clock() if t_next is None else t_next) - rnd.t_round
         labels = {nid: n.label for nid, n in self.fleet.nodes.items()}
         lines = records.commit_lines(rnd, self.cfg, state, labels, mix, round_total, t_next is not None)
@@ -348,10 +346,10 @@ class Loop:
             fed.rounds,
             len(rnd.accepted),
             len(self.ledger.expert_ids()),
-            line["val_loss_mean"] or float("nan"),
+            line.val_loss_mean or float("nan"),
             "n/a" if mix is None else f"{mix:.4f}",
             round_total,
-            100 * line["compute_share"],
+            100 * line.compute_share,
         )
         self.status("committed", round=r)
 
@@ -365,4 +363,4 @@ class Loop:
         )
 
     def status(self, phase: str, **extra: Any) -> None:
-        self.run.write_status(records.status(phase, self.cfg, self.ledger.state, self.fleet.nodes, **extra))
+        self.run.write_status(records.status(phase, self.cfg, self.ledger.state, self.fleet.nodes, **extra).to_dict())

@@ -11,15 +11,16 @@ from coordinator import scheduler
 from coordinator.dispatch import log_bytes, reply_mode
 from coordinator.fleet import Fleet, Node
 from coordinator.ledger import Bases, Ledger
-from coordinator.shards import Shards
-from soma_edge.config import Config
+from soma_edge import seed as seed_mod
+from soma_edge.config import Config, evals_per_step
 from soma_edge.protocol import ReplyMode
-from soma_edge.spsa import evals_per_step
+from soma_edge.rundir import PrepareSummary
 
 
 class Planner:
-    def __init__(self, cfg: Config, ledger: Ledger, fleet: Fleet, shards: Shards) -> None:
-        self.cfg, self.ledger, self.fleet, self.shards = cfg, ledger, fleet, shards
+    def __init__(self, cfg: Config, ledger: Ledger, fleet: Fleet, prep: PrepareSummary) -> None:
+        self.cfg, self.ledger, self.fleet, self.prep = cfg, ledger, fleet, prep  # prep: the shards
+        self.sizes = prep.shard_sizes()  # shard hash -> bytes
 
     def plan(self, active: dict[int, Node], bases: Bases) -> tuple[scheduler.Plan, dict[int, list[int]]]:
         """The round's plan from the bases each expert trains from, and each node's experts."""
@@ -75,8 +76,8 @@ class Planner:
         if not node.link:
             return 0.0
         nbytes = 0 if bases.holds(nid, e) else self.ledger.version_bytes()
-        sizes = self.shards.sizes
-        nbytes += sum(sizes.get(h, 0) for h in self.shards.train(e) if h not in node.shards)
+        shards = seed_mod.shards(self.cfg, self.prep, e, "train")
+        nbytes += sum(self.sizes.get(h, 0) for h in shards if h not in node.shards)
         return nbytes / node.link
 
     def reply_seconds(self, nid: int, experts: list[int], r: int, steps: dict[int, int]) -> float:

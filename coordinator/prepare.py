@@ -59,12 +59,6 @@ def purity(domains: list[str], labels: np.ndarray, weights: np.ndarray) -> float
     return float(table.max(axis=0).sum() / table.sum())
 
 
-def expert_shards(prepare_json: dict, expert: int, split: str) -> list[str]:
-    """The shard hashes of `expert`'s clusters for `split`, in cluster order (`PrepareSummary.shards` of
-    the dict that RunDir.load_prepare gives)."""
-    return PrepareSummary.from_dict(prepare_json, "prepare.json").shards(expert, split)
-
-
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 

@@ -1,13 +1,16 @@
-"""The records the coordinator writes: state.msgpack's run state and expert entries, an expert's checkpoint,
-metrics.jsonl's expert and round lines, and status.json. Each is built here, in one function, as the dict
-(and so the bytes) that older runs hold; typed records will replace these dicts in one place.
+"""The records the coordinator writes, each built here in one function from what the round knows: the
+run state of a new run and an expert's entry in it (soma_edge.rundir's RunState and ExpertRecord), a
+stored version's checkpoint body, the expert and round lines of metrics.jsonl and status.json
+(soma_edge.metrics's ExpertLine, RoundLine and Status). Their dicts, and so their bytes, come from the
+records' `to_dict` when they are written (coordinator.ledger, `Loop.status`).
 
-Called by coordinator.ledger (state, expert entries, checkpoints), coordinator.intake (accepted and
-refused results) and coordinator.loop (the round's lines, status).
+Called by coordinator.ledger (state, expert entries, checkpoints), coordinator.intake (accepted results)
+and coordinator.loop (the round's lines, status).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -15,29 +18,25 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import guard
 from soma_edge import __version__
 from soma_edge.config import Config
+from soma_edge.metrics import ExpertLine, Line, NodeStatus, RoundLine, Status
+from soma_edge.rundir import BestVersion, ExpertRecord, RunState
 from soma_edge.spsa import OptState, UpdateLog
 
 
-def run_state(cfg: Config, experts: dict[str, dict[str, Any]], seeded: bool) -> dict[str, Any]:
+def run_state(cfg: Config, experts: dict[str, ExpertRecord], seeded: bool) -> RunState:
     """A new run's state.msgpack: round 0, every expert at version 0."""
-    return {
-        "round": 0,
-        "rounds": cfg.federation.rounds,
-        "run_id": uuid.uuid4().hex,
-        "experts": experts,
-        "assignment": {},
-        "phase": "seed" if seeded else "experts",
-        "strikes": {},
-        "soma_version": __version__,
-    }
-
-
-def plateau_fields(opt: OptState) -> dict[str, Any]:
-    """The plateau rule's state kept per expert in state.msgpack: the next round's task reads it."""
-    return {"lr_scale": opt.lr_scale, "best_val": opt.best_val, "best_step": opt.best_step}
+    return RunState(
+        round=0,
+        rounds=cfg.federation.rounds,
+        run_id=uuid.uuid4().hex,
+        experts=experts,
+        assignment={},
+        phase="seed" if seeded else "experts",
+        strikes={},
+        soma_version=__version__,
+    )
 
 
 def expert_record(
@@ -48,21 +47,24 @@ def expert_record(
     train_loss: float | None,
     val_loss: float,
     node: str | None,
-    best: guard.Best,
+    best: BestVersion,
     opt: OptState,
-) -> dict[str, Any]:
-    """An expert's entry in state.msgpack: its current version, where it is stored, and its best version."""
-    return {
-        "version": version,
-        "sha256": sha256,
-        "path": path,
-        "step": step,
-        "train_loss": train_loss,
-        "val_loss": val_loss,
-        "node": node,
-        "best": best.to_record(),
-        **plateau_fields(opt),
-    }
+) -> ExpertRecord:
+    """An expert's entry in state.msgpack: its current version, where it is stored, its best version, and
+    the plateau rule's state (the next round's task reads it)."""
+    return ExpertRecord(
+        version=version,
+        sha256=sha256,
+        path=path,
+        step=step,
+        train_loss=train_loss,
+        val_loss=val_loss,
+        node=node,
+        best=best,
+        lr_scale=opt.lr_scale,
+        best_val=opt.best_val,
+        best_step=opt.best_step,
+    )
 
 
 def expert_body(
@@ -92,85 +94,78 @@ def expert_line(
     sent: dict[str, int],
     reply: dict[str, Any],
     trained_at: float,
-    best: guard.Best,
+    best: BestVersion,
     lr: float,
     eps: float,
-) -> dict[str, Any]:
+) -> ExpertLine:
     """The metrics line of an accepted version (`node`: a coordinator.fleet.Node)."""
-    return {
-        "type": "expert",
-        "round": r,
-        "expert": res["expert"],
-        "accepted": True,
-        "version": res["version"],
-        "sha256": res["sha256"],
-        "node": node.label,
-        "node_id": node.id,
-        "train_loss": float(res["train_loss"]),
-        "val_loss": val,
-        "steps": res["steps"],
-        "forward_evals": res["forward_evals"],
-        "seconds": float(res["seconds"]),
-        "steps_per_s": res["steps"] / res["seconds"] if res["seconds"] else None,
-        "weights_bytes_down": sent.get("weights", 0),
-        "shard_bytes_down": sent.get("shards", 0),
-        "weights_bytes_up": int(w.nbytes) if res.get("weights") is not None else 0,
-        "opt_bytes_up": opt.nbytes() if res.get("opt") is not None else 0,
-        "log_bytes_up": ulog.nbytes() if ulog is not None else None,
-        "torch_importable": reply.get("torch_importable"),
-        "lr_scale": trained_at,
-        "next_lr_scale": opt.lr_scale,
-        "best_version": best.version,
-        "step": res["step"],
-        "lr": lr,
-        "eps": eps,
-    }
+    return ExpertLine(
+        round=r,
+        expert=res["expert"],
+        accepted=True,
+        version=res["version"],
+        sha256=res["sha256"],
+        node=node.label,
+        node_id=node.id,
+        train_loss=float(res["train_loss"]),
+        val_loss=val,
+        steps=res["steps"],
+        forward_evals=res["forward_evals"],
+        seconds=float(res["seconds"]),
+        steps_per_s=res["steps"] / res["seconds"] if res["seconds"] else None,
+        weights_bytes_down=sent.get("weights", 0),
+        shard_bytes_down=sent.get("shards", 0),
+        weights_bytes_up=int(w.nbytes) if res.get("weights") is not None else 0,
+        opt_bytes_up=opt.nbytes() if res.get("opt") is not None else 0,
+        log_bytes_up=ulog.nbytes() if ulog is not None else None,
+        torch_importable=reply.get("torch_importable"),
+        lr_scale=trained_at,
+        next_lr_scale=opt.lr_scale,
+        best_version=best.version,
+        step=res["step"],
+        lr=lr,
+        eps=eps,
+    )
 
 
-def missed_line(r: int, e: int, x: dict[str, Any], reason: str, node: str) -> dict[str, Any]:
+def missed_line(r: int, e: int, x: ExpertRecord, reason: str, node: str) -> ExpertLine:
     """The metrics line of an expert that did not advance this round (`x`: its state.msgpack entry)."""
-    return {
-        "type": "expert",
-        "round": r,
-        "expert": e,
-        "accepted": False,
-        "reason": reason,
-        "version": x["version"],
-        "sha256": x["sha256"],
-        "node": node,
-        "val_loss": x.get("val_loss"),
-        "train_loss": x.get("train_loss"),
-        "steps": 0,
-        "forward_evals": 0,
-        "seconds": 0.0,
-    }
-
-
-def rejection(e: Any, node: Any, reason: str, strike: int, **extra: Any) -> dict[str, Any]:
-    """A refused result, as the round line lists it (`node`: a coordinator.fleet.Node)."""
-    return {"expert": e, "node": node.label, "node_id": node.id, "reason": reason, "strike": strike, **extra}
+    return ExpertLine(
+        round=r,
+        expert=e,
+        accepted=False,
+        reason=reason,
+        version=x.version,
+        sha256=x.sha256,
+        node=node,
+        val_loss=x.val_loss,
+        train_loss=x.train_loss,
+        steps=0,
+        forward_evals=0,
+        seconds=0.0,
+    )
 
 
 def commit_lines(
     rnd: Any,
     cfg: Config,
-    state: dict[str, Any],
+    state: RunState,
     labels: dict[int, str],
     mix: float | None,
     round_total: float,
     ahead: bool,
-) -> list[dict[str, Any]]:
+) -> list[Line]:
     """What round `rnd` (a coordinator.round.Round) appends to metrics.jsonl: last round's late versions, a
     line per expert, accepted or not, then the round's line."""
-    lines, ids = list(rnd.late), sorted(int(e) for e in state["experts"])
+    lines: list[Line] = list(rnd.late)
+    ids = state.expert_ids()
     for e in ids:
         if e in rnd.accepted:
             lines.append(rnd.accepted[e])
         else:
-            x, why = state["experts"][str(e)], rnd.failed.get(e, "not trained this round")
-            lines.append(missed_line(rnd.r, e, x, why, labels[rnd.plan.assignment[e]]))
-    vals = [state["experts"][str(e)]["val_loss"] for e in ids]
-    vals = [v for v in vals if v is not None]
+            why = rnd.failed.get(e, "not trained this round")
+            lines.append(missed_line(rnd.r, e, state.expert(e), why, labels[rnd.plan.assignment[e]]))
+    vals = [v for v in (state.expert(e).val_loss for e in ids) if v is not None]
     lines.append(round_line(rnd, cfg, state, vals, mix, labels, round_total, ahead))
     return lines
 
@@ -178,60 +173,57 @@ def commit_lines(
 def round_line(
     rnd: Any,
     cfg: Config,
-    state: dict[str, Any],
+    state: RunState,
     vals: list[float],
     mix: float | None,
     labels: dict[int, str],
     round_total: float,
     ahead: bool,
-) -> dict[str, Any]:
+) -> RoundLine:
     """Round `rnd`'s metrics line (`rnd`: a coordinator.round.Round; `labels`: node id -> label)."""
     wall = max(rnd.t_done - rnd.t_sent, 1e-9)
     planned = set(rnd.plan.assignment.values())  # by id: two workers may share a name
     nodes = sorted(labels[n] for n in planned)
-    return {
-        "type": "round",
-        "round": rnd.r,
-        "rounds": cfg.federation.rounds,
-        "phase": state.get("phase", "experts"),
-        "accepted": len(rnd.accepted),
-        "rejected": rnd.rejected,
-        "excluded": rnd.excluded,
-        "missed": sorted(rnd.failed),
-        "val_loss_mean": float(np.mean(vals)) if vals else None,
-        "mixture_val_loss": mix,
-        "wall_seconds": wall,
-        "round_seconds_total": round_total,
-        "compute_seconds": {labels[n]: s for n, s in sorted(rnd.compute.items())},
-        "compute_share": (sum(rnd.compute.values()) / (len(planned) * round_total)) if nodes else 0.0,
-        "predicted_makespan": rnd.plan.makespan,
-        "moved": rnd.plan.moved,
-        "bytes_down": rnd.bytes_down,
-        "bytes_up": rnd.bytes_up,
-        "nodes": nodes,
-        "time": time.time(),
-        "next_round_ahead": ahead,
-    }
+    return RoundLine(
+        round=rnd.r,
+        rounds=cfg.federation.rounds,
+        phase=state.phase,
+        accepted=len(rnd.accepted),
+        rejected=rnd.rejected,
+        excluded=rnd.excluded,
+        missed=sorted(rnd.failed),
+        val_loss_mean=float(np.mean(vals)) if vals else None,
+        mixture_val_loss=mix,
+        wall_seconds=wall,
+        round_seconds_total=round_total,
+        compute_seconds={labels[n]: s for n, s in sorted(rnd.compute.items())},
+        compute_share=(sum(rnd.compute.values()) / (len(planned) * round_total)) if nodes else 0.0,
+        predicted_makespan=rnd.plan.makespan,
+        moved=rnd.plan.moved,
+        bytes_down=rnd.bytes_down,
+        bytes_up=rnd.bytes_up,
+        nodes=nodes,
+        time=time.time(),
+        next_round_ahead=ahead,
+    )
 
 
-def status(phase: str, cfg: Config, state: dict[str, Any], nodes: dict[int, Any], **extra: Any) -> dict[str, Any]:
-    """status.json: the run's phase, its experts and its nodes (coordinator.fleet.Node), as `soma-coord` shows them."""
-    return {
-        "phase": phase,
-        "pid": os.getpid(),
-        "time": time.time(),
-        "round": state.get("round", 0),
-        "rounds": cfg.federation.rounds,
-        "round_seconds": cfg.federation.round_seconds,
-        "experts": state.get("experts", {}),
-        "nodes": {
-            str(n.id): {
-                "name": n.name,
-                "status": n.status,
-                "rate": n.rate,
-                "torch_importable": n.caps.get("torch_importable"),
-            }
+def status(phase: str, cfg: Config, state: RunState | None, nodes: dict[int, Any], **extra: Any) -> Status:
+    """status.json: the run's phase, its experts and its nodes (coordinator.fleet.Node), as `soma-coord`
+    shows them; `extra`: the phase's own fields (Status). `state` None: the run state did not load."""
+    status = Status(
+        phase=phase,
+        pid=os.getpid(),
+        time=time.time(),
+        round=0 if state is None else state.round,
+        rounds=cfg.federation.rounds,
+        round_seconds=cfg.federation.round_seconds,
+        experts={} if state is None else state.experts,
+        nodes={
+            str(n.id): NodeStatus(
+                name=n.name, status=n.status, rate=n.rate, torch_importable=n.caps.get("torch_importable")
+            )
             for n in nodes.values()
         },
-        **extra,
-    }
+    )
+    return dataclasses.replace(status, **extra)  # the phase's own fields, or a round other than the committed one

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from coordinator import scheduler
+from soma_edge.metrics import ExpertLine, Rejection
 from soma_edge.spsa import OptState, UpdateLog
 
 
@@ -48,12 +49,12 @@ class Round:
     deadline: float
     t_sent: float
     t_done: float = 0.0
-    accepted: dict[int, dict[str, Any]] = field(default_factory=dict)
+    accepted: dict[int, ExpertLine] = field(default_factory=dict)  # expert -> the line of its accepted version
     failed: dict[int, str] = field(default_factory=dict)
-    rejected: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
     compute: dict[int, float] = field(default_factory=dict)  # node id -> compute seconds this round
     excluded: list[str] = field(default_factory=list)  # nodes that reached their strike limit this round
-    late: list[dict[str, Any]] = field(default_factory=list)  # last round's late replies, settled this round
+    late: list[ExpertLine] = field(default_factory=list)  # last round's late replies, settled this round
     train_mids: set[str] = field(default_factory=set)  # every train request of the round, resends included
     waiting: dict[int, Waiting] = field(default_factory=dict)  # node -> its train request, held for pieces
     pending_resend: set[int] = field(default_factory=set)

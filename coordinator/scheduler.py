@@ -97,7 +97,7 @@ def clamp_rate(rate: float) -> float:
 
 def steps_for(rate: float, count: int, round_seconds: float, evals_per_step: int) -> int:
     """SPSA steps per expert so that `count` experts fill `round_seconds` on a node of `rate` evals/s
-    (`evals_per_step`: forward passes of one update, `soma_edge.spsa.evals_per_step`)."""
+    (`evals_per_step`: forward passes of one update, `soma_edge.config.evals_per_step`)."""
     steps = round_seconds * clamp_rate(rate) / (evals_per_step * max(count, 1))
     return max(1, min(MAX_STEPS, math.floor(steps)))
 

@@ -23,7 +23,7 @@ from typing import Any
 from coordinator import launcher, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
-from soma_edge import checkpoint
+from soma_edge import checkpoint, metrics
 from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import free_port
@@ -55,8 +55,8 @@ def start(opts: Options) -> int:
     if run.is_locked():
         raise RunLockedError(f"{run.root} is in use by a running coordinator (pid {run.lock_holder()}); stop it first")
     cfg = runconfig.configure(run, opts.config, opts.overrides or {})
-    state = run.load_state()
-    if state and state["round"] >= cfg.federation.rounds:
+    state = run.read_state()
+    if state and state.round >= cfg.federation.rounds:
         print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
         Follower(run).final()
         return 0
@@ -200,31 +200,32 @@ def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) 
     last_check = 0.0
     with Follower(run) as view:
         while True:
-            status = run.read_status()
-            fresh = status is not None and float(status.get("time", 0)) >= t_submit - 1
+            status = metrics.read_status(run)
+            fresh = status is not None and float(status.time or 0) >= t_submit - 1
             view.update(status if fresh else None)
-            if fresh and status.get("phase") == "done":
+            if fresh and status.phase == "done":
                 break
-            if fresh and status.get("phase") == "failed":
-                why = f"the coordinator (ServerApp) failed: {status.get('message')}; see {run.logs / 'coordinator.log'}"
-                raise SomaError(why) if status.get("user_error") else RuntimeError(why)
+            if fresh and status.phase == "failed":
+                why = f"the coordinator (ServerApp) failed: {status.message}; see {run.logs / 'coordinator.log'}"
+                raise SomaError(why) if status.user_error else RuntimeError(why)
             for p in procs.procs:
                 if p.name == "superlink" and not p.alive():
                     raise SomaError(f"the SuperLink exited (code {p.popen.returncode}); see {p.log}")
             now = time.time()
-            alive = fresh and _pid_alive(int(status.get("pid", 0)))
+            alive = fresh and _pid_alive(int(status.pid or 0))
             if not alive and now - last_check > 15 and now - t_submit > 10:
                 last_check = now
                 st = launcher.run_status(run.flwr_home, run_id)
-                if st and st.startswith("finished") and not (run.read_status() or {}).get("phase") == "done":
+                last = metrics.read_status(run)
+                if st and st.startswith("finished") and not (last is not None and last.phase == "done"):
                     _fail(run, f"the Flower run {run_id} ended as {st}")
                 if not fresh and now - t_submit > STATUS_GRACE:
                     _fail(run, f"the ServerApp did not start within {STATUS_GRACE:.0f} s")
             time.sleep(1.0)
     view.final()
-    if status.get("stopped"):
+    if status.stopped:
         print(
-            f"stopped after round {status.get('round')} of {status.get('rounds')} (soma-coord stop); "
+            f"stopped after round {status.round} of {status.rounds} (soma-coord stop); "
             f"`soma-coord start --run {run.root}` resumes it",
             flush=True,
         )

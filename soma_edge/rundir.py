@@ -264,7 +264,7 @@ class PrepareSummary(Record):
 class RunDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
-        self.fallback: str | None = None  # why the last load_state fell back to state.prev.msgpack
+        self.fallback: str | None = None  # why the last read_state fell back to state.prev.msgpack
 
     # --- paths ----------------------------------------------------------------------------------------
     run_toml = property(lambda self: self.root / "run.toml")
@@ -298,6 +298,7 @@ class RunDir:
         return self.prepare_json.exists() and self.router.exists()
 
     def load_prepare(self) -> dict[str, Any]:
+        """prepare.json as parsed (coordinator.runconfig compares a few of its keys; all else: `read_prepare`)."""
         try:
             return json.loads(self.prepare_json.read_text())
         except OSError as e:
@@ -377,10 +378,10 @@ class RunDir:
 
     # --- state and metrics ----------------------------------------------------------------------------
 
-    def load_state(self, verify: bool = False) -> dict[str, Any] | None:
-        """The last committed state that loads (and, with `verify`, whose expert files all load and match
+    def read_state(self, verify: bool = False) -> RunState | None:
+        """The last committed state that reads (and, with `verify`, whose expert files all load and match
         their hashes): state.msgpack, else the commit before it (state.prev.msgpack), with one warning in
-        `self.fallback`. None for a run that never committed; CheckpointError when nothing committed loads."""
+        `self.fallback`. None for a run that never committed; CheckpointError when nothing committed reads."""
         self.fallback = None
         errors = []
         for path in (self.state_path, self.prev_state_path):
@@ -392,13 +393,14 @@ class RunDir:
                     raise CheckpointError(f"{path}: not a run state (a {type(state).__name__}, not a map)")
                 if verify:
                     verify_experts(self, state, path)
+                rec = RunState.from_dict(state, str(path))
             except CheckpointError as e:
                 errors.append(str(e))
                 continue
             if path != self.state_path:
                 why = errors[0] if errors else f"{self.state_path} is missing"
-                self.fallback = f"{why}; falling back to the commit before it ({path.name}, round {state.get('round')})"
-            return state
+                self.fallback = f"{why}; falling back to the commit before it ({path.name}, round {rec.round})"
+            return rec
         if errors:
             raise CheckpointError(
                 f"{self.root}: no committed state loads ({'; '.join(errors)}); the run cannot resume: "
@@ -406,23 +408,13 @@ class RunDir:
             )
         return None
 
-    def load_state_file(self, path: Path) -> dict[str, Any]:
-        return checkpoint.load(path, STATE_KIND)
-
-    def read_state(self, verify: bool = False) -> RunState | None:
-        """`load_state` as a record (CheckpointError naming a required key it lacks)."""
-        state = self.load_state(verify)
-        if state is None:
-            return None
-        return RunState.from_dict(state, str(self.prev_state_path if self.fallback else self.state_path))
-
     def read_state_file(self, path: Path) -> RunState:
         """One state file as a record, with no fallback (export reads the last commit, and only it)."""
-        return RunState.from_dict(self.load_state_file(path), str(path))
+        return RunState.from_dict(checkpoint.load(path, STATE_KIND), str(path))
 
     def save_state(self, state: dict[str, Any]) -> None:
-        """Commit `state`; the state it replaces stays as state.prev.msgpack, the fallback of `load_state`
-        (a crash between the two steps leaves that fallback, which `load_state` then uses)."""
+        """Commit `state` (a `RunState.to_dict()`); the state it replaces stays as state.prev.msgpack, the
+        fallback of `read_state` (a crash between the two steps leaves that fallback, which it then uses)."""
         if self.state_path.exists():
             os.replace(self.state_path, self.prev_state_path)
         checkpoint.save(self.state_path, state, STATE_KIND)

@@ -26,7 +26,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from soma_edge.config import SPSAConfig
-from soma_edge.config import evals_per_step as evals_per_step  # defined with the config (validate needs it)
 from soma_edge.errors import CheckpointError
 
 LossFn = Callable[[np.ndarray], float]

@@ -71,7 +71,7 @@ def test_old_prepare_round_trips_to_the_same_bytes_and_gives_shards():
 
 def test_read_state_and_read_lines_of_the_old_run():
     rd = RunDir(OLD_RUN)
-    assert rd.read_state().to_dict() == rd.load_state()
+    assert rd.read_state().to_dict() == checkpoint.load(rd.state_path, STATE_KIND)
     lines = metrics.read_lines(rd)
     assert [type(m) for m in lines] == [ExpertLine, ExpertLine, RoundLine] * 2
     assert metrics.read_status(rd).to_dict() == rd.read_status()

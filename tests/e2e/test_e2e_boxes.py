@@ -102,7 +102,7 @@ def test_log_replies_across_namespaces_with_a_slow_link(tmp_path):
     assert boxes.leftovers() == [] and all(p.poll() is not None for p in boxes.procs)
 
     rd = RunDir(run)
-    assert rd.load_state()["round"] == 4
+    assert rd.read_state().round == 4
     lines = rd.read_metrics()
     experts = [m for m in lines if m["type"] == "expert"]
     on_slow = [m for m in experts if m["node"] == "slow"]

@@ -102,7 +102,7 @@ def test_start_against_an_external_superlink_follows_it_without_the_run_dir(tmp_
     rd = RunDir(run)
     cfg = rd.load_config()
     assert (cfg.federation.rounds, cfg.federation.experts, cfg.seed, cfg.model.hidden) == (2, 2, 4, 16)
-    assert rd.load_state()["round"] == 2
+    assert rd.read_state().round == 2
     assert not (run / "flwr").exists() and not (run / "flwr_run.json").exists()
     assert (tmp_path / "cache" / "coord-flwr" / "config.toml").exists()  # start's Flower connection is its own
 

@@ -88,14 +88,12 @@ def _sent(run: Path) -> dict[tuple[int, int], str]:
 
 
 def _val_loss(rd: RunDir, expert: int, version: int) -> float:
-    from coordinator.prepare import expert_shards
-
     cfg = rd.load_config()
     body = checkpoint.load(rd.root / f"experts/{expert}/v{version}.msgpack", "expert")
-    prep = rd.load_prepare()
-    data = b"".join(rd.shard(h) for h in expert_shards(prep, expert, "val"))
+    prep = rd.read_prepare()
+    data = b"".join(rd.shard(h) for h in prep.shards(expert, "val"))
     if len(data) < 2000:
-        data = corpus.SEPARATOR.join(rd.shard(h) for e in range(4) for h in expert_shards(prep, e, "val"))
+        data = corpus.SEPARATOR.join(rd.shard(h) for e in range(4) for h in prep.shards(e, "val"))
     x, y = corpus.eval_windows(np.frombuffer(data, dtype=np.uint8), cfg.data.seq_len, 64)
     ev = LossEvaluator(cfg.model, "cpu", 1)
     return mean_loss(ev, protocol.decode_weights(body["weights"]), x, y)
@@ -125,17 +123,17 @@ def test_federation_trains_and_checkpoints_what_workers_sent(fed):
     assert importlib.util.find_spec("torch") is not None  # torch IS installed: blocking it is what is tested
     finish(fed, start_coordinator(fed))
     rd = RunDir(fed["run"])
-    state = rd.load_state()
-    assert state["round"] == 2
+    state = rd.read_state()
+    assert state.round == 2
     sent = _sent(fed["run"])
     for e in range(4):
-        x = state["experts"][str(e)]
-        assert x["version"] == 2, x
+        x = state.expert(e)
+        assert x.version == 2, x
         for v in (1, 2):
             body = checkpoint.load(rd.root / f"experts/{e}/v{v}.msgpack", "expert")
             on_disk = protocol.weights_sha256(body["weights"])
             assert on_disk == body["sha256"] == sent[(e, v)], (e, v)
-        assert x["sha256"] == sent[(e, 2)]
+        assert x.sha256 == sent[(e, 2)]
         before, after = _val_loss(rd, e, 0), _val_loss(rd, e, 2)
         assert after < before - 0.2, (e, before, after)
     lines = metric_lines(rd, "expert")
@@ -152,9 +150,9 @@ def test_federation_trains_and_checkpoints_what_workers_sent(fed):
 @SHARED_RUN
 def test_killed_worker_loses_its_experts_to_the_other(fed):
     rd = RunDir(fed["run"])
-    r0 = rd.load_state()["round"]
+    r0 = rd.read_state().round
     assert r0 == 2, "needs the run of the previous test"
-    versions_before = {e: x["version"] for e, x in rd.load_state()["experts"].items()}
+    versions_before = {e: x.version for e, x in rd.read_state().experts.items()}
     proc = start_coordinator(fed, "--rounds", str(r0 + 2))
     w1_log = fed["run"] / "logs" / "w1.log"
     trains_before = w1_log.read_text(errors="replace").count("training experts")
@@ -175,8 +173,8 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
     finally:
         if proc.poll() is None:
             proc.kill()
-    state = rd.load_state()
-    assert state["round"] == r0 + 2
+    state = rd.read_state()
+    assert state.round == r0 + 2
     lines = metric_lines(rd, "expert")
     killed = [m for m in lines if m["round"] == r0 + 1 and m["node"] == "w1"]
     # Flower reports the dead node after two 10 s heartbeats, or the round's deadline (21 s) comes first.
@@ -185,12 +183,12 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
     )
     after = [m for m in lines if m["round"] == r0 + 2]
     assert all(m["accepted"] and m["node"] == "w0" for m in after)  # reassigned, and trained
-    for e, x in state["experts"].items():
+    for e, x in state.experts.items():
         accepted = sum(1 for m in lines if m["expert"] == int(e) and m["accepted"])
-        assert x["version"] == accepted  # every accepted version counted, none lost
-        assert x["version"] > versions_before[e]
-        body = checkpoint.load(rd.root / x["path"], "expert")
-        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+        assert x.version == accepted  # every accepted version counted, none lost
+        assert x.version > versions_before[e]
+        body = checkpoint.load(rd.root / x.path, "expert")
+        assert protocol.weights_sha256(body["weights"]) == x.sha256
 
 
 def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
@@ -221,20 +219,20 @@ def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
 @SHARED_RUN
 def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
     rd = RunDir(fed["run"])
-    r0 = rd.load_state()["round"]
+    r0 = rd.read_state().round
     assert r0 == 4, "needs the runs of the previous tests"
     target = r0 + 3
     # Ctrl-C in round 5: exit 130. The round may still commit if its replies land while things shut down.
     assert _interrupt_in_round(fed, rd, r0 + 1, signal.SIGINT, target) == 130
-    c1 = rd.load_state()["round"]
+    c1 = rd.read_state().round
     assert c1 in (r0, r0 + 1)
     # kill -9 in the next round.
     assert _interrupt_in_round(fed, rd, c1 + 1, signal.SIGKILL, target) == -signal.SIGKILL
-    c2 = rd.load_state()["round"]
+    c2 = rd.read_state().round
     assert c2 in (c1, c1 + 1) and c2 < target
     finish(fed, start_coordinator(fed, "--rounds", str(target)))
-    state = rd.load_state()
-    assert state["round"] == target
+    state = rd.read_state()
+    assert state.round == target
     rounds = [m["round"] for m in metric_lines(rd, "round")]
     assert rounds == list(range(1, target + 1))  # none repeated, none skipped
     per_round = {}
@@ -243,10 +241,10 @@ def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
     assert all(sorted(v) == [0, 1, 2, 3] for v in per_round.values())
     log = (fed["run"] / "logs" / "coordinator.log").read_text()
     assert f"resuming after round {c1} of {target}" in log and f"resuming after round {c2} of {target}" in log
-    for e, x in state["experts"].items():
-        assert x["version"] == sum(1 for m in metric_lines(rd, "expert") if m["expert"] == int(e) and m["accepted"])
-        body = checkpoint.load(rd.root / x["path"], "expert")
-        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+    for e, x in state.experts.items():
+        assert x.version == sum(1 for m in metric_lines(rd, "expert") if m["expert"] == int(e) and m["accepted"])
+        body = checkpoint.load(rd.root / x.path, "expert")
+        assert protocol.weights_sha256(body["weights"]) == x.sha256
     # The finished ServerApp exits on its own shortly after `start` returns.
     wait_until(lambda: not leftovers(fed["run"]), 30, "no processes of the run left")
 
@@ -305,21 +303,21 @@ def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
     )
     assert all("--root-certificates" in (logs / f"w{i}.log").read_text() for i in (0, 1))
     rd = RunDir(fed["run"])
-    state = rd.load_state()
-    seed = state["seed"]
-    assert (state["round"], state["phase"], seed["expert"], seed["step"]) == (3, "experts", 4, 40)
+    state = rd.read_state()
+    seed = state.seed
+    assert (state.round, state.phase, seed.expert, seed.step) == (3, "experts", 4, 40)
     sent = _sent(fed["run"])
-    assert sent[(4, seed["version"])] == seed["sha256"]  # the seed's weights are what a worker sent
-    seed_w = checkpoint.load(rd.root / seed["path"], "expert")["weights"]
+    assert sent[(4, seed.version)] == seed.sha256  # the seed's weights are what a worker sent
+    seed_w = checkpoint.load(rd.root / seed.path, "expert")["weights"]
     from soma_edge import params
 
     body = params.layout(rd.load_config().model).body
     for e in range(4):
         v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")
         assert v0["weights"].tobytes() == seed_w.tobytes() and v0["step"] == 0
-        x = state["experts"][str(e)]
-        assert x["version"] >= 1 and x["sha256"] == sent[(e, x["version"])]
-        w = checkpoint.load(rd.root / x["path"], "expert")["weights"]
+        x = state.expert(e)
+        assert x.version >= 1 and x.sha256 == sent[(e, x.version)]
+        w = checkpoint.load(rd.root / x.path, "expert")["weights"]
         assert w[body:].tobytes() == seed_w[body:].tobytes()  # E frozen
         assert not np.array_equal(w[:body], seed_w[:body])
     phases = [m["phase"] for m in metric_lines(rd, "round")]
@@ -347,9 +345,8 @@ def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
 
 
 def _test_shards(rd: RunDir) -> list[str]:
-    from coordinator.prepare import expert_shards
-
-    return [h for e in range(4) for h in expert_shards(rd.load_prepare(), e, "test")]
+    prep = rd.read_prepare()
+    return [h for e in range(4) for h in prep.shards(e, "test")]
 
 
 AUTH_CONFIG = """
@@ -443,4 +440,4 @@ def test_tls_with_worker_authentication(tmp_path):
     assert any(m["node"] == "ext" and m["round"] > restarted + 1 for m in lines), [
         (m["round"], m["node"]) for m in lines
     ]
-    assert rd.load_state()["round"] == 6
+    assert rd.read_state().round == 6

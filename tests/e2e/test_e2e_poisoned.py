@@ -16,7 +16,6 @@ import signal
 import subprocess
 from pathlib import Path
 
-from coordinator import guard
 from soma_edge import checkpoint
 from soma_edge.rundir import RunDir
 from tests.helpers.federation import cli, finish, metric_lines, secure_federation, secure_join
@@ -75,8 +74,8 @@ def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
     assert "weights replaced" in (tmp_path / "liar.log").read_text(errors="replace")  # the lie really ran
 
     rd = RunDir(fed["run"])
-    state = rd.load_state()
-    assert state["round"] == 5
+    state = rd.read_state()
+    assert state.round == 5
     coord_log = (fed["run"] / "logs" / "coordinator.log").read_text()
     assert re.search(r"lacks [\d.]+ MiB of shards: [2-9]\d* pieces go before its experts", coord_log)
     rounds = metric_lines(rd, "round")
@@ -92,12 +91,12 @@ def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
     assert out_round + 1 < 5
     # Struck out by its registered key, which `soma-coord workers` reports.
     (fp,) = [w["fingerprint"] for w in json.loads((fed["run"] / "workers.json").read_text()) if w["name"] == "liar"]
-    assert state["strikes"][f"key:{fp}"]["count"] >= 2 and set(state["strikes"]) == {f"key:{fp}"}
+    assert state.strikes[f"key:{fp}"]["count"] >= 2 and set(state.strikes) == {f"key:{fp}"}
     r = cli(tmp_path, env, "coordinator", "workers", str(fed["run"]))
     assert re.search(r"liar .* [2-9]\d* excluded", r.stdout), r.stdout
     # Every expert keeps a version no worse than its version 0, and its best is on disk.
     for e in range(4):
         v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")["val_loss"]
-        best = guard.Best.of(state["experts"][str(e)])
-        assert best.val_loss <= v0 and state["experts"][str(e)]["val_loss"] <= best.val_loss + TOL
+        best = state.expert(e).best_or_current()
+        assert best.val_loss <= v0 and state.expert(e).val_loss <= best.val_loss + TOL
         assert checkpoint.load(rd.root / best.path, "expert")["sha256"] == best.sha256

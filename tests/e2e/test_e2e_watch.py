@@ -63,7 +63,7 @@ def test_watch_stop_tensorboard_and_report_on_a_real_run(tmp_path):
     assert _cli(tmp_path, env, "stop", str(fed["run"])).returncode == 2  # nothing is running yet
     start = start_coordinator(fed)
     try:
-        wait_until(lambda: rd.is_locked() and (rd.load_state() or {}).get("round", 0) >= 1, 240, "round 1 to commit")
+        wait_until(lambda: rd.is_locked() and getattr(rd.read_state(), "round", 0) >= 1, 240, "round 1 to commit")
         watch = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "status", str(fed["run"]), "--watch", "--every", "0.3"],
             stdout=subprocess.PIPE,
@@ -72,7 +72,7 @@ def test_watch_stop_tensorboard_and_report_on_a_real_run(tmp_path):
             env=env,
             cwd=tmp_path,
         )
-        wait_until(lambda: rd.load_state()["round"] >= 3, 120, "round 3 to commit")
+        wait_until(lambda: rd.read_state().round >= 3, 120, "round 3 to commit")
         stop = _cli(tmp_path, env, "stop", str(fed["run"]), "--log-level", "warning")
         code = start.wait(120)
         watched, _ = watch.communicate(timeout=60)
@@ -85,14 +85,14 @@ def test_watch_stop_tensorboard_and_report_on_a_real_run(tmp_path):
     assert not rd.is_locked() and not rd.stop_path.exists()
 
     # Stopped after a committed round, with that round's metrics and nothing of a later one.
-    state = rd.load_state()
+    state = rd.read_state()
     lines = rd.read_metrics()
     rounds = [m["round"] for m in lines if m["type"] == "round"]
-    assert 3 <= state["round"] < 50 and rounds == list(range(1, state["round"] + 1))
+    assert 3 <= state.round < 50 and rounds == list(range(1, state.round + 1))
     said = re.search(r"stopped after round (\d+) of 50", stop.stdout)
-    assert said and int(said.group(1)) == state["round"], stop.stdout
+    assert said and int(said.group(1)) == state.round, stop.stdout
     console = (tmp_path / "start.log").read_text(errors="replace")
-    assert f"stopped after round {state['round']} of 50 (soma-coord stop)" in console
+    assert f"stopped after round {state.round} of 50 (soma-coord stop)" in console
     assert "stop requested (soma-coord stop)" in console
     # The watcher saw the rounds commit as they did, and left by itself when the coordinator stopped.
     assert watch.returncode == 0 and re.search(r"round \d+/50 committed", watched), watched
@@ -117,13 +117,13 @@ def test_watch_stop_tensorboard_and_report_on_a_real_run(tmp_path):
         img = Image.open(io.BytesIO(base64.b64decode(uri)))
         assert img.format == "PNG" and img.size[0] > 400
         img.load()
-    assert "<table>" in page and f"round {state['round']} of 50" in page
+    assert "<table>" in page and f"round {state.round} of 50" in page
 
     # Starting again resumes where the stop left the run.
     assert (
         _cli(
-            tmp_path, env, "start", "--run", str(fed["run"]), "--rounds", str(state["round"] + 1), "--port", "0"
+            tmp_path, env, "start", "--run", str(fed["run"]), "--rounds", str(state.round + 1), "--port", "0"
         ).returncode
         == 0
     )
-    assert rd.load_state()["round"] == state["round"] + 1
+    assert rd.read_state().round == state.round + 1

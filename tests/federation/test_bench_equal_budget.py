@@ -14,9 +14,8 @@ import pytest
 
 from bench import equal_budget
 from coordinator.server_app import Coordinator
-from soma_edge.config import Config
+from soma_edge.config import Config, evals_per_step
 from soma_edge.rundir import RunDir
-from soma_edge.spsa import evals_per_step
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.fakegrid import FakeGrid
 
@@ -86,9 +85,7 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
     assert soma["forward_evals"] == 2 * evals_per_step(Config().spsa) * soma["steps_per_expert"][0]
     assert soma["flops"] == soma["forward_evals"] * f1
     # The federation stopped on the step cap, long before its nominal 100,000 rounds.
-    assert (
-        soma["rounds"] < 100 and RunDir(tmp_path / "work" / "runs" / "soma-n2").load_state()["round"] == soma["rounds"]
-    )
+    assert soma["rounds"] < 100 and RunDir(tmp_path / "work" / "runs" / "soma-n2").read_state().round == soma["rounds"]
     assert set(out["sweep"]) == {"n1", "n2", "adam"} and set(out["lr"]) == {"n1", "n2", "adam"}
     assert set(out["soma_vs_mono"]) == {"2"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

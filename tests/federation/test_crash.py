@@ -7,7 +7,7 @@ Every trial is seeded by its index: `plan(i)` draws the round and the k (which m
 order shuffled by `random.Random(0)`), the rest draw one. After each resume we check that
 
 * the crash happened where it was meant to (the child's exit code is the injected one),
-* what the crash left is resumable: `RunDir.load_state(verify=True)` picks a state no older than the
+* what the crash left is resumable: `RunDir.read_state(verify=True)` picks a state no older than the
   last one the child saw committed, and the resumed run starts after exactly that round,
 * the resume succeeds, its final state is round N, state.msgpack and state.prev.msgpack both load and
   every expert file that either refers to loads and matches its sha256 (the fallback is usable),
@@ -151,8 +151,8 @@ def snapshot(rd: RunDir, journal: Path) -> dict:
         "files": sorted(str(p.relative_to(root)) for p in root.glob("experts/*/v*.msgpack")),
     }
     try:
-        chosen = RunDir(root).load_state(verify=True)
-        out["resume_from"] = None if chosen is None else int(chosen["round"])
+        chosen = RunDir(root).read_state(verify=True)
+        out["resume_from"] = None if chosen is None else int(chosen.round)
         out["load_error"] = None
     except CheckpointError as e:
         out["resume_from"], out["load_error"] = None, str(e)
@@ -247,7 +247,7 @@ def check_resumed(rd: RunDir, snap: dict, expected_tmp: list[str]) -> None:
     verify_experts(rd, prev, rd.prev_state_path)
     assert prev["round"] < ROUNDS
     check = RunDir(root)
-    assert check.load_state(verify=True)["round"] == ROUNDS and check.fallback is None
+    assert check.read_state(verify=True).round == ROUNDS and check.fallback is None
     fs, ps = state_summary(final), state_summary(prev)
     for x in fs["experts"].values():  # the best version loads and matches too
         body = checkpoint.load(root / x["best_path"], "expert")

@@ -45,12 +45,12 @@ def test_rounds_advance_sticky_and_checkpointed(run, tmp_path, monkeypatch):
     equal_rates(monkeypatch)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
-    assert state["round"] == 2
+    assert state.round == 2
     for e in range(4):
-        x = state["experts"][str(e)]
-        assert x["version"] == 2 and x["step"] > 0
-        body = checkpoint.load(run.root / x["path"], "expert")
-        assert protocol.weights_sha256(body["weights"]) == x["sha256"] == body["sha256"]
+        x = state.expert(e)
+        assert x.version == 2 and x.step > 0
+        body = checkpoint.load(run.root / x.path, "expert")
+        assert protocol.weights_sha256(body["weights"]) == x.sha256 == body["sha256"]
         assert body["weights"].dtype == np.float32 and np.isfinite(body["val_loss"])
     m = run.read_metrics()
     assert [(x["type"], x["round"]) for x in m].count(("round", 1)) == 1 and len(m) == 2 * (4 + 1)
@@ -75,13 +75,13 @@ def test_float16_replies_stored_as_received_and_old_versions_pruned(run, tmp_pat
     set_fed(run, rounds=3, reply_dtype="float16", keep_versions=2)
     state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     for e in range(4):
-        x = state["experts"][str(e)]
-        body = checkpoint.load(run.root / x["path"], "expert")
-        assert body["weights"].dtype == np.float16 and x["version"] == 3
-        assert protocol.weights_sha256(body["weights"]) == x["sha256"]  # the hash of the float16 bytes received
+        x = state.expert(e)
+        body = checkpoint.load(run.root / x.path, "expert")
+        assert body["weights"].dtype == np.float16 and x.version == 3
+        assert protocol.weights_sha256(body["weights"]) == x.sha256  # the hash of the float16 bytes received
         # keep_versions = 2 newest, plus the best version of this commit and of the one before (the fallback)
         prev = checkpoint.load(run.prev_state_path, "run_state")["experts"][str(e)]
-        kept = {2, 3, x["best"]["version"], prev["best"]["version"]}
+        kept = {2, 3, x.best.version, prev["best"]["version"]}
         assert sorted(p.name for p in (run.root / "experts" / str(e)).iterdir()) == [
             f"v{v}.msgpack" for v in sorted(kept)
         ]
@@ -161,7 +161,7 @@ def test_bad_replies_rejected_and_run_dir_untouched(run, tmp_path, kind, caplog)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_tamper_all(kind))
     with caplog.at_level(logging.WARNING, logger="soma.coord"):
         state = Coordinator(grid, run).main()
-    assert state["round"] == 1 and all(x["version"] == 0 for x in state["experts"].values())
+    assert state.round == 1 and all(x.version == 0 for x in state.experts.values())
     assert _hashes(run.root) == before  # experts, shards, router, prepare.json, run.toml: byte-identical
     rejected = next(m for m in run.read_metrics() if m["type"] == "round")["rejected"]
     assert len(rejected) == 4 and all(REASONS[kind] in r["reason"] for r in rejected), rejected
@@ -171,12 +171,12 @@ def test_bad_replies_rejected_and_run_dir_untouched(run, tmp_path, kind, caplog)
 def test_rejection_leaves_existing_versions_and_files_unchanged(run, tmp_path):
     set_fed(run, rounds=1)
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
-    state_before = run.load_state()["experts"]
+    state_before = run.read_state().experts
     set_fed(run, rounds=2)
     before = _hashes(run.root)  # run.toml changed by _set; everything else is what round 1 left
     grid = FakeGrid(tmp_path / "n2", ["a", "b"], tamper=_tamper_all("nan"))
     state = Coordinator(grid, run).main()
-    assert state["round"] == 2 and state["experts"] == state_before
+    assert state.round == 2 and state.experts == state_before
     assert _hashes(run.root) == before
 
 
@@ -202,16 +202,16 @@ def test_missed_deadline_moves_experts_and_loses_nothing(run, tmp_path):
     # Round 2: everything on the survivor, every expert advanced, the dead node's experts included.
     assert all(x["node"] == "a" and x["accepted"] for x in r2.values())
     for e in range(4):
-        assert state["experts"][str(e)]["version"] == (2 if e not in lost else 1)
+        assert state.expert(e).version == (2 if e not in lost else 1)
         # every accepted version is on disk and intact
-        for v in range(state["experts"][str(e)]["version"] + 1):
+        for v in range(state.expert(e).version + 1):
             checkpoint.load(run.root / f"experts/{e}/v{v}.msgpack", "expert")
 
 
 def test_resume_continues_without_repeating_rounds(run, tmp_path):
     set_fed(run, rounds=1)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
-    s1 = run.load_state()
+    s1 = run.read_state()
     set_fed(run, rounds=3)
     # Debris of a crashed round 2: a metrics line and a version file beyond the committed state.
     run.write_metrics(run.read_metrics() + [{"type": "round", "round": 2, "debris": True}])
@@ -219,8 +219,8 @@ def test_resume_continues_without_repeating_rounds(run, tmp_path):
     state = Coordinator(grid, run).main()
     rounds = [x["round"] for x in run.read_metrics() if x["type"] == "round"]
     assert rounds == [1, 2, 3] and not any(x.get("debris") for x in run.read_metrics())
-    assert all(x["version"] == 3 for x in state["experts"].values())
-    assert state["run_id"] == s1["run_id"]
+    assert all(x.version == 3 for x in state.experts.values())
+    assert state.run_id == s1.run_id
     r2 = [x for x in run.read_metrics() if x["type"] == "expert" and x["round"] == 2]
     assert sum(x["weights_bytes_down"] for x in r2) == 0  # the restarted nodes reported their caches
 
@@ -262,16 +262,16 @@ def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_pa
     cfg.federation.pipeline = False  # pipelined, round 3 starts before round 2's val loss: its scale lags a round
     run.save_config(config_mod.validate(cfg))
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
-    state = run.load_state()
+    state = run.read_state()
     stored = {}
     for e in range(4):
-        x = state["experts"][str(e)]
-        opt = OptState.from_record(checkpoint.load(run.root / x["path"], "expert")["opt"], state_size(run))
+        x = state.expert(e)
+        opt = OptState.from_record(checkpoint.load(run.root / x.path, "expert")["opt"], state_size(run))
         assert opt.adam_m is not None and np.any(opt.adam_v > 0) and opt.lr_scale == 1.0
-        assert x["best_val"] == x["val_loss"] and x["best_step"] == x["step"]  # the first val is the best
+        assert x.best_val == x.val_loss and x.best_step == x.step  # the first val is the best
         stored[e] = opt
-        x["best_val"] = 0.0  # unbeatable: round 2 must count as a plateau and halve lr and eps
-    run.save_state(state)
+        x.best_val = 0.0  # unbeatable: round 2 must count as a plateau and halve lr and eps
+    run.save_state(state.to_dict())
     set_fed(run, rounds=3)
     grid = FakeGrid(tmp_path / "n2", ["a", "b"])  # fresh caches: weights and optimizer state are sent again
     state = Coordinator(grid, run).main()
@@ -282,7 +282,7 @@ def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_pa
         assert sent.adam_m.tobytes() == opt.adam_m.tobytes() and sent.adam_v.tobytes() == opt.adam_v.tobytes()
         assert r2[e]["lr_scale"] == 1.0
     assert {t["lr_scale"] for t in tasks[4:]} == {0.5}  # round 3 runs at the scale decided after round 2
-    assert all(x["lr_scale"] == 0.25 and x["version"] == 3 for x in state["experts"].values())  # and halves again
+    assert all(x.lr_scale == 0.25 and x.version == 3 for x in state.experts.values())  # and halves again
     lines = [m for m in run.read_metrics() if m["type"] == "expert" and m["round"] == 3]
     assert all(m["accepted"] and m["lr_scale"] == 0.5 and m["next_lr_scale"] == 0.25 for m in lines)
     assert all(m["opt_bytes_up"] == 2 * 4 * state_size(run) for m in lines)  # Adam's two float32 moments
@@ -291,7 +291,7 @@ def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_pa
 def test_optimizer_state_that_does_not_fit_its_weights_stops_the_run(run, tmp_path):
     set_fed(run, rounds=0)
     Coordinator(FakeGrid(tmp_path / "idle", ["a", "b"]), run).main()
-    path = run.root / run.load_state()["experts"]["2"]["path"]
+    path = run.root / run.read_state().expert(2).path
     body = checkpoint.load(path, "expert")
     body["opt"] = OptState(adam_m=np.zeros(7, np.float32), adam_v=np.zeros(7, np.float32)).to_record()
     checkpoint.save(path, body, "expert")
@@ -356,7 +356,7 @@ def test_bad_capability_replies_exclude_the_node_and_huge_rates_are_clamped(run,
     monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", tampered)
     with caplog.at_level(logging.WARNING, logger="soma.coord"):
         state = Coordinator(grid, run).main()
-    assert state["round"] == 1
+    assert state.round == 1
     for name, (_, _, reason) in CAPS_TAMPER.items():
         assert f"node {1000 + names.index(name)}: bad capability reply ({reason}" in caplog.text
     nodes = run.read_status()["nodes"]
@@ -379,7 +379,7 @@ def test_workers_sharing_a_name_are_accounted_apart(run, tmp_path, monkeypatch):
     m = next(m for m in run.read_metrics() if m["type"] == "round")
     assert m["nodes"] == ["a", "a#1001"] and sorted(m["compute_seconds"]) == ["a", "a#1001"]
     assert all(s > 0 for s in m["compute_seconds"].values()) and m["compute_share"] <= 1.0
-    assert sorted(state["assignment"].values()) == ["a", "a", "a#1001", "a#1001"]
+    assert sorted(state.assignment.values()) == ["a", "a", "a#1001", "a#1001"]
     experts = [x for x in run.read_metrics() if x["type"] == "expert"]
     assert sorted(x["node"] for x in experts) == ["a", "a", "a#1001", "a#1001"] and all(x["accepted"] for x in experts)
 
@@ -661,7 +661,7 @@ def test_status_prints_the_checkpoint_and_start_refuses_identity_changes(run, tm
     assert code == 0 and s["round"] == 1 and s["rounds"] == 1 and not s["running"]
     assert {e: x["version"] for e, x in s["experts"].items()} == {str(e): 1 for e in range(4)}
     code, out, _ = _cli(["status", str(run.root)], capsys)
-    assert code == 0 and run.load_state()["experts"]["0"]["sha256"][:12] in out
+    assert code == 0 and run.read_state().expert(0).sha256[:12] in out
     # Resuming with another number of experts is the user's error: exit 2, one line, nothing started.
     code, _, err = _cli(["start", "--run", str(run.root), "--experts", "3", "--port", "0"], capsys)
     assert (
@@ -716,20 +716,19 @@ def _weights_of(rd: RunDir, rel: str) -> np.ndarray:
 
 
 def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, monkeypatch):
-    from coordinator.prepare import expert_shards
     from soma_edge import params
-    from soma_edge.seed import expert_steps
+    from soma_edge.config import expert_steps
 
     equal_rates(monkeypatch)
     _seeded(run, seed_steps=12, rounds=3, max_steps=40, keep_versions=5)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     cfg = run.load_config()
-    seed = state["seed"]
-    assert (state["phase"], seed["expert"], seed["step"]) == ("experts", 4, 12)
+    seed = state.seed
+    assert (state.phase, seed.expert, seed.step) == ("experts", 4, 12)
     tasks = _train_tasks(grid)
     seed_tasks = [t for t in tasks if t["expert"] == 4]
-    all_train = sorted(h for e in range(4) for h in expert_shards(run.load_prepare(), e, "train"))
+    all_train = sorted(h for e in range(4) for h in run.read_prepare().shards(e, "train"))
     assert seed_tasks and all(sorted(t["shards"]) == all_train for t in seed_tasks)  # every cluster's data
     requests = [
         protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN
@@ -737,15 +736,15 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
     decoders = [r["config"]["spsa"]["decoder"] for r in requests]  # the seed's rule, then the experts' frozen E
     assert decoders == ["delta"] * len(seed_tasks) + ["frozen"] * (len(requests) - len(seed_tasks))
 
-    sw = _weights_of(run, seed["path"])
+    sw = _weights_of(run, seed.path)
     body = params.layout(cfg.model).body
     for e in range(4):
         v0 = checkpoint.load(run.root / f"experts/{e}/v0.msgpack", "expert")
         assert v0["weights"].tobytes() == sw.tobytes() and v0["step"] == 0 and v0["opt"] is None  # bit for bit
-        x = state["experts"][str(e)]
+        x = state.expert(e)
         # 12 seed steps of 5 forward passes paid by 4 experts at 4 per step: 36 of the 40 steps are left
-        assert (x["version"], x["step"], expert_steps(cfg)) == (1, 36, 36)
-        w = _weights_of(run, x["path"])
+        assert (x.version, x.step, expert_steps(cfg)) == (1, 36, 36)
+        w = _weights_of(run, x.path)
         assert w[body:].tobytes() == sw[body:].tobytes()  # E frozen after the seed
         assert not np.array_equal(w[:body], sw[:body])  # while the body trained
         first = next(t for t in tasks if t["expert"] == e)
@@ -766,18 +765,18 @@ def test_seed_decoder_delta_keeps_training_the_decoder(run, tmp_path, monkeypatc
     run.save_config(config_mod.validate(cfg))
     state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     body = params.layout(cfg.model).body
-    sw = _weights_of(run, state["seed"]["path"])
+    sw = _weights_of(run, state.seed.path)
     for e in range(4):
-        assert not np.array_equal(_weights_of(run, state["experts"][str(e)]["path"])[body:], sw[body:])
+        assert not np.array_equal(_weights_of(run, state.expert(e).path)[body:], sw[body:])
 
 
 def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
     equal_rates(monkeypatch)
     _seeded(run, seed_steps=150, rounds=1)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
-    s1 = run.load_state()
-    seed1 = s1["experts"]["4"]
-    assert s1["phase"] == "seed" and list(s1["experts"]) == ["4"] and 0 < seed1["step"] < 150
+    s1 = run.read_state()
+    seed1 = s1.expert(4)
+    assert s1.phase == "seed" and list(s1.experts) == ["4"] and 0 < seed1.step < 150
     from rich.console import Console
 
     from coordinator.progress import experts_table, summary
@@ -796,9 +795,9 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     first = _train_tasks(grid)[0]
-    assert (first["expert"], first["step"], first["base_sha256"]) == (4, seed1["step"], seed1["sha256"])
-    assert state["phase"] == "experts" and state["seed"]["step"] == 150
-    assert all(x["version"] >= 1 for x in state["experts"].values())
+    assert (first["expert"], first["step"], first["base_sha256"]) == (4, seed1.step, seed1.sha256)
+    assert state.phase == "experts" and state.seed.step == 150
+    assert all(x.version >= 1 for x in state.experts.values())
     rounds = [m["round"] for m in run.read_metrics() if m["type"] == "round"]
     assert rounds == list(range(1, 7))
 
@@ -821,18 +820,18 @@ def test_corrupt_commit_falls_back_to_the_one_before(run, tmp_path, damage, capl
     elif damage == "missing state":
         run.state_path.unlink()
     else:
-        p = run.root / run.load_state()["experts"]["2"]["path"]
+        p = run.root / run.read_state().expert(2).path
         p.write_bytes(p.read_bytes()[:-7] + b"corrupt")
     set_fed(run, rounds=3)
     with caplog.at_level(logging.WARNING, logger="soma.coord"):
         state = Coordinator(FakeGrid(tmp_path / "n2", ["a", "b"]), run).main()
     warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert len(warned) == 1 and "round 1" in warned[0], warned
-    assert state["round"] == 3 and all(x["version"] == 3 for x in state["experts"].values())
+    assert state.round == 3 and all(x.version == 3 for x in state.experts.values())
     assert [m["round"] for m in run.read_metrics() if m["type"] == "round"] == [1, 2, 3]  # round 2 redone once
-    for x in state["experts"].values():
-        body = checkpoint.load(run.root / x["path"], "expert")
-        assert protocol.weights_sha256(body["weights"]) == x["sha256"]
+    for x in state.experts.values():
+        body = checkpoint.load(run.root / x.path, "expert")
+        assert protocol.weights_sha256(body["weights"]) == x.sha256
 
 
 def test_a_run_with_no_loadable_commit_refuses_to_start(run, tmp_path, capsys):
@@ -844,7 +843,7 @@ def test_a_run_with_no_loadable_commit_refuses_to_start(run, tmp_path, capsys):
     for p in (run.state_path, run.prev_state_path):
         p.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="no committed state loads"):
-        run.load_state()
+        run.read_state()
     rc = run_cli(coord_app, ["start", "--run", str(run.root), "--rounds", "3"], prog="soma-coord")
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "no committed state loads" in lines[0]
@@ -881,7 +880,7 @@ def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
     set_fed(run, rounds=1, piece_bytes=limit)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
-    assert all(x["version"] == 1 for x in state["experts"].values())
+    assert all(x.version == 1 for x in state.experts.values())
     for nid, name in ((1000, "a"), (1001, "b")):
         mine = [
             m
@@ -993,4 +992,4 @@ def test_a_reply_after_the_deadline_but_before_the_next_plan_is_accepted(run, tm
     assert sorted(m["expert"] for m in late) == sorted(lost) and all(m["accepted"] and m["round"] == 2 for m in late)
     for e in lost:  # the late version, then round 2's on top of it
         assert any(m["expert"] == e and m["version"] == 1 for m in late)
-        assert state["experts"][str(e)]["version"] == 2
+        assert state.expert(e).version == 2

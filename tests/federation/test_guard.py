@@ -13,6 +13,7 @@ import pytest
 from coordinator import guard
 from coordinator.loop import Coordinator
 from soma_edge import checkpoint, protocol
+from soma_edge.rundir import BestVersion
 from tests.helpers.fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 
 TOL = 0.3  # wide enough for the honest node's noise on TINY's 4 val windows
@@ -36,7 +37,7 @@ def _drift(coord, res):
     """An attacker that knows the coordinator's val set: each reply is 0.9 tolerance worse than the version
     it was sent, found by bisection along a fixed direction, so each single step is within tolerance."""
     e = res["expert"]
-    base = coord.loop.ledger.state["experts"][str(e)]["val_loss"]
+    base = coord.loop.ledger.expert(e).val_loss
     w = res["weights"].astype(np.float32)
     d = np.random.default_rng(e).standard_normal(w.size).astype(np.float32)
     lo, hi = 0.0, 1.0
@@ -92,7 +93,7 @@ def _accepted_within_bound(metrics: list[dict], v0: dict[int, float]) -> None:
 )
 def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, monkeypatch, attack, rounds):
     state, metrics, grid = _guarded_run(run, tmp_path, monkeypatch, attack, rounds)
-    assert state["round"] == rounds
+    assert state.round == rounds
     v0 = {e: checkpoint.load(run.root / f"experts/{e}/v0.msgpack", "expert")["val_loss"] for e in range(4)}
     _accepted_within_bound(metrics, v0)
     rejected = [r for m in metrics if m["type"] == "round" for r in m["rejected"]]
@@ -100,8 +101,8 @@ def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, mon
     assert all(r["next_lr_scale"] == r["lr_scale"] / 2 for r in rejected)  # retrained slower, not repeated
     # b is out after its third strike, for good: no training message goes to it after the one for the
     # round that was sent ahead of the checks that struck it out, and nothing it sent later counts.
-    (who,) = [k for k in state["strikes"]]
-    assert who == "node:1001" and state["strikes"][who]["count"] >= 3
+    (who,) = [k for k in state.strikes]
+    assert who == "node:1001" and state.strikes[who]["count"] >= 3
     out_round = next(m["round"] for m in metrics if m["type"] == "round" and m["excluded"] == ["b"])
     assert max(_train_rounds(grid, 1001)) == out_round + 1 < rounds
     assert not [
@@ -112,9 +113,9 @@ def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, mon
     # The honest node's work stands; every expert ends no worse than its best + tolerance, and its best
     # version (never pruned) is at least as good as version 0.
     for e in range(4):
-        x = state["experts"][str(e)]
-        best = guard.Best.of(x)
-        assert best.val_loss <= v0[e] and x["val_loss"] <= best.val_loss + TOL
+        x = state.expert(e)
+        best = x.best_or_current()
+        assert best.val_loss <= v0[e] and x.val_loss <= best.val_loss + TOL
         body = checkpoint.load(run.root / best.path, "expert")
         assert protocol.weights_sha256(body["weights"]) == best.sha256 and body["val_loss"] == best.val_loss
 
@@ -137,11 +138,11 @@ def test_a_late_poisoned_reply_strikes_and_excludes_its_node_in_the_round_that_s
 def test_strikes_persist_across_a_coordinator_restart(run, tmp_path, monkeypatch):
     """Strikes commit with the round: a node excluded before a restart is excluded after it (same identity)."""
     state, _, _ = _guarded_run(run, tmp_path, monkeypatch, _scale10, 2)
-    assert state["strikes"]["node:1001"]["count"] >= 3
+    assert state.strikes["node:1001"]["count"] >= 3
     set_fed(run, rounds=3)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])  # b is honest now, but its strikes stand
     state = Coordinator(grid, run).main()
-    assert state["round"] == 3 and _train_rounds(grid, 1001) == []
+    assert state.round == 3 and _train_rounds(grid, 1001) == []
 
 
 def test_an_honest_overshoot_is_refused_then_retrained_slower_and_forgiven(run, tmp_path, monkeypatch):
@@ -162,11 +163,11 @@ def test_an_honest_overshoot_is_refused_then_retrained_slower_and_forgiven(run, 
         if m["type"] == "expert" and m["accepted"] and m["node"] == "b" and m["best_version"] == m["version"]
     ]
     assert improved  # b did honest work that set a new best ...
-    assert state["strikes"]["node:1001"]["count"] == 0  # ... so its strike was forgiven
+    assert state.strikes["node:1001"]["count"] == 0  # ... so its strike was forgiven
 
 
 def test_guard_verdict_bounds_by_the_best_not_the_current_version():
-    best = guard.Best(version=2, sha256="0" * 64, path="experts/0/v2.msgpack", val_loss=3.0)
+    best = BestVersion(version=2, sha256="0" * 64, path="experts/0/v2.msgpack", val_loss=3.0)
     assert guard.verdict(3.1, best, 0.1) is None
     assert "worse than the expert's best 3.0000 (v2)" in guard.verdict(3.1001, best, 0.1)
     strikes: dict = {}
@@ -182,8 +183,8 @@ def test_export_takes_the_best_version_by_default_and_latest_on_request(run, tmp
     from export.bundle import write
 
     state, _, _ = _guarded_run(run, tmp_path, monkeypatch, _drift, 1)  # b's drifted versions are accepted ...
-    best = {e: guard.Best.of(x).version for e, x in ((int(e), x) for e, x in state["experts"].items())}
-    latest = {int(e): x["version"] for e, x in state["experts"].items()}
+    best = {int(e): x.best_or_current().version for e, x in state.experts.items()}
+    latest = {int(e): x.version for e, x in state.experts.items()}
     assert best != latest  # ... but are not the best: v0 stays the best of b's experts
     for version, want in (("best", best), ("latest", latest)):
         manifest = write(run.root, tmp_path / version, version=version)

@@ -76,9 +76,9 @@ def test_old_run_resumes(old_run, tmp_path):
     before = rd.read_metrics()
     set_fed(rd, rounds=3)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), rd).main()
-    state = rd.load_state(verify=True)
-    assert state["round"] == 3
-    assert all(x["version"] == 3 for x in state["experts"].values())
+    state = rd.read_state(verify=True)
+    assert state.round == 3
+    assert all(x.version == 3 for x in state.experts.values())
     after = rd.read_metrics()
     assert after[: len(before)] == before
     assert [m["round"] for m in after[len(before) :] if m["type"] == "round"] == [3]

@@ -86,7 +86,7 @@ def test_a_late_joiner_takes_the_experts_of_a_node_that_left(run, tmp_path, monk
     lines = {m["expert"]: m for m in run.read_metrics() if m["type"] == "expert" and m["round"] == 1}
     moved = [e for e, m in lines.items() if m["node"] == "c"]
     assert moved and all(lines[e]["accepted"] for e in moved)
-    assert all(x["version"] == 1 for x in state["experts"].values())  # nothing sat out
+    assert all(x.version == 1 for x in state.experts.values())  # nothing sat out
     log = (run.logs / "coordinator.log").read_text()
     assert "is gone (no heartbeat)" in log and f"idle experts {sorted(moved)} go to c" in log
 
@@ -278,7 +278,7 @@ def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
     assert Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == 30.0
     loop = coord.loop
     a = loop.fleet.nodes[1000]
-    biggest = loop.ledger.version_bytes() + sum(loop.shards.sizes.values())  # this tiny run's largest message
+    biggest = loop.ledger.version_bytes() + sum(loop.prep.shard_sizes().values())  # this tiny run's largest message
     for link, advice in ((None, 30.0), (biggest / 5, 10.0), (biggest / 20, 30.0)):  # it takes 5 s, 20 s
         a.link = link
         assert loop.fleet.heartbeat(1000) == advice, link

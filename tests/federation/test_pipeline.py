@@ -75,7 +75,7 @@ def test_pipelining_changes_when_rounds_start_not_what_they_compute(run, tmp_pat
         t0 = time.monotonic()
         state = Coordinator(grid, rd).main()
         took = time.monotonic() - t0
-        ends[pipeline] = {e: x["sha256"] for e, x in state["experts"].items()}
+        ends[pipeline] = {e: x.sha256 for e, x in state.experts.items()}
         rounds = [m for m in rd.read_metrics() if m["type"] == "round"]
         assert all(m["accepted"] == 4 for m in rounds)
         assert [m["next_round_ahead"] for m in rounds] == [pipeline, pipeline, False]
@@ -146,7 +146,7 @@ def test_an_expert_moving_to_a_node_without_its_claimed_version_waits_for_the_co
     monkeypatch.setattr(Loop, "start_round", start)
     state = coord.main()
     lines = {(m["round"], m["expert"]): m for m in run.read_metrics() if m["type"] == "expert"}
-    assert all(m["accepted"] for m in lines.values()) and state["round"] == 2
+    assert all(m["accepted"] for m in lines.values()) and state.round == 2
     on_a = sorted(e for (r, e), m in lines.items() if r == 1 and m["node"] == "a")
     ((i, nid, body),) = [x for x in _trains(grid) if x[2]["round"] == 2]
     assert nid == 1001 and i >= marks[1]  # sent after round 1's commit

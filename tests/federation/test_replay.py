@@ -232,10 +232,10 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
     lines = _expert_lines(run)
     assert len(lines) == 8 and all(m["accepted"] and m["weights_bytes_up"] == 0 for m in lines)
     assert all(m["log_bytes_up"]["body"] > 0 and m["log_bytes_up"]["decoder"] == 0 for m in lines)
-    for x in state["experts"].values():
-        stored = checkpoint.load(run.root / x["path"], "expert")["weights"]
-        node = "a" if x["node"] == "a" else "b"
-        cached = Cache(tmp_path / "nodes" / node).get_weights(x["sha256"])
+    for x in state.experts.values():
+        stored = checkpoint.load(run.root / x.path, "expert")["weights"]
+        node = "a" if x.node == "a" else "b"
+        cached = Cache(tmp_path / "nodes" / node).get_weights(x.sha256)
         assert cached is not None and cached["weights"].tobytes() == stored.tobytes()
         assert stored.dtype == np.float32
     up_log = sum(m["bytes_up"] for m in _round_lines(run))
@@ -288,12 +288,12 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
         for res in body["results"] if nid == 1001 else []:
             log = spsa.UpdateLog.from_record(res["log"])
             log.grads[log.steps // 2, 0] *= 3.0
-            x = coord.loop.ledger.state["experts"][str(res["expert"])]
-            stored = coord.run.load_expert(x["path"])
+            x = coord.loop.ledger.expert(res["expert"])
+            stored = coord.run.load_expert(x.path)
             base = spsa.State(
                 protocol.decode_weights(stored["weights"]),
-                step=x["step"],
-                opt=coord.loop.ledger.checked_opt(stored, x["path"]),
+                step=x.step,
+                opt=coord.loop.ledger.checked_opt(stored, x.path),
             )
             got = replay_mod.rebuild(coord.loop.ledger.phase_config(), base, log, res["expert"])
             res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
@@ -306,8 +306,8 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
     assert rejected and all(x["node"] == "b" and "the losses give" in x["reason"] for x in rejected), rejected
     honest = [m for m in _expert_lines(run) if m["node"] == "a"]
     assert honest and all(m["accepted"] for m in honest)  # the audit passes honest logs (delta rule rebuilt)
-    assert state["round"] == 2 and all(m["version"] <= 2 for m in _expert_lines(run))
-    assert state["strikes"]["node:1001"]["count"] == len(rejected)
+    assert state.round == 2 and all(m["version"] <= 2 for m in _expert_lines(run))
+    assert state.strikes["node:1001"]["count"] == len(rejected)
 
 
 def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, monkeypatch):
@@ -363,7 +363,7 @@ def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(r
     monkeypatch.setattr(Loop, "start_round", start)
     state = coord.main()
     lines = [m for m in run.read_metrics() if m["type"] == "expert"]
-    assert all(m["accepted"] for m in lines) and state["round"] == 3
+    assert all(m["accepted"] for m in lines) and state.round == 3
     r1 = {m["expert"]: m["node"] for m in lines if m["round"] == 1}
     r3 = {m["expert"]: m for m in lines if m["round"] == 3}
     on_a = [e for e, n in r1.items() if n == "a"]

@@ -76,7 +76,7 @@ def test_a_stop_request_ends_the_run_after_the_round_in_progress(run, tmp_path, 
     monkeypatch.setattr(Loop, "collect", collect)
     monkeypatch.setattr(Loop, "commit", commit)
     state = coord.main()
-    assert state["round"] == last and [m["round"] for m in run.read_metrics() if m["type"] == "round"] == list(
+    assert state.round == last and [m["round"] for m in run.read_metrics() if m["type"] == "round"] == list(
         range(1, last + 1)
     )
     trains = {
@@ -92,7 +92,7 @@ def test_a_stop_request_ends_the_run_after_the_round_in_progress(run, tmp_path, 
     ]
     assert len(ends) == 2 and all("soma-coord stop" in e["why"] for e in ends)
     assert run.read_status()["stopped"] and not run.stop_path.exists()
-    assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()["round"] == 6  # and it resumes
+    assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main().round == 6  # and it resumes
 
 
 def test_a_stop_request_ends_a_wait_for_workers_when_none_is_left(run, tmp_path, monkeypatch):
@@ -118,6 +118,6 @@ def test_a_stop_request_ends_a_wait_for_workers_when_none_is_left(run, tmp_path,
     monkeypatch.setattr(Fleet, "wait_for_nodes", wait)
     t0 = time.monotonic()
     state = coord.main()
-    assert state["round"] == 1 and waits[-1] == 1 and time.monotonic() - t0 < 30
+    assert state.round == 1 and waits[-1] == 1 and time.monotonic() - t0 < 30
     assert run.read_status()["stopped"] and not run.stop_path.exists()
-    assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()["round"] == 4
+    assert Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main().round == 4

@@ -252,7 +252,7 @@ def main() -> int:
         assert a.point in POINTS[a.phase], (a.phase, a.point)
         Injector(run.root, a.phase, a.point, a.k, a.round, Path(a.info)).install()
     state = Coordinator(FakeGrid(Path(a.nodes), ["a", "b"]), run).main()
-    print(json.dumps({"round": state["round"]}))
+    print(json.dumps({"round": state.round}))
     return 0
 
 

@@ -3,7 +3,7 @@
 1. the codec (`soma_edge.codec.decode`): hypothesis over random bytes, truncated and mutated encodings,
    random envelopes and random array headers, plus explicit cases;
 2. the protocol checks (`soma_edge.protocol`: `unpack`, `check_reply_header`, `check_caps`, `check_result`);
-3. the checkpoint loader (`soma_edge.checkpoint.load`) and the run state (`soma_edge.rundir.RunDir.load_state`);
+3. the checkpoint loader (`soma_edge.checkpoint.load`) and the run state (`soma_edge.rundir.RunDir.read_state`);
 4. the deploy bundle (`export.bundle.read`, and `export.infer.Deployment` where it loads one).
 
 Every case names its input (the parametrize id), expects the loader's own error type with a specific
@@ -937,7 +937,7 @@ def test_checkpoint_random_files_only_checkpoint_errors(tmp_path_factory, payloa
         one_line(e)
 
 
-# --- RunDir.load_state ---------------------------------------------------------------------------------
+# --- RunDir.read_state ---------------------------------------------------------------------------------
 
 
 def _run_dir(root: Path):
@@ -1007,11 +1007,11 @@ STATE_CASES = [
 @pytest.mark.parametrize("breaker,verify,fragment", _params(STATE_CASES))
 def test_load_state_falls_back_to_the_commit_before(tmp_path, breaker, verify, fragment):
     rd = _run_dir(tmp_path / "run")
-    assert rd.load_state(verify=True)["round"] == 2 and rd.fallback is None  # the baseline: no fallback
+    assert rd.read_state(verify=True).round == 2 and rd.fallback is None  # the baseline: no fallback
     breaker(rd)
     before = _tree(rd.root)
-    state = rd.load_state(verify=verify)
-    assert state["round"] == 1 and state["experts"]["0"]["version"] == 1
+    state = rd.read_state(verify=verify)
+    assert state.round == 1 and state.expert(0).version == 1
     assert (
         fragment in rd.fallback and "falling back to the commit before it (state.prev.msgpack, round 1)" in rd.fallback
     )
@@ -1065,7 +1065,7 @@ def test_load_state_refuses_when_no_commit_loads(tmp_path, breaker, verify, frag
     breaker(rd)
     before = _tree(rd.root)
     with pytest.raises(CheckpointError) as got:
-        rd.load_state(verify=verify)
+        rd.read_state(verify=verify)
     msg = one_line(got.value)
     assert "no committed state loads" in msg and "the run cannot resume" in msg
     for f in fragments:
@@ -1076,7 +1076,7 @@ def test_load_state_refuses_when_no_commit_loads(tmp_path, breaker, verify, frag
 def test_load_state_of_a_run_that_never_committed(tmp_path):
     from soma_edge.rundir import RunDir
 
-    assert RunDir(tmp_path).load_state(verify=True) is None
+    assert RunDir(tmp_path).read_state(verify=True) is None
 
 
 # ======================================================================================================

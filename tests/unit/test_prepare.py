@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from coordinator import debian_corpus
-from coordinator.prepare import expert_shards, prepare
+from coordinator.prepare import prepare
 from soma_edge import corpus
 from soma_edge import router as router_mod
 from soma_edge.errors import CorpusError
+from soma_edge.rundir import RunDir
 from tests.helpers.corpus import FOUR_DOMAINS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ def test_shards_are_content_addressed_and_complete(prepared, default_docs):
     assert hashlib.sha256((run / "router.msgpack").read_bytes()).hexdigest() == s["router"]["sha256"]
     for e in range(4):
         want = [c["shards"]["train"] for c in s["clusters"] if c["expert"] == e]
-        assert expert_shards(s, e, "train") == want and want
+        assert RunDir(base / "run").read_prepare().shards(e, "train") == want and want
 
 
 def test_deterministic(prepared):
