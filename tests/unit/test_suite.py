@@ -1,0 +1,44 @@
+"""The suite's own machinery: `make test` runs tests in two processes (pytest-xdist, --dist loadgroup), and
+the tests that share one real federation or one pair of SuperLinks rely on their xdist_group keeping them in
+one process. A pytest that xdist does not fit (pytest 9.2 renamed what xdist 3.8 sets) ignores the groups
+without a word, and those tests then fail far from the cause: this says it here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def test_an_xdist_group_runs_in_one_process(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "test_grouped.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+
+            import pytest
+
+
+            @pytest.mark.xdist_group("together")
+            @pytest.mark.parametrize("i", range(6))
+            def test_member(i):
+                with open(os.path.join(os.environ["GROUP_OUT"], f"member{i}"), "w") as out:
+                    out.write(os.environ["PYTEST_XDIST_WORKER"])
+            """
+        )
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup"],
+        cwd=tmp_path,
+        env={**os.environ, "GROUP_OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    workers = {f.read_text() for f in out.iterdir()}
+    assert len(list(out.iterdir())) == 6
+    assert len(workers) == 1, f"the group ran in {sorted(workers)}: --dist loadgroup ignores xdist_group"
