@@ -52,7 +52,7 @@ class Node:
     link: float | None = None  # bytes/s, measured from large train exchanges, both ways (None: not yet)
     weights: set[str] = field(default_factory=set)  # version hashes its cache holds (as far as we know)
     shards: set[str] = field(default_factory=set)
-    caps: dict[str, Any] = field(default_factory=dict)
+    caps: protocol.Capabilities = field(default_factory=dict)  # its last reply, less the cache inventory
     query_mid: str | None = None
     query_sent: float = 0.0
     identity: str = ""  # who strikes count against (`coordinator.guard.identity`), set when it answers a query
@@ -154,7 +154,7 @@ class Fleet:
         try:
             if reply.metadata.src_node_id != o.node:
                 raise ValidationError(f"capabilities for node {o.node} came from node {reply.metadata.src_node_id}")
-            caps = protocol.unpack(reply.content, protocol.KIND_CAPS, protocol.SMALL_BYTES)
+            caps: protocol.Capabilities = protocol.unpack(reply.content, protocol.KIND_CAPS, protocol.SMALL_BYTES)
             rate = scheduler.clamp_rate(protocol.check_caps(caps))
         except (CodecError, ValidationError) as e:
             log.warning("node %s: bad capability reply (%s); excluded", o.node, e)
@@ -162,7 +162,7 @@ class Fleet:
             return
         node.name = str(caps.get("name") or o.node)
         node.label = f"{node.name}#{node.id}" if self._twins(node) else node.name
-        node.caps = {k: v for k, v in caps.items() if k != "cache"}
+        node.caps = protocol.Capabilities(**{k: v for k, v in caps.items() if k != "cache"})
         if self._refused(node, caps):
             node.status = NodeStatus.EXCLUDED
             return
