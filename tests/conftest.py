@@ -22,6 +22,5 @@ TIERS = ("unit", "federation", "e2e")  # folders under tests/, and the marker ea
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = Path(item.path).resolve().relative_to(HERE).parts[0]
-        if tier not in TIERS:
-            raise pytest.UsageError(f"{item.nodeid}: a test lives in one tier's folder: tests/{{{','.join(TIERS)}}}/")
-        item.add_marker(tier)
+        if tier in TIERS:  # a test elsewhere gets no tier: tests/unit/test_suite.py names it (an error raised
+            item.add_marker(tier)  # here would end a pytest-xdist worker without a word)

@@ -9,6 +9,20 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "federation", "e2e")
+
+
+def test_every_test_lives_in_a_tier_folder():
+    """`pytest -m "not e2e"` and the markers work by folder: a test file outside the three has no tier."""
+    stray = [
+        str(f.relative_to(TESTS))
+        for f in TESTS.rglob("test_*.py")
+        if f.relative_to(TESTS).parts[0] not in TIERS and "fixtures" not in f.parts
+    ]
+    assert not stray, f"move these into tests/{{{','.join(TIERS)}}}/: {stray}"
 
 
 def test_an_xdist_group_runs_in_one_process(tmp_path):

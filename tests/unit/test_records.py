@@ -15,7 +15,7 @@ from soma_edge.errors import CheckpointError
 from soma_edge.metrics import ExpertLine, RoundLine, Status
 from soma_edge.rundir import STATE_KIND, PrepareSummary, RunDir, RunState
 
-OLD_RUN = Path(__file__).parent / "fixtures" / "old_run"
+OLD_RUN = Path(__file__).resolve().parents[1] / "fixtures" / "old_run"
 
 
 def _metrics_lines() -> list[str]:
