@@ -20,7 +20,7 @@ import numpy as np
 
 from soma_edge import __version__
 from soma_edge.config import Config
-from soma_edge.metrics import ExpertLine, Line, NodeStatus, RoundLine, Status
+from soma_edge.metrics import ExpertLine, Line, NodeEntry, RoundLine, Status
 from soma_edge.rundir import BestVersion, ExpertRecord, RunState
 from soma_edge.spsa import OptState, UpdateLog
 
@@ -220,7 +220,7 @@ def status(phase: str, cfg: Config, state: RunState | None, nodes: dict[int, Any
         round_seconds=cfg.federation.round_seconds,
         experts={} if state is None else state.experts,
         nodes={
-            str(n.id): NodeStatus(
+            str(n.id): NodeEntry(
                 name=n.name, status=n.status, rate=n.rate, torch_importable=n.caps.get("torch_importable")
             )
             for n in nodes.values()

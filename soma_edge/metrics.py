@@ -255,7 +255,9 @@ def round_lines(lines: Iterable[Line]) -> list[RoundLine]:
 
 
 @dataclass(kw_only=True)
-class NodeStatus(Record):
+class NodeEntry(Record):
+    """A node as status.json shows it (its `status` is a `coordinator.fleet.NodeStatus` value)."""
+
     name: str | None = None
     status: str | None = None
     rate: float | None = None  # forward evaluations per second, measured
@@ -264,17 +266,17 @@ class NodeStatus(Record):
     KEYS: ClassVar = ("name", "status", "rate", "torch_importable")
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> "NodeStatus":
+    def from_dict(cls, d: Any, where: str) -> "NodeEntry":
         return records.read(cls, d, where)
 
     def to_dict(self) -> dict[str, Any]:
         return records.write(self, self.KEYS)
 
 
-def _nodes(d: Any, where: str) -> dict[Any, NodeStatus]:
+def _nodes(d: Any, where: str) -> dict[Any, NodeEntry]:
     if not isinstance(d, dict):
         raise CheckpointError(f"{where}: not a map (a {type(d).__name__})")
-    return {n: NodeStatus.from_dict(x, f"{where}[{n!r}]") for n, x in d.items()}
+    return {n: NodeEntry.from_dict(x, f"{where}[{n!r}]") for n, x in d.items()}
 
 
 @dataclass(kw_only=True)
@@ -289,7 +291,7 @@ class Status(Record):
     rounds: int | None = None
     round_seconds: float | None = None
     experts: dict[Any, ExpertRecord] = field(default_factory=dict)  # state.msgpack's, by expert id
-    nodes: dict[Any, NodeStatus] = field(default_factory=dict)  # by Flower node id
+    nodes: dict[Any, NodeEntry] = field(default_factory=dict)  # by Flower node id
     message: str | None = None
     user_error: bool | None = None
     stopped: bool | None = None
