@@ -168,9 +168,7 @@ class Follower:
         if self.live is not None:
             self.live.__exit__(*exc)
 
-    def update(self, status: Status | dict[str, Any] | None) -> None:
-        if isinstance(status, dict):  # `soma-coord start` still hands over RunDir.read_status()'s dict
-            status = Status.from_dict(status, str(self.run.status_path))
+    def update(self, status: Status | None) -> None:
         for line in self.events.new():
             (self.live.console if self.live is not None else self.console).print(line, markup=False, highlight=False)
         if self.live is not None:
