@@ -87,7 +87,7 @@ class Board:
         )
 
     def commit(self, lines: list[Line | dict[str, Any]]) -> None:
-        """Add a commit's lines (records, or the dicts that the coordinator writes to metrics.jsonl)."""
+        """Add a commit's lines (records, or their dicts as metrics.jsonl holds them)."""
         typed = metrics.as_lines(lines)
         for tag, value, r in scalars(typed):
             self.writer.add_scalar(tag, value, r)

@@ -10,7 +10,7 @@
 Weights are initializers, so any ONNX Runtime runs an expert with no soma-edge code. `write` builds the
 whole bundle in a hidden sibling folder and renames it into place: a failed export leaves nothing behind.
 
-`read` is on the inference path: it must not import onnx, flwr or torch (only hashlib/json here). It checks
+`read` is on the inference path: it must not import onnx, flwr or torch. It checks
 the manifest and the sha256 of every file it lists before anything is loaded. `write` reads the run through
 soma_edge.rundir (RunDir, RunState, ExpertRecord), never by file names and keys of its own.
 """

@@ -21,7 +21,6 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from pydoc_data.topics import topics
 
 import numpy as np
 
@@ -162,6 +161,10 @@ def _stdlib_documents(budget: int = STDLIB_BYTES) -> list[Document]:
 
 
 def _pydoc_documents() -> list[Document]:
+    # pydoc_data (750 KB of strings) only for this corpus: every role imports this module, and a trimmed
+    # Python on an edge box may lack it
+    from pydoc_data.topics import topics
+
     return [d for key in sorted(topics) for d in _docs(f"pydoc:{key}", "pydoc", topics[key].encode("utf-8"))]
 
 

@@ -13,6 +13,7 @@ wrote before them, and a key that a later version added (a round's `next_round_a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable
 
@@ -20,6 +21,8 @@ from soma_edge import records
 from soma_edge.errors import CheckpointError
 from soma_edge.records import Record
 from soma_edge.rundir import ExpertRecord, RunDir, expert_records
+
+log = logging.getLogger("soma.metrics")
 
 EXPERT = "expert"
 ROUND = "round"
@@ -232,7 +235,7 @@ def line(d: Any, where: str) -> Line | None:
 
 
 def as_lines(items: Iterable[Line | dict[str, Any]], where: str = "metrics line") -> list[Line]:
-    """Lines as records: records as they are, dicts read (the coordinator still hands Board dicts)."""
+    """Lines as records: records as they are, dicts read (as metrics.jsonl's JSON gives them)."""
     out = []
     for i, m in enumerate(items):
         rec = m if isinstance(m, (ExpertLine, RoundLine)) else line(m, f"{where} {i + 1}")
@@ -242,8 +245,15 @@ def as_lines(items: Iterable[Line | dict[str, Any]], where: str = "metrics line"
 
 
 def read_lines(run: RunDir) -> list[Line]:
-    """RUN/metrics.jsonl as records (lines that are not JSON, or of an unknown type, left out)."""
-    return as_lines(run.read_metrics(), f"{run.metrics_path}: line")
+    """RUN/metrics.jsonl as records. A log is never a reason to fail: lines that are not JSON, of an unknown
+    type, or that lack a key their type needs are left out, with a warning for the last."""
+    out = []
+    for i, m in enumerate(run.read_metrics()):
+        try:
+            out += as_lines([m], f"{run.metrics_path}: line {i + 1}")
+        except CheckpointError as e:
+            log.warning("%s: left out", e)
+    return out
 
 
 def expert_lines(lines: Iterable[Line]) -> list[ExpertLine]:
@@ -311,6 +321,11 @@ class Status(Record):
 
 
 def read_status(run: RunDir) -> Status | None:
-    """RUN/status.json as a record; None while there is none (or it does not parse)."""
+    """RUN/status.json as a record; None while there is none (or it does not parse, or lacks a key it needs:
+    the live view waits for the next one rather than failing)."""
     d = run.read_status()
-    return None if d is None else Status.from_dict(d, str(run.status_path))
+    try:
+        return None if d is None else Status.from_dict(d, str(run.status_path))
+    except CheckpointError as e:
+        log.warning("%s: ignored", e)
+        return None

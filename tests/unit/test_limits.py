@@ -13,7 +13,9 @@ PACKAGES = ("soma_edge", "coordinator", "worker", "export")
 MAX_CLASS, MAX_FUNCTION = 250, 80
 # Imported where used, so that a command or a process that never needs them never pays for them.
 # soma_edge.graph counts as onnx: it is the onnx graph builder, and the deploy path must run without onnx.
+# pydoc_data is an optional part of the standard library that only the stdlib corpus reads.
 HEAVY = {"torch", "onnx", "onnxruntime", "flwr", "matplotlib", "tensorboardX", "cryptography", "soma_edge.graph"}
+HEAVY |= {"pydoc_data"}
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 

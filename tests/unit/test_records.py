@@ -77,6 +77,19 @@ def test_read_state_and_read_lines_of_the_old_run():
     assert metrics.read_status(rd).to_dict() == rd.read_status()
 
 
+def test_the_readers_leave_out_a_damaged_line_or_status_instead_of_failing(tmp_path):
+    """A log is never a reason to fail: `soma-coord start` reads these every second while the run goes on."""
+    rd = RunDir(tmp_path / "run")
+    rd.root.mkdir()
+    good = _metrics_lines()
+    broken = json.loads(good[0])
+    del broken["expert"]
+    rd.metrics_path.write_text("".join(x + "\n" for x in [good[0], json.dumps(broken), *good[1:]]))
+    assert len(metrics.read_lines(rd)) == len(good)
+    rd.status_path.write_text(json.dumps({"round": 2}))  # no phase
+    assert metrics.read_status(rd) is None
+
+
 def test_a_round_line_without_next_round_ahead_reads_and_writes_back_without_it():
     d = json.loads(_metrics_lines()[2])
     del d["next_round_ahead"]
