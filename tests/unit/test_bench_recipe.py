@@ -6,10 +6,11 @@ import math
 
 import pytest
 
+from tests.helpers.corpus import write_stdlib_corpus
+
 pytest.importorskip("torch")
 
-from bench import recipe  # noqa: E402
-from tests.helpers.corpus import write_stdlib_corpus  # noqa: E402
+from bench import recipe  # noqa: E402 - after importorskip: the recipe bench imports torch
 
 
 def test_recipe_bench_tiny(tmp_path, capsys):

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from soma_edge import checkpoint, params
 from soma_edge.config import ModelConfig
@@ -142,9 +143,6 @@ def test_resume_refuses_optimizer_state_that_does_not_fit(tmp_path):
     checkpoint.save(ckpt, body, "expert")
     r = _cli_train(tmp_path, "--steps", "1", "--resume", str(ckpt))
     assert r.returncode == 2 and "NaN or infinity" in r.stderr and "Traceback" not in r.stderr
-
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["lstm", "soma"])

@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 
+from soma_edge import params
+from soma_edge.config import ModelConfig
+from soma_edge.runtime import LossEvaluator
+
 torch = pytest.importorskip("torch")
 
-from bench.torch_ref import TorchExpert, torch_loss  # noqa: E402
-from soma_edge import params  # noqa: E402
-from soma_edge.config import ModelConfig  # noqa: E402
-from soma_edge.runtime import LossEvaluator  # noqa: E402
+from bench.torch_ref import TorchExpert, torch_loss  # noqa: E402 - after importorskip: it imports torch
 
 SHAPES = [ModelConfig(embed=16, hidden=24, layers=1), ModelConfig(embed=8, hidden=20, layers=2)]
 SOMA = [
