@@ -93,6 +93,8 @@ class Fleet:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.grid, self.run, self.cfg, self.clock, self.sleep = grid, run, cfg, clock, sleep
+        # The ledger's RunState object itself (never replaced; strikes change in place): passing the Ledger
+        # instead would make fleet and ledger import each other (the ledger uses Node).
         self.state = state  # the run state: its run id and strikes
         self.biggest = biggest  # bytes of the largest message a node may get (a version and a piece of shards)
         self.status = status  # writes status.json (`Loop.status`)
