@@ -63,6 +63,11 @@ def start_cmd(
     local_workers: Optional[int] = typer.Option(
         None, "--local-workers", min=0, help="SuperNodes to start on this box."
     ),
+    device: Optional[str] = typer.Option(
+        None,
+        "--device",
+        help="Device of the --local-workers: auto, cpu, cuda[:i] or an ONNX Runtime EP (config key `device`).",
+    ),
     min_nodes: Optional[int] = typer.Option(
         None,
         "--min-nodes",
@@ -106,6 +111,7 @@ def start_cmd(
             "federation.rounds": rounds,
             "federation.round_seconds": round_seconds,
             "federation.local_workers": local_workers,
+            "device": device,
             "seed": seed,
             "federation.min_nodes": min_nodes,
             "federation.wait_seconds": wait_seconds,

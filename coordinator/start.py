@@ -42,7 +42,6 @@ class Options:
     port: int = 9092
     tls: launcher.TLS | None = None
     auth: bool = False  # only workers whose keys the run registered may join (needs tls)
-    worker_device: str = "cpu"
 
 
 def start(opts: Options) -> int:
@@ -68,7 +67,7 @@ def start(opts: Options) -> int:
         address = _launch_superlink(procs, run, opts)
         if opts.auth:
             _register_workers(run, address, opts.tls)
-        _launch_workers(procs, run, opts, address, keys, workers)
+        launch_workers(procs, run, opts, address, keys, workers, cfg.device)
         t_submit = time.time()
         run_id = launcher.submit(run.flwr_home, run.root, address, opts.tls)
         checkpoint.atomic_write(
@@ -174,10 +173,11 @@ def _register_workers(run: RunDir, address: str, tls: launcher.TLS | None) -> No
     )
 
 
-def _launch_workers(
-    procs: launcher.Launcher, run: RunDir, opts: Options, address: str, keys: dict[str, Path], n: int
+def launch_workers(
+    procs: launcher.Launcher, run: RunDir, opts: Options, address: str, keys: dict[str, Path], n: int, device: str
 ) -> None:
-    """Start the --local-workers SuperNodes w0..w{n-1}; they split this box's cores."""
+    """Start the --local-workers SuperNodes w0..w{n-1} on the config's `device`. On the CPU they split this
+    box's cores; on one GPU each holds its own session and the GPU interleaves their kernels."""
     threads = 0 if n == 1 else max(1, (os.cpu_count() or 1) // max(n, 1))
     for i in range(n):
         procs.worker(
@@ -185,14 +185,14 @@ def _launch_workers(
             address,
             run.root / "workers" / f"w{i}" / "cache",
             threads=threads,
-            device=opts.worker_device,
+            device=device,
             spin=n == 1,
             parallel=0 if n == 1 else 1,
             tls=opts.tls,
             auth_key=keys.get(f"w{i}"),
         )
     if n:
-        print(f"started {n} local worker(s), {threads} thread(s) each", flush=True)
+        print(f"started {n} local worker(s) on device {device}, {threads or 'auto'} thread(s) each", flush=True)
 
 
 def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) -> int:

@@ -1,0 +1,45 @@
+"""`soma-coord start --local-workers W --device D`: the local SuperNodes run on the config's device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator import runconfig, start
+from soma_edge.errors import ConfigError
+from soma_edge.rundir import RunDir
+
+
+class FakeLauncher:
+    """Records the workers `start` asks for instead of spawning them."""
+
+    def __init__(self) -> None:
+        self.workers: list[dict] = []
+
+    def worker(self, name: str, coordinator: str, cache: Path, threads: int, **kw) -> None:
+        self.workers.append({"name": name, "threads": threads, **kw})
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cpu", "auto"])
+def test_local_workers_run_on_the_device_the_command_line_gives(tmp_path: Path, device: str) -> None:
+    run = RunDir(tmp_path / "run")
+    cfg = runconfig.resolve_config(run, None, {"device": device, "federation.local_workers": 2})
+    procs = FakeLauncher()
+    start.launch_workers(procs, run, start.Options(run=run.root), "127.0.0.1:1", {}, 2, cfg.device)
+    assert [w["device"] for w in procs.workers] == [device, device]
+    assert [w["name"] for w in procs.workers] == ["w0", "w1"]
+
+
+def test_local_workers_take_the_configs_device(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('device = "cuda:0"\n')
+    cfg = runconfig.resolve_config(RunDir(tmp_path / "run"), conf, {})
+    assert cfg.device == "cuda:0"
+    # the command line wins over the file
+    assert runconfig.resolve_config(RunDir(tmp_path / "run"), conf, {"device": "cpu"}).device == "cpu"
+
+
+def test_an_unknown_device_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        runconfig.resolve_config(RunDir(tmp_path / "run"), None, {"device": "tpu9"})
