@@ -1,8 +1,9 @@
 """ONNX graph builders for one expert, with the ONNX `LSTM` op, for both model kinds (config.ModelConfig).
 
 Four heads over one body (the lstm kind's stacked LSTMs, or the soma kind's residual blocks):
-- "loss":     (x[B,T], y[B,T]) -> mean cross-entropy in nats/byte. Training feeds the weights as
-              graph inputs, so one ORT session evaluates every perturbed weight set.
+- "loss":     (x[B,T], y[B,T]) -> mean cross-entropy in nats/byte, as -mean(LogSoftmax(logits) at y).
+              Training feeds the weights as graph inputs, so one ORT session evaluates every perturbed
+              weight set.
 - "train":    "loss" plus the exact gradient of that loss with respect to the decoder alone (the
               decoder-path delta rule): with h the top layer's output rows and d = (softmax - onehot(y))
               / (B*T), grad.head.W = h^T d and grad.head.b = sum over rows of d; for the tied kind
@@ -11,8 +12,12 @@ Four heads over one body (the lstm kind's stacked LSTMs, or the soma kind's resi
 - "logprobs": x[B,T] -> log-probs [B,T,256] (scoring).
 - "stream":   (x[B,T], h*/c* [1,B,H] per layer) -> logits [B,T,256] and the new states (generation).
 With `weights=None` the weights are graph inputs; with a flat vector they become initializers (deploy).
+Every node of these four heads has a kernel in ONNX Runtime's CUDA EP (cuda_ops.py lists them, and
+tests/unit/test_cuda_ops.py checks it), so a GPU worker runs them whole on the GPU. (The int8 copies that
+export/bundle.py quantizes from "logprobs" and "stream" do not: see cuda_ops.py.)
 
-`router_features` builds the router's featurizer and distances as a graph, for deploy bundles.
+`router_features` builds the router's featurizer and distances as a graph, for deploy bundles. It runs on
+the CPU by design: its uint64 hashing uses BitShift and BitwiseOr, which the CUDA EP lacks.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
         nodes += [
             helper.make_node("Transpose", ["y"], ["y_tb"], perm=[1, 0]),
             helper.make_node("Reshape", ["y_tb", "flat1"], ["y_flat"]),
-            helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y_flat"], ["loss"], reduction="mean"),
         ]
+        nodes += _loss_nodes()
         initializers.append(numpy_helper.from_array(np.array([-1, H], dtype=np.int64), "rows_h"))
         initializers.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat1"))
         outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
@@ -167,6 +172,22 @@ def _head(m: ModelConfig, src: str) -> list[onnx.NodeProto]:
     return [
         helper.make_node("MatMul", [src, "head.W"], ["logits_mm"]),
         helper.make_node("Add", ["logits_mm", "head.b"], ["logits"]),
+    ]
+
+
+def _loss_nodes() -> list[onnx.NodeProto]:
+    """ "logits" [N, 256] and "y_flat" [N] -> "loss", the mean cross-entropy -mean_n log_softmax(logits)[n, y_n].
+
+    Spelled with LogSoftmax, GatherElements, ReduceMean and Neg rather than SoftmaxCrossEntropyLoss: the CUDA
+    EP of the inference wheel implements these, while its SoftmaxCrossEntropyLoss kernel is among ORT's training
+    ops, so that one node would run on the CPU and copy the logits to the host on every call (cuda_ops.py)."""
+    node = helper.make_node
+    return [
+        node("LogSoftmax", ["logits"], ["logp_rows"], axis=-1),
+        node("Unsqueeze", ["y_flat", "axis1"], ["y_col"]),  # [N] -> [N, 1], GatherElements' index shape
+        node("GatherElements", ["logp_rows", "y_col"], ["logp_y"], axis=1),
+        node("ReduceMean", ["logp_y"], ["mean_logp_y"], keepdims=0),  # no axes: over all N rows, to a scalar
+        node("Neg", ["mean_logp_y"], ["loss"]),
     ]
 
 
