@@ -11,7 +11,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@# A .venv made before the cpu/cuda extras holds onnxruntime-gpu: both packages own the module onnxruntime.
+	@! $(PY) -m pip show --quiet onnxruntime-gpu >/dev/null 2>&1 || $(PY) -m pip uninstall --quiet -y onnxruntime-gpu
+	$(PY) -m pip install --quiet -e '.[dev,cpu]'
 	@touch $(STAMP)
 
 test: setup

@@ -16,7 +16,7 @@ from coordinator.launcher import APP_DIR, CONNECTION, TLS
 from coordinator.prepare import prepare, print_summary
 from coordinator.progress import experts_table, summary
 from coordinator.progress import watch as watch_run
-from soma_edge import certs
+from soma_edge import certs, runtime
 from soma_edge.cli import console, entry, make_app
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError, SomaError
@@ -120,6 +120,8 @@ def start_cmd(
     }
     if superlink is not None and local_workers:
         raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
+    if superlink is None:
+        runtime.load_ort()  # its ServerApp audits and evaluates on ONNX Runtime: say what to install now
     tls = _tls(ssl_ca_certfile, ssl_certfile, ssl_keyfile, tls_dir)
     opts = start_mod.Options(
         run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls, auth=auth

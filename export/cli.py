@@ -18,6 +18,7 @@ from export.bundle import write
 from export.infer import Deployment, EvalReport, evaluate, generate
 from soma_edge.cli import entry, make_app
 from soma_edge.mixture import check_protocol
+from soma_edge.runtime import check_device
 
 app = make_app("soma-edge export: ONNX deploy bundles with routed top-k eval and generation.")
 
@@ -100,6 +101,7 @@ def eval_cmd(
 ) -> None:
     """Held-out nats/byte of the routed top-k mixture. The router never sees a byte it helps score."""
     check_protocol(protocol)  # before the bundle loads
+    check_device(device)  # sessions are made on first use: say now, in one line, if the device cannot run
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k, protocol)
     uniform = protocol == "paper" if uniform is None else uniform
@@ -190,6 +192,7 @@ def generate_cmd(
     threads: int = typer.Option(1, min=0, help="ORT intra-op threads per session (one byte at a time: 1 is best)."),
 ) -> None:
     """Stream sampled bytes to stdout with the streaming graphs, routing each window on the one before."""
+    check_device(device)  # before the prompt is echoed: sessions are made on first use
     dep = Deployment(deploy, device=device, threads=threads)
     k = _top_k(dep, top_k)
     text = prompt.encode("utf-8", "surrogateescape")  # argv bytes that are not UTF-8 come back as they were

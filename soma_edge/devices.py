@@ -3,12 +3,15 @@
 A config names its device as text; checking that text must not load onnxruntime (the config loads
 everywhere, onnxruntime only where something runs). `soma_edge.runtime` turns a parsed Device into
 ONNX Runtime's providers list, and resolves `auto` against the providers the installed build has.
+`gpus()` says which NVIDIA GPUs the driver reports, also without onnxruntime.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from soma_edge.errors import ConfigError
 
@@ -73,3 +76,49 @@ def parse(device: str) -> Device:
         f"unknown execution provider {device!r} (use auto, cpu, cuda, cuda:N, or one of: "
         f"{', '.join(EXECUTION_PROVIDERS)})"
     )
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """An NVIDIA GPU as its driver reports it; memory None where only /proc/driver/nvidia was readable."""
+
+    name: str
+    driver: str
+    memory_bytes: int | None
+
+
+def gpus() -> list[Gpu]:
+    """The NVIDIA GPUs here, in CUDA's order: nvidia-smi (no torch on workers), else /proc/driver/nvidia;
+    empty when there is no driver."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        out = []
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            name, driver, mib = (f.strip() for f in line.split(","))
+            out.append(Gpu(name, driver, int(mib) * (1 << 20)))
+        if out:
+            return out
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return proc_gpus()
+
+
+def proc_gpus(root: Path = Path("/proc/driver/nvidia")) -> list[Gpu]:
+    """The GPUs the driver lists under /proc (Linux), for a box without nvidia-smi."""
+    # /proc/driver/nvidia/version: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  ...";
+    # gpus/<bus id>/information: "Model: \t\t NVIDIA H200" among other lines.
+    try:
+        m = re.search(r"Kernel Module\s+(\S+)", (root / "version").read_text())
+        driver = m.group(1) if m else "?"
+        out = []
+        for info in sorted((root / "gpus").glob("*/information")):
+            model = re.search(r"^Model:\s*(.+)$", info.read_text(), re.M)
+            out.append(Gpu(model.group(1).strip() if model else "NVIDIA GPU", driver, None))
+        return out
+    except OSError:
+        return []

@@ -14,7 +14,8 @@ class ConfigError(SomaError):
 
 
 class DeviceError(SomaError):
-    """An execution provider or device that cannot be used."""
+    """An execution provider, device or ONNX Runtime install that cannot be used; the message names the missing
+    package, library or node, and what to install (soma_edge.runtime)."""
 
 
 class CorpusError(SomaError):

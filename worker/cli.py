@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import typer
 
-from soma_edge import checkpoint, corpus, devices, params, protocol
+from soma_edge import checkpoint, corpus, devices, params, protocol, runtime
 from soma_edge import config as config_mod
 from soma_edge.certs import check_private_key, fingerprint, make_worker_key, read_public_key
 from soma_edge.cli import entry, log_level, make_app
@@ -22,7 +22,7 @@ from soma_edge.procs import flower_env, free_port
 from soma_edge.protocol import weights_sha256
 from soma_edge.runtime import evaluator_for, mean_loss
 from soma_edge.spsa import OptState, State, plateau
-from worker import join
+from worker import doctor, join
 from worker.trainer import train as train_loop
 
 app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on ONNX Runtime.")
@@ -54,6 +54,7 @@ def train_cmd(
     if threads is not None:
         cfg.threads = threads
     config_mod.validate(cfg)
+    runtime.check_device(cfg.device)  # one error line now, not after the corpus loads
     if out is not None and (out.is_dir() or not out.parent.is_dir()):
         raise CheckpointError(f"--out {out}: must be a file path in an existing folder")
     state = _resume(resume, cfg) if resume else State(params.init(cfg.model, cfg.seed))
@@ -212,6 +213,7 @@ def _check_join(
         devices.parse(device)
     except ConfigError as e:
         raise ConfigError(f"--device: {e}") from None
+    runtime.check_device(device)  # here, not in the ClientApp of a SuperNode already connected
     if root_certificates is not None and not root_certificates.is_file():
         raise ConfigError(f"--root-certificates {root_certificates}: no such file")
     if auth_key is not None:
@@ -247,6 +249,16 @@ def _supernode_cmd(
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
     return cmd
+
+
+@app.command("doctor")
+def doctor_cmd(
+    device: str = typer.Option("auto", help="auto | cpu | cuda[:i] | an ORT execution provider: the one to check."),
+    seconds: float = typer.Option(doctor.STEP_SECONDS, min=0.05, help="How long the steps/s measurement runs."),
+) -> None:
+    """The first command on a new box: the onnxruntime build, GPUs, CUDA libraries, where each expert graph
+    runs, and steps/s for the demo expert; one line for anything missing, saying what to install."""
+    doctor.report(device, seconds)
 
 
 @app.command("keygen")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import time
 from typing import Any
 
@@ -31,17 +30,9 @@ def host_memory_bytes() -> int | None:
 
 
 def cuda_memory_bytes() -> int | None:
-    """Total memory of GPU 0 from nvidia-smi (no torch on workers), None when there is none."""
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return int(r.stdout.split()[0]) * (1 << 20) if r.returncode == 0 and r.stdout.strip() else None
-    except (OSError, ValueError, subprocess.SubprocessError, IndexError):
-        return None
+    """Total memory of GPU 0 (devices.gpus), None when there is none."""
+    found = devices.gpus()
+    return found[0].memory_bytes if found else None
 
 
 def make_evaluator(cfg: Config, device: str, threads: int, spin: bool, parallel: int = 0) -> LossEvaluator:

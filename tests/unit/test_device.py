@@ -1,0 +1,220 @@
+"""No silent fallback: a named device runs there or fails in one `error:` line (exit 2); only `auto` falls back
+to the CPU, saying so once; no onnxruntime means one line naming the package; `soma-worker doctor`.
+
+They run on boxes without a GPU: with onnxruntime-gpu lacking its CUDA libraries (the dev venv) and with the
+CPU wheel (CI). Each test that needs one of the two builds skips on the other, and those that need a box
+without a GPU skip on one that has one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+from export import bundle
+from soma_edge import config, devices, runtime
+from soma_edge.cli import run as run_cli
+from soma_edge.config import ModelConfig
+from soma_edge.devices import CPU, CUDA
+from soma_edge.errors import DeviceError
+from soma_edge.graph import build
+from tests.helpers.export_run import domains, make_run
+from worker import doctor
+from worker.cli import app as worker_app
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ModelConfig(embed=8, hidden=16, layers=1)
+GPU_BUILD = CUDA in ort.get_available_providers()
+no_gpu = pytest.mark.skipif(bool(devices.gpus()), reason="needs a box without an NVIDIA GPU")
+gpu_build = pytest.mark.skipif(not GPU_BUILD, reason="needs onnxruntime-gpu (this is the CPU wheel)")
+
+
+@pytest.fixture(scope="module")
+def deploy(tmp_path_factory) -> tuple[Path, Path]:
+    """The smallest real bundle (two tiny experts) and a held-out text file."""
+    base = tmp_path_factory.mktemp("device")
+    make_run(base / "run", TINY, 2, domains())
+    bundle.write(base / "run", base / "deploy")
+    data = base / "held-out.txt"
+    data.write_bytes(b"def held_out(x):\n    return x * 2  # a few hundred bytes of text\n" * 8)
+    return base / "deploy", data
+
+
+def _cli(module: str, *args: str, block_ort: bool = False) -> subprocess.CompletedProcess:
+    """A soma-edge CLI in a fresh process, so that every byte ONNX Runtime writes itself is captured too."""
+    pre = "import sys; sys.modules['onnxruntime'] = None; " if block_ort else ""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "COLUMNS": "160"}
+    return subprocess.run(
+        [sys.executable, "-c", f"{pre}from {module} import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stdout + r.stderr
+    assert "\x1b" not in lines[0]
+    return lines[0]
+
+
+def _commands(deploy: tuple[Path, Path], device: str) -> dict[str, tuple[str, ...]]:
+    d, data = str(deploy[0]), str(deploy[1])
+    return {
+        "train": ("worker.cli", "train", "--steps", "1", "--device", device),
+        "join": ("worker.cli", "join", "--coordinator", "127.0.0.1:9", "--patience", "1", "--device", device),
+        "eval": ("export.cli", "eval", d, "--data", data, "--device", device),
+        "generate": ("export.cli", "generate", d, "--prompt", "To be", "--bytes", "4", "--device", device),
+    }
+
+
+@no_gpu
+@pytest.mark.parametrize("command", ["train", "join", "eval", "generate"])
+def test_cuda_without_cuda_is_one_error_line(command, deploy):
+    module, *args = _commands(deploy, "cuda:0")[command]
+    line = _one_error_line(_cli(module, *args))
+    # It names what is missing and what to install: the CUDA wheels, the GPU build, or a driver.
+    assert "soma-edge[cuda]" in line or "NVIDIA driver" in line, line
+    assert "cuda:0" in line
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_no_onnxruntime_says_which_to_install(command, deploy):
+    module, *args = _commands(deploy, "auto")[command]
+    line = _one_error_line(_cli(module, *args, block_ort=True))
+    assert "onnxruntime is not installed" in line and "soma-edge[cpu]" in line and "soma-edge[cuda]" in line
+
+
+def test_load_ort_without_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now raises ImportError
+    with pytest.raises(DeviceError, match=r"pip install 'soma-edge\[cpu\]'.*'soma-edge\[cuda\]'"):
+        runtime.load_ort()
+    with pytest.raises(DeviceError, match="not installed"):
+        runtime.make_session(build(TINY, "loss"), "cpu")
+
+
+@no_gpu
+def test_auto_runs_on_the_cpu_and_says_so_once(deploy):
+    """Several sessions (one per expert) in one process: one plain line, and the eval runs on the CPU."""
+    d, data = deploy
+    r = _cli("export.cli", "eval", str(d), "--data", str(data), "--device", "auto", "--top-k", "2", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(said) <= 1 and all("runs on the CPU" in line and "\x1b" not in line for line in said), r.stderr
+    assert runtime.plan("auto").providers == [CPU]
+    assert runtime.LossEvaluator(TINY, "auto").providers == [CPU]
+
+
+@gpu_build
+@no_gpu
+def test_cuda_session_lists_only_cuda_and_refuses_the_cpu(monkeypatch):
+    """Pretend the CUDA libraries load: ORT, asked for the CUDA EP alone with CPU fallback disabled, must
+    refuse the graph (its CUDA EP cannot start here) instead of quietly running it on the CPU."""
+    monkeypatch.setattr(runtime, "cuda_libraries", lambda: runtime.CudaLibraries(None, None))
+    p = runtime.plan("cuda:1")
+    assert p.providers == [(CUDA, {"device_id": 1, "use_tf32": 0})] and p.strict
+    with pytest.raises(DeviceError, match="CUDAExecutionProvider did not start"):
+        runtime.make_session(build(TINY, "loss"), "cuda:0")
+
+
+@gpu_build
+@no_gpu
+def test_missing_cuda_library_is_named():
+    why = runtime.cuda_libraries().error
+    assert why is not None and ".so" in why and "soma-edge[cuda]" in why or "NVIDIA driver" in why, why
+    with pytest.raises(DeviceError, match=r"device 'cuda:0': .*\.so"):
+        runtime.check_device("cuda:0")
+
+
+def test_tf32_override_is_set_before_cuda_loads(monkeypatch):
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    runtime.cuda_libraries.cache_clear()
+    runtime.cuda_libraries()
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+
+
+def test_a_named_ep_lists_only_itself(monkeypatch):
+    real = ort.get_available_providers
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["OpenVINOExecutionProvider", *real()])
+    p = runtime.plan("openvino")
+    assert p.providers == ["OpenVINOExecutionProvider"] and p.strict
+    monkeypatch.setattr(ort, "get_available_providers", real)
+    with pytest.raises(DeviceError, match="has no OpenVINOExecutionProvider"):
+        runtime.plan("openvino")
+    assert runtime.plan("cpu").providers == [CPU]
+
+
+def test_strict_session_options():
+    so = runtime.session_options(1, strict=True)
+    assert so.get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
+    assert so.log_severity_level == runtime.ORT_SILENT
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # auto and cpu: no such entry
+        runtime.session_options(1).get_session_config_entry("session.disable_cpu_ep_fallback")
+
+
+def test_placement_report_names_the_ops_on_the_cpu():
+    # ORT's own "Node placements" lines (session_state.cc, VerifyEachNodeIsAssignedToAnEp), log prefix kept.
+    text = "\n".join(
+        [
+            "2026-01-01 [V:onnxruntime:, session_state.cc:1578 VerifyEachNodeIsAssignedToAnEp] Node placements",
+            "2026-01-01 [V:onnxruntime:, session_state.cc:1584 VerifyEachNodeIsAssignedToAnEp]  Node(s) placed on "
+            "[CUDAExecutionProvider]. Number of nodes: 9",
+            "2026-01-01 [V:onnxruntime:, session_state.cc:1587 VerifyEachNodeIsAssignedToAnEp]   LSTM (lstm0)",
+            "2026-01-01 [V:onnxruntime:, session_state.cc:1584 VerifyEachNodeIsAssignedToAnEp]  Node(s) placed on "
+            "[CPUExecutionProvider]. Number of nodes: 1",
+            "2026-01-01 [V:onnxruntime:, session_state.cc:1587 VerifyEachNodeIsAssignedToAnEp]   "
+            "SoftmaxCrossEntropyLoss (loss)",
+        ]
+    )
+    placed = runtime.parse_placement(text)
+    assert placed[CPU] == runtime.Placed(1, ["SoftmaxCrossEntropyLoss"])
+    assert placed[CUDA] == runtime.Placed(9, ["LSTM"])
+    real = runtime.placement(build(TINY, "train"), [CPU])  # the same report, from this ORT, on the CPU alone
+    assert list(real) == [CPU] and real[CPU].count > 0
+
+
+@no_gpu
+def test_doctor_on_a_cpu_box(capsys):
+    rc = run_cli(worker_app, ["doctor", "--seconds", "0.3"], prog="soma-worker")
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    lines = out.splitlines()
+    assert sum("runs on the CPU" in line for line in lines) == 1, out
+    assert any(line.startswith("onnxruntime: onnxruntime") and CPU in line for line in lines), out
+    assert any(line.startswith("gpu: none") for line in lines), out
+    for mode in doctor.GRAPHS:
+        assert any(line.startswith(f"graph {mode}: ") and f"nodes on {CPU}" in line for line in lines), out
+    (rate,) = [line for line in lines if "steps/s" in line]
+    assert float(rate.split(": ")[1].split()[0]) > 0 and rate.endswith(CPU), rate
+    assert "runs on the CPU" not in err and "\x1b" not in out + err
+
+
+def test_doctor_measures_the_demo_expert():
+    assert doctor.DEMO_MODEL == config.load(ROOT / "examples" / "demo.toml").model
+
+
+def test_one_install_line_for_each_kind_of_box():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("onnxruntime")]
+    extras = project["optional-dependencies"]
+    assert extras["cpu"] == ["onnxruntime==1.31.1"]
+    assert extras["cuda"] == ["onnxruntime-gpu[cuda,cudnn]==1.31.1"]
+    assert not [d for d in extras["dev"] if d.startswith("onnxruntime")]
+    assert "'.[dev,cpu]'" in (ROOT / "Makefile").read_text()
+
+
+def test_gpus_from_the_driver_files(tmp_path):
+    (tmp_path / "gpus" / "0000:01:00.0").mkdir(parents=True)
+    (tmp_path / "version").write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 2025\n")
+    (tmp_path / "gpus" / "0000:01:00.0" / "information").write_text("Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\n")
+    assert devices.proc_gpus(tmp_path) == [devices.Gpu("NVIDIA H200", "580.65.06", None)]
+    assert devices.proc_gpus(tmp_path / "absent") == []
