@@ -6,10 +6,11 @@ worker ended at, bit for bit, and its hash must be the one the worker claimed.
 
 The log also makes each step checkable. With `federation.audit_steps = s`, the coordinator picks s steps
 at random and recomputes their two losses per direction with forward passes of its own, at the weights
-the replay reached at that step, on the batch the step's key draws: a claimed scalar off by more than
-float noise refuses the reply. A delta-rule decoder's weights are not in the log step by step, so an
-audit rebuilds the decoder along the way with a clean forward per step (the delta rule is exact), and its
-final decoder must match the worker's within float noise.
+the replay reached at that step, on the batch the step's key draws: a claimed scalar further from the
+recomputed one than two honest devices can disagree (`g_tolerance`) refuses the reply. A delta-rule
+decoder's weights are not in the log step by step, so an audit rebuilds the decoder along the way with a
+clean forward per step (the delta rule is exact), and its final decoder must match the worker's within
+float noise.
 """
 
 from __future__ import annotations
@@ -19,10 +20,24 @@ import numpy as np
 from soma_edge import steps as expert_steps
 from soma_edge.config import Config
 from soma_edge.errors import ValidationError
+from soma_edge.numerics import DELTA, FLOAT32_STEP
 from soma_edge.spsa import State, Stepper, UpdateLog, mean_decoder_grad, schedule
 
-G_TOLERANCE = 1e-2  # |g - claimed| <= tol * (1 + |claimed|): a forward on another box differs by ~1e-6 in loss
-DECODER_TOLERANCE = 1e-3  # max |decoder - claimed| after a rebuilt round, in weight units
+# Max |decoder - claimed| after a rebuilt round, in weight units. It need not scale with ε: the decoder
+# learns from exact gradients of clean forwards, where ε never enters, and Adam's steps are bounded by its lr.
+DECODER_TOLERANCE = 1e-3
+
+
+def g_tolerance(lp: float, lm: float, eps: float, claimed: float) -> float:
+    """The largest |g - claimed| an honest worker can cause, for our losses lp, lm of one direction at ε.
+
+    A worker whose two losses are each within δ|L| of ours (`numerics.DELTA`, which as a difference of
+    float32 results already holds their rounding) moves g = (L+ - L-)/2ε by at most δ(|L+| + |L-|)/2ε: the
+    bound grows as ε falls, which a fixed tolerance on g cannot follow. The float slack on top: the claim
+    travels as float32 (half a FLOAT32_STEP of |claimed|, allowed a whole one), and both sides' float64
+    arithmetic rounds at 2^-53 of the losses, which a factor 1 + FLOAT32_STEP on the bound covers many times.
+    """
+    return DELTA * (1 + FLOAT32_STEP) * (abs(lp) + abs(lm)) / (2.0 * eps) + FLOAT32_STEP * abs(claimed)
 
 
 def rebuild(cfg: Config, base: State, log: UpdateLog, expert: int) -> State:
@@ -74,9 +89,10 @@ def _check_step(
     _, eps = schedule(stepper.cfg, state.step, state.opt.lr_scale)
     for j, want in enumerate(claimed):
         lp, lm, _ = stepper.direction(state.weights, objs[j // k].loss, state.step, j, body, eps)
-        got = (lp - lm) / (2.0 * eps)
-        if not abs(got - float(want)) <= G_TOLERANCE * (1 + abs(float(want))):
+        got, want = (lp - lm) / (2.0 * eps), float(want)
+        tol = g_tolerance(lp, lm, eps, want)
+        if not abs(got - want) <= tol:
             raise ValidationError(
                 f"expert {expert}: step {state.step} (log step {i}), direction {j}: the losses give "
-                f"{got:.6g}, the log claims {float(want):.6g}"
+                f"{got:.6g}, the log claims {want:.6g} (tolerance {tol:.3g} at eps {eps:.3g})"
             )

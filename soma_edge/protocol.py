@@ -254,7 +254,7 @@ class Capabilities(TypedDict, total=False):
     torch_importable: bool
     cache: Inventory
     numpy: str  # numpy's version: gaussian noise is bit-identical only across equal versions
-    evals_per_s: float  # measured forward (loss) evaluations per second at the run's batch shape
+    evals_per_s: float  # measured on whole SPSA steps of the run's config: steps/s x config.evals_per_step
     providers: list[str]
     device: str
     threads: int

@@ -1,6 +1,12 @@
-"""What a worker can do: providers, memory, and measured forward evaluations/s for the run's model shape.
+"""What a worker can do: providers, memory, and its measured throughput at the run's model and config.
 
-Measured once per (model shape, batch, device, threads, versions) and cached on disk, because the
+The throughput is timed on whole SPSA steps of the run's config, as the worker trains them (noise, the 2K
+probes' losses, the delta rule's clean forward, the update), not on bare losses: on a GPU the losses are
+cheap and the host's noise and update are not, so a bare loss overstates the step rate. It is reported in
+the unit the scheduler plans in and a worker's round reports: forward evaluations/s, each step counted
+as `config.evals_per_step` of them.
+
+Measured once per (model, SPSA config, batch, device, threads, versions) and cached on disk, because the
 ClientApp process that answers the capability query lives for one message only.
 """
 
@@ -17,7 +23,9 @@ import numpy as np
 from soma_edge import __version__, devices, params
 from soma_edge.config import Config
 from soma_edge.runtime import LossEvaluator, evaluator_for
+from soma_edge.spsa import State
 from worker.cache import Cache
+from worker.trainer import train
 
 PROBE_SECONDS = 1.5
 
@@ -48,6 +56,7 @@ def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> s
         "soma": __version__,
         "ort": onnxruntime.__version__,
         "model": cfg.to_dict()["model"],
+        "spsa": cfg.to_dict()["spsa"],  # K, accumulate, decoder, noise, density, update: a step's cost
         "batch": cfg.data.batch,
         "seq_len": cfg.data.seq_len,
         "device": device,
@@ -59,17 +68,13 @@ def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> s
 
 
 def measure(evaluator: LossEvaluator, cfg: Config, seconds: float = PROBE_SECONDS) -> float:
-    """Forward (loss) evaluations per second of `evaluator` at the run's batch shape."""
+    """Forward evaluations/s of `evaluator` as SPSA steps of `cfg` spend them: steps/s of the worker's own
+    training loop on a random byte stream, times the forward passes one step counts."""
     rng = np.random.default_rng(0)
-    w = params.init(cfg.model, 0)
-    x = rng.integers(0, 256, size=(cfg.data.batch, cfg.data.seq_len), dtype=np.int64)
-    y = rng.integers(0, 256, size=(cfg.data.batch, cfg.data.seq_len), dtype=np.int64)
-    evaluator.loss(w, x, y)  # warm-up: first run allocates
-    n, t0 = 0, time.perf_counter()
-    while n < 3 or time.perf_counter() - t0 < seconds:
-        evaluator.loss(w, x, y)
-        n += 1
-    return n / (time.perf_counter() - t0)
+    data = rng.integers(0, 256, size=max(1 << 16, 4 * cfg.data.batch * (cfg.data.seq_len + 1)), dtype=np.uint8)
+    state = State(params.init(cfg.model, 0))
+    train(state, data, cfg, evaluator, steps=1)  # warm-up: the first runs allocate
+    return train(state, data, cfg, evaluator, seconds=seconds).evals_per_s
 
 
 def capabilities(
