@@ -6,7 +6,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -103,9 +103,8 @@ def start_cmd(
     ),
 ) -> None:
     """Run or resume federated training: embedded SuperLink (+ local workers), or submit to --superlink."""
-    overrides = {
-        k: v
-        for k, v in {
+    overrides = _given(
+        {
             "federation.corpus": corpus,
             "federation.experts": experts,
             "federation.rounds": rounds,
@@ -115,9 +114,8 @@ def start_cmd(
             "seed": seed,
             "federation.min_nodes": min_nodes,
             "federation.wait_seconds": wait_seconds,
-        }.items()
-        if v is not None
-    }
+        }
+    )
     if superlink is not None and local_workers:
         raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
     if superlink is None:
@@ -127,6 +125,11 @@ def start_cmd(
         run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls, auth=auth
     )
     raise typer.Exit(start_mod.start(opts))
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    """The config overrides the user gave: options left at None keep the config's value."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _tls(ca: Path | None, cert: Path | None, key: Path | None, folder: Path | None) -> TLS | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib.metadata as metadata
 import io
 import logging
 import os
@@ -77,7 +78,6 @@ def load_ort():
 
 def ort_packages() -> list[str]:
     """The installed distributions that provide the module onnxruntime, with versions: one, or a broken mix."""
-    from importlib import metadata  # only here: package metadata, read once per report or error
 
     found = []
     for name in ORT_PACKAGES:

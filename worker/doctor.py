@@ -2,7 +2,8 @@
 
 It prints, one line each: the onnxruntime build and its execution providers; the GPUs, their driver and
 memory; whether the CUDA and cuDNN libraries load; the device the worker would run on; the EP each expert
-graph's nodes really run on (ORT's own placement report); and steps/s for the demo expert. On a CPU box one
+graph's nodes really run on (ORT's own placement report), and whether each has a kernel on the CUDA EP
+(a static check against its kernel list, soma_edge.cuda_ops); and steps/s for the demo expert. On a CPU box one
 line says that it runs on the CPU, and it exits 0. A named device that cannot run here ends the report with
 a DeviceError (the CLI's one `error:` line, exit 2).
 """
@@ -14,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from soma_edge import devices, params, runtime
+from soma_edge import cuda_ops, devices, params, runtime
 from soma_edge.config import Config, ModelConfig
 from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
@@ -94,7 +95,8 @@ def _placed(mode: str, plan: runtime.Plan) -> str:
     from soma_edge.graph import build  # graph imports onnx (heavy): only where a graph is built
 
     providers = plan.providers if CPU in plan.providers else plan.providers + [CPU]
-    placed = runtime.placement(build(DEMO_MODEL, mode), providers)
+    model = build(DEMO_MODEL, mode)
+    placed = runtime.placement(model, providers)
     if not placed:
         return "ONNX Runtime cannot place it (see the error below)"
     parts = [
@@ -104,7 +106,16 @@ def _placed(mode: str, plan: runtime.Plan) -> str:
     off = [ep for ep in placed if ep != plan.first]
     if off and plan.strict:
         parts.append(f"so device {plan.first} refuses it: those ops need a kernel on {plan.first}")
-    return "; ".join(parts)
+    return "; ".join(parts + [_cuda_kernels(model)])
+
+
+def _cuda_kernels(model) -> str:
+    """What the static check against the CUDA EP's kernel list says, on any box: a CPU box can tell a GPU
+    worker's graph would not run whole before anyone installs CUDA."""
+    missing = cuda_ops.nodes_without_cuda_kernel(model)
+    if not missing:
+        return f"every node has a CUDA kernel in onnxruntime-gpu {cuda_ops.ORT_VERSION}"
+    return "no CUDA kernel for " + ", ".join(f"{n.op} ({n.reason})" for n in missing)
 
 
 def _steps_per_s(cfg: Config, seconds: float) -> tuple[float, runtime.LossEvaluator]:
