@@ -30,7 +30,8 @@ What this says about soma-edge's graphs (tests/unit/test_cuda_ops.py checks each
 Limits of a static check: the doc lists each type constraint's types separately, while a few kernels are
 registered for some combinations only (OneHot: T1/T2/T3 = int64/int64/float, the combination soma-edge
 uses, is one of them); subgraphs (If, Loop) are not walked; and ORT may still place a covered node on the
-CPU (for example shape arithmetic it judges cheaper there).
+CPU where it judges that cheaper. The one known case, arithmetic on a Shape or Size output (host memory), is
+flagged (`HOST_OUTPUT_OPS`); bench/gpu_check.py reads the real placement on a GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ SOURCE = (
     "ONNX Runtime docs/OperatorKernels.md, CUDAExecutionProvider, ai.onnx "
     "(microsoft/onnxruntime commit 001d12d2623fd411ce0f83d05abb5e82304a3389), trimmed to soma-edge's ops"
 )
+
+
+# Ops whose CUDA kernels leave their output in host memory (OutputMemoryType CPU): ORT's CUDA EP hands the
+# small computations downstream of them to the CPU EP (GetCpuPreferredNodes), so a graph for a CUDA-only session
+# must not use them. Stricter than needed where the output only feeds a shape input, which no expert graph does.
+HOST_OUTPUT_OPS = frozenset({"Shape", "Size"})
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,11 @@ def _doc_type(elem_type: int) -> str:
 def _uncovered_reason(node: onnx.NodeProto, domain: str, opset: int, types: dict[str, str]) -> str | None:
     import onnx  # heavy, and only the checker needs it (see the imports above)
 
+    if domain == "" and node.op_type in HOST_OUTPUT_OPS:
+        return (
+            "its CUDA kernel writes its output to host memory, so ONNX Runtime runs the nodes computing on it "
+            "on the CPU (which a CUDA-only session refuses)"
+        )
     kernels = [k for k in CUDA_KERNELS if k.domain == domain and k.op == node.op_type]
     if not kernels:
         return "no CUDA kernel for this op"

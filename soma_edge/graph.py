@@ -199,8 +199,10 @@ def _decoder_grad_nodes(m: ModelConfig) -> list[onnx.NodeProto]:
         node("Softmax", ["logits"], ["probs"], axis=-1),
         node("OneHot", ["y_flat", "vocab", "onehot_values"], ["onehot"], axis=-1),
         node("Sub", ["probs", "onehot"], ["delta_sum"]),
-        node("Shape", ["y_flat"], ["n_rows_i"]),
-        node("Cast", ["n_rows_i"], ["n_rows"], to=TensorProto.FLOAT),
+        # The row count as the sum of the one-hot rows (exact in float32 below 2^24 rows), not Shape -> Cast:
+        # Shape's output lives in host memory, so ORT would run the Cast on the CPU, which a CUDA-only
+        # session refuses.
+        node("ReduceSum", ["onehot"], ["n_rows"], keepdims=0),
         node("Div", ["delta_sum", "n_rows"], ["delta"]),
     ]
     if m.kind == "soma":

@@ -128,6 +128,17 @@ def test_the_checker_reads_types_and_opset_ranges():
     assert bad.reason == "no CUDA kernel for this op"
 
 
+def test_shape_arithmetic_is_flagged():
+    """Shape's output lives in host memory, and ORT runs what computes on it on the CPU: the train graph once
+    counted its rows with Shape -> Cast, which a CUDA-only session would have refused."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])
+    n = helper.make_tensor_value_info("n", TensorProto.FLOAT, [2])
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["n"], to=TensorProto.FLOAT)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [n]), opset_imports=[helper.make_opsetid("", 17)])
+    (bad,) = cuda_ops.nodes_without_cuda_kernel(model)
+    assert bad.op == "Shape" and "host memory" in bad.reason
+
+
 def test_the_table_names_its_source_and_its_rows_do_not_overlap():
     assert "docs/OperatorKernels.md" in cuda_ops.SOURCE and "CUDAExecutionProvider" in cuda_ops.SOURCE
     assert cuda_ops.ORT_VERSION == "1.31.1"
