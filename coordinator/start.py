@@ -23,7 +23,7 @@ from typing import Any
 from coordinator import launcher, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
-from soma_edge import checkpoint, metrics
+from soma_edge import checkpoint, metrics, runtime
 from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import free_port
@@ -53,6 +53,9 @@ def start(opts: Options) -> int:
     run.root.mkdir(parents=True, exist_ok=True)
     if run.is_locked():
         raise RunLockedError(f"{run.root} is in use by a running coordinator (pid {run.lock_holder()}); stop it first")
+    wanted = runconfig.resolve_config(run, opts.config, opts.overrides or {})
+    if wanted.federation.local_workers:  # one error line before preparing, not W workers that each die on it
+        runtime.check_device(wanted.device)
     cfg = runconfig.configure(run, opts.config, opts.overrides or {})
     state = run.read_state()
     if state and state.round >= cfg.federation.rounds:

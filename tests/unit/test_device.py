@@ -74,11 +74,14 @@ def _commands(deploy: tuple[Path, Path], device: str) -> dict[str, tuple[str, ..
         "join": ("worker.cli", "join", "--coordinator", "127.0.0.1:9", "--patience", "1", "--device", device),
         "eval": ("export.cli", "eval", d, "--data", data, "--device", device),
         "generate": ("export.cli", "generate", d, "--prompt", "To be", "--bytes", "4", "--device", device),
+        # the local workers' device is checked before the run is prepared or any process starts
+        "start": ("coordinator.cli", "start", "--run", str(deploy[0].parent / "start"), "--local-workers", "1")
+        + ("--corpus", str(deploy[0].parent / "no-corpus"), "--device", device),
     }
 
 
 @no_gpu
-@pytest.mark.parametrize("command", ["train", "join", "eval", "generate"])
+@pytest.mark.parametrize("command", ["train", "join", "eval", "generate", "start"])
 def test_cuda_without_cuda_is_one_error_line(command, deploy):
     module, *args = _commands(deploy, "cuda:0")[command]
     line = _one_error_line(_cli(module, *args))
