@@ -1,0 +1,107 @@
+"""The population evaluator: one ORT call gives a step's clean forward and its 2K perturbed losses on one
+minibatch (the graph: soma_edge.population_graph), where runtime.LossEvaluator takes 2K + 1 calls.
+
+Also the bridge between the host's noise and the graph's noise inputs: `noise_feeds` cuts K flat
+directions (the Stepper's z over the flat vector) into the graph's per-tensor inputs, and `direction`
+materializes member j's dense z from them (the looped reference, and what an update sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from soma_edge.config import ModelConfig
+from soma_edge.params import Layout, layout
+from soma_edge.population_graph import Noise, NoiseInput, build_population, core_shape, noise_inputs
+from soma_edge.runtime import make_session
+
+
+class Population(NamedTuple):
+    """One population call: the clean loss, the clean decoder gradient (float32, flat[layout.body:]'s
+    length; None without decoder_grad), and the losses at w + eps z_j (lp) and w - eps z_j (lm), float[K]."""
+
+    loss: float
+    decoder_grad: np.ndarray | None
+    lp: np.ndarray
+    lm: np.ndarray
+
+
+@dataclass
+class PopulationEvaluator:
+    """One ORT session on the population graph of one expert shape, K, perturbed tensors and noise form."""
+
+    model: ModelConfig
+    k: int
+    perturbed: Sequence[str]
+    noise: Noise | str
+    seq_len: int
+    decoder_grad: bool = False
+    device: str = "auto"
+    threads: int = 0
+    spin: bool = True
+    layout: Layout = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.noise = Noise(self.noise)
+        self.perturbed = tuple(self.perturbed)
+        self.layout = layout(self.model)
+        graph = build_population(self.model, self.k, self.perturbed, self.noise, self.decoder_grad, self.seq_len)
+        self.session = make_session(graph, self.device, self.threads, self.spin)
+        self.providers: list[str] = self.session.get_providers()
+        self.inputs: list[NoiseInput] = noise_inputs(self.model, self.k, self.perturbed, self.noise)
+        self.outputs = ["losses"] + ([f"grad.{n}" for n in self.layout.decoder] if self.decoder_grad else [])
+
+    def _check(self, noise: dict[str, np.ndarray]) -> None:
+        if set(noise) != {i.name for i in self.inputs}:
+            raise ValueError(f"noise inputs {sorted(noise)}, expected {[i.name for i in self.inputs]}")
+        for i in self.inputs:
+            a = noise[i.name]
+            if a.dtype != i.dtype or a.shape != i.shape:
+                raise ValueError(f"{i.name}: {a.dtype}{list(a.shape)}, expected {np.dtype(i.dtype)}{list(i.shape)}")
+
+    def evaluate(
+        self, flat: np.ndarray, noise: dict[str, np.ndarray], eps: float, x: np.ndarray, y: np.ndarray
+    ) -> Population:
+        """Losses of the clean weights `flat` and of its 2K members on (x, y), int64 [B, seq_len]."""
+        self._check(noise)
+        feeds: dict[str, np.ndarray] = {"x": x, "y": y, "eps": np.array(eps, dtype=np.float32)}
+        feeds.update(self.layout.views(flat))
+        feeds.update(noise)
+        losses, *grads = self.session.run(self.outputs, feeds)
+        dec = np.concatenate([g.reshape(-1) for g in grads]) if grads else None
+        return Population(float(losses[0]), dec, losses[1::2].astype(np.float64), losses[2::2].astype(np.float64))
+
+
+def noise_feeds(lay: Layout, perturbed: Sequence[str], noise: Noise | str, z: np.ndarray) -> dict[str, np.ndarray]:
+    """The graph's full-rank noise inputs from K flat directions z [K, n] (n covering the perturbed tensors'
+    layout offsets: the Stepper's body): int8 signs for SIGNS (z in {-1, 0, +1}, exactly), float32 for
+    GAUSSIAN. Rank-1 noise is drawn as its factors, not cut from a flat z."""
+    noise = Noise(noise)
+    if noise is Noise.RANK1:
+        raise ValueError("rank-1 noise crosses as its factors a and b, not as a flat direction")
+    out = {}
+    for name in perturbed:
+        i = lay.names.index(name)
+        size = int(np.prod(lay.shapes[i]))
+        part = z[:, lay.offsets[i] : lay.offsets[i] + size].reshape(len(z), *lay.shapes[i])
+        out[f"z.{name}"] = part.astype(np.int8) if noise is Noise.SIGNS else part.astype(np.float32)
+    return out
+
+
+def direction(lay: Layout, noise: dict[str, np.ndarray], j: int) -> np.ndarray:
+    """Direction j of a population's noise inputs as a dense float32 vector over the whole layout (zero on
+    tensors not perturbed): z, or a b^T reshaped to the tensor's shape."""
+    z = np.zeros(lay.size, dtype=np.float32)
+    for name, shape, off in zip(lay.names, lay.shapes, lay.offsets):
+        size = int(np.prod(shape))
+        if f"z.{name}" in noise:
+            z[off : off + size] = noise[f"z.{name}"][j].reshape(-1)
+        elif f"a.{name}" in noise:
+            a, b = noise[f"a.{name}"][j].astype(np.float32), noise[f"b.{name}"][j].astype(np.float32)
+            if (len(a), len(b)) != core_shape(shape):
+                raise ValueError(f"a.{name}, b.{name}: lengths {len(a)}, {len(b)}, not {core_shape(shape)}")
+            z[off : off + size] = np.outer(a, b).reshape(-1)
+    return z

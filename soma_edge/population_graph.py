@@ -1,0 +1,321 @@
+"""The population graph: an expert's clean forward and its 2K perturbed members in ONE ONNX graph.
+
+SPSA evaluates, per step and minibatch, the clean weights w (member 0) and w + eps z_j, w - eps z_j
+(members 2j+1 and 2j+2, j < K). Evaluated one `session.run` each, that is 2K + 1 calls of a few tiny kernels,
+every weight fed from the host each time. Here the members sit on a leading axis P = 2K + 1 of every
+activation ([P, N, d], N = T*B rows in time-major order, as graph.py's rows), so one call evaluates them all.
+
+The recurrence is unrolled over the fixed T with MatMul, Sigmoid, Tanh, Mul, Add: no Loop or Scan (slow on
+the CUDA EP, refused by CUDA graph capture), and no ONNX `LSTM` op, whose weights are one tensor for the
+whole batch while members each have their own. It computes what graph.py's ONNX `LSTM` computes: gates
+x W^T + h R^T + Wb + Rb in the order i, o, f, c, c' = f c + i tanh(c~), h = o tanh(c'), zero initial states;
+the soma kind's LayerNormalization, exact-erf GELU MLP, residuals, final LN and tied head h E^T as graph.py.
+
+Each perturbed tensor's noise crosses in one of three forms (`Noise`), K members' worth per input:
+- SIGNS: `z.<name>` int8 [K, *shape] in {-1, 0, +1}, the host's keyed Rademacher (or sparse) noise at one
+  byte a weight, cast to float on the device. Member weights are formed as (z eps) + w and w - (z eps),
+  the Stepper's float32 arithmetic, so each member's weights equal the host's probe bit for bit.
+- GAUSSIAN: `z.<name>` float32 [K, *shape], formed the same way.
+- RANK1: a matrix (its shape without size-1 dims is (m, n)) takes `a.<name>` int8 [K, m] and `b.<name>`
+  int8 [K, n], z = a b^T. Its members share the base MatMul (all P*B rows through W) and each adds its
+  rank-1 term, ±eps (x . b) a^T where the op computes x W^T (LSTM, tied head), ±eps (x . a) b^T where it
+  computes x W. A vector (bias, gain) takes full `z.<name>` int8 signs, as under SIGNS.
+
+Outputs: `losses` float [P], each member's mean cross-entropy in nats/byte (graph.py's loss), and with
+`decoder_grad` the clean member's delta-rule decoder gradients `grad.<name>`, as graph.py's "train" mode.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from soma_edge.config import ModelConfig
+from soma_edge.graph import LN_EPS, OPSET
+from soma_edge.params import VOCAB, layout
+
+
+class Noise(str, enum.Enum):
+    """How a population's perturbations cross to the graph (the module docstring)."""
+
+    SIGNS = "signs"
+    GAUSSIAN = "gaussian"
+    RANK1 = "rank1"
+
+
+@dataclass(frozen=True)
+class NoiseInput:
+    """One noise input of a population graph: its name, numpy dtype and shape."""
+
+    name: str
+    dtype: type
+    shape: tuple[int, ...]
+
+
+def core_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape the ops use: the ONNX LSTM layout's leading 1 dropped (W [1, 4H, in] -> (4H, in))."""
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def is_matrix(shape: Sequence[int]) -> bool:
+    """Whether a tensor takes rank-1 noise: its shape without size-1 dims is (m, n)."""
+    return len([s for s in shape if s != 1]) == 2 and len(core_shape(shape)) == 2
+
+
+def noise_inputs(m: ModelConfig, k: int, perturbed: Sequence[str], noise: Noise | str) -> list[NoiseInput]:
+    """The noise inputs a population graph of `k` directions takes, in graph order."""
+    noise, lay = Noise(noise), layout(m)
+    out = []
+    for name in perturbed:
+        shape = lay.shapes[lay.names.index(name)]
+        if noise is Noise.RANK1 and is_matrix(shape):
+            rows, cols = core_shape(shape)
+            out += [NoiseInput(f"a.{name}", np.int8, (k, rows)), NoiseInput(f"b.{name}", np.int8, (k, cols))]
+        else:
+            out.append(NoiseInput(f"z.{name}", np.float32 if noise is Noise.GAUSSIAN else np.int8, (k, *shape)))
+    return out
+
+
+class _Graph:
+    """Nodes and constants under construction: `op` names each output; constants and repeated ops on
+    weights (a transpose inside the unrolled loop) are made once."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.p = 2 * k + 1  # members: the clean one, then + and - for each direction
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.memo: dict[tuple, str] = {}
+        self.count = 0
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        if out is None:
+            self.count += 1
+            out = f"{op_type.lower()}{self.count}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+    def once(self, op_type: str, *inputs: str, **attrs) -> str:
+        key = (op_type, inputs, tuple(sorted((k, str(v)) for k, v in attrs.items())))
+        if key not in self.memo:
+            self.memo[key] = self.op(op_type, *inputs, **attrs)
+        return self.memo[key]
+
+    def const(self, value: np.ndarray) -> str:
+        key = ("const", value.dtype.str, value.shape, value.tobytes())
+        if key not in self.memo:
+            name = f"c{len(self.inits)}"
+            self.inits.append(numpy_helper.from_array(value, name))
+            self.memo[key] = name
+        return self.memo[key]
+
+    def i64(self, values: Sequence[int] | int) -> str:
+        return self.const(np.array(values, dtype=np.int64))
+
+    def f32(self, value: float | np.ndarray) -> str:
+        return self.const(np.asarray(value, dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class _Weight:
+    """One weight tensor as the members see it. `base` is the shared tensor in its core shape; `members`,
+    where set, its per-member copies [P, *core] (full-rank noise); `a` and `b`, where set, the rank-1 factors
+    per member: a [P, m] carrying the member's ±eps (0 for the clean member), b [P, n]."""
+
+    base: str
+    members: str | None = None
+    a: str | None = None
+    b: str | None = None
+
+
+def _interleave(g: _Graph, plus: str, minus: str, core: tuple[int, ...], first: str) -> str:
+    """[K, *core] + and - halves -> [P, *core]: `first` [1, *core], then +_0, -_0, +_1, -_1, ..."""
+    pair = g.op("Concat", g.op("Unsqueeze", plus, g.i64([1])), g.op("Unsqueeze", minus, g.i64([1])), axis=1)
+    return g.op("Concat", first, g.op("Reshape", pair, g.i64([2 * g.k, *core])), axis=0)
+
+
+def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None) -> _Weight:
+    """The graph's view of weight input `name`: shared (noise None), full-rank members, or rank-1."""
+    core = core_shape(shape)
+    base = name if core == shape else g.op("Reshape", name, g.i64(list(core)))
+    if noise is None:
+        return _Weight(base)
+    if noise is Noise.RANK1 and is_matrix(shape):
+        ea = g.op("Mul", g.op("Cast", f"a.{name}", to=TensorProto.FLOAT), "eps")
+        b = g.op("Cast", f"b.{name}", to=TensorProto.FLOAT)
+        a_p = _interleave(g, ea, g.op("Neg", ea), core[:1], g.f32(np.zeros((1, core[0]))))
+        b_p = _interleave(g, b, b, core[1:], g.f32(np.zeros((1, core[1]))))
+        return _Weight(base, a=a_p, b=b_p)
+    z = f"z.{name}" if noise is Noise.GAUSSIAN else g.op("Cast", f"z.{name}", to=TensorProto.FLOAT)
+    # (z eps) + w and w - (z eps): the Stepper's probe arithmetic, so the members' weights are the host's bits
+    ez = g.op("Mul", g.op("Reshape", z, g.i64([g.k, *core])), "eps")
+    plus, minus = g.op("Add", base, ez), g.op("Sub", base, ez)
+    return _Weight(base, members=_interleave(g, plus, minus, core, g.op("Unsqueeze", base, g.i64([0]))))
+
+
+def _linear(g: _Graph, x: str, w: _Weight, transposed: bool) -> str:
+    """x [P, N, in] times a matrix: x W^T when `transposed` (W stored (out, in): the LSTM's W and R, the tied
+    head's E), else x W (W stored (in, out): MatMul operands) -> [P, N, out]."""
+    if w.members is not None:
+        return g.op("MatMul", x, g.once("Transpose", w.members, perm=[0, 2, 1]) if transposed else w.members)
+    y = g.op("MatMul", x, g.once("Transpose", w.base, perm=[1, 0]) if transposed else w.base)
+    if w.a is None:
+        return y
+    # W_p = W + (±eps a) b^T: x W_p^T = x W^T + (x . b)(±eps a)^T, and x W_p = x W + (x . ±eps a) b^T
+    inner, outer = (w.b, w.a) if transposed else (w.a, w.b)
+    proj = g.op("MatMul", x, g.once("Unsqueeze", inner, g.i64([2])))  # [P, N, 1]
+    return g.op("Add", y, g.op("MatMul", proj, g.once("Unsqueeze", outer, g.i64([1]))))
+
+
+def _vector(g: _Graph, w: _Weight) -> str:
+    """A vector weight, broadcastable against [P, N, n]: shared [n], or the members' [P, 1, n]."""
+    return w.base if w.members is None else g.once("Unsqueeze", w.members, g.i64([1]))
+
+
+def _embed(g: _Graph, ids: str, w: _Weight, width: int) -> str:
+    """Rows of the byte matrix w [256, width] at ids [T, B] -> [P, N, width]."""
+    if w.members is not None:
+        return g.op("Reshape", g.op("Gather", w.members, ids, axis=1), g.i64([0, -1, width]))
+    rows = g.op("Reshape", g.op("Gather", w.base, ids), g.i64([1, -1, width]))
+    if w.a is None:
+        return g.op("Expand", rows, g.i64([g.p, 1, 1]))
+    # (W + (±eps a) b^T)[x] = W[x] + (±eps a[x]) b^T
+    ax = g.op("Reshape", g.op("Gather", w.a, ids, axis=1), g.i64([0, -1, 1]))
+    return g.op("Add", rows, g.op("Mul", ax, g.once("Unsqueeze", w.b, g.i64([1]))))
+
+
+def _layer_norm(g: _Graph, x: str, gain: _Weight, width: int) -> str:
+    """graph.py's gain-only LayerNormalization over the last axis; per-member gains multiply a unit-gain LN
+    (LayerNormalization's scale is one vector for the whole input)."""
+    if gain.members is None:
+        return g.op("LayerNormalization", x, gain.base, axis=-1, epsilon=LN_EPS)
+    unit = g.op("LayerNormalization", x, g.f32(np.ones(width)), axis=-1, epsilon=LN_EPS)
+    return g.op("Mul", unit, _vector(g, gain))
+
+
+def _lstm(g: _Graph, x: str, W: _Weight, R: _Weight, B: _Weight | None, hidden: int, seq_len: int) -> str:
+    """One ONNX-semantics LSTM layer, unrolled: x [P, N, in] (rows in (t, b) order) -> h [P, N, hidden]."""
+    H = hidden
+    proj = _linear(g, x, W, transposed=True)  # every step's x W^T in one MatMul
+    if B is not None:  # ONNX B = [Wb, Rb]
+        wb = g.op("Slice", _vector(g, B), g.i64([0]), g.i64([4 * H]), g.i64([-1]))
+        rb = g.op("Slice", _vector(g, B), g.i64([4 * H]), g.i64([8 * H]), g.i64([-1]))
+        proj = g.op("Add", proj, g.op("Add", wb, rb))
+    steps = g.op("Reshape", proj, g.i64([0, seq_len, -1, 4 * H]))  # [P, T, B, 4H]
+    h = c = None
+    hs = []
+    for t in range(seq_len):
+        gates = g.op("Gather", steps, g.i64(t), axis=1)  # [P, B, 4H]
+        if h is not None:  # the zero initial state adds nothing at t = 0
+            gates = g.op("Add", gates, _linear(g, h, R, transposed=True))
+        i, o, f, cand = (g.op("Slice", gates, g.i64([j * H]), g.i64([(j + 1) * H]), g.i64([-1])) for j in range(4))
+        i, o, f, cand = g.op("Sigmoid", i), g.op("Sigmoid", o), g.op("Sigmoid", f), g.op("Tanh", cand)
+        ic = g.op("Mul", i, cand)
+        c = ic if c is None else g.op("Add", g.op("Mul", f, c), ic)
+        h = g.op("Mul", o, g.op("Tanh", c))
+        hs.append(h)
+    return g.op("Concat", *hs, axis=1) if len(hs) > 1 else hs[0]
+
+
+def _lstm_body(g: _Graph, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
+    h = _embed(g, "x_tb", w["embed"], m.embed)
+    for layer in range(m.layers):
+        p = f"lstm{layer}."
+        h = _lstm(g, h, w[p + "W"], w[p + "R"], w[p + "B"], m.hidden, seq_len)
+    return h
+
+
+def _soma_body(g: _Graph, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
+    """graph.py's pre-norm residual blocks r += LSTM(LN(r)); r += W2 gelu(LN(r) W1), then the final LN."""
+    d = m.hidden
+    r = _embed(g, "x_tb", w["E"], d)
+    for b in range(m.layers):
+        p = f"block{b}."
+        a = _layer_norm(g, r, w[p + "ln1.g"], d)
+        s = g.op("Add", r, _lstm(g, a, w[p + "lstm.W"], w[p + "lstm.R"], None, d, seq_len))
+        u = _linear(g, _layer_norm(g, s, w[p + "ln2.g"], d), w[p + "mlp.W1"], transposed=False)
+        # exact GELU, 0.5 u (1 + erf(u / sqrt 2)), spelled as graph.py spells it
+        ue = g.op("Erf", g.op("Div", u, g.f32(np.sqrt(2.0))))
+        gelu = g.op("Mul", g.op("Mul", u, g.op("Add", ue, g.f32(1.0))), g.f32(0.5))
+        r = g.op("Add", s, _linear(g, gelu, w[p + "mlp.W2"], transposed=False))
+    return _layer_norm(g, r, w["ln_f.g"], d)
+
+
+def _head(g: _Graph, m: ModelConfig, w: dict[str, _Weight], rows: str) -> str:
+    """rows [P, N, H] -> logits [P, N, 256]: the tied h E^T, or h head.W + head.b."""
+    if m.kind == "soma":
+        return _linear(g, rows, w["E"], transposed=True)
+    return g.op("Add", _linear(g, rows, w["head.W"], transposed=False), _vector(g, w["head.b"]))
+
+
+def _losses(g: _Graph, logits: str) -> str:
+    """Each member's -mean log_softmax(logits)[n, y_n] -> "losses" [P], with graph.py's ops."""
+    y_col = g.op("Expand", g.op("Reshape", "y_tb", g.i64([1, -1, 1])), g.i64([g.p, 1, 1]))  # [P, N, 1]
+    logp = g.op("LogSoftmax", logits, axis=-1)
+    logp_y = g.op("GatherElements", logp, y_col, axis=2)
+    return g.op("Neg", g.op("ReduceMean", logp_y, axes=[1, 2], keepdims=0), out="losses")
+
+
+def _decoder_grads(g: _Graph, m: ModelConfig, logits: str, rows: str) -> None:
+    """The clean member's delta-rule decoder gradients `grad.<name>`, graph.py's "train" nodes on member 0."""
+    logits0, rows0 = g.op("Gather", logits, g.i64(0), axis=0), g.op("Gather", rows, g.i64(0), axis=0)
+    y_flat = g.op("Reshape", "y_tb", g.i64([-1]))
+    onehot = g.op("OneHot", y_flat, g.i64(VOCAB), g.f32([0.0, 1.0]), axis=-1)
+    delta_sum = g.op("Sub", g.op("Softmax", logits0, axis=-1), onehot)
+    # the row count as the sum of the one-hot rows (Shape's output would live in host memory: graph.py)
+    delta = g.op("Div", delta_sum, g.op("ReduceSum", onehot, keepdims=0))
+    if m.kind == "soma":
+        g.op("MatMul", g.op("Transpose", delta, perm=[1, 0]), rows0, out="grad.E")
+        return
+    g.op("MatMul", g.op("Transpose", rows0, perm=[1, 0]), delta, out="grad.head.W")
+    g.op("ReduceSum", delta, g.i64([0]), keepdims=0, out="grad.head.b")
+
+
+def build_population(
+    m: ModelConfig, k: int, perturbed: Sequence[str], noise: Noise | str, decoder_grad: bool, seq_len: int
+) -> onnx.ModelProto:
+    """The population graph of `k` directions over the tensors `perturbed`, for batches x, y int64 [B, seq_len]
+    (the module docstring). Inputs: x, y, every weight by its layout name, `eps` float32 [], the noise."""
+    noise, lay = Noise(noise), layout(m)
+    unknown = sorted(set(perturbed) - set(lay.names))
+    if k < 1 or seq_len < 1 or not perturbed or unknown or len(set(perturbed)) != len(perturbed):
+        raise ValueError(f"need k >= 1, seq_len >= 1 and distinct layout tensors to perturb (unknown: {unknown})")
+    g = _Graph(k)
+    weights = {
+        n: _weight(g, n, s, noise if n in perturbed else None) for n, s in zip(lay.names, lay.shapes)
+    }  # in layout order, so the graph's nodes do not depend on the order of `perturbed`
+    g.op("Transpose", "x", perm=[1, 0], out="x_tb")  # time-major rows, as graph.py's
+    g.op("Transpose", "y", perm=[1, 0], out="y_tb")
+    body = _soma_body if m.kind == "soma" else _lstm_body
+    rows = body(g, m, weights, seq_len)
+    logits = _head(g, m, weights, rows)
+    _losses(g, logits)
+    outputs = [helper.make_tensor_value_info("losses", TensorProto.FLOAT, [g.p])]
+    if decoder_grad:
+        _decoder_grads(g, m, logits, rows)
+        outputs += [
+            helper.make_tensor_value_info(f"grad.{n}", TensorProto.FLOAT, list(lay.shapes[lay.names.index(n)]))
+            for n in lay.decoder
+        ]
+    ordered = [n for n in lay.names if n in perturbed]
+    inputs = [helper.make_tensor_value_info(v, TensorProto.INT64, ["B", seq_len]) for v in ("x", "y")]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(lay.names, lay.shapes)]
+    inputs.append(helper.make_tensor_value_info("eps", TensorProto.FLOAT, []))
+    inputs += [
+        helper.make_tensor_value_info(i.name, helper.np_dtype_to_tensor_dtype(np.dtype(i.dtype)), list(i.shape))
+        for i in noise_inputs(m, k, ordered, noise)
+    ]
+    graph = helper.make_graph(g.nodes, "soma_expert_population", inputs, outputs, g.inits)
+    graph.doc_string = f"soma-edge population: kind {m.kind!r}, K = {k}, noise {noise.value!r}, T = {seq_len}"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="soma-edge")
+    model.ir_version = 8  # as graph.py's
+    onnx.checker.check_model(model)
+    return model
