@@ -23,6 +23,14 @@ class ReplyPolicy(StrEnum):
     AUTO = "auto"  # the log, with the weights as well every `weights_every` rounds
 
 
+class Noise(StrEnum):
+    """`spsa.noise`: how a probe direction is drawn from its key (soma_edge.spsa)."""
+
+    RADEMACHER = "rademacher"
+    GAUSSIAN = "gaussian"
+    RANK1 = "rank1"  # each weight matrix a·bᵀ of two Rademacher vectors, vectors full Rademacher; density 1 only
+
+
 @dataclass
 class ModelConfig:
     """One expert, of one of two kinds.
@@ -56,7 +64,7 @@ class SPSAConfig:
     lr_min_frac: float = 0.1  # cosine decays to lr * lr_min_frac
     warmup_steps: int = 20
     total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup (the plateau rule decays it)
-    noise: str = "rademacher"  # or "gaussian"
+    noise: Noise = Noise.RADEMACHER  # rademacher | gaussian | rank1 (needs density = 1)
     density: float = 0.5  # share of ordinary weights a probe touches (sparse probes); norm gains stay dense
     update: str = "adam"  # body update from the estimate: rms (unit-RMS step) | adam | sgd
     momentum: float = 0.0  # heavy-ball momentum for update = rms | sgd
@@ -179,7 +187,14 @@ def _coerce(path: str, value: Any, typ: type) -> Any:
     return value
 
 
-_VALUE_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool, "ReplyPolicy": ReplyPolicy}
+_VALUE_TYPES: dict[str, type] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "ReplyPolicy": ReplyPolicy,
+    "Noise": Noise,
+}
 
 
 def _fill(obj: Any, values: dict[str, Any], prefix: str) -> None:
@@ -243,6 +258,7 @@ SEED_DECODERS = ("frozen", "delta")
 
 
 REPLIES = tuple(p.value for p in ReplyPolicy)
+NOISES = tuple(n.value for n in Noise)
 
 
 def _check_finite(obj: Any, prefix: str) -> None:
@@ -295,9 +311,14 @@ def _check_spsa(s: SPSAConfig) -> None:
     _check(0 <= s.lr_min_frac <= 1, "spsa.lr_min_frac", "between 0 and 1", s.lr_min_frac)
     _check(s.warmup_steps >= 0, "spsa.warmup_steps", ">= 0", s.warmup_steps)
     _check(s.total_steps >= 0, "spsa.total_steps", ">= 0", s.total_steps)
-    _check(s.noise in ("rademacher", "gaussian"), "spsa.noise", "'rademacher' or 'gaussian'", s.noise)
+    _check(s.noise in NOISES, "spsa.noise", " | ".join(map(repr, NOISES)), s.noise)
+    s.noise = Noise(s.noise)  # a config built in code may hold the bare string
     _check(0 <= s.momentum < 1, "spsa.momentum", ">= 0 and < 1", s.momentum)
     _check(0 < s.density <= 1, "spsa.density", "> 0 and <= 1", s.density)
+    if s.noise == Noise.RANK1 and s.density != 1:
+        # A rank-1 probe's entries are products a_i b_j of its two vectors' signs: a mask would break the
+        # a·bᵀ structure that lets the population graph share one base matmul (and make E[z zᵀ] != I).
+        raise ConfigError(f"spsa.noise = 'rank1' needs spsa.density = 1.0 (rank-1 probes are dense), got {s.density!r}")
     _check(s.update in UPDATES, "spsa.update", " | ".join(map(repr, UPDATES)), s.update)
     _check(0 <= s.beta1 < 1, "spsa.beta1", ">= 0 and < 1", s.beta1)
     _check(0 <= s.beta2 < 1, "spsa.beta2", ">= 0 and < 1", s.beta2)

@@ -2,7 +2,8 @@
 
 One step at weights w, for each of A minibatches (`accumulate`) and each of its K directions:
 z comes from a counter-based RNG keyed by (seed, expert, step, a*K + k), optionally sparsified by a mask
-from the same key; g = (L(w+εz) - L(w-εz)) / 2ε; the estimate is ĝ = (1/AK) Σ g z over the body only.
+from the same key, or (`noise = "rank1"`) built as a·bᵀ per weight matrix from m + n of the key's signs;
+g = (L(w+εz) - L(w-εz)) / 2ε; the estimate is ĝ = (1/AK) Σ g z over the body only.
 With `decoder = "delta"`, one clean forward per minibatch at w gives the step's clean loss and the exact
 gradient of the loss with respect to the decoder (hidden states held fixed), which takes its own Adam
 step. The body's estimate goes through the configured update: unit-RMS, Adam, or plain SGD, with optional
@@ -52,6 +53,85 @@ def noise(seed: int, expert: int, step: int, k: int, n: int, kind: str = "radema
     if kind == "gaussian":
         return np.random.Generator(bitgen).standard_normal(n, dtype=np.float32)
     raise ValueError(f"unknown noise kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Rank1:
+    """A weight matrix's rank-1 probe z = a·bᵀ: its two float32 ±1 factors, a [m] and b [n]."""
+
+    a: np.ndarray
+    b: np.ndarray
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
+    """(m, n) when a tensor of this layout shape is a matrix for rank-1 probes (its shape without size-1
+    dims is 2-D with both sides > 1: LSTM W [1, 4H, in] is (4H, in)); None for a vector (biases, gains)."""
+    dims = tuple(int(d) for d in shape if d != 1)
+    return (dims[0], dims[1]) if len(dims) == 2 else None
+
+
+def rank1_signs(shapes: Sequence[Sequence[int]]) -> int:
+    """Signs one rank-1 direction draws: m + n per matrix, every entry of each vector."""
+    out = 0
+    for shape in shapes:
+        mn = matrix_shape(shape)
+        out += sum(mn) if mn else int(np.prod(shape, dtype=np.int64))
+    return out
+
+
+def rank1_factors(
+    seed: int, expert: int, step: int, k: int, shapes: Sequence[Sequence[int]]
+) -> list[Rank1 | np.ndarray]:
+    """The rank-1 direction (seed, expert, step, k) over tensors of `shapes` (layout order): Rank1(a, b) for a
+    matrix, float32 ±1 signs of its size for a vector. They are the first `rank1_signs(shapes)` signs of the
+    key's Rademacher stream (`noise`'s domain and bits), taken in layout order, a before b."""
+    signs = noise(seed, expert, step, k, rank1_signs(shapes))
+    out: list[Rank1 | np.ndarray] = []
+    at = 0
+    for shape in shapes:
+        mn = matrix_shape(shape)
+        if mn:
+            m, n = mn
+            out.append(Rank1(signs[at : at + m], signs[at + m : at + m + n]))
+            at += m + n
+        else:
+            size = int(np.prod(shape, dtype=np.int64))
+            out.append(signs[at : at + size])
+            at += size
+    return out
+
+
+def rank1_probe(
+    seed: int, expert: int, step: int, k: int, shapes: Sequence[Sequence[int]], out: np.ndarray | None = None
+) -> np.ndarray:
+    """The rank-1 direction materialized: float32[sum of sizes], each matrix's outer(a, b) in its tensor's
+    C order, each vector's signs. Every entry is ±1 exactly (a product of two ±1 floats)."""
+    total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
+    z = np.empty(total, dtype=np.float32) if out is None else out
+    at = 0
+    for f in rank1_factors(seed, expert, step, k, shapes):
+        if isinstance(f, Rank1):
+            size = f.a.size * f.b.size
+            np.multiply(f.a[:, None], f.b[None, :], out=z[at : at + size].reshape(f.a.size, f.b.size))
+        else:
+            size = f.size
+            z[at : at + size] = f
+        at += size
+    return z
+
+
+def body_shapes(shapes: Sequence[Sequence[int]], n: int) -> tuple[tuple[int, ...], ...]:
+    """The leading tensors of a layout's `shapes` that make up its first n weights (ValueError if n is not
+    at a tensor boundary): what a rank-1 probe of a body of n weights covers."""
+    out, at = [], 0
+    for shape in shapes:
+        if at == n:
+            break
+        out.append(tuple(int(d) for d in shape))
+        at += int(np.prod(shape, dtype=np.int64))
+    if at != n:
+        raise ValueError(f"{n} weights do not end at a tensor boundary of the layout (the tensors give {at})")
+    return tuple(out)
 
 
 def probe_mask(seed: int, expert: int, step: int, k: int, n: int, density: float) -> np.ndarray:
@@ -305,7 +385,8 @@ class Stepper:
     `body` is how many leading weights SPSA perturbs (the layout's body); the rest is the decoder, which
     the delta rule updates, SPSA perturbs as well (`decoder = "spsa"`), or nobody touches ("frozen").
     0 means the whole vector is body (no decoder). `dense` marks body weights that sparse probes always
-    touch (norm gains).
+    touch (norm gains). `shapes` is the layout's tensor shapes in order (`params.Layout.shapes`), which
+    rank-1 probes (`noise = "rank1"`) need to tell matrices from vectors.
 
     Work runs on `parallel + 1` threads with at most `parallel` loss evaluations at once (ORT releases
     the GIL): the spare thread draws the next direction's noise and builds its probe while the others
@@ -320,8 +401,11 @@ class Stepper:
     parallel: int = 1
     body: int = 0
     dense: np.ndarray | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.cfg.noise == "rank1" and (not self.shapes or self.cfg.density != 1):
+            raise ValueError("rank-1 probes need the layout's tensor shapes and spsa.density = 1.0")
         self._pool = ThreadPoolExecutor(self.parallel + 1, thread_name_prefix="spsa")
         self._gate = threading.BoundedSemaphore(self.parallel)
         self._buffers = threading.local()
@@ -334,6 +418,9 @@ class Stepper:
         return body, self.cfg.decoder == "delta" and body < n
 
     def _z(self, step: int, j: int, n: int) -> np.ndarray:
+        if self.cfg.noise == "rank1":
+            # Materialized, so the update (acc += g z in index order) and its replay are the full-rank code.
+            return rank1_probe(self.seed, self.expert, step, j, body_shapes(self.shapes, n))
         z = noise(self.seed, self.expert, step, j, n, self.cfg.noise)
         if self.cfg.density < 1:
             keep = probe_mask(self.seed, self.expert, step, j, n, self.cfg.density)
@@ -507,6 +594,7 @@ def replay(
     expert: int,
     body: int = 0,
     dense: np.ndarray | None = None,
+    shapes: tuple[tuple[int, ...], ...] = (),
 ) -> State:
     """The state after `log`'s steps from `state` (which is left as it was): the same float32 arithmetic
     in the same order as training, so the weights and optimizer state match the worker's bit for bit.
@@ -536,7 +624,7 @@ def replay(
         raise ValueError("the decoder's Adam second moment is negative")
     out = State(state.weights.copy(), step=state.step, opt=state.opt.copy())
     out.opt.lr_scale = float(log.lr_scale)
-    stepper = Stepper(cfg, seed=seed, expert=expert, parallel=1, body=body, dense=dense)
+    stepper = Stepper(cfg, seed=seed, expert=expert, parallel=1, body=body, dense=dense, shapes=shapes)
     try:
         for g in log.grads:
             stepper.replay(out, g, body_only=delta)

@@ -1,6 +1,7 @@
 """An expert's SPSA steps as a run's config defines them, shared by whoever takes or retakes them: the
 worker's training loop, the coordinator's replay and audit of update logs, and a worker rebuilding a
-version from a downstream log. Each must use the same stepper (the layout's body and dense gains) and
+version from a downstream log. Each must use the same stepper (the layout's body, dense gains and tensor
+shapes, which rank-1 probes split into matrices and vectors) and
 the same minibatches (drawn from the step's key), or the bits would differ.
 """
 
@@ -17,7 +18,9 @@ from soma_edge.spsa import replay as replay_log
 
 def stepper(cfg: Config, expert: int, parallel: int = 1) -> Stepper:
     lay = layout(cfg.model)
-    return Stepper(cfg.spsa, seed=cfg.seed, expert=expert, parallel=parallel, body=lay.body, dense=lay.dense())
+    return Stepper(
+        cfg.spsa, seed=cfg.seed, expert=expert, parallel=parallel, body=lay.body, dense=lay.dense(), shapes=lay.shapes
+    )
 
 
 def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int) -> list[Objective]:
@@ -34,7 +37,9 @@ def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int)
 def replay(cfg: Config, state: State, log: UpdateLog, expert: int) -> State:
     """`soma_edge.spsa.replay` of expert `expert`'s log under the run's config (ValueError if it does not fit)."""
     lay = layout(cfg.model)
-    return replay_log(cfg.spsa, state, log, seed=cfg.seed, expert=expert, body=lay.body, dense=lay.dense())
+    return replay_log(
+        cfg.spsa, state, log, seed=cfg.seed, expert=expert, body=lay.body, dense=lay.dense(), shapes=lay.shapes
+    )
 
 
 def log_body(cfg: Config) -> int:

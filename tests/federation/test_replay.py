@@ -39,6 +39,8 @@ VARIANTS = {  # every noise kind and optimizer option the trainer has
     "gaussian-adam-accumulate-delta": {"noise": "gaussian", "accumulate": 2, "total_steps": 150},
     "rms-delta-tied-eps": {"update": "rms", "tie_eps_to_lr": True, "plateau": False},
     "soma-kind-adam-delta": {"model": {"kind": "soma", "embed": 8, "hidden": 8}},
+    "rank1-rms-spsa-decoder": {"noise": "rank1", "density": 1.0, "update": "rms", "decoder": "spsa"},
+    "rank1-soma-adam-delta": {"noise": "rank1", "density": 1.0, "model": {"kind": "soma", "embed": 8, "hidden": 8}},
 }
 
 
@@ -72,7 +74,9 @@ for name, job in jobs.items():
     lay = params.layout(cfg.model)
     base = spsa.State(job["weights"], step=job["step"], opt=spsa.OptState.from_record(job["opt"], job["weights"].size))
     log = spsa.UpdateLog.from_record(job["log"])
-    got = spsa.replay(cfg.spsa, base, log, seed=cfg.seed, expert=job["expert"], body=lay.body, dense=lay.dense())
+    got = spsa.replay(
+        cfg.spsa, base, log, seed=cfg.seed, expert=job["expert"], body=lay.body, dense=lay.dense(), shapes=lay.shapes
+    )
     out[name] = {"weights": got.weights, "opt": got.opt.to_record(), "step": got.step}
 checkpoint.save(sys.argv[2], out, "replay_results")
 """

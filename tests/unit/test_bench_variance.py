@@ -30,6 +30,8 @@ def test_variance_bench_tiny_json(kind):
             "1,2",
             "--kind",
             kind,
+            "--noise",
+            "rademacher,rank1",
             "--json",
         ],
         capture_output=True,
@@ -40,13 +42,16 @@ def test_variance_bench_tiny_json(kind):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     rows = out["rows"]
-    assert {(row["N"], row["K"]) for row in rows} == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert sorted((row["noise"], row["N"], row["K"]) for row in rows) == [
+        (noise, n, k) for noise in ("rademacher", "rank1") for n in (1, 2) for k in (1, 4)
+    ]
     for row in rows:
         for key in ("shared", "separable", "theory_shared", "theory_separable"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
         assert -1 <= row["cos_shared"] <= 1 and -1 <= row["cos_separable"] <= 1
         assert row["M"] == row["N"] * row["expert_params"]
         assert abs(row["M"] - 12000) / 12000 < 0.15  # M (for soma: the body SPSA perturbs) held fixed
+        assert row["theory_shared"] == (row["M"] - 1) / row["K"]  # rank-1 has Rademacher's second moment
     assert out["kind"] == kind
     for row in rows:
         if row["N"] == 1:
