@@ -219,6 +219,12 @@ def test_a_worker_with_stay_serves_the_next_run(tmp_path):
         )
 
     first, second = start("run1"), None
+    # The worker joins once run 1's SuperLink listens: on a loaded box `start` (prepare, then the SuperLink)
+    # took longer than the worker's 3 s --patience for a first connection, and the worker gave up.
+    listening = f"SuperLink listening on 127.0.0.1:{port}"
+    assert _wait_for(lambda: listening in (tmp_path / "run1.log").read_text(errors="replace"), START_TIMEOUT), (
+        tmp_path / "run1.log"
+    ).read_text(errors="replace")[-3000:]
     worker = subprocess.Popen(
         [
             sys.executable,
