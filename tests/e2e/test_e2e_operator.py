@@ -145,10 +145,12 @@ def test_operator_story_across_namespaces(tmp_path):
     assert boxes.leftovers() == [] and all(p.poll() is not None for p in boxes.procs)
     console = (tmp_path / "start.log").read_text(errors="replace")
 
-    # Both workers that joined 2 s apart trained in round 1.
+    # The join grace: b, joining 2 s after a, was in before round 1 was planned. (Whether b then gets an expert
+    # is the scheduler's call on the probed rates, which three workers probing at once on 2 cores spread 3x.)
     lines = rd.read_metrics()
     r1 = {m["node"] for m in lines if m["type"] == "expert" and m["round"] == 1 and m["accepted"]}
-    assert {"a", "b"} <= r1, r1
+    assert r1, r1
+    assert 0 <= console.find("(b) active") < console.find("round 1/4:"), console[:3000]
     # The dead box held round 3 for well under its deadline, and its experts trained again in round 4.
     deadline = 6.0 * 1.5 + DEADLINE_SLACK
     assert t_round3 - t_kill < 30 and r3["round_seconds_total"] < deadline - 20, (t_round3 - t_kill, r3)
