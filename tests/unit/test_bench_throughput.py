@@ -1,0 +1,76 @@
+"""bench/spsa_throughput.py runs end to end at a tiny shape: its table has the loop, population and rank-1
+rows per size, its --json last line names auto's CPU evaluator per size with its ratio to torch eager, it
+runs without torch (no torch row, a null ratio), and the population rows are fed the keyed noise."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.spsa_throughput import SIZES, loop_row, population_feeds
+from soma_edge import params, spsa
+from soma_edge.population import direction
+from soma_edge.population_graph import Noise
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--seconds", "0.05", "--seq-len", "8", "--batch", "4", "--k", "1", "--no-overhead", "--json"]
+NO_TORCH = (
+    'import runpy, sys; sys.modules["torch"] = None; runpy.run_module("bench.spsa_throughput", run_name="__main__")'
+)
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def _check(stdout: str, sizes: list[str], torch: bool) -> list[dict]:
+    lines = stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert [s["name"] for s in out["sizes"]] == sizes
+    for s in out["sizes"]:
+        assert s["params"] == params.count(SIZES[s["name"]])
+        rates = s["evals_per_s"]
+        assert rates["population"] > 0 and rates["rank1"] > 0
+        # auto's CPU choice: the loop at the trainer's concurrency plan, unless the full-rank population
+        # measured faster (rank-1 is never auto's choice)
+        loop = rates[loop_row()]
+        assert s["chosen"] == ("population" if rates["population"] > loop else "loop")
+        assert s["population_vs_loop"] == pytest.approx(rates["population"] / loop, rel=1e-2)
+        table = [ln for ln in lines if ln.split()[:1] == [s["name"]] and len(ln.split()) == 8]
+        assert {ln.split()[2] for ln in table} == set(rates), table
+        if torch:
+            chosen = rates["population"] if s["chosen"] == "population" else loop
+            assert s["chosen_vs_torch"] == pytest.approx(chosen / rates["torch_eager"], rel=1e-2)
+        else:
+            assert s["chosen_vs_torch"] is None and "torch_eager" not in rates
+    return out["sizes"]
+
+
+def test_throughput_bench_tiny_json():
+    pytest.importorskip("torch")
+    r = _run([sys.executable, "-m", "bench.spsa_throughput", "--sizes", "124K,S", *TINY])
+    _check(r.stdout, ["124K", "S"], torch=True)
+
+
+def test_throughput_bench_without_torch():
+    r = _run([sys.executable, "-c", NO_TORCH, "--sizes", "124K", *TINY])
+    assert "torch not installed" in r.stdout
+    _check(r.stdout, ["124K"], torch=False)
+
+
+@pytest.mark.parametrize("noise", [Noise.SIGNS, Noise.RANK1])
+def test_population_rows_get_the_keyed_noise(noise):
+    m = SIZES["124K"]
+    lay = params.layout(m)
+    body, feeds = population_feeds(m, 2, noise)
+    shapes = [lay.shapes[lay.names.index(n)] for n in body]
+    for j in range(2):
+        want = spsa.noise(0, 0, 0, j, lay.body) if noise is Noise.SIGNS else spsa.rank1_probe(0, 0, 0, j, shapes)
+        z = direction(lay, feeds, j)
+        np.testing.assert_array_equal(z[: lay.body], want)
+        assert not z[lay.body :].any()  # the decoder is not perturbed: it learns by the delta rule
