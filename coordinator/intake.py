@@ -22,7 +22,7 @@ from coordinator.ledger import Ledger
 from coordinator.round import Claim, Round
 from soma_edge import protocol
 from soma_edge import seed as seed_mod
-from soma_edge.config import Config
+from soma_edge.config import Config, Evaluator
 from soma_edge.corpus import SEPARATOR
 from soma_edge.errors import CodecError, ValidationError
 from soma_edge.logs import role_logger
@@ -221,8 +221,8 @@ class Intake:
         return w, opt
 
     def _audit_evaluator(self, cfg: Config) -> Any:
-        if self.auditor is None:  # one thread, no spinning, as for the val loss
-            self.auditor = evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1)
+        if self.auditor is None:  # one thread, no spinning, as for the val loss; the audit recomputes probe by probe
+            self.auditor = evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1, evaluator=Evaluator.LOOP)
         return self.auditor
 
     def accept(self, rnd: Round, node: Node, c: Claim, w: np.ndarray, opt: OptState) -> None:

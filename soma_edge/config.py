@@ -31,6 +31,14 @@ class Noise(StrEnum):
     RANK1 = "rank1"  # each weight matrix a·bᵀ of two Rademacher vectors, vectors full Rademacher; density 1 only
 
 
+class Evaluator(StrEnum):
+    """`spsa.evaluator`: how a step's losses are evaluated, never what they are (soma_edge.population)."""
+
+    LOOP = "loop"  # one ORT call per probe (2K per minibatch), plus the clean forward
+    POPULATION = "population"  # one ORT call per minibatch: the clean forward and the 2K members together
+    AUTO = "auto"  # the loop on the CPU EP (measured faster there: docs/BENCHMARKS.md), else the population
+
+
 @dataclass
 class ModelConfig:
     """One expert, of one of two kinds.
@@ -65,6 +73,7 @@ class SPSAConfig:
     warmup_steps: int = 20
     total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup (the plateau rule decays it)
     noise: Noise = Noise.RADEMACHER  # rademacher | gaussian | rank1 (needs density = 1)
+    evaluator: Evaluator = Evaluator.AUTO  # loop | population | auto: how the losses are evaluated (not what)
     density: float = 0.5  # share of ordinary weights a probe touches (sparse probes); norm gains stay dense
     update: str = "adam"  # body update from the estimate: rms (unit-RMS step) | adam | sgd
     momentum: float = 0.0  # heavy-ball momentum for update = rms | sgd
@@ -194,6 +203,7 @@ _VALUE_TYPES: dict[str, type] = {
     "bool": bool,
     "ReplyPolicy": ReplyPolicy,
     "Noise": Noise,
+    "Evaluator": Evaluator,
 }
 
 
@@ -259,6 +269,7 @@ SEED_DECODERS = ("frozen", "delta")
 
 REPLIES = tuple(p.value for p in ReplyPolicy)
 NOISES = tuple(n.value for n in Noise)
+EVALUATORS = tuple(e.value for e in Evaluator)
 
 
 def _check_finite(obj: Any, prefix: str) -> None:
@@ -313,6 +324,8 @@ def _check_spsa(s: SPSAConfig) -> None:
     _check(s.total_steps >= 0, "spsa.total_steps", ">= 0", s.total_steps)
     _check(s.noise in NOISES, "spsa.noise", " | ".join(map(repr, NOISES)), s.noise)
     s.noise = Noise(s.noise)  # a config built in code may hold the bare string
+    _check(s.evaluator in EVALUATORS, "spsa.evaluator", " | ".join(map(repr, EVALUATORS)), s.evaluator)
+    s.evaluator = Evaluator(s.evaluator)
     _check(0 <= s.momentum < 1, "spsa.momentum", ">= 0 and < 1", s.momentum)
     _check(0 < s.density <= 1, "spsa.density", "> 0 and <= 1", s.density)
     if s.noise == Noise.RANK1 and s.density != 1:

@@ -2,8 +2,10 @@
 minibatch (the graph: soma_edge.population_graph), where runtime.LossEvaluator takes 2K + 1 calls.
 
 Also the bridge between the host's noise and the graph's noise inputs: `noise_feeds` cuts K flat
-directions (the Stepper's z over the flat vector) into the graph's per-tensor inputs, and `direction`
-materializes member j's dense z from them (the looped reference, and what an update sums).
+directions (the Stepper's z over the flat vector) into the graph's per-tensor inputs, `factor_feeds` lays
+out K rank-1 directions' factors (spsa.rank1_factors), and `direction` materializes member j's dense z
+from them (the looped reference, and what an update sums). `for_config` builds the evaluator a run's
+config trains with (runtime.evaluator_for), and `PopulationEvaluator.members` is what the Stepper calls.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from soma_edge.config import ModelConfig
+from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Noise as SPSANoise
 from soma_edge.params import Layout, layout
 from soma_edge.population_graph import Noise, NoiseInput, build_population, core_shape, noise_inputs
 from soma_edge.runtime import make_session
+from soma_edge.spsa import Probes, Rank1
 
 
 class Population(NamedTuple):
@@ -74,6 +78,34 @@ class PopulationEvaluator:
         dec = np.concatenate([g.reshape(-1) for g in grads]) if grads else None
         return Population(float(losses[0]), dec, losses[1::2].astype(np.float64), losses[2::2].astype(np.float64))
 
+    def members(self, flat: np.ndarray, probes: Probes, eps: float, x: np.ndarray, y: np.ndarray) -> Population:
+        """`evaluate` on the Stepper's directions for one minibatch (its flat z, or its rank-1 factors)."""
+        if probes.factors is not None:
+            return self.evaluate(flat, factor_feeds(self.layout, self.perturbed, probes.factors), eps, x, y)
+        return self.evaluate(flat, noise_feeds(self.layout, self.perturbed, self.noise, probes.z), eps, x, y)
+
+
+_GRAPH_NOISE = {SPSANoise.RADEMACHER: Noise.SIGNS, SPSANoise.GAUSSIAN: Noise.GAUSSIAN, SPSANoise.RANK1: Noise.RANK1}
+
+
+def for_config(cfg: Config, device: str, threads: int, spin: bool) -> PopulationEvaluator:
+    """The population evaluator of a run's expert: K = spsa.directions, the tensors the Stepper perturbs
+    (the body; everything with decoder = "spsa"), spsa.noise's form (sparse Rademacher crosses as signs
+    with zeros), the delta rule's decoder gradient when the decoder learns by it."""
+    lay = layout(cfg.model)
+    perturbed = lay.names if cfg.spsa.decoder == "spsa" else [n for n in lay.names if n not in lay.decoder]
+    return PopulationEvaluator(
+        cfg.model,
+        cfg.spsa.directions,
+        perturbed,
+        _GRAPH_NOISE[SPSANoise(cfg.spsa.noise)],
+        cfg.data.seq_len,
+        decoder_grad=cfg.spsa.decoder == "delta",
+        device=device,
+        threads=threads,
+        spin=spin,
+    )
+
 
 def noise_feeds(lay: Layout, perturbed: Sequence[str], noise: Noise | str, z: np.ndarray) -> dict[str, np.ndarray]:
     """The graph's full-rank noise inputs from K flat directions z [K, n] (n covering the perturbed tensors'
@@ -89,6 +121,25 @@ def noise_feeds(lay: Layout, perturbed: Sequence[str], noise: Noise | str, z: np
         part = z[:, lay.offsets[i] : lay.offsets[i] + size].reshape(len(z), *lay.shapes[i])
         out[f"z.{name}"] = part.astype(np.int8) if noise is Noise.SIGNS else part.astype(np.float32)
     return out
+
+
+def factor_feeds(
+    lay: Layout, perturbed: Sequence[str], factors: Sequence[Sequence[Rank1 | np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """The graph's rank-1 noise inputs from K directions' factors (each `spsa.rank1_factors` over the
+    perturbed tensors, `perturbed` in layout order): int8 a, b per matrix and z per vector (in its tensor's
+    shape), exactly the ±1 signs."""
+    out: dict[str, list[np.ndarray]] = {}
+    for direction_factors in factors:
+        if len(direction_factors) != len(perturbed):
+            raise ValueError(f"{len(direction_factors)} factors for {len(perturbed)} perturbed tensors")
+        for name, f in zip(perturbed, direction_factors):
+            if isinstance(f, Rank1):
+                out.setdefault(f"a.{name}", []).append(f.a)
+                out.setdefault(f"b.{name}", []).append(f.b)
+            else:
+                out.setdefault(f"z.{name}", []).append(f.reshape(lay.shapes[lay.names.index(name)]))
+    return {k: np.stack(v).astype(np.int8) for k, v in out.items()}
 
 
 def direction(lay: Layout, noise: dict[str, np.ndarray], j: int) -> np.ndarray:

@@ -39,13 +39,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from soma_edge import devices
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, Evaluator, ModelConfig
 from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
 from soma_edge.params import layout
 
 if TYPE_CHECKING:  # the deploy path creates sessions from bytes and must run without the onnx package
     import onnx
+
+    from soma_edge.population import PopulationEvaluator
 
 log = logging.getLogger("soma_edge.runtime")
 
@@ -342,7 +344,8 @@ class LossEvaluator:
 
     `session.run` is thread-safe, so `parallel` evaluations may run at once on the one session. With
     `decoder_grad`, a second session on the "train" graph gives the clean forward: the loss and the exact
-    decoder-path gradient at w.
+    decoder-path gradient at w. `population`, when `evaluator_for` chose the population evaluator, gives a
+    step's clean forward and 2K probes in one call (soma_edge.steps.objectives hands it to the Stepper).
     """
 
     model: ModelConfig
@@ -360,6 +363,7 @@ class LossEvaluator:
         self.session = make_session(build(self.model, "loss"), self.device, self.threads, self.spin)
         self.providers: list[str] = self.session.get_providers()
         self.train_session = None
+        self.population: PopulationEvaluator | None = None  # set by evaluator_for when it chose the population
         if self.decoder_grad:
             self.train_session = make_session(build(self.model, "train"), self.device, self.threads, self.spin)
 
@@ -383,11 +387,17 @@ class LossEvaluator:
 
 
 def evaluator_for(
-    cfg: Config, device: str | None = None, threads: int | None = None, spin: bool = True, parallel: int | None = None
+    cfg: Config,
+    device: str | None = None,
+    threads: int | None = None,
+    spin: bool = True,
+    parallel: int | None = None,
+    evaluator: Evaluator | None = None,
 ) -> LossEvaluator:
-    """The evaluator a config trains with: its model, and the clean-forward session when the decoder
-    learns by the delta rule. Arguments left None come from the config."""
-    return LossEvaluator(
+    """The evaluator a config trains with: its model, the clean-forward session when the decoder learns by
+    the delta rule, and the population evaluator when `choose_evaluator` picks it for `evaluator` (default:
+    the config's spsa.evaluator) on the session's provider. Arguments left None come from the config."""
+    out = LossEvaluator(
         cfg.model,
         cfg.device if device is None else device,
         cfg.threads if threads is None else threads,
@@ -395,6 +405,28 @@ def evaluator_for(
         cfg.parallel if parallel is None else parallel,
         decoder_grad=cfg.spsa.decoder == "delta",
     )
+    if choose_evaluator(cfg.spsa.evaluator if evaluator is None else evaluator, out.providers) is Evaluator.POPULATION:
+        # population imports onnx (heavy, absent on the deploy path) and this module (make_session)
+        from soma_edge.population import for_config
+
+        # One call at a time, so it gets the threads the loop's concurrent evaluations would share.
+        pop_threads, _ = plan_concurrency(out.device, cfg.threads if threads is None else threads, 1)
+        out.population = for_config(cfg, out.device, pop_threads, spin)
+    return out
+
+
+def choose_evaluator(choice: Evaluator | str, providers: list[str]) -> Evaluator:
+    """LOOP or POPULATION for the spsa.evaluator setting on a session whose providers are `providers`.
+
+    AUTO on the CPU EP is the loop, one fixed choice so CPU runs stay deterministic: on a 2-core CPU the
+    population graph measured 0.57-0.91x of the loop's throughput (docs/BENCHMARKS.md). On an accelerator
+    AUTO is the population for now; measuring both once per expert shape, caching the faster and recording
+    it with each version is still to do.
+    """
+    choice = Evaluator(choice)
+    if choice is not Evaluator.AUTO:
+        return choice
+    return Evaluator.LOOP if providers[0] == CPU else Evaluator.POPULATION
 
 
 def mean_loss(evaluator: LossEvaluator, flat: np.ndarray, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:

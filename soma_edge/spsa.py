@@ -22,12 +22,15 @@ import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from soma_edge.config import SPSAConfig
 from soma_edge.errors import CheckpointError
+
+if TYPE_CHECKING:  # population builds ONNX graphs (onnx, onnxruntime), which replay and the coordinator need not load
+    from soma_edge.population import Population
 
 LossFn = Callable[[np.ndarray], float]
 CleanFn = Callable[[np.ndarray], tuple[float, np.ndarray]]
@@ -307,11 +310,26 @@ def plateau(cfg: SPSAConfig, opt: OptState, val: float, step: int) -> bool:
 
 
 @dataclass
+class Probes:
+    """One minibatch's K directions, for an evaluator that takes them all at once: z float32[K, body] as
+    the Stepper draws them (full rank), or, with rank-1 probes, each direction's `rank1_factors` (z None)."""
+
+    z: np.ndarray | None
+    factors: list[list[Rank1 | np.ndarray]] | None = None
+
+
+MembersFn = Callable[[np.ndarray, Probes, float], "Population"]
+
+
+@dataclass
 class Objective:
-    """One minibatch: `loss(w)` for the probes and, for the delta rule, `clean(w)` -> (loss, decoder grad)."""
+    """One minibatch: `loss(w)` for the probes and, for the delta rule, `clean(w)` -> (loss, decoder grad).
+    With `members(w, probes, eps)` (the population evaluator: soma_edge.population), the Stepper evaluates
+    the minibatch's clean forward and 2K probes in that one call instead."""
 
     loss: LossFn
     clean: CleanFn | None = None
+    members: MembersFn | None = None
 
 
 @dataclass
@@ -376,6 +394,16 @@ def _apply(
     if adam:
         opt.adam_t = n_adam
     state.step += 1
+
+
+class _Sums(NamedTuple):
+    """What a step's evaluation gives its update: Σ g_j z_j, the g_j, Σ (L+ + L-), and per minibatch the
+    clean forward's (loss, decoder gradient) for the delta rule (empty without it)."""
+
+    acc: np.ndarray
+    grads: np.ndarray
+    probe_losses: float
+    cleans: list[tuple[float, np.ndarray | None]]
 
 
 @dataclass
@@ -459,16 +487,32 @@ class Stepper:
 
     def step(self, state: State, objectives: Objective | Sequence[Objective] | LossFn) -> StepResult:
         """One update from `accumulate` minibatches (one Objective each; a bare loss function is one
-        minibatch without a clean forward)."""
+        minibatch without a clean forward). Objectives with `members` are evaluated a minibatch per call
+        (the population evaluator), others a probe per call; either way g_j z_j is summed in index order j
+        and applied by the same code, so the log's scalars mean the same and replay is unchanged."""
         objs = _as_objectives(objectives)
         cfg, w, t = self.cfg, state.weights, state.step
         if len(objs) != cfg.accumulate:
             raise ValueError(f"spsa.accumulate = {cfg.accumulate} needs that many minibatches, got {len(objs)}")
         body, delta = self.split(w.size)
-        if delta and any(o.clean is None for o in objs):
+        population = all(o.members is not None for o in objs)
+        if delta and not population and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
         lr, eps = schedule(cfg, t, state.opt.lr_scale)
-        K, total = cfg.directions, cfg.directions * cfg.accumulate
+        run = self._population if population else self._loop
+        acc, grads, probe_losses, cleans = run(w, objs, t, body, eps, delta)
+        dec, loss = None, probe_losses / (2 * len(grads))
+        if delta:
+            if any(g is None for _, g in cleans):
+                raise ValueError("the delta-rule decoder needs the population evaluator's decoder gradient")
+            dec = mean_decoder_grad([g for _, g in cleans])
+            loss = sum(x for x, _ in cleans) / len(cleans)
+        _apply(state, cfg, body, acc, dec)
+        return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
+
+    def _loop(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
+        """The step's sums from one loss evaluation per probe, `parallel` at a time."""
+        K, total = self.cfg.directions, self.cfg.directions * self.cfg.accumulate
         cleans = [self._pool.submit(self._clean, w, o.clean) for o in objs] if delta else []
         window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
 
@@ -486,13 +530,33 @@ class Stepper:
             grads[j] = (lp - lm) / (2.0 * eps)
             probe_losses += lp + lm
             _accumulate(acc, grads[j], z)
-        dec, loss = None, probe_losses / (2 * total)
-        if delta:
-            outs = [f.result() for f in cleans]
-            dec = mean_decoder_grad([g for _, g in outs])
-            loss = sum(x for x, _ in outs) / len(outs)
-        _apply(state, cfg, body, acc, dec)
-        return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
+        return _Sums(acc, grads, probe_losses, [f.result() for f in cleans])
+
+    def _population(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
+        """The step's sums from one `members` call per minibatch: its clean forward and K directions' 2K
+        probes, fed the noise `_z` draws (or, for rank-1 probes, its factors), bit for bit."""
+        K = self.cfg.directions
+        acc = np.zeros(body, dtype=np.float32)
+        grads = np.empty(K * len(objs), dtype=np.float64)
+        probe_losses, cleans = 0.0, []
+        for a, obj in enumerate(objs):
+            probes = self._probes(t, range(a * K, (a + 1) * K), body)
+            with self._gate:
+                out = obj.members(w, probes, eps)
+            for i in range(K):
+                j = a * K + i
+                lp, lm = float(out.lp[i]), float(out.lm[i])
+                grads[j] = (lp - lm) / (2.0 * eps)
+                probe_losses += lp + lm
+                _accumulate(acc, grads[j], self._z(t, j, body) if probes.z is None else probes.z[i])
+            cleans.append((out.loss, out.decoder_grad if delta else None))
+        return _Sums(acc, grads, probe_losses, cleans)
+
+    def _probes(self, t: int, js: range, body: int) -> Probes:
+        if self.cfg.noise == "rank1":
+            shapes = body_shapes(self.shapes, body)
+            return Probes(None, [rank1_factors(self.seed, self.expert, t, j, shapes) for j in js])
+        return Probes(np.stack([self._z(t, j, body) for j in js]))
 
     def replay(
         self, state: State, grads: np.ndarray, decoder_grad: np.ndarray | None = None, body_only: bool = False

@@ -25,12 +25,16 @@ def stepper(cfg: Config, expert: int, parallel: int = 1) -> Stepper:
 
 def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int) -> list[Objective]:
     """The step's `accumulate` minibatches, each drawn from its own key, as SPSA objectives
-    (`evaluator`: a `soma_edge.runtime.LossEvaluator` of the run's model)."""
+    (`evaluator`: a `soma_edge.runtime.LossEvaluator` of the run's model). Where it carries a population
+    evaluator (runtime.evaluator_for chose it), each objective's `members` evaluates the minibatch's whole
+    population in one call, and the Stepper takes that path."""
     out = []
+    pop = evaluator.population
     for part in range(cfg.spsa.accumulate):
         x, y = sample_batch(data, cfg.data.batch, cfg.data.seq_len, batch_rng(cfg.seed, expert, step, part))
         clean = (lambda w, x=x, y=y: evaluator.clean(w, x, y)) if evaluator.train_session is not None else None
-        out.append(Objective(loss=lambda w, x=x, y=y: evaluator.loss(w, x, y), clean=clean))
+        members = (lambda w, probes, eps, x=x, y=y: pop.members(w, probes, eps, x, y)) if pop is not None else None
+        out.append(Objective(loss=lambda w, x=x, y=y: evaluator.loss(w, x, y), clean=clean, members=members))
     return out
 
 
