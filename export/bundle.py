@@ -225,6 +225,9 @@ class _Expert:
     config: Config
     weights: np.ndarray  # float32
     weights_sha256: str
+    # The config as the checkpoint recorded it (valid: `config` was read from it). The manifest keeps these
+    # bytes, so a version exports the same whatever settings later releases add (they read back as defaults).
+    recorded: dict[str, Any]
 
 
 VERSIONS = ("best", "latest")  # which version of each expert to export: lowest val loss, or last accepted
@@ -288,9 +291,8 @@ def _load_expert(rd: RunDir, i: int, rec: ExpertRecord, version: str) -> _Expert
     if not np.all(np.isfinite(w32)):
         raise CheckpointError(f"{path}: weights hold NaN or infinity")
     val = body.get("val_loss")
-    return _Expert(
-        i, int(body["version"]), int(body.get("step", 0)), None if val is None else float(val), cfg, w32, digest
-    )
+    step, loss = int(body.get("step", 0)), None if val is None else float(val)
+    return _Expert(i, int(body["version"]), step, loss, cfg, w32, digest, dict(body.get("config") or {}))
 
 
 def _quantize_int8(model: bytes) -> bytes:
@@ -359,7 +361,7 @@ def _entry(e: _Expert, rels: dict[str, str]) -> dict[str, Any]:
         "val_loss": e.val_loss,
         "params": int(e.weights.size),
         "weights_sha256": e.weights_sha256,
-        "config": e.config.to_dict(),
+        "config": e.recorded,
         "score": rels["score"],
         "stream": rels["stream"],
     }

@@ -12,9 +12,20 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("soma_edge", "coordinator", "worker", "export")
 MAX_CLASS, MAX_FUNCTION = 250, 80
 # Imported where used, so that a command or a process that never needs them never pays for them.
-# soma_edge.graph counts as onnx: it is the onnx graph builder, and the deploy path must run without onnx.
+# soma_edge.graph and soma_edge.population count as onnx: they build onnx graphs, and the deploy path must run
+# without onnx.
 # pydoc_data is an optional part of the standard library that only the stdlib corpus reads.
-HEAVY = {"torch", "onnx", "onnxruntime", "flwr", "matplotlib", "tensorboardX", "cryptography", "soma_edge.graph"}
+HEAVY = {
+    "torch",
+    "onnx",
+    "onnxruntime",
+    "flwr",
+    "matplotlib",
+    "tensorboardX",
+    "cryptography",
+    "soma_edge.graph",
+    "soma_edge.population",
+}
 HEAVY |= {"pydoc_data"}
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
