@@ -173,126 +173,30 @@ def _bind(formals: list[onnx.defs.OpSchema.FormalParameter], names) -> list[tupl
     return out
 
 
-# The doc's type lists that many rows share, each named once.
-_STD = (
-    "tensor(bfloat16)",
-    "tensor(bool)",
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(int16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(int8)",
-    "tensor(uint16)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-    "tensor(uint8)",
+# The doc's type lists, written as the element types inside `tensor(...)`; those many rows share are named once.
+def _t(names: str) -> tuple[str, ...]:
+    return tuple(f"tensor({n})" for n in names.split())
+
+
+_STD = _t("bfloat16 bool double float float16 int16 int32 int64 int8 uint16 uint32 uint64 uint8")
+_STD_FP8 = _t(
+    "bfloat16 bool double float float16 float8e4m3fn float8e4m3fnuz float8e5m2 "
+    "float8e5m2fnuz int16 int32 int64 int8 uint16 uint32 uint64 uint8"
 )
-_STD_FP8 = (
-    "tensor(bfloat16)",
-    "tensor(bool)",
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(float8e4m3fn)",
-    "tensor(float8e4m3fnuz)",
-    "tensor(float8e5m2)",
-    "tensor(float8e5m2fnuz)",
-    "tensor(int16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(int8)",
-    "tensor(uint16)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-    "tensor(uint8)",
+_NUM = _t("bfloat16 double float float16 int16 int32 int64 int8 uint16 uint32 uint64 uint8")
+_NUM_13 = _t("bfloat16 double float float16 int32 int64 uint32 uint64")
+_NUM_7 = _t("double float float16 int32 int64 uint32 uint64")
+_FLOAT_BF16 = _t("bfloat16 double float float16")
+_FLOAT = _t("double float float16")
+_INDEX = _t("int32 int64")
+_CAST_TO = _t(
+    "bfloat16 bool double float float16 float4e2m1 float8e4m3fn float8e5m2 "
+    "int16 int32 int64 int8 uint16 uint32 uint64 uint8"
 )
-_NUM = (
-    "tensor(bfloat16)",
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(int16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(int8)",
-    "tensor(uint16)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-    "tensor(uint8)",
+_CAST_FROM_19 = _t(
+    "bfloat16 bool double float float16 float8e4m3fn float8e5m2 int16 int32 int64 int8 uint16 uint32 uint64 uint8"
 )
-_NUM_13 = (
-    "tensor(bfloat16)",
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-)
-_NUM_7 = (
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-)
-_FLOAT_BF16 = ("tensor(bfloat16)", "tensor(double)", "tensor(float)", "tensor(float16)")
-_FLOAT = ("tensor(double)", "tensor(float)", "tensor(float16)")
-_INDEX = ("tensor(int32)", "tensor(int64)")
-_CAST_TO = (
-    "tensor(bfloat16)",
-    "tensor(bool)",
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(float4e2m1)",
-    "tensor(float8e4m3fn)",
-    "tensor(float8e5m2)",
-    "tensor(int16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(int8)",
-    "tensor(uint16)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-    "tensor(uint8)",
-)
-_CAST_FROM_19 = (
-    "tensor(bfloat16)",
-    "tensor(bool)",
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(float8e4m3fn)",
-    "tensor(float8e5m2)",
-    "tensor(int16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(int8)",
-    "tensor(uint16)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-    "tensor(uint8)",
-)
-_CAST_FROM_6 = (
-    "tensor(bool)",
-    "tensor(double)",
-    "tensor(float)",
-    "tensor(float16)",
-    "tensor(int16)",
-    "tensor(int32)",
-    "tensor(int64)",
-    "tensor(int8)",
-    "tensor(uint16)",
-    "tensor(uint32)",
-    "tensor(uint64)",
-    "tensor(uint8)",
-)
+_CAST_FROM_6 = _t("bool double float float16 int16 int32 int64 int8 uint16 uint32 uint64 uint8")
 
 CUDA_KERNELS: tuple[CudaKernel, ...] = (
     CudaKernel("", "Add", 14, None, (("T", _NUM),)),
@@ -312,33 +216,13 @@ CUDA_KERNELS: tuple[CudaKernel, ...] = (
         "DequantizeLinear",
         21,
         None,
-        (
-            (
-                "T1",
-                (
-                    "tensor(float8e4m3fn)",
-                    "tensor(float8e5m2)",
-                    "tensor(int4)",
-                    "tensor(int8)",
-                    "tensor(uint4)",
-                    "tensor(uint8)",
-                ),
-            ),
-            ("T2", ("tensor(float)", "tensor(float16)")),
-        ),
+        (("T1", _t("float8e4m3fn float8e5m2 int4 int8 uint4 uint8")), ("T2", _t("float float16"))),
     ),
     CudaKernel(
-        "",
-        "DequantizeLinear",
-        19,
-        20,
-        (
-            ("T1", ("tensor(float8e4m3fn)", "tensor(float8e5m2)", "tensor(int8)", "tensor(uint8)")),
-            ("T2", ("tensor(float)", "tensor(float16)")),
-        ),
+        "", "DequantizeLinear", 19, 20, (("T1", _t("float8e4m3fn float8e5m2 int8 uint8")), ("T2", _t("float float16")))
     ),
-    CudaKernel("", "DequantizeLinear", 13, 18, (("T", ("tensor(int8)", "tensor(uint8)")),)),
-    CudaKernel("", "DequantizeLinear", 10, 12, (("T", ("tensor(int8)", "tensor(uint8)")),)),
+    CudaKernel("", "DequantizeLinear", 13, 18, (("T", _t("int8 uint8")),)),
+    CudaKernel("", "DequantizeLinear", 10, 12, (("T", _t("int8 uint8")),)),
     CudaKernel("", "Div", 14, None, (("T", _NUM),)),
     CudaKernel("", "Div", 13, 13, (("T", _NUM_13),)),
     CudaKernel("", "Div", 7, 12, (("T", _NUM_7),)),
@@ -358,16 +242,10 @@ CUDA_KERNELS: tuple[CudaKernel, ...] = (
     CudaKernel("", "Gemm", 11, 12, (("T", _FLOAT),)),
     CudaKernel("", "Gemm", 9, 10, (("T", _FLOAT),)),
     CudaKernel("", "Gemm", 7, 8, (("T", _FLOAT),)),
-    CudaKernel("", "LSTM", 14, None, (("T", _FLOAT), ("T1", ("tensor(int32)",)))),
-    CudaKernel("", "LSTM", 7, 13, (("T", _FLOAT), ("T1", ("tensor(int32)",)))),
-    CudaKernel("", "LayerNormalization", 17, None, (("T", _FLOAT_BF16), ("U", ("tensor(float)",)))),
-    CudaKernel(
-        "",
-        "LayerNormalization",
-        1,
-        16,
-        (("T", _FLOAT_BF16), ("U", ("tensor(double)", "tensor(float)")), ("V", _FLOAT_BF16)),
-    ),
+    CudaKernel("", "LSTM", 14, None, (("T", _FLOAT), ("T1", _t("int32")))),
+    CudaKernel("", "LSTM", 7, 13, (("T", _FLOAT), ("T1", _t("int32")))),
+    CudaKernel("", "LayerNormalization", 17, None, (("T", _FLOAT_BF16), ("U", _t("float")))),
+    CudaKernel("", "LayerNormalization", 1, 16, (("T", _FLOAT_BF16), ("U", _t("double float")), ("V", _FLOAT_BF16))),
     CudaKernel("", "Log", 13, None, (("T", _FLOAT),)),
     CudaKernel("", "Log", 6, 12, (("T", _FLOAT),)),
     CudaKernel("", "LogSoftmax", 13, None, (("T", _FLOAT),)),
@@ -376,13 +254,7 @@ CUDA_KERNELS: tuple[CudaKernel, ...] = (
     CudaKernel("", "MatMul", 13, None, (("T", _FLOAT_BF16),)),
     CudaKernel("", "MatMul", 9, 12, (("T", _FLOAT),)),
     CudaKernel("", "MatMul", 1, 8, (("T", _FLOAT),)),
-    CudaKernel(
-        "",
-        "MatMulInteger",
-        10,
-        None,
-        (("T1", ("tensor(int8)",)), ("T2", ("tensor(int8)",)), ("T3", ("tensor(int32)",))),
-    ),
+    CudaKernel("", "MatMulInteger", 10, None, (("T1", _t("int8")), ("T2", _t("int8")), ("T3", _t("int32")))),
     CudaKernel("", "Max", 13, None, (("T", _NUM_13),)),
     CudaKernel("", "Max", 12, 12, (("T", _NUM_13),)),
     CudaKernel("", "Max", 6, 11, (("T", _FLOAT_BF16),)),
@@ -392,166 +264,39 @@ CUDA_KERNELS: tuple[CudaKernel, ...] = (
     CudaKernel("", "Mul", 14, None, (("T", _NUM),)),
     CudaKernel("", "Mul", 13, 13, (("T", _NUM_13),)),
     CudaKernel("", "Mul", 7, 12, (("T", _NUM_7),)),
-    CudaKernel(
-        "",
-        "Neg",
-        13,
-        None,
-        (
-            (
-                "T",
-                (
-                    "tensor(bfloat16)",
-                    "tensor(double)",
-                    "tensor(float)",
-                    "tensor(float16)",
-                    "tensor(int16)",
-                    "tensor(int32)",
-                    "tensor(int64)",
-                    "tensor(int8)",
-                ),
-            ),
-        ),
-    ),
-    CudaKernel(
-        "",
-        "Neg",
-        6,
-        12,
-        (
-            (
-                "T",
-                (
-                    "tensor(double)",
-                    "tensor(float)",
-                    "tensor(float16)",
-                    "tensor(int16)",
-                    "tensor(int32)",
-                    "tensor(int64)",
-                    "tensor(int8)",
-                ),
-            ),
-        ),
-    ),
-    CudaKernel(
-        "",
-        "OneHot",
-        11,
-        None,
-        (("T1", _INDEX), ("T2", _INDEX), ("T3", ("tensor(float)", "tensor(float16)", "tensor(int64)"))),
-    ),
-    CudaKernel(
-        "", "ReduceL2", 18, None, (("T", ("tensor(double)", "tensor(float)", "tensor(float16)", "tensor(int32)")),)
-    ),
-    CudaKernel(
-        "", "ReduceL2", 1, 17, (("T", ("tensor(double)", "tensor(float)", "tensor(float16)", "tensor(int32)")),)
-    ),
-    CudaKernel(
-        "",
-        "ReduceMax",
-        18,
-        None,
-        (("T", ("tensor(double)", "tensor(float)", "tensor(float16)", "tensor(int32)", "tensor(int64)")),),
-    ),
-    CudaKernel(
-        "",
-        "ReduceMax",
-        1,
-        17,
-        (("T", ("tensor(double)", "tensor(float)", "tensor(float16)", "tensor(int32)", "tensor(int64)")),),
-    ),
-    CudaKernel(
-        "", "ReduceMean", 18, None, (("T", ("tensor(double)", "tensor(float)", "tensor(float16)", "tensor(int32)")),)
-    ),
-    CudaKernel(
-        "", "ReduceMean", 1, 17, (("T", ("tensor(double)", "tensor(float)", "tensor(float16)", "tensor(int32)")),)
-    ),
-    CudaKernel(
-        "",
-        "ReduceMin",
-        18,
-        None,
-        (
-            (
-                "T",
-                (
-                    "tensor(double)",
-                    "tensor(float)",
-                    "tensor(float16)",
-                    "tensor(int32)",
-                    "tensor(int64)",
-                    "tensor(int8)",
-                    "tensor(uint8)",
-                ),
-            ),
-        ),
-    ),
-    CudaKernel(
-        "",
-        "ReduceMin",
-        1,
-        17,
-        (
-            (
-                "T",
-                (
-                    "tensor(double)",
-                    "tensor(float)",
-                    "tensor(float16)",
-                    "tensor(int32)",
-                    "tensor(int64)",
-                    "tensor(int8)",
-                    "tensor(uint8)",
-                ),
-            ),
-        ),
-    ),
-    CudaKernel(
-        "",
-        "ReduceSum",
-        13,
-        None,
-        (
-            (
-                "T",
-                (
-                    "tensor(bfloat16)",
-                    "tensor(double)",
-                    "tensor(float)",
-                    "tensor(float16)",
-                    "tensor(int32)",
-                    "tensor(int64)",
-                ),
-            ),
-        ),
-    ),
-    CudaKernel(
-        "",
-        "ReduceSum",
-        1,
-        12,
-        (("T", ("tensor(double)", "tensor(float)", "tensor(float16)", "tensor(int32)", "tensor(int64)")),),
-    ),
+    CudaKernel("", "Neg", 13, None, (("T", _t("bfloat16 double float float16 int16 int32 int64 int8")),)),
+    CudaKernel("", "Neg", 6, 12, (("T", _t("double float float16 int16 int32 int64 int8")),)),
+    CudaKernel("", "OneHot", 11, None, (("T1", _INDEX), ("T2", _INDEX), ("T3", _t("float float16 int64")))),
+    CudaKernel("", "ReduceL2", 18, None, (("T", _t("double float float16 int32")),)),
+    CudaKernel("", "ReduceL2", 1, 17, (("T", _t("double float float16 int32")),)),
+    CudaKernel("", "ReduceMax", 18, None, (("T", _t("double float float16 int32 int64")),)),
+    CudaKernel("", "ReduceMax", 1, 17, (("T", _t("double float float16 int32 int64")),)),
+    CudaKernel("", "ReduceMean", 18, None, (("T", _t("double float float16 int32")),)),
+    CudaKernel("", "ReduceMean", 1, 17, (("T", _t("double float float16 int32")),)),
+    CudaKernel("", "ReduceMin", 18, None, (("T", _t("double float float16 int32 int64 int8 uint8")),)),
+    CudaKernel("", "ReduceMin", 1, 17, (("T", _t("double float float16 int32 int64 int8 uint8")),)),
+    CudaKernel("", "ReduceSum", 13, None, (("T", _t("bfloat16 double float float16 int32 int64")),)),
+    CudaKernel("", "ReduceSum", 1, 12, (("T", _t("double float float16 int32 int64")),)),
     CudaKernel("", "Relu", 14, None, (("T", _FLOAT_BF16),)),
     CudaKernel("", "Relu", 13, 13, (("T", _FLOAT_BF16),)),
     CudaKernel("", "Relu", 6, 12, (("T", _FLOAT),)),
-    CudaKernel("", "Reshape", 23, None, (("T", _STD_FP8), ("shape", ("tensor(int64)",)))),
-    CudaKernel("", "Reshape", 21, 22, (("T", _STD_FP8), ("shape", ("tensor(int64)",)))),
-    CudaKernel("", "Reshape", 19, 20, (("T", _STD_FP8), ("shape", ("tensor(int64)",)))),
-    CudaKernel("", "Reshape", 14, 18, (("T", _STD), ("shape", ("tensor(int64)",)))),
-    CudaKernel("", "Reshape", 13, 13, (("T", _STD), ("shape", ("tensor(int64)",)))),
-    CudaKernel("", "Reshape", 5, 12, (("T", _STD), ("shape", ("tensor(int64)",)))),
+    CudaKernel("", "Reshape", 23, None, (("T", _STD_FP8), ("shape", _t("int64")))),
+    CudaKernel("", "Reshape", 21, 22, (("T", _STD_FP8), ("shape", _t("int64")))),
+    CudaKernel("", "Reshape", 19, 20, (("T", _STD_FP8), ("shape", _t("int64")))),
+    CudaKernel("", "Reshape", 14, 18, (("T", _STD), ("shape", _t("int64")))),
+    CudaKernel("", "Reshape", 13, 13, (("T", _STD), ("shape", _t("int64")))),
+    CudaKernel("", "Reshape", 5, 12, (("T", _STD), ("shape", _t("int64")))),
     CudaKernel("", "Reshape", 1, 4, (("T", _STD),)),
     CudaKernel("", "ScatterElements", 18, None, (("T", _STD), ("Tind", _INDEX))),
     CudaKernel("", "ScatterElements", 16, 17, (("T", _STD), ("Tind", _INDEX))),
     CudaKernel("", "ScatterElements", 13, 15, (("T", _STD), ("Tind", _INDEX))),
     CudaKernel("", "ScatterElements", 11, 12, (("T", _STD), ("Tind", _INDEX))),
-    CudaKernel("", "Shape", 23, None, (("T", _STD_FP8), ("T1", ("tensor(int64)",)))),
-    CudaKernel("", "Shape", 21, 22, (("T", _STD_FP8), ("T1", ("tensor(int64)",)))),
-    CudaKernel("", "Shape", 19, 20, (("T", _STD_FP8), ("T1", ("tensor(int64)",)))),
-    CudaKernel("", "Shape", 15, 18, (("T", _STD), ("T1", ("tensor(int64)",)))),
-    CudaKernel("", "Shape", 13, 14, (("T", _STD), ("T1", ("tensor(int64)",)))),
-    CudaKernel("", "Shape", 1, 12, (("T", _STD), ("T1", ("tensor(int64)",)))),
+    CudaKernel("", "Shape", 23, None, (("T", _STD_FP8), ("T1", _t("int64")))),
+    CudaKernel("", "Shape", 21, 22, (("T", _STD_FP8), ("T1", _t("int64")))),
+    CudaKernel("", "Shape", 19, 20, (("T", _STD_FP8), ("T1", _t("int64")))),
+    CudaKernel("", "Shape", 15, 18, (("T", _STD), ("T1", _t("int64")))),
+    CudaKernel("", "Shape", 13, 14, (("T", _STD), ("T1", _t("int64")))),
+    CudaKernel("", "Shape", 1, 12, (("T", _STD), ("T1", _t("int64")))),
     CudaKernel("", "Sigmoid", 13, None, (("T", _FLOAT_BF16),)),
     CudaKernel("", "Sigmoid", 6, 12, (("T", _FLOAT),)),
     CudaKernel("", "Slice", 13, None, (("T", _STD), ("Tind", _INDEX))),
@@ -583,44 +328,7 @@ CUDA_KERNELS: tuple[CudaKernel, ...] = (
     CudaKernel("", "Unsqueeze", 11, 12, (("T", _STD),)),
     CudaKernel("", "Unsqueeze", 1, 10, (("T", _STD),)),
     CudaKernel(
-        "",
-        "Where",
-        16,
-        None,
-        (
-            ("B", ("tensor(bool)",)),
-            (
-                "T",
-                (
-                    "tensor(bfloat16)",
-                    "tensor(double)",
-                    "tensor(float)",
-                    "tensor(float16)",
-                    "tensor(int32)",
-                    "tensor(int64)",
-                    "tensor(uint8)",
-                ),
-            ),
-        ),
+        "", "Where", 16, None, (("B", _t("bool")), ("T", _t("bfloat16 double float float16 int32 int64 uint8")))
     ),
-    CudaKernel(
-        "",
-        "Where",
-        9,
-        15,
-        (
-            ("B", ("tensor(bool)",)),
-            (
-                "T",
-                (
-                    "tensor(double)",
-                    "tensor(float)",
-                    "tensor(float16)",
-                    "tensor(int32)",
-                    "tensor(int64)",
-                    "tensor(uint8)",
-                ),
-            ),
-        ),
-    ),
+    CudaKernel("", "Where", 9, 15, (("B", _t("bool")), ("T", _t("double float float16 int32 int64 uint8")))),
 )
