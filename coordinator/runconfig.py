@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from coordinator.prepare import prepare
 from soma_edge import config as config_mod
@@ -20,11 +20,19 @@ from soma_edge.rundir import RunDir
 IMMUTABLE = ("model", "data", "seed", "federation.experts", "federation.corpus", "federation.seed_steps")
 
 
-def configure(run: RunDir, config_path: Path | None, overrides: dict[str, Any], own_lock: bool = False) -> Config:
+def configure(
+    run: RunDir,
+    config_path: Path | None,
+    overrides: dict[str, Any],
+    own_lock: bool = False,
+    check: Callable[[Config], None] | None = None,
+) -> Config:
     """The config RUN trains with, RUN prepared for it and run.toml saved (`own_lock`: the caller holds
-    the run lock that prepare would take)."""
+    the run lock that prepare would take; `check`: the caller's own checks of the config, before prepare)."""
     run.root.mkdir(parents=True, exist_ok=True)
     cfg = resolve_config(run, config_path, overrides)
+    if check is not None:
+        check(cfg)
     given = set(overrides) | (explicit_keys(config_path) if config_path else set())
     ensure_prepared(run, cfg, given, own_lock=own_lock)
     run.save_config(cfg)

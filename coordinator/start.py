@@ -25,6 +25,7 @@ from coordinator import workers as workers_mod
 from coordinator.progress import Follower
 from soma_edge import checkpoint, metrics, runtime
 from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
+from soma_edge.config import Config
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import free_port
 from soma_edge.rundir import RunDir, RunLockedError
@@ -53,10 +54,7 @@ def start(opts: Options) -> int:
     run.root.mkdir(parents=True, exist_ok=True)
     if run.is_locked():
         raise RunLockedError(f"{run.root} is in use by a running coordinator (pid {run.lock_holder()}); stop it first")
-    wanted = runconfig.resolve_config(run, opts.config, opts.overrides or {})
-    if wanted.federation.local_workers:  # one error line before preparing, not W workers that each die on it
-        runtime.check_device(wanted.device)
-    cfg = runconfig.configure(run, opts.config, opts.overrides or {})
+    cfg = runconfig.configure(run, opts.config, opts.overrides or {}, check=check_local_device)
     state = run.read_state()
     if state and state.round >= cfg.federation.rounds:
         print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
@@ -103,6 +101,12 @@ def check_options(opts: Options) -> None:
             "--auth registers worker keys with the embedded SuperLink; with --superlink, register "
             "them there (`flwr supernode register KEY.pub`)"
         )
+
+
+def check_local_device(cfg: Config) -> None:
+    """The --local-workers' device can run here: one error line before preparing, not W workers that each die."""
+    if cfg.federation.local_workers:
+        runtime.check_device(cfg.device)
 
 
 def start_external(opts: Options) -> int:
