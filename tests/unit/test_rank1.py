@@ -157,10 +157,13 @@ def test_stepper_probes_are_the_materialized_outer_products():
     stepper = Stepper(cfg, seed=4, expert=1, shapes=SHAPES)
     r = stepper.step(State(w0.copy()), loss)
     stepper.close()
+    # The Stepper keeps two directions in flight on its threads, so their evaluations may interleave: match the
+    # probes by value, not by the order they were seen.
+    assert len(seen) == 6
     for k in range(3):
         z = rank1_probe(4, 1, 0, k, SHAPES)
-        plus, minus = seen[2 * k], seen[2 * k + 1]
-        assert np.array_equal(plus, w0 + np.float32(0.5) * z) and np.array_equal(minus, w0 + np.float32(-0.5) * z)
+        for want in (w0 + np.float32(0.5) * z, w0 + np.float32(-0.5) * z):
+            assert sum(np.array_equal(got, want) for got in seen) == 1, k
         assert r.grads[k] == pytest.approx(2 * w0.astype(np.float64) @ z, rel=1e-4)
 
 
