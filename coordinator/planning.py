@@ -1,5 +1,5 @@
 """Who trains which expert this round, for how many steps, and the round's deadline: a sticky,
-makespan-minimizing plan (coordinator.scheduler) over the active nodes' rates, that prices what each node
+proportionally fair plan (coordinator.scheduler) over the active nodes' rates, that prices what each node
 must fetch and send back over its measured link.
 
 Called by coordinator.loop (`Loop.start_round`).

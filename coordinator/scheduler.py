@@ -1,17 +1,23 @@
-"""Which expert trains on which node, and for how many steps: minimize the round's makespan, stay sticky.
+"""Which expert trains on which node, and for how many steps: share the nodes' speed fairly, stay sticky.
 
-Experts are equal units of work. With node rates r_n (forward evaluations/s), giving each next expert to
-the node that would finish it first, argmin (k_n + 1) / r_n, minimizes the makespan max_n k_n / r_n for
-identical jobs on machines of different speeds. Those are the quotas k_n. Then an expert stays on the node
-it trained on last round whenever that node is live and has quota left, so its weights stay where they
-are (the node caches them; nothing is sent); only the remainder moves.
+Every live node computes for `round_seconds` (each worker stops at its time budget), so a round's length
+is fixed and the quotas k_n (experts per node, rates r_n in forward evaluations/s) only decide how fast each
+expert trains: an expert on node n gets r_n / k_n. The quotas maximize sum_n k_n log(r_n / k_n), the sum of
+the experts' log rates (proportional fairness): a node is never left idle while some expert would gain more
+there, on a log scale, than the experts it leaves behind lose, and no expert starves on a node far slower
+than the rest. Minimizing the makespan of equal jobs instead (the rule before) would put every expert on a
+node 3x faster than the others and leave them idle for the whole round. The objective is separable and
+concave in each k_n, so giving each next expert to the node of largest marginal gain is optimal (ties to
+the lower node id, for determinism). Then an expert stays on the node it trained on last round whenever
+that node is live and has quota left, so its weights stay where they are (the node caches them; nothing
+is sent); only the remainder moves.
 
 Moving costs: an expert that moves drags its weights, and maybe its shards, over the new node's link.
-So the quotas keep last round's split while its makespan is within MOVE_MARGIN of the best one (a small
-change in measured rates no longer moves an expert and its cache), and an expert that must move goes
-to the node with quota left that would fetch what it lacks fastest (`transfer(e, n)`: seconds, from the
-bytes the node's cache lacks and its measured link rate). The plan's predicted transfer time per node
-extends that node's round deadline.
+So the quotas keep last round's split while its experts' geometric-mean rate is within MOVE_MARGIN of the
+best split's (a small change in measured rates no longer moves an expert and its cache), and an expert that
+must move goes to the node with quota left that would fetch what it lacks fastest (`transfer(e, n)`:
+seconds, from the bytes the node's cache lacks and its measured link rate). The plan's predicted transfer
+time per node extends that node's round deadline.
 
 Each node then gets a step budget that fills `round_seconds` of compute: steps = round_seconds * r_n /
 (2 K k_n), two forward passes per SPSA direction, times HEADROOM. The worker also stops each expert at
@@ -31,7 +37,7 @@ HEADROOM = 1.5  # step budget over the predicted steps; the worker's time budget
 # Rates are claims by workers: bound them, so that no claim takes every expert with steps too large to encode.
 MAX_RATE = 1e7  # forward evaluations/s; orders of magnitude above any device on our model shapes
 MAX_STEPS = 2**31 - 1  # per expert per round
-MOVE_MARGIN = 0.10  # keep last round's split of experts while its makespan is within 10% of the best
+MOVE_MARGIN = 0.10  # keep last round's split while its experts' geometric-mean rate is within 10% of the best
 
 
 @dataclass
@@ -43,21 +49,30 @@ class Plan:
     transfer: dict[int, float] = field(default_factory=dict)  # node -> predicted seconds to fetch what it lacks
 
 
-def _span(counts: dict[int, int], rates: dict[int, float]) -> float:
-    return max((k / max(rates[n], 1e-9) for n, k in counts.items() if k), default=0.0)
+def _utility(counts: dict[int, int], rates: dict[int, float]) -> float:
+    """Sum over experts of the log of the rate each gets: sum_n k_n log(r_n / k_n)."""
+    return sum(k * math.log(max(rates[n], 1e-9) / k) for n, k in counts.items() if k)
+
+
+def _gain(k: int, rate: float) -> float:
+    """What one more expert on a node of `k` experts adds to `_utility`, rounded so that equal gains
+    computed along different float paths tie (and the lower node id wins)."""
+    r = max(rate, 1e-9)
+    return round((k + 1) * math.log(r / (k + 1)) - (k * math.log(r / k) if k else 0.0), 9)
 
 
 def quotas(n_experts: int, rates: dict[int, float], keep: dict[int, int] | None = None) -> dict[int, int]:
-    """Experts per node minimizing the makespan (ties to the lower node id, for determinism); `keep`
-    (last round's counts) stands while its makespan is within MOVE_MARGIN of that."""
+    """Experts per node maximizing the experts' summed log rate (ties to the lower node id, for
+    determinism); `keep` (last round's counts) stands while its geometric-mean rate per expert is within
+    MOVE_MARGIN of the best split's."""
     if not rates:
         raise ValueError("no live nodes to schedule on")
     counts = {n: 0 for n in rates}
     for _ in range(n_experts):
-        best = min(sorted(rates), key=lambda n: (counts[n] + 1) / max(rates[n], 1e-9))
+        best = min(sorted(rates), key=lambda n: -_gain(counts[n], rates[n]))
         counts[best] += 1
     if keep and set(keep) <= set(rates) and sum(keep.values()) == n_experts:
-        if _span(keep, rates) <= _span(counts, rates) * (1 + MOVE_MARGIN):
+        if _utility(keep, rates) >= _utility(counts, rates) - n_experts * math.log(1 + MOVE_MARGIN):
             return {n: keep.get(n, 0) for n in rates}
     return counts
 
