@@ -125,6 +125,7 @@ def expert_line(
         step=res["step"],
         lr=lr,
         eps=eps,
+        evaluator=res.get("evaluator"),
     )
 
 

@@ -58,6 +58,7 @@ class ExpertLine(Record):
     lr: float | None = None  # lr and eps at the round's last step
     eps: float | None = None
     late: bool = False  # accepted after its round's deadline, committed with the next round
+    evaluator: str | None = None  # how the worker evaluated the steps (loop | population); None: not said
 
     ACCEPTED: ClassVar = (
         "type",

@@ -31,6 +31,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from soma_edge import __version__, codec
+from soma_edge.config import Evaluator
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.params import count
 from soma_edge.spsa import OptState, UpdateLog
@@ -54,6 +55,7 @@ HEARTBEAT_MIN, HEARTBEAT_MAX = 10.0, 1800.0  # the intervals flwr's fleet API ac
 RUN_ENDED = "the coordinator ended the run:"
 REPLY_DTYPES = ("float32", "float16")
 SMALL_BYTES = 1 << 20  # queries, capability replies and acks are tiny; refuse anything larger
+TRAINED_BY = (Evaluator.LOOP.value, Evaluator.POPULATION.value)  # a result's `evaluator`: how its steps ran
 PIECE_BYTES = 32 << 20  # most shard bytes per message (federation.piece_bytes): big enough that Flower's
 # ~5 s per message is rare, small enough that neither side holds a whole corpus in one decoded message
 MAX_SHARD_BYTES = 1 << 40  # a shard's declared size (a worker assembles pieces on disk, never in memory)
@@ -474,6 +476,9 @@ def _check_tail(res: dict[str, Any], e: int) -> None:
         raise ValidationError(f"expert {e}: seconds {seconds!r} is not a finite duration")
     if not _is_sha256(res.get("sha256")):
         raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
+    how = res.get("evaluator")  # absent from a worker of an earlier version
+    if how is not None and not (isinstance(how, str) and how in TRAINED_BY):
+        raise ValidationError(f"expert {e}: evaluator {_short(how)} is not one of {list(TRAINED_BY)}")
 
 
 def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:

@@ -420,13 +420,24 @@ def choose_evaluator(choice: Evaluator | str, providers: list[str]) -> Evaluator
 
     AUTO on the CPU EP is the loop, one fixed choice so CPU runs stay deterministic: on a 2-core CPU the
     population graph measured 0.57-0.91x of the loop's throughput (docs/BENCHMARKS.md). On an accelerator
-    AUTO is the population for now; measuring both once per expert shape, caching the faster and recording
-    it with each version is still to do.
+    AUTO is the population until the worker has measured both (`measures_auto`; worker/probe.py times each
+    once per expert shape, caches the faster and passes it here explicitly).
     """
     choice = Evaluator(choice)
     if choice is not Evaluator.AUTO:
         return choice
     return Evaluator.LOOP if providers[0] == CPU else Evaluator.POPULATION
+
+
+def measures_auto(choice: Evaluator | str, providers: list[str]) -> bool:
+    """Whether `auto` is decided by measuring both evaluators: on an accelerator, where which one wins
+    depends on the device and the expert's shape. On the CPU EP it is the fixed loop."""
+    return Evaluator(choice) is Evaluator.AUTO and providers[0] != CPU
+
+
+def evaluator_kind(evaluator: LossEvaluator) -> Evaluator:
+    """Which evaluator `evaluator` trains with (what a worker records with each version it makes)."""
+    return Evaluator.LOOP if evaluator.population is None else Evaluator.POPULATION
 
 
 def mean_loss(evaluator: LossEvaluator, flat: np.ndarray, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:

@@ -97,9 +97,10 @@ def capabilities(msg: Message, context: Context) -> Message:
     # The run's model fixes how large its train requests can be: decode none larger (`train`).
     cache.put_json(_limit_name(context.run_id), protocol.train_request_limit(cfg))
     log.info(
-        "capabilities: %.1f forward evals/s on %s (probe %s)",
+        "capabilities: %.1f forward evals/s on %s with the %s evaluator (probe %s)",
         caps["evals_per_s"],
         caps["providers"][0],
+        caps["evaluator"],
         "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s",
     )
     reply: protocol.Capabilities = {
@@ -176,6 +177,7 @@ def _result(t: protocol.Task, state: State, out: np.ndarray, start: int, rep, cf
         "forward_evals": rep.forward_evals,
         "seconds": rep.seconds,
         "train_loss": rep.loss,
+        "evaluator": rep.evaluator.value,
         "sha256": sha,
         "weights": out,
         "opt": state.opt.to_record(),
@@ -344,7 +346,9 @@ def _train_all(
     tasks left), cache each new version, and return their results."""
     if not runnable:
         return []
-    evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel)
+    # The capability query measured (and cached) which evaluator this box trains with under "auto".
+    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
+    evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel, probe.chosen(caps))
     log.info(
         "round %s: training experts %s for up to %.0f s", body["round"], [t["expert"] for t, *_ in runnable], budget
     )

@@ -7,7 +7,9 @@ the unit the scheduler plans in and a worker's round reports: forward evaluation
 as `config.evals_per_step` of them.
 
 Measured once per (model, SPSA config, batch, device, threads, versions) and cached on disk, because the
-ClientApp process that answers the capability query lives for one message only.
+ClientApp process that answers the capability query lives for one message only. With spsa.evaluator =
+"auto" on an accelerator, both evaluators are timed and the faster one is cached with the rate: the worker
+then trains with it (`chosen`) and names it in every result, so each version records how it was made.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from soma_edge import __version__, devices, params
-from soma_edge.config import Config
-from soma_edge.runtime import LossEvaluator, evaluator_for
+from soma_edge.config import Config, Evaluator
+from soma_edge.runtime import LossEvaluator, evaluator_for, evaluator_kind, measures_auto
 from soma_edge.spsa import State
 from worker.cache import Cache
 from worker.trainer import train
@@ -43,10 +45,21 @@ def cuda_memory_bytes() -> int | None:
     return found[0].memory_bytes if found else None
 
 
-def make_evaluator(cfg: Config, device: str, threads: int, spin: bool, parallel: int = 0) -> LossEvaluator:
-    """The worker's evaluator. Workers sharing a box pass parallel=1 and threads=cores/workers, so that
-    together they use each core once; a worker alone lets ORT and SPSA choose (0 = auto)."""
-    return evaluator_for(cfg, device, threads, spin, parallel)
+def make_evaluator(
+    cfg: Config, device: str, threads: int, spin: bool, parallel: int = 0, evaluator: Evaluator | None = None
+) -> LossEvaluator:
+    """The worker's evaluator (`evaluator`: the measured choice for spsa.evaluator = "auto", see
+    `chosen`). Workers sharing a box pass parallel=1 and threads=cores/workers, so that together they use
+    each core once; a worker alone lets ORT and SPSA choose (0 = auto)."""
+    return evaluator_for(cfg, device, threads, spin, parallel, evaluator)
+
+
+def chosen(caps: dict[str, Any]) -> Evaluator | None:
+    """The evaluator a capability record says this worker trains with (None: the config's own choice)."""
+    try:
+        return Evaluator(caps.get("evaluator"))
+    except ValueError:
+        return None
 
 
 def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> str:
@@ -83,14 +96,20 @@ def capabilities(
     """Measured (or cached) throughput plus static facts about this box."""
     key = _key(cfg, device, threads, spin, parallel)
     hit = cache.get_json(key)
-    if isinstance(hit, dict) and isinstance(hit.get("evals_per_s"), (int, float)):
+    if isinstance(hit, dict) and isinstance(hit.get("evals_per_s"), (int, float)) and chosen(hit) is not None:
         return {**hit, "probe_cached": True}
     t0 = time.perf_counter()
     evaluator = make_evaluator(cfg, device, threads, spin, parallel)
-    rate = measure(evaluator, cfg, seconds)
+    rates = {evaluator_kind(evaluator): measure(evaluator, cfg, seconds)}
+    if measures_auto(cfg.spsa.evaluator, evaluator.providers):
+        other = Evaluator.LOOP if evaluator_kind(evaluator) is Evaluator.POPULATION else Evaluator.POPULATION
+        rates[other] = measure(make_evaluator(cfg, device, threads, spin, parallel, other), cfg, seconds)
+    best = max(rates, key=lambda e: (rates[e], e is Evaluator.POPULATION))
     on_cuda = evaluator.providers[0] == devices.CUDA
     out = {
-        "evals_per_s": rate,
+        "evals_per_s": rates[best],
+        "evaluator": best.value,
+        "evaluator_rates": {e.value: r for e, r in rates.items()},
         "providers": list(evaluator.providers),
         "device": device,
         "threads": evaluator.threads,

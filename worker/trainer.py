@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_edge.config import Config, evals_per_step
-from soma_edge.runtime import LossEvaluator
+from soma_edge.config import Config, Evaluator, evals_per_step
+from soma_edge.runtime import LossEvaluator, evaluator_kind
 from soma_edge.spsa import State
 from soma_edge.steps import objectives
 from soma_edge.steps import stepper as make_stepper
@@ -23,6 +23,7 @@ class TrainReport:
     seconds: float
     loss: float  # mean minibatch loss over the steps run (the clean loss with the delta rule)
     forward_evals: int
+    evaluator: Evaluator = Evaluator.LOOP  # how the steps' losses were evaluated
     grads: list[np.ndarray] = field(default_factory=list)  # per step, the scalars that replay its body update
     decoder_grads: list[np.ndarray] = field(default_factory=list)  # per step, with keep_decoder_grads
 
@@ -52,7 +53,7 @@ def train(
     if cfg.spsa.decoder == "delta" and evaluator.train_session is None:
         raise ValueError("spsa.decoder = 'delta' needs an evaluator built with decoder_grad=True")
     stepper = make_stepper(cfg, expert, evaluator.parallel)
-    report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
+    report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0, evaluator=evaluator_kind(evaluator))
     t0 = time.perf_counter()
     loss_sum = 0.0
     try:

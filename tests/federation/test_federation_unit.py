@@ -472,9 +472,12 @@ def test_check_result_accepts_a_good_result_and_float16():
         ("steps", True),
         ("version", True),
         ("expert", [0]),
+        ("evaluator", "gpu"),
+        ("evaluator", ["loop"]),
     ]:
         with pytest.raises(ValidationError):
             protocol.check_result({**res, key: bad}, exp, {0: "a" * 64})
+    assert protocol.check_result({**res, "evaluator": "population"}, exp, {0: "a" * 64})[0] is w
     with pytest.raises(ValidationError, match="step counter"):
         protocol.check_result({**res, "step": 4}, exp, {0: "a" * 64})
     with pytest.raises(ValidationError, match="steps"):

@@ -1,6 +1,6 @@
 """A federation whose worker evaluates its steps with the population evaluator (spsa.evaluator =
 "population") and replies with update logs: the coordinator replays them, audits their scalars with the
-loop, and accepts them."""
+loop, and accepts them; each version's metrics line names the evaluator that made it."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def test_population_worker_log_replies_are_audited_and_accepted(run, tmp_path, m
     lines = [m for m in run.read_metrics() if m["type"] == "expert"]
     assert calls and set(calls) == {cfg.spsa.directions}  # the steps went through the population graph
     assert lines and all(m["accepted"] and m["weights_bytes_up"] == 0 and m["log_bytes_up"] for m in lines), lines
+    assert all(m["evaluator"] == "population" for m in lines)  # each version records how it was made
     rejected = [x for m in run.read_metrics() if m["type"] == "round" for x in m["rejected"]]
     assert not rejected
     assert len(audited) == len(lines) and all(n > 0 for n in audited)  # each log's scalars were recomputed

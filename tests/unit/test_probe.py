@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
-from soma_edge import spsa
-from soma_edge.config import evals_per_step, from_dict
+from soma_edge import params, spsa
+from soma_edge.config import Evaluator, evals_per_step, from_dict
+from soma_edge.runtime import evaluator_kind
 from worker import probe
 from worker.cache import Cache
+from worker.trainer import train
 
 CFG = from_dict({"model": {"embed": 8, "hidden": 16}, "data": {"batch": 2, "seq_len": 16}, "device": "cpu"})
 SLOW = 0.02  # s added to each call of the slowed part: far above a step of this model (well under 1 ms)
@@ -56,3 +59,51 @@ def test_the_probe_is_cached_per_spsa_config(tmp_path, monkeypatch):
     other = from_dict({**CFG.to_dict(), "spsa": {**CFG.to_dict()["spsa"], "directions": 4}})
     assert not probe.capabilities(other, cache, "cpu", 1, False, 1, seconds=0.05)["probe_cached"]
     assert len(calls) == 2
+
+
+def test_auto_on_the_cpu_is_the_loop_without_measuring_the_population(tmp_path, monkeypatch):
+    """On the CPU EP `auto` is one fixed choice (the loop), so CPU runs stay deterministic: one probe."""
+    calls = []
+    real = probe.measure
+    monkeypatch.setattr(probe, "measure", lambda ev, *a, **k: calls.append(ev.population) or real(ev, *a, **k))
+    caps = probe.capabilities(CFG, Cache(tmp_path), "cpu", 1, False, 1, seconds=0.05)
+    assert caps["evaluator"] == "loop" and list(caps["evaluator_rates"]) == ["loop"] and calls == [None]
+    assert probe.chosen(caps) is Evaluator.LOOP
+
+
+@pytest.mark.parametrize("faster", [Evaluator.LOOP, Evaluator.POPULATION])
+def test_auto_on_an_accelerator_measures_both_once_and_trains_with_the_faster(tmp_path, monkeypatch, faster):
+    """Where `auto` is measured (an accelerator; faked here on the CPU EP), the probe times both evaluators
+    once per expert shape, caches the faster, and the worker trains with it and names it in its report."""
+    monkeypatch.setattr(probe, "measures_auto", lambda choice, providers: True)
+    rates = {Evaluator.LOOP: 100.0, Evaluator.POPULATION: 300.0}
+    if faster is Evaluator.LOOP:
+        rates = {Evaluator.LOOP: 300.0, Evaluator.POPULATION: 100.0}
+    timed = []
+
+    def fake(ev, cfg, seconds=0.0):
+        timed.append(evaluator_kind(ev))
+        return rates[timed[-1]]
+
+    monkeypatch.setattr(probe, "measure", fake)
+    cache = Cache(tmp_path)
+    caps = probe.capabilities(CFG, cache, "cpu", 1, False, 1, seconds=0.05)
+    assert len(timed) == 2 and set(timed) == set(rates)
+    assert caps["evaluator"] == faster.value and caps["evals_per_s"] == 300.0
+    assert caps["evaluator_rates"] == {e.value: r for e, r in rates.items()}
+    again = probe.capabilities(CFG, cache, "cpu", 1, False, 1, seconds=0.05)
+    assert again["probe_cached"] and len(timed) == 2 and probe.chosen(again) is faster
+    evaluator = probe.make_evaluator(CFG, "cpu", 1, False, 1, probe.chosen(again))
+    assert evaluator_kind(evaluator) is faster
+    data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    report = train(spsa.State(params.init(CFG.model, 0)), data, CFG, evaluator, steps=1)
+    assert report.evaluator is faster
+
+
+def test_a_cached_probe_without_an_evaluator_is_measured_again(tmp_path, monkeypatch):
+    """A probe cached by a version that did not record the evaluator cannot say which one to train with."""
+    cache = Cache(tmp_path)
+    first = probe.capabilities(CFG, cache, "cpu", 1, False, 1, seconds=0.05)
+    key = probe._key(CFG, "cpu", 1, False, 1)
+    cache.put_json(key, {k: v for k, v in first.items() if k not in ("evaluator", "probe_cached")})
+    assert not probe.capabilities(CFG, cache, "cpu", 1, False, 1, seconds=0.05)["probe_cached"]
