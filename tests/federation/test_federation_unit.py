@@ -182,6 +182,57 @@ def test_rejection_leaves_existing_versions_and_files_unchanged(run, tmp_path):
     assert _hashes(run.root) == before
 
 
+def _padded(body: dict, nbytes: int) -> dict:
+    """`body` with a "pad" field sized so that its packed reply is exactly `nbytes` long."""
+    out = {**body, "pad": b""}
+    for _ in range(4):  # the bin header grows from 2 to 5 bytes once, then the size is exact
+        short = nbytes - protocol.payload_bytes(protocol.pack(out, protocol.KIND_REPLY))
+        out["pad"] = b"\0" * (len(out["pad"]) + short)
+    assert protocol.payload_bytes(protocol.pack(out, protocol.KIND_REPLY)) == nbytes
+    return out
+
+
+def test_a_reply_over_the_per_node_bound_is_refused_and_one_at_it_accepted(run, tmp_path, caplog, monkeypatch):
+    """The coordinator decodes a node's train reply only up to that node's bound (`Expected.max_reply_bytes`:
+    its tasks' weights and three optimizer vectors each, plus room for metrics). Node a's replies come
+    back one byte over it, node b's exactly at it: a's experts keep version 0 with their files untouched,
+    one line per refused result names the size and the bound, and b's experts advance, so an off-by-one
+    bound either way fails here."""
+    from soma_edge import params
+
+    equal_rates(monkeypatch)  # two experts per node
+    set_fed(run, rounds=0)
+    Coordinator(FakeGrid(tmp_path / "idle", ["a", "b"]), run).main()  # version 0 of every expert, no round
+    set_fed(run, rounds=1)
+    cfg = run.load_config()
+    before = _hashes(run.root)
+    bounds: dict[int, int] = {}
+
+    def pad(nid, body):
+        tasks = {r["expert"]: protocol.SentTask() for r in body["results"]}
+        bound = protocol.Expected(nid, body["round"], tasks, params.count(cfg.model), "float32").max_reply_bytes()
+        bounds[nid] = bound
+        return _padded(body, bound + 1 if nid == 1000 else bound)
+
+    with caplog.at_level(logging.WARNING, logger="soma.coord"):
+        state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=pad), run).main()
+    rnd = next(m for m in run.read_metrics() if m["type"] == "round")
+    refused = sorted(r["expert"] for r in rnd["rejected"])
+    accepted = [e for e in range(4) if state.expert(e).version == 1]
+    assert len(refused) == 2 and sorted(refused + accepted) == [0, 1, 2, 3], (refused, accepted)
+    assert all(state.expert(e).version == 0 for e in refused)
+    why = f"train_reply message of {bounds[1000] + 1} bytes exceeds the limit of {bounds[1000]} bytes"
+    assert all(r["node"] == "a" and r["reason"] == why for r in rnd["rejected"]), rnd["rejected"]
+    lines = [r.getMessage() for r in caplog.records if "rejected expert" in r.getMessage()]
+    assert len(lines) == 2 and all(why in x and "\n" not in x for x in lines), lines
+    after = _hashes(run.root)
+    for e in refused:  # nothing of the refused results was stored
+        assert {k: v for k, v in after.items() if k.startswith(f"experts/{e}/")} == {
+            k: v for k, v in before.items() if k.startswith(f"experts/{e}/")
+        }
+    assert all((run.root / "experts" / str(e) / "v1.msgpack").is_file() for e in accepted)
+
+
 def test_missed_deadline_moves_experts_and_loses_nothing(run, tmp_path):
     set_fed(run, rounds=2, deadline_slack=1.0)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
