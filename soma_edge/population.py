@@ -11,7 +11,7 @@ config trains with (runtime.evaluator_for), and `PopulationEvaluator.members` is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ class PopulationEvaluator:
         self.providers: list[str] = self.session.get_providers()
         self.inputs: list[NoiseInput] = noise_inputs(self.model, self.k, self.perturbed, self.noise)
         self.outputs = ["losses"] + ([f"grad.{n}" for n in self.layout.decoder] if self.decoder_grad else [])
+        self.update: Any = None  # the update graph's session (soma_edge.resident), made on first use
 
     def _check(self, noise: dict[str, np.ndarray]) -> None:
         if set(noise) != {i.name for i in self.inputs}:
@@ -80,9 +81,13 @@ class PopulationEvaluator:
 
     def members(self, flat: np.ndarray, probes: Probes, eps: float, x: np.ndarray, y: np.ndarray) -> Population:
         """`evaluate` on the Stepper's directions for one minibatch (its flat z, or its rank-1 factors)."""
+        return self.evaluate(flat, self.noise_of(probes), eps, x, y)
+
+    def noise_of(self, probes: Probes) -> dict[str, np.ndarray]:
+        """The graph's noise inputs for the Stepper's directions: cut from their flat z, or their factors."""
         if probes.factors is not None:
-            return self.evaluate(flat, factor_feeds(self.layout, self.perturbed, probes.factors), eps, x, y)
-        return self.evaluate(flat, noise_feeds(self.layout, self.perturbed, self.noise, probes.z), eps, x, y)
+            return factor_feeds(self.layout, self.perturbed, probes.factors)
+        return noise_feeds(self.layout, self.perturbed, self.noise, probes.z)
 
 
 _GRAPH_NOISE = {SPSANoise.RADEMACHER: Noise.SIGNS, SPSANoise.GAUSSIAN: Noise.GAUSSIAN, SPSANoise.RANK1: Noise.RANK1}

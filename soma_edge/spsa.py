@@ -540,7 +540,7 @@ class Stepper:
         grads = np.empty(K * len(objs), dtype=np.float64)
         probe_losses, cleans = 0.0, []
         for a, obj in enumerate(objs):
-            probes = self._probes(t, range(a * K, (a + 1) * K), body)
+            probes = self.probes(t, range(a * K, (a + 1) * K), body)
             with self._gate:
                 out = obj.members(w, probes, eps)
             for i in range(K):
@@ -552,7 +552,9 @@ class Stepper:
             cleans.append((out.loss, out.decoder_grad if delta else None))
         return _Sums(acc, grads, probe_losses, cleans)
 
-    def _probes(self, t: int, js: range, body: int) -> Probes:
+    def probes(self, t: int, js: range, body: int) -> Probes:
+        """Directions `js` of step t over the first `body` weights, as a population call takes them: their
+        dense z stacked, or for rank-1 probes their factors."""
         if self.cfg.noise == "rank1":
             shapes = body_shapes(self.shapes, body)
             return Probes(None, [rank1_factors(self.seed, self.expert, t, j, shapes) for j in js])

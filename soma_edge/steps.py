@@ -30,12 +30,17 @@ def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int)
     population in one call, and the Stepper takes that path."""
     out = []
     pop = evaluator.population
-    for part in range(cfg.spsa.accumulate):
-        x, y = sample_batch(data, cfg.data.batch, cfg.data.seq_len, batch_rng(cfg.seed, expert, step, part))
+    for x, y in batches(data, cfg, expert, step):
         clean = (lambda w, x=x, y=y: evaluator.clean(w, x, y)) if evaluator.train_session is not None else None
         members = (lambda w, probes, eps, x=x, y=y: pop.members(w, probes, eps, x, y)) if pop is not None else None
         out.append(Objective(loss=lambda w, x=x, y=y: evaluator.loss(w, x, y), clean=clean, members=members))
     return out
+
+
+def batches(data: np.ndarray, cfg: Config, expert: int, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The step's `accumulate` minibatches (x, y), each drawn from its own key."""
+    keys = [batch_rng(cfg.seed, expert, step, part) for part in range(cfg.spsa.accumulate)]
+    return [sample_batch(data, cfg.data.batch, cfg.data.seq_len, key) for key in keys]
 
 
 def replay(cfg: Config, state: State, log: UpdateLog, expert: int) -> State:

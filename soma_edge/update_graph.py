@@ -265,17 +265,27 @@ def write_back(
 ) -> None:
     """Put an update's outputs into a host State and advance its counters as spsa._apply does (the step; the
     Adam count when Adam ran), so the State equals the one _apply would have left."""
+    store(model, cfg, state, {name[len("new.") :]: value for name, value in outs.items()}, decoder)
+    advance(cfg, state, decoder)
+
+
+def store(model: ModelConfig, cfg: SPSAConfig, state: spsa.State, arrays: dict[str, np.ndarray], decoder: bool) -> None:
+    """Put per-tensor arrays named as the update graph's inputs (`w.<name>`, `m.<name>`, `v.<name>`,
+    `mom.<name>`) into a host State's flat vectors, creating the moments where spsa would have."""
     lay = layout(model)
     opt, n = state.opt, lay.size
-    adam = _adam_body(cfg) or decoder
-    if adam and opt.adam_m is None:
+    if (_adam_body(cfg) or decoder) and opt.adam_m is None:
         opt.adam_m, opt.adam_v = np.zeros(n, np.float32), np.zeros(n, np.float32)
     if _momentum(cfg) and opt.momentum is None:
         opt.momentum = np.zeros(n, np.float32)
     flats = {"w": state.weights, "m": opt.adam_m, "v": opt.adam_v, "mom": opt.momentum}
-    for name, value in outs.items():
-        prefix, tensor = name[len("new.") :].split(".", 1)
+    for name, value in arrays.items():
+        prefix, tensor = name.split(".", 1)
         lay.views(flats[prefix])[tensor][...] = value
-    if adam:
-        opt.adam_t += 1
+
+
+def advance(cfg: SPSAConfig, state: spsa.State, decoder: bool) -> None:
+    """A step's counters, as spsa._apply advances them: the step, and the Adam count when Adam ran."""
+    if _adam_body(cfg) or decoder:
+        state.opt.adam_t += 1
     state.step += 1

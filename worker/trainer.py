@@ -13,7 +13,7 @@ import numpy as np
 from soma_edge.config import Config, Evaluator, evals_per_step
 from soma_edge.runtime import LossEvaluator, evaluator_kind
 from soma_edge.spsa import State
-from soma_edge.steps import objectives
+from soma_edge.steps import batches, objectives
 from soma_edge.steps import stepper as make_stepper
 
 
@@ -52,13 +52,22 @@ def train(
         raise ValueError("give steps, seconds, or both")
     if cfg.spsa.decoder == "delta" and evaluator.train_session is None:
         raise ValueError("spsa.decoder = 'delta' needs an evaluator built with decoder_grad=True")
-    stepper = make_stepper(cfg, expert, evaluator.parallel)
+    # With the population evaluator, the expert stays on its device where the update graph allows it.
+    runner = None
+    if evaluator.population is not None:
+        from soma_edge import resident  # imports onnx, as the population evaluator does: only on its path
+
+        runner = resident.for_training(cfg, evaluator.population, expert, state)
+    stepper = None if runner is not None else make_stepper(cfg, expert, evaluator.parallel)
     report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0, evaluator=evaluator_kind(evaluator))
     t0 = time.perf_counter()
     loss_sum = 0.0
     try:
         while (steps is None or report.steps < steps) and (seconds is None or time.perf_counter() - t0 < seconds):
-            result = stepper.step(state, objectives(data, cfg, evaluator, expert, state.step))
+            if runner is not None:
+                result = runner.step(batches(data, cfg, expert, state.step), keep_decoder_grads)
+            else:
+                result = stepper.step(state, objectives(data, cfg, evaluator, expert, state.step))
             report.steps += 1
             report.forward_evals += evals_per_step(cfg.spsa)
             report.grads.append(result.grads)
@@ -66,7 +75,10 @@ def train(
                 report.decoder_grads.append(result.decoder_grad)
             loss_sum += result.loss
     finally:
-        stepper.close()
+        if runner is not None:
+            runner.download()  # the weights and optimizer state back into `state`
+        else:
+            stepper.close()
     report.seconds = time.perf_counter() - t0
     report.loss = loss_sum / max(report.steps, 1)
     return report

@@ -22,13 +22,13 @@ def test_population_worker_log_replies_are_audited_and_accepted(run, tmp_path, m
 
     monkeypatch.setattr(replay, "audit", audit)
     calls = []
-    real = population.PopulationEvaluator.members
+    real = population.PopulationEvaluator.noise_of  # the host's noise for a population call, either path
 
     def counted(self, *args, **kwargs):
         calls.append(self.k)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(population.PopulationEvaluator, "members", counted)  # the worker runs in this process
+    monkeypatch.setattr(population.PopulationEvaluator, "noise_of", counted)  # the worker runs in this process
     cfg = run.load_config()
     cfg.spsa.evaluator = "population"
     run.save_config(cfg)

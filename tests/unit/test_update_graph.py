@@ -35,7 +35,7 @@ GRAPH_NOISE = {Noise.RADEMACHER: GraphNoise.SIGNS, Noise.GAUSSIAN: GraphNoise.GA
 
 def _noise(stepper: spsa.Stepper, lay: params.Layout, perturbed, t: int, body: int, k: int) -> dict[str, np.ndarray]:
     """The k directions of step t as the population graph's inputs, drawn by the Stepper itself."""
-    probes = stepper._probes(t, range(k), body)
+    probes = stepper.probes(t, range(k), body)
     if probes.factors is not None:
         return factor_feeds(lay, perturbed, probes.factors)
     return noise_feeds(lay, perturbed, GRAPH_NOISE[stepper.cfg.noise], probes.z)
