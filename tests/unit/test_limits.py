@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("soma_edge", "coordinator", "worker", "export")
 MAX_CLASS, MAX_FUNCTION = 250, 80
 # Imported where used, so that a command or a process that never needs them never pays for them.
-# soma_edge.graph, soma_edge.population and soma_edge.update_graph count as onnx: they build onnx graphs, and the
-# deploy path must run without onnx.
+# soma_edge.graph, soma_edge.population, soma_edge.update_graph and soma_edge.resident count as onnx: they build
+# (or run what builds) onnx graphs, and the deploy path must run without onnx.
 # pydoc_data is an optional part of the standard library that only the stdlib corpus reads.
 HEAVY = {
     "torch",
@@ -26,6 +26,7 @@ HEAVY = {
     "soma_edge.graph",
     "soma_edge.population",
     "soma_edge.update_graph",
+    "soma_edge.resident",
 }
 HEAVY |= {"pydoc_data"}
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
