@@ -1,6 +1,8 @@
 """The first checks on an NVIDIA box, installing nothing:
 
     python -m bench.gpu_check [--device cuda:0] [--steps 100] [--audit-steps 8] [--out runs/gpu_check]
+                              [--only-throughput | --no-throughput] [--seconds 2] [--budget 450]
+                              [--sizes 124K,S,L] [--batches 16,64] [--ks 1,8,64] [--seq-len 128]
 
 1. libraries: onnxruntime-gpu with its CUDA EP, an NVIDIA driver, the CUDA and cuDNN libraries. Each one
    missing is named in one line (what to install beside it), and the check exits 2 before anything runs.
@@ -12,17 +14,35 @@
    the coordinator's own checks accept the log as `coordinator.intake` runs them: the audit recomputes
    --audit-steps sampled steps on the CPU EP (one thread, as the coordinator does), and the replay of the
    log hashes to the weights the device ended at.
+5. throughput (a table, no verdict): forward evaluations per second at the sizes of bench/spsa_throughput.py
+   (124K, the demo expert; S ~0.9M; L ~7.9M), each B and K, about --seconds a cell, of
+   - loop: one ORT call per evaluation, the weights fed from the host (runtime.LossEvaluator, the trainer's);
+   - loop_resident: the same session with its inputs bound on the device once (IOBinding), the loop's best
+     case, and the baseline of the GPU targets ("vs loop" below);
+   - population and rank1: one call per step of 2K + 1 members, weights and noise fed from the host;
+   - population+cuda_graph (CUDA only): full-rank with every input and output at a fixed device address
+     and the CUDA EP's enable_cuda_graph, a session per B;
+   - torch_eager: the torch reference, in a subprocess (bench/torch_eager.py) since torch's CUDA libraries
+     may differ from ORT's; without torch, or without CUDA in it, one line says so and there is no row.
+   Each row has its ratio to loop_resident and to torch eager at the same size and B, and its device
+   memory: MiB nvidia-smi reports after the row less before its session was made (ORT's arena keeps its
+   peak), torch's peak allocated for torch rows, n/a off CUDA. Full-rank cells whose host noise, [K, body]
+   float32, passes HOST_NOISE (1 GiB: L at K = 64, 1.9 GB and seconds a step to draw) are skipped: the draw
+   would be the step, not the call the row times. Cells that would start more than --budget seconds after
+   the script started are rows noted "skipped: time", so one run stays within its time on a lent GPU
+   (about 4 minutes for the table on an H100/H200-class GPU by estimate, checks 1-4 about one more); a
+   cell that fails (out of memory, say) is a row noted "failed: ...".
 
-Results go to OUT/gpu_check.md and OUT/gpu_check.json. Exit 0 when every check passes, 1 when one fails,
-2 when a library is missing. `--device cpu` runs checks 2-4 with the CPU EP standing in for the GPU: the
-test suite runs it so, to keep this script working on boxes without one (its figures then say nothing
-about a GPU).
+Results go to OUT/gpu_check.md and OUT/gpu_check.json (the table as "throughput": rows of name, params, B,
+K, evaluator, evals_per_s, vs_loop, vs_torch, memory, note; and "throughput_notes"). Exit 0 when every
+check passes, 1 when one fails, 2 when a library is missing. `--device cpu` runs checks 2-5 with the CPU
+EP standing in for the GPU: the test suite runs it so, to keep this script working on boxes without one
+(its figures then say nothing about a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
 import functools
 import gc
@@ -266,7 +286,7 @@ def _torch_rows(t: Table, device: str) -> None:
     if left <= 0:  # no process to start: its rows, as every cell past the deadline
         for name in t.sizes:
             n = params.count(SIZES[name])
-            t.rows += [Row(name, n, b, None, Evaluator.TORCH, note="skipped: time") for b in t.batches]
+            _skip(t, [Row(name, n, b, None, Evaluator.TORCH) for b in t.batches], "skipped: time")
         return
     try:
         r = subprocess.run(
@@ -274,7 +294,8 @@ def _torch_rows(t: Table, device: str) -> None:
         )
         got = json.loads(r.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError) as e:
-        t.notes.append(f"torch eager reference: skipped, the subprocess gave no result ({type(e).__name__})")
+        why = (r.stderr.strip().splitlines() or ["no output"])[-1] if isinstance(e, ValueError | IndexError) else e
+        t.notes.append(f"torch eager reference: skipped, its subprocess gave no result ({why})")
         return
     if got["skipped"]:
         t.notes.append(f"{got['skipped']}: no torch row, no ratio to it")
@@ -287,17 +308,23 @@ def _torch_rows(t: Table, device: str) -> None:
         )
 
 
+def _skip(t: Table, rows: list[Row], note: str) -> None:
+    for r in rows:
+        r.note = note
+    t.rows += rows
+
+
 def _open(t: Table, rows: list[Row], device: str, make):
     """(make(), the device's memory use before it) for a session that `rows` measure; None, with the rows
     noted skipped, past the deadline or when it cannot be made."""
     if time.perf_counter() > t.deadline:
-        t.rows += [dataclasses.replace(r, note="skipped: time") for r in rows]
+        _skip(t, rows, "skipped: time")
         return None
     base = gpu_memory_mib(device)
     try:
         return make(), base
     except Exception as e:  # as in _cell: an EP refusing the graph, or the device out of memory
-        t.rows += [dataclasses.replace(r, note=_failed(e)) for r in rows]
+        _skip(t, rows, _failed(e))
         return None
 
 
@@ -324,16 +351,15 @@ def _population_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.nda
     n = params.count(m)
     for ev, noise in ((Evaluator.POPULATION, Noise.SIGNS), (Evaluator.RANK1, Noise.RANK1)):
         rows = [Row(name, n, b, k, ev) for b in t.batches]
+        graph = noise is Noise.SIGNS and ort_device(device)[0] == "cuda"
+        graph_rows = [Row(name, n, b, k, Evaluator.CUDA_GRAPH) for b in t.batches] if graph else []
         if noise is Noise.SIGNS and _too_big(m, k):
-            t.rows += [dataclasses.replace(r, note="skipped: host noise") for r in rows]
+            _skip(t, rows + graph_rows, "skipped: host noise")
             continue
         feeds = _session_rows(t, rows, m, device, w, noise)
-        if noise is not Noise.SIGNS or ort_device(device)[0] != "cuda":
-            continue
-        for b in t.batches:
-            row = Row(name, n, b, k, Evaluator.CUDA_GRAPH)
-            if feeds is None:
-                t.rows.append(dataclasses.replace(row, note=rows[0].note or "skipped: time"))
+        for row in graph_rows:
+            if feeds is None:  # the population's session was not made: skipped for time, or failed
+                _skip(t, [row], rows[0].note)
             else:
                 _cuda_graph_cell(t, row, m, device, w, feeds)
 
@@ -402,6 +428,7 @@ def throughput(device: str, t: Table) -> Table:
     if ort_device(device)[0] != "cuda":
         t.notes.append(f"population+cuda_graph: not measured (CUDA only; device {device})")
     _ratios(t.rows)
+    t.rows.sort(key=lambda r: t.sizes.index(r.name))  # torch's rows, measured first, beside their size's
     return t
 
 
@@ -458,7 +485,7 @@ def write(out: Path, device: str, checks: list[Check], table: Table | None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda:0", help="cuda:i, or cpu to dry-run checks 2-4 on the CPU EP")
+    ap.add_argument("--device", default="cuda:0", help="cuda:i, or cpu to dry-run checks 2-5 on the CPU EP")
     ap.add_argument("--steps", type=int, default=100, help="SPSA steps of the log round")
     ap.add_argument("--audit-steps", type=int, default=8, help="steps the coordinator's audit recomputes")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_check"), help="where the .md and .json go")

@@ -128,3 +128,31 @@ def test_torch_eager_runs_apart_from_onnxruntime_or_says_why_not():
     r = subprocess.run([sys.executable, "-c", no_torch], capture_output=True, text=True, cwd=ROOT)
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["rows"] == [] and got["skipped"].startswith("torch eager reference: torch is not installed")
+
+
+def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
+    """The CUDA-only paths, which first run on the one-shot GPU run, exercised on the CPU: a device taken for
+    CUDA gets a population+cuda_graph row per B after each full-rank session (the bound session, here without
+    graph capture), skipped as full-rank is where it is over the noise cap, and device memory on every ORT
+    row."""
+    used = iter(range(1000, 100000, 7))
+    monkeypatch.setattr(gpu_check, "ort_device", lambda device: ("cuda", 0))
+    monkeypatch.setattr(gpu_check, "gpu_memory_mib", lambda device: next(used))
+    monkeypatch.setattr(gpu_check, "BoundPopulation", lambda *a, cuda_graph: BoundPopulation(*a, cuda_graph=False))
+    body = params.layout(SIZES["124K"]).body
+    monkeypatch.setattr(gpu_check, "HOST_NOISE", 2 * body * 4 - 1)  # [K, body] float32: K = 1 under, K = 2 over
+    record, md = _table(tmp_path, "--batches", "2,3")
+    got = [(r["evaluator"], r["K"], r["B"]) for r in record["throughput"] if r["evaluator"] != "torch_eager"]
+    loops = [(e, None, b) for b in (2, 3) for e in ("loop", "loop_resident")]
+    k1 = [(e, 1, b) for e in ("population", "rank1") for b in (2, 3)]
+    k1.insert(2, ("population+cuda_graph", 1, 2))
+    k1.insert(3, ("population+cuda_graph", 1, 3))
+    k2 = [(e, 2, b) for e in ("population", "population+cuda_graph", "rank1") for b in (2, 3)]
+    assert got == loops + k1 + k2
+    for r in record["throughput"]:
+        if r["evaluator"].startswith("population") and r["K"] == 2:
+            assert r["note"] == "skipped: host noise" and r["evals_per_s"] is None
+        elif r["evaluator"] != "torch_eager":
+            assert r["evals_per_s"] > 0 and r["memory"] > 0 and r["vs_loop"] > 0, r
+    assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
+    assert "| population+cuda_graph |" in md
