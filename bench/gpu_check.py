@@ -290,7 +290,7 @@ def _torch_rows(t: Table, device: str) -> None:
         return
     try:
         r = subprocess.run(
-            cmd + ["--budget", f"{max(left, 0):.1f}"], capture_output=True, text=True, cwd=ROOT, timeout=left + 120
+            cmd + ["--budget", f"{max(left, 0):.1f}"], capture_output=True, text=True, cwd=ROOT, timeout=left + 60
         )
         got = json.loads(r.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError) as e:
