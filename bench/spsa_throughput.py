@@ -188,9 +188,8 @@ def resident_loop_rate(ev: LossEvaluator, w: np.ndarray, x: np.ndarray, seconds:
     differ, so this is the loop's best case: the baseline of the issue's GPU targets."""
     ort, (kind, dev) = load_ort(), ort_device(ev.device)
     binding = ev.session.io_binding()
-    held = {
-        n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), kind, dev) for n, a in ev._feeds(w, x, x).items()
-    }
+    feeds = {"x": x, "y": x, **ev.layout.views(w)}
+    held = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), kind, dev) for n, a in feeds.items()}
     for name, value in held.items():
         binding.bind_ortvalue_input(name, value)
     binding.bind_output("loss")
