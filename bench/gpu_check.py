@@ -1,6 +1,8 @@
 """The first checks on an NVIDIA box, installing nothing:
 
     python -m bench.gpu_check [--device cuda:0] [--steps 100] [--audit-steps 8] [--out runs/gpu_check]
+                              [--only-throughput | --no-throughput] [--seconds 2] [--budget 450]
+                              [--sizes 124K,S,L] [--batches 16,64] [--ks 1,8,64] [--seq-len 128]
 
 1. libraries: onnxruntime-gpu with its CUDA EP, an NVIDIA driver, the CUDA and cuDNN libraries. Each one
    missing is named in one line (what to install beside it), and the check exits 2 before anything runs.
@@ -12,18 +14,41 @@
    the coordinator's own checks accept the log as `coordinator.intake` runs them: the audit recomputes
    --audit-steps sampled steps on the CPU EP (one thread, as the coordinator does), and the replay of the
    log hashes to the weights the device ended at.
+5. throughput (a table, no verdict): forward evaluations per second at the sizes of bench/spsa_throughput.py
+   (124K, the demo expert; S ~0.9M; L ~7.9M), each B and K, about --seconds a cell, of
+   - loop: one ORT call per evaluation, the weights fed from the host (runtime.LossEvaluator, the trainer's);
+   - loop_resident: the same session with its inputs bound on the device once (IOBinding), the loop's best
+     case, and the baseline of the GPU targets ("vs loop" below);
+   - population and rank1: one call per step of 2K + 1 members, weights and noise fed from the host;
+   - population+cuda_graph (CUDA only): full-rank with every input and output at a fixed device address
+     and the CUDA EP's enable_cuda_graph, a session per B;
+   - torch_eager: the torch reference, in a subprocess (bench/torch_eager.py) since torch's CUDA libraries
+     may differ from ORT's; without torch, or without CUDA in it, one line says so and there is no row.
+   Each row has its ratio to loop_resident and to torch eager at the same size and B, and its device
+   memory: MiB nvidia-smi reports after the row less before its session was made (ORT's arena keeps its
+   peak), torch's peak allocated for torch rows, n/a off CUDA. Full-rank cells whose host noise, [K, body]
+   float32, passes HOST_NOISE (1 GiB: L at K = 64, 1.9 GB and seconds a step to draw) are skipped: the draw
+   would be the step, not the call the row times. Cells that would start more than --budget seconds after
+   the script started are rows noted "skipped: time", so one run stays within its time on a lent GPU
+   (about 4 minutes for the table on an H100/H200-class GPU by estimate, checks 1-4 about one more); a
+   cell that fails (out of memory, say) is a row noted "failed: ...".
 
-Results go to OUT/gpu_check.md and OUT/gpu_check.json. Exit 0 when every check passes, 1 when one fails,
-2 when a library is missing. `--device cpu` runs checks 2-4 with the CPU EP standing in for the GPU: the
-test suite runs it so, to keep this script working on boxes without one (its figures then say nothing
-about a GPU).
+Results go to OUT/gpu_check.md and OUT/gpu_check.json (the table as "throughput": rows of name, params, B,
+K, evaluator, evals_per_s, vs_loop, vs_torch, memory, note; and "throughput_notes"). Exit 0 when every
+check passes, 1 when one fails, 2 when a library is missing. `--device cpu` runs checks 2-5 with the CPU
+EP standing in for the GPU: the test suite runs it so, to keep this script working on boxes without one
+(its figures then say nothing about a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import functools
+import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,7 +56,18 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import machine, md_head, md_row, say
+from bench.common import ROOT, machine, md_head, md_row, say
+from bench.spsa_throughput import (
+    SIZES,
+    BoundPopulation,
+    Shape,
+    bound_rate,
+    loop_rate,
+    ort_device,
+    population_rate,
+    population_setup,
+    resident_loop_rate,
+)
 from coordinator import replay
 from soma_edge import devices, params, protocol, runtime, steps
 from soma_edge.config import Config, ModelConfig
@@ -39,12 +75,14 @@ from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
 from soma_edge.graph import MODES, build
 from soma_edge.numerics import DELTA
+from soma_edge.population_graph import Noise
 from soma_edge.spsa import State, record_log
 from worker.doctor import DEMO_MODEL
 from worker.trainer import train
 
 KINDS = {"lstm": DEMO_MODEL, "soma": ModelConfig(kind="soma", embed=64, hidden=64, layers=2)}
 SAMPLES = 3  # weights and batches per kind in the numerics check
+HOST_NOISE = 1 << 30  # full-rank throughput cells whose [K, body] float32 host noise is larger are skipped
 
 
 @dataclass
@@ -159,23 +197,309 @@ def corpus_bytes(limit: int = 1 << 21) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
 
 
-def write(out: Path, device: str, checks: list[Check]) -> None:
+# --- 5. throughput -------------------------------------------------------------------------------------
+
+
+class Evaluator(str, enum.Enum):
+    """A row of the throughput table: what evaluates the losses."""
+
+    LOOP = "loop"  # one ORT call per evaluation, the weights fed from the host (the trainer's loop)
+    LOOP_RESIDENT = "loop_resident"  # the same, its inputs bound on the device once: the loop's best case
+    POPULATION = "population"  # one call per step (2K + 1 members), full-rank signs fed from the host
+    RANK1 = "rank1"  # the same with rank-1 probes
+    CUDA_GRAPH = "population+cuda_graph"  # full-rank, every input at a fixed device address, replayed
+    TORCH = "torch_eager"  # the torch reference expert, one forward per evaluation, in a subprocess
+
+
+@dataclass
+class Row:
+    """One cell: `evals_per_s` forward evaluations per second (None when not measured, `note` says why);
+    `vs_loop` against loop_resident at the same size and B, `vs_torch` against torch eager; `memory` in MiB
+    (module docstring), None where not measurable."""
+
+    name: str
+    params: int
+    B: int
+    K: int | None  # None: a row whose rate does not depend on K (the loop, torch)
+    evaluator: Evaluator
+    evals_per_s: float | None = None
+    vs_loop: float | None = None
+    vs_torch: float | None = None
+    memory: int | None = None
+    note: str = ""
+
+
+@dataclass
+class Table:
+    """What the throughput table measures, and until when (a time.perf_counter() deadline)."""
+
+    sizes: list[str]
+    batches: list[int]
+    ks: list[int]
+    seq_len: int
+    seconds: float
+    deadline: float
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def gpu_memory_mib(device: str) -> int | None:
+    """The device's used memory in MiB (nvidia-smi, every process's); None off CUDA or without nvidia-smi.
+    nvidia-smi's index is taken as CUDA's: true on a one-GPU box, which is what this check is for."""
+    cuda_id = devices.parse(device).cuda_id
+    if cuda_id is None:
+        return None
+    cmd = ["nvidia-smi", f"--id={cuda_id}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    try:
+        return int(subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def _cell(t: Table, row: Row, device: str, base: int | None, measure) -> None:
+    """Measure one row (unless past the deadline), its memory as the device's use now less `base`, the use
+    before its session was made: ORT's arena keeps what a session's runs needed at most."""
+    t.rows.append(row)
+    if time.perf_counter() > t.deadline:
+        row.note = "skipped: time"
+        return
+    try:
+        row.evals_per_s = measure()
+    except Exception as e:  # one cell failing (out of memory, an EP refusing) must not lose the table
+        row.note = _failed(e)
+    now = gpu_memory_mib(device)
+    row.memory = None if now is None or base is None else now - base
+    got = row.note if row.evals_per_s is None else f"{row.evals_per_s:.1f} evals/s"
+    say(f"  {row.name} B={row.B} K={row.K or '-'} {row.evaluator.value}: {got}")
+
+
+def _failed(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def _torch_rows(t: Table, device: str) -> None:
+    """torch eager in its own process (its CUDA libraries must not load into this one): one row per size and
+    B, or one note saying why there are none."""
+    cmd = [sys.executable, "-m", "bench.torch_eager", "--device", device, "--sizes", ",".join(t.sizes)]
+    cmd += ["--batches", ",".join(map(str, t.batches)), "--seq-len", str(t.seq_len), "--seconds", str(t.seconds)]
+    left = t.deadline - time.perf_counter()
+    if left <= 0:  # no process to start: its rows, as every cell past the deadline
+        for name in t.sizes:
+            n = params.count(SIZES[name])
+            _skip(t, [Row(name, n, b, None, Evaluator.TORCH) for b in t.batches], "skipped: time")
+        return
+    try:
+        r = subprocess.run(
+            cmd + ["--budget", f"{max(left, 0):.1f}"], capture_output=True, text=True, cwd=ROOT, timeout=left + 60
+        )
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        why = (r.stderr.strip().splitlines() or ["no output"])[-1] if isinstance(e, ValueError | IndexError) else e
+        t.notes.append(f"torch eager reference: skipped, its subprocess gave no result ({why})")
+        return
+    if got["skipped"]:
+        t.notes.append(f"{got['skipped']}: no torch row, no ratio to it")
+        return
+    t.notes.append(f"torch eager: torch {got['torch']}, in a subprocess; memory = torch's peak allocated MiB")
+    for g in got["rows"]:
+        n = params.count(SIZES[g["name"]])
+        t.rows.append(
+            Row(g["name"], n, g["batch"], None, Evaluator.TORCH, g["evals_per_s"], memory=g["memory"], note=g["note"])
+        )
+
+
+def _skip(t: Table, rows: list[Row], note: str) -> None:
+    for r in rows:
+        r.note = note
+    t.rows += rows
+
+
+def _open(t: Table, rows: list[Row], device: str, make):
+    """(make(), the device's memory use before it) for a session that `rows` measure; None, with the rows
+    noted skipped, past the deadline or when it cannot be made."""
+    if time.perf_counter() > t.deadline:
+        _skip(t, rows, "skipped: time")
+        return None
+    base = gpu_memory_mib(device)
+    try:
+        return make(), base
+    except Exception as e:  # as in _cell: an EP refusing the graph, or the device out of memory
+        _skip(t, rows, _failed(e))
+        return None
+
+
+def _loop_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray) -> None:
+    evs = (Evaluator.LOOP, Evaluator.LOOP_RESIDENT)
+    rows = [Row(name, params.count(m), b, None, e) for b in t.batches for e in evs]
+    opened = _open(t, rows, device, lambda: runtime.LossEvaluator(m, device, parallel=1))
+    if opened is None:
+        return
+    ev, base = opened
+    for row in rows:
+        fn = loop_rate if row.evaluator is Evaluator.LOOP else resident_loop_rate
+        _cell(t, row, device, base, functools.partial(fn, ev, w, _ids(row.B, t.seq_len), t.seconds))
+
+
+def _too_big(m: ModelConfig, k: int) -> bool:
+    """Full-rank noise the host cannot draw in step with the device: [K, body] float32 over HOST_NOISE."""
+    return k * params.layout(m).body * 4 > HOST_NOISE
+
+
+def _population_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray, k: int) -> None:
+    """Full-rank and rank-1 at K, one session each for every B; then (CUDA) full-rank under CUDA graph
+    capture, a session per B (a captured graph has fixed shapes)."""
+    n = params.count(m)
+    for ev, noise in ((Evaluator.POPULATION, Noise.SIGNS), (Evaluator.RANK1, Noise.RANK1)):
+        rows = [Row(name, n, b, k, ev) for b in t.batches]
+        graph = noise is Noise.SIGNS and ort_device(device)[0] == "cuda"
+        graph_rows = [Row(name, n, b, k, Evaluator.CUDA_GRAPH) for b in t.batches] if graph else []
+        if noise is Noise.SIGNS and _too_big(m, k):
+            _skip(t, rows + graph_rows, "skipped: host noise")
+            continue
+        feeds = _session_rows(t, rows, m, device, w, noise)
+        for row in graph_rows:
+            if feeds is None:  # the population's session was not made: skipped for time, or failed
+                _skip(t, [row], rows[0].note)
+            else:
+                _cuda_graph_cell(t, row, m, device, w, feeds)
+
+
+def _session_rows(t: Table, rows: list[Row], m: ModelConfig, device: str, w: np.ndarray, noise: Noise):
+    """One population session's rows (B is free in its graph); the noise it drew, None when it made none."""
+    opened = _open(t, rows, device, lambda: population_setup(m, rows[0].K, noise, t.seq_len, device))
+    if opened is None:
+        return None
+    (pop, feeds), base = opened
+    for row in rows:
+        _cell(
+            t, row, device, base, functools.partial(population_rate, pop, feeds, w, _ids(row.B, t.seq_len), t.seconds)
+        )
+    del pop, opened
+    gc.collect()  # the session's device memory goes before the next baseline
+    return feeds
+
+
+def _cuda_graph_cell(t: Table, row: Row, m: ModelConfig, device: str, w: np.ndarray, feeds: dict) -> None:
+    base, x = gpu_memory_mib(device), _ids(row.B, t.seq_len)
+    held = []  # the session, alive until _cell has read the memory it holds
+
+    def measure() -> float:
+        held.append(BoundPopulation(m, row.K, Noise.SIGNS, t.seq_len, row.B, device, cuda_graph=True))
+        return bound_rate(held[0], feeds, w, x, t.seconds)
+
+    _cell(t, row, device, base, measure)
+    held.clear()
+    gc.collect()
+
+
+def _ids(batch: int, seq_len: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (batch, seq_len)).astype(np.int64)
+
+
+def _ratios(rows: list[Row]) -> None:
+    by = {(r.name, r.B, r.evaluator): r.evals_per_s for r in rows if r.K is None}
+    for r in rows:
+        if r.evals_per_s is None:
+            continue
+        loop, torch_r = by.get((r.name, r.B, Evaluator.LOOP_RESIDENT)), by.get((r.name, r.B, Evaluator.TORCH))
+        r.vs_loop = round(r.evals_per_s / loop, 3) if loop else None
+        r.vs_torch = round(r.evals_per_s / torch_r, 3) if torch_r else None
+
+
+def throughput(device: str, t: Table) -> Table:
+    """The table: torch eager first (the reference of every row), then per size the loop, and per K the
+    population, rank-1 and (CUDA) the population under CUDA graph capture. Cells past the deadline are
+    rows noted "skipped: time"."""
+    _torch_rows(t, device)
+    warm = runtime.LossEvaluator(DEMO_MODEL, device, parallel=1)  # the device's context before any baseline
+    warm.loss(params.init(DEMO_MODEL, 0), _ids(1, 8), _ids(1, 8))
+    for name in t.sizes:
+        m = SIZES[name]
+        w = params.init(m, 0)
+        _loop_rows(t, name, m, device, w)
+        for k in t.ks:
+            _population_rows(t, name, m, device, w, k)
+    if any(r.note == "skipped: host noise" for r in t.rows):
+        t.notes.append(
+            f"skipped: host noise: full-rank at K x body x 4 bytes > {HOST_NOISE >> 20} MiB: the host's draw of "
+            "[K, body] float32 signs per step (seconds a step at 8M and K = 64) would be the step, not the call "
+            "the row times"
+        )
+    if ort_device(device)[0] != "cuda":
+        t.notes.append(f"population+cuda_graph: not measured (CUDA only; device {device})")
+    _ratios(t.rows)
+    t.rows.sort(key=lambda r: t.sizes.index(r.name))  # torch's rows, measured first, beside their size's
+    return t
+
+
+def _fmt(v: float | None, spec: str, unit: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{unit}"
+
+
+def throughput_md(t: Table) -> str:
+    head = (
+        f"## Throughput\n\nForward evaluations per second (a population call of K directions is 2K + 1), "
+        f"T = {t.seq_len}, about {t.seconds:g} s a cell. vs loop: against loop_resident (the loop with its inputs "
+        "bound on the device once, the GPU targets' baseline) at the same size and B. memory: MiB the device "
+        "used after the row less before its session (nvidia-smi; ORT's arena keeps its peak), torch's peak "
+        "allocated for torch rows, n/a off CUDA.\n\n"
+    )
+    cols = ["size", "params", "B", "K", "evaluator", "evals/s", "vs loop", "vs torch", "memory MiB", "note"]
+    rows = [
+        md_row(
+            [
+                r.name,
+                f"{r.params:,}",
+                str(r.B),
+                "-" if r.K is None else str(r.K),
+                r.evaluator.value,
+                _fmt(r.evals_per_s, ".1f"),
+                _fmt(r.vs_loop, ".2f", "x"),
+                _fmt(r.vs_torch, ".2f", "x"),
+                "n/a" if r.memory is None else str(r.memory),
+                r.note,
+            ]
+        )
+        for r in t.rows
+    ]
+    notes = "".join(f"\n- {n}" for n in t.notes)
+    return head + md_head(cols) + "\n" + "\n".join(rows) + "\n" + (notes + "\n" if notes else "")
+
+
+def write(out: Path, device: str, checks: list[Check], table: Table | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    head = f"# GPU check on {device}\n\n{machine()}; onnxruntime {runtime.ort_package()}\n\n"
-    rows = [md_row([c.name, "pass" if c.ok else "FAIL", c.detail]) for c in checks]
-    (out / "gpu_check.md").write_text(head + md_head(["check", "result", "detail"]) + "\n" + "\n".join(rows) + "\n")
+    md = f"# GPU check on {device}\n\n{machine()}; onnxruntime {runtime.ort_package()}\n\n"
+    if checks:
+        md += md_head(["check", "result", "detail"]) + "\n"
+        md += "\n".join(md_row([c.name, "pass" if c.ok else "FAIL", c.detail]) for c in checks) + "\n\n"
+    if table is not None:
+        md += throughput_md(table)
+    (out / "gpu_check.md").write_text(md)
     record = {"device": device, "machine": machine(), "ok": all(c.ok for c in checks)}
     record["checks"] = [asdict(c) for c in checks]
+    if table is not None:
+        record["throughput"] = [asdict(r) for r in table.rows]
+        record["throughput_notes"] = table.notes
     (out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=float) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda:0", help="cuda:i, or cpu to dry-run checks 2-4 on the CPU EP")
+    ap.add_argument("--device", default="cuda:0", help="cuda:i, or cpu to dry-run checks 2-5 on the CPU EP")
     ap.add_argument("--steps", type=int, default=100, help="SPSA steps of the log round")
     ap.add_argument("--audit-steps", type=int, default=8, help="steps the coordinator's audit recomputes")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_check"), help="where the .md and .json go")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--only-throughput", action="store_true", help="run the throughput table alone (check 5)")
+    which.add_argument("--no-throughput", action="store_true", help="run checks 1-4 only")
+    ap.add_argument("--seconds", type=float, default=2.0, help="measuring time per throughput cell")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds from the start after which cells are skipped")
+    ap.add_argument("--sizes", default="124K,S,L", help=f"throughput sizes, of {','.join(SIZES)}")
+    ap.add_argument("--batches", default="16,64", help="throughput batch sizes B")
+    ap.add_argument("--ks", default="1,8,64", help="throughput directions per step K")
+    ap.add_argument("--seq-len", type=int, default=Shape.seq_len, help="throughput sequence length T")
     a = ap.parse_args(argv)
+    start = time.perf_counter()
     missing = missing_libraries(a.device)
     if missing:
         for line in missing:
@@ -184,15 +508,29 @@ def main(argv: list[str] | None = None) -> int:
     data = corpus_bytes()
     checks = []
     for name, run in (
-        ("placement", lambda: placement_check(a.device)),
-        ("numerics", lambda: numerics_check(a.device, data)),
-        ("log round", lambda: log_round_check(a.device, data, a.steps, a.audit_steps)),
+        ()
+        if a.only_throughput
+        else (
+            ("placement", lambda: placement_check(a.device)),
+            ("numerics", lambda: numerics_check(a.device, data)),
+            ("log round", lambda: log_round_check(a.device, data, a.steps, a.audit_steps)),
+        )
     ):
         t0 = time.perf_counter()
         say(f"{name} ...")
         checks.append(run())
         say(f"{name}: {'pass' if checks[-1].ok else 'FAIL'} ({time.perf_counter() - t0:.1f} s): {checks[-1].detail}")
-    write(a.out, a.device, checks)
+    table = None
+    if not a.no_throughput:
+        say("throughput ...")
+        sizes, batches, ks = (
+            a.sizes.split(","),
+            [int(b) for b in a.batches.split(",")],
+            [int(k) for k in a.ks.split(",")],
+        )
+        table = throughput(a.device, Table(sizes, batches, ks, a.seq_len, a.seconds, start + a.budget))
+        say(f"throughput: {len(table.rows)} rows ({time.perf_counter() - start:.0f} s since the start)")
+    write(a.out, a.device, checks, table)
     print((a.out / "gpu_check.md").read_text(), end="")
     return 0 if all(c.ok for c in checks) else 1
 

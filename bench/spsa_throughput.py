@@ -29,11 +29,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from bench.common import forward_flops
-from soma_edge import params, spsa
+from soma_edge import devices, params, spsa
 from soma_edge.config import ModelConfig, SPSAConfig
+from soma_edge.devices import CUDA
 from soma_edge.population import PopulationEvaluator, noise_feeds
-from soma_edge.population_graph import Noise
-from soma_edge.runtime import LossEvaluator, cpu_count, plan_concurrency
+from soma_edge.population_graph import Noise, build_population, noise_inputs
+from soma_edge.runtime import LossEvaluator, cpu_count, cuda_options, load_ort, plan, plan_concurrency, session_options
 from soma_edge.spsa import State, Stepper
 from worker.doctor import DEMO_MODEL
 
@@ -99,20 +100,10 @@ def matmul_peak(seconds: float, torch_ok: bool) -> float:
     return best * 2 * n**3 / 1e9
 
 
-def torch_rate(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> float:
-    import torch  # optional (the bench extra): only the peak and the torch rows need it
-
-    from bench.torch_ref import TorchExpert  # torch, as above
-
-    torch.set_num_threads(cpu_count())
-    model = TorchExpert(m).load_flat(w).eval()
-    xt = torch.from_numpy(x)
-
-    def one():
-        with torch.no_grad():
-            model(xt, xt)
-
-    return rate(one, seconds)
+def loop_rate(ev: LossEvaluator, w: np.ndarray, x: np.ndarray, seconds: float) -> float:
+    """Forward evaluations per second of the loop: one LossEvaluator call (one ORT run) per evaluation,
+    the weights fed from the host each time, as the trainer's loop feeds each probe."""
+    return rate(lambda: ev.loss(w, x, x), seconds)
 
 
 def loop_rates(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> dict[str, float]:
@@ -120,7 +111,7 @@ def loop_rates(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> 
     (with 2+ cores) two calls side by side on half the cores each."""
     cores = cpu_count()
     seq = LossEvaluator(m, "cpu", threads=cores, parallel=1)
-    out = {f"{LOOP}_1x{cores}thr": rate(lambda: seq.loss(w, x, x), seconds)}
+    out = {f"{LOOP}_1x{cores}thr": loop_rate(seq, w, x, seconds)}
     if cores >= 2:
         half = max(1, cores // 2)
         par = LossEvaluator(m, "cpu", threads=half, parallel=2)
@@ -136,11 +127,16 @@ def loop_rates(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> 
     return out
 
 
+def body_tensors(m: ModelConfig) -> tuple[str, ...]:
+    """The tensors the population rows perturb: the body, the decoder learning by the delta rule."""
+    lay = params.layout(m)
+    return tuple(lay.names[: lay.names.index(lay.decoder[0])])
+
+
 def population_feeds(m: ModelConfig, k: int, noise: Noise) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
     """The body's tensors and K keyed directions over them as the graph's int8 inputs: full-rank Rademacher
     signs cut from the Stepper's flat z, or the rank-1 factors spsa.rank1_factors draws."""
-    lay = params.layout(m)
-    body = tuple(lay.names[: lay.names.index(lay.decoder[0])])
+    lay, body = params.layout(m), body_tensors(m)
     if noise is Noise.SIGNS:
         z = np.stack([spsa.noise(0, 0, 0, j, lay.body) for j in range(k)])
         return body, noise_feeds(lay, body, noise, z)
@@ -156,11 +152,107 @@ def population_feeds(m: ModelConfig, k: int, noise: Noise) -> tuple[tuple[str, .
     return body, feeds
 
 
-def population_rate(m: ModelConfig, w: np.ndarray, x: np.ndarray, shape: Shape, noise: Noise, s: float) -> float:
-    """Forward evaluations per second of one population call (2K + 1 members) on all cores."""
-    body, feeds = population_feeds(m, shape.k, noise)
-    pop = PopulationEvaluator(m, shape.k, body, noise, shape.seq_len, decoder_grad=True, device="cpu")
-    return (2 * shape.k + 1) * rate(lambda: pop.evaluate(w, feeds, 1e-3, x, x), s)
+def population_setup(
+    m: ModelConfig, k: int, noise: Noise, seq_len: int, device: str = "cpu"
+) -> tuple[PopulationEvaluator, dict[str, np.ndarray]]:
+    """The population session of K directions (the delta rule's decoder gradient on, the default setting)
+    and its keyed noise, drawn here: before any clock starts."""
+    body, feeds = population_feeds(m, k, noise)
+    return PopulationEvaluator(m, k, body, noise, seq_len, decoder_grad=True, device=device), feeds
+
+
+def population_rate(pop: PopulationEvaluator, feeds: dict[str, np.ndarray], w: np.ndarray, x: np.ndarray, s: float):
+    """Forward evaluations per second of one population call (2K + 1 members), the weights and the noise
+    fed from the host each call, as the trainer's step feeds them."""
+    return (2 * pop.k + 1) * rate(lambda: pop.evaluate(w, feeds, 1e-3, x, x), s)
+
+
+def _torch_rate(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> float:
+    from bench.torch_eager import torch_rate  # imports torch (optional, the bench extra)
+
+    return torch_rate(m, w, x, seconds)
+
+
+# --- bound sessions (IOBinding): inputs and outputs at fixed addresses on the session's device ----------
+
+
+def ort_device(device: str) -> tuple[str, int]:
+    """Where an OrtValue for a session on `device` lives: (cuda, i) for cuda:i, else the host."""
+    cuda_id = devices.parse(device).cuda_id
+    return ("cpu", 0) if cuda_id is None else ("cuda", cuda_id)
+
+
+def resident_loop_rate(ev: LossEvaluator, w: np.ndarray, x: np.ndarray, seconds: float) -> float:
+    """The loop with its weights resident on the device: the loss session's inputs bound there once
+    (IOBinding), only the loss copied back per call. Every call sees the same weights, where SPSA's probes
+    differ, so this is the loop's best case: the baseline of the issue's GPU targets."""
+    ort, (kind, dev) = load_ort(), ort_device(ev.device)
+    binding = ev.session.io_binding()
+    feeds = {"x": x, "y": x, **ev.layout.views(w)}
+    held = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), kind, dev) for n, a in feeds.items()}
+    for name, value in held.items():
+        binding.bind_ortvalue_input(name, value)
+    binding.bind_output("loss")
+
+    def one() -> float:
+        ev.session.run_with_iobinding(binding)
+        return float(binding.copy_outputs_to_cpu()[0])
+
+    return rate(one, seconds)
+
+
+class BoundPopulation:
+    """A population graph's session for one batch size with every input and output at a fixed address on its
+    device (IOBinding): a step copies its weights, noise and batch into the same buffers, runs, and copies
+    the losses back. CUDA graph capture needs exactly that; with `cuda_graph` the CUDA EP's
+    enable_cuda_graph records the first runs' kernels and replays them on each later run."""
+
+    def __init__(self, m: ModelConfig, k: int, noise: Noise, seq_len: int, batch: int, device: str, cuda_graph: bool):
+        ort, p = load_ort(), plan(device)
+        self.k, self.layout = k, params.layout(m)
+        kind, dev = ort_device(device)
+        providers = p.providers
+        if cuda_graph:
+            if kind != "cuda":
+                raise ValueError(f"CUDA graph capture needs a CUDA device, not {device!r}")
+            providers = [(CUDA, {**cuda_options(dev), "enable_cuda_graph": "1"})]
+        body = body_tensors(m)
+        graph = build_population(m, k, body, noise, True, seq_len).SerializeToString()
+        so = session_options(strict=p.strict)
+        self.session = ort.InferenceSession(graph, sess_options=so, providers=providers, enable_fallback=0)
+        shapes = {"x": ((batch, seq_len), np.int64), "y": ((batch, seq_len), np.int64), "eps": ((), np.float32)}
+        shapes.update({n: (tuple(s), np.float32) for n, s in zip(self.layout.names, self.layout.shapes)})
+        shapes.update({i.name: (i.shape, i.dtype) for i in noise_inputs(m, k, body, noise)})
+        outs = {"losses": ((2 * k + 1,), np.float32)}
+        outs.update(
+            {
+                f"grad.{n}": (tuple(self.layout.shapes[self.layout.names.index(n)]), np.float32)
+                for n in self.layout.decoder
+            }
+        )
+        self.binding = self.session.io_binding()
+        self.inputs = {n: ort.OrtValue.ortvalue_from_shape_and_type(s, t, kind, dev) for n, (s, t) in shapes.items()}
+        self.outputs = {n: ort.OrtValue.ortvalue_from_shape_and_type(s, t, kind, dev) for n, (s, t) in outs.items()}
+        for name, value in self.inputs.items():
+            self.binding.bind_ortvalue_input(name, value)
+        for name, value in self.outputs.items():
+            self.binding.bind_ortvalue_output(name, value)
+
+    def step(self, flat: np.ndarray, noise: dict[str, np.ndarray], eps: float, x: np.ndarray, y: np.ndarray):
+        """The losses float32 [2K + 1] (clean, then + and - per direction), as PopulationEvaluator's."""
+        feeds = {"x": x, "y": y, "eps": np.array(eps, dtype=np.float32), **self.layout.views(flat), **noise}
+        for name, a in feeds.items():
+            self.inputs[name].update_inplace(np.ascontiguousarray(a))
+        self.session.run_with_iobinding(self.binding)
+        return self.outputs["losses"].numpy()
+
+
+def bound_rate(bp: BoundPopulation, feeds: dict[str, np.ndarray], w: np.ndarray, x: np.ndarray, s: float) -> float:
+    """Forward evaluations per second of a bound population step; the first runs (CUDA graph: the
+    capture) before the clock."""
+    for _ in range(3):
+        bp.step(w, feeds, 1e-3, x, x)
+    return (2 * bp.k + 1) * rate(lambda: bp.step(w, feeds, 1e-3, x, x), s)
 
 
 def spsa_step_time(m: ModelConfig, w: np.ndarray, x: np.ndarray, k: int, noise: str, s: float) -> tuple[float, int]:
@@ -240,10 +332,10 @@ def main() -> None:
         m = SIZES[name]
         w = params.init(m, 0)
         x = np.random.default_rng(0).integers(0, 256, (shape.batch, shape.seq_len)).astype(np.int64)
-        rates = {TORCH: torch_rate(m, w, x, args.seconds)} if torch_ok else {}
+        rates = {TORCH: _torch_rate(m, w, x, args.seconds)} if torch_ok else {}
         rates.update(loop_rates(m, w, x, args.seconds))
-        rates[POPULATION] = population_rate(m, w, x, shape, Noise.SIGNS, args.seconds)
-        rates[RANK1] = population_rate(m, w, x, shape, Noise.RANK1, args.seconds)
+        for ev, noise in ((POPULATION, Noise.SIGNS), (RANK1, Noise.RANK1)):
+            rates[ev] = population_rate(*population_setup(m, shape.k, noise, shape.seq_len), w, x, args.seconds)
         print_rows(name, m, rates, shape, peak)
         results.append(verdict(name, m, rates))
         r = results[-1]

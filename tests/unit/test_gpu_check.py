@@ -1,14 +1,23 @@
 """bench/gpu_check.py, the first script on an NVIDIA box: without CUDA it names what is missing and exits 2;
-with `--device cpu` standing in for the GPU, its placement, numerics and log-round checks run and pass."""
+with `--device cpu` standing in for the GPU, its placement, numerics and log-round checks run and pass, and
+its throughput table runs at a tiny shape (torch eager in a subprocess that never loads onnxruntime)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from bench import gpu_check
-from soma_edge import devices
+from bench.common import ROOT
+from bench.spsa_throughput import SIZES, BoundPopulation, population_setup
+from soma_edge import devices, params
+from soma_edge.population_graph import Noise
+
+TINY = ["--sizes", "124K", "--batches", "2", "--ks", "1,2", "--seconds", "0.01", "--seq-len", "8"]
 
 
 @pytest.mark.skipif(bool(devices.gpus()), reason="needs a box without an NVIDIA GPU")
@@ -22,7 +31,8 @@ def test_without_cuda_it_names_what_is_missing_and_exits_2(tmp_path, capsys):
 
 
 def test_cpu_dry_run_passes_every_check_and_writes_markdown_and_json(tmp_path, capsys):
-    assert gpu_check.main(["--device", "cpu", "--steps", "12", "--audit-steps", "4", "--out", str(tmp_path)]) == 0
+    argv = ["--device", "cpu", "--steps", "12", "--audit-steps", "4", "--no-throughput", "--out", str(tmp_path)]
+    assert gpu_check.main(argv) == 0
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     assert record["ok"] and [c["name"] for c in record["checks"]] == ["placement", "numerics", "log round"]
     log_round = record["checks"][2]
@@ -43,3 +53,106 @@ def test_a_log_the_device_did_not_compute_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "record_log", lying)
     check = gpu_check.log_round_check("cpu", gpu_check.corpus_bytes(1 << 18), 6, 6)
     assert not check.ok and check.detail.startswith("refused: ")
+
+
+def _table(tmp_path, *extra: str) -> tuple[dict, str]:
+    assert gpu_check.main(["--device", "cpu", "--only-throughput", *TINY, *extra, "--out", str(tmp_path)]) == 0
+    return json.loads((tmp_path / "gpu_check.json").read_text()), (tmp_path / "gpu_check.md").read_text()
+
+
+def test_cpu_dry_run_of_the_throughput_table(tmp_path):
+    record, md = _table(tmp_path)
+    assert record["checks"] == []  # --only-throughput: checks 2-4 did not run
+    rows = {(r["evaluator"], r["K"]): r for r in record["throughput"]}
+    ort_rows = [("loop", None), ("loop_resident", None)] + [(e, k) for k in (1, 2) for e in ("population", "rank1")]
+    torch_ok = ("torch_eager", None) in rows
+    try:
+        import torch  # noqa: F401  (the dev venv has it: then its row must be there)
+
+        assert torch_ok
+    except ImportError:
+        assert any(n.startswith("torch eager reference: torch is not installed") for n in record["throughput_notes"])
+    assert set(rows) == set(ort_rows) | ({("torch_eager", None)} if torch_ok else set())
+    loop = rows[("loop_resident", None)]["evals_per_s"]
+    for key in ort_rows:
+        r = rows[key]
+        assert r["name"] == "124K" and r["params"] == params.count(SIZES["124K"]) and r["B"] == 2
+        assert r["evals_per_s"] > 0 and r["note"] == "" and r["memory"] is None  # no device memory on the CPU
+        assert r["vs_loop"] == pytest.approx(r["evals_per_s"] / loop, rel=1e-2)
+        if torch_ok:
+            assert r["vs_torch"] == pytest.approx(
+                r["evals_per_s"] / rows[("torch_eager", None)]["evals_per_s"], rel=1e-2
+            )
+    assert "population+cuda_graph: not measured (CUDA only; device cpu)" in record["throughput_notes"]
+    assert "| 124K | 124,160 | 2 | 2 | rank1 |" in md and "## Throughput" in md
+
+
+def test_past_the_budget_every_cell_is_skipped_and_full_rank_over_the_noise_cap_too(tmp_path, monkeypatch):
+    record, _ = _table(tmp_path, "--budget", "0")
+    assert record["throughput"] and all(
+        r["evals_per_s"] is None and r["note"] == "skipped: time" for r in record["throughput"]
+    )
+    monkeypatch.setattr(gpu_check, "HOST_NOISE", 0)  # every full-rank cell's noise is over the cap
+    record, _ = _table(tmp_path, "--ks", "1")
+    by = {r["evaluator"]: r for r in record["throughput"]}
+    assert by["population"]["note"] == "skipped: host noise" and by["population"]["evals_per_s"] is None
+    assert by["rank1"]["evals_per_s"] > 0
+    assert any(n.startswith("skipped: host noise") for n in record["throughput_notes"])
+
+
+@pytest.mark.parametrize("noise", [Noise.SIGNS, Noise.RANK1])
+def test_the_bound_population_computes_the_population_evaluators_losses(noise):
+    """The fixed-address (IOBinding) session the CUDA graph row replays: same losses, every input copied in
+    afresh each step (a second step at other weights gives that step's losses, not the first's)."""
+    m = SIZES["124K"]
+    x = np.random.default_rng(0).integers(0, 256, (2, 8)).astype(np.int64)
+    pop, feeds = population_setup(m, 2, noise, 8)
+    bound = BoundPopulation(m, 2, noise, 8, 2, "cpu", cuda_graph=False)
+    for seed in (1, 2):
+        w = params.init(m, seed)
+        want = pop.evaluate(w, feeds, 1e-3, x, x)
+        got = bound.step(w, feeds, 1e-3, x, x)
+        np.testing.assert_array_equal(got, np.r_[want.loss, np.c_[want.lp, want.lm].ravel()].astype(np.float32))
+
+
+def test_torch_eager_runs_apart_from_onnxruntime_or_says_why_not():
+    pytest.importorskip("torch")
+    cmd = [sys.executable, "-m", "bench.torch_eager", "--device", "cpu", "--sizes", "124K", "--batches", "2,3"]
+    r = subprocess.run(cmd + ["--seq-len", "8", "--seconds", "0.01"], capture_output=True, text=True, cwd=ROOT)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["skipped"] is None and got["onnxruntime_loaded"] is False
+    assert [(g["batch"], g["evals_per_s"] > 0) for g in got["rows"]] == [(2, True), (3, True)]
+    no_torch = (
+        'import runpy, sys; sys.modules["torch"] = None; runpy.run_module("bench.torch_eager", run_name="__main__")'
+    )
+    r = subprocess.run([sys.executable, "-c", no_torch], capture_output=True, text=True, cwd=ROOT)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["rows"] == [] and got["skipped"].startswith("torch eager reference: torch is not installed")
+
+
+def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
+    """The CUDA-only paths, which first run on the one-shot GPU run, exercised on the CPU: a device taken for
+    CUDA gets a population+cuda_graph row per B after each full-rank session (the bound session, here without
+    graph capture), skipped as full-rank is where it is over the noise cap, and device memory on every ORT
+    row."""
+    used = iter(range(1000, 100000, 7))
+    monkeypatch.setattr(gpu_check, "ort_device", lambda device: ("cuda", 0))
+    monkeypatch.setattr(gpu_check, "gpu_memory_mib", lambda device: next(used))
+    monkeypatch.setattr(gpu_check, "BoundPopulation", lambda *a, cuda_graph: BoundPopulation(*a, cuda_graph=False))
+    body = params.layout(SIZES["124K"]).body
+    monkeypatch.setattr(gpu_check, "HOST_NOISE", 2 * body * 4 - 1)  # [K, body] float32: K = 1 under, K = 2 over
+    record, md = _table(tmp_path, "--batches", "2,3")
+    got = [(r["evaluator"], r["K"], r["B"]) for r in record["throughput"] if r["evaluator"] != "torch_eager"]
+    loops = [(e, None, b) for b in (2, 3) for e in ("loop", "loop_resident")]
+    k1 = [(e, 1, b) for e in ("population", "rank1") for b in (2, 3)]
+    k1.insert(2, ("population+cuda_graph", 1, 2))
+    k1.insert(3, ("population+cuda_graph", 1, 3))
+    k2 = [(e, 2, b) for e in ("population", "population+cuda_graph", "rank1") for b in (2, 3)]
+    assert got == loops + k1 + k2
+    for r in record["throughput"]:
+        if r["evaluator"].startswith("population") and r["K"] == 2:
+            assert r["note"] == "skipped: host noise" and r["evals_per_s"] is None
+        elif r["evaluator"] != "torch_eager":
+            assert r["evals_per_s"] > 0 and r["memory"] > 0 and r["vs_loop"] > 0, r
+    assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
+    assert "| population+cuda_graph |" in md
