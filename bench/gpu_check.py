@@ -14,7 +14,11 @@
    the coordinator's own checks accept the log as `coordinator.intake` runs them: the audit recomputes
    --audit-steps sampled steps on the CPU EP (one thread, as the coordinator does), and the replay of the
    log hashes to the weights the device ended at.
-5. throughput (a table, no verdict): forward evaluations per second at the sizes of bench/spsa_throughput.py
+5. update bits (no verdict): whether the update graph (soma_edge.update_graph) gives the host's bits on the
+   device, for both kinds and each noise form, so that the worker keeps the expert resident there (else it
+   keeps the host update and uploads the weights every step), and the demo expert's population steps/s
+   both ways: what the host update and the upload cost.
+6. throughput (a table, no verdict): forward evaluations per second at the sizes of bench/spsa_throughput.py
    (124K, the demo expert; S ~0.9M; L ~7.9M), each B and K, about --seconds a cell, of
    - loop: one ORT call per evaluation, the weights fed from the host (runtime.LossEvaluator, the trainer's);
    - loop_resident: the same session with its inputs bound on the device once (IOBinding), the loop's best
@@ -30,12 +34,12 @@
    float32, passes HOST_NOISE (1 GiB: L at K = 64, 1.9 GB and seconds a step to draw) are skipped: the draw
    would be the step, not the call the row times. Cells that would start more than --budget seconds after
    the script started are rows noted "skipped: time", so one run stays within its time on a lent GPU
-   (about 4 minutes for the table on an H100/H200-class GPU by estimate, checks 1-4 about one more); a
+   (about 4 minutes for the table on an H100/H200-class GPU by estimate, checks 1-5 about one more); a
    cell that fails (out of memory, say) is a row noted "failed: ...".
 
 Results go to OUT/gpu_check.md and OUT/gpu_check.json (the table as "throughput": rows of name, params, B,
 K, evaluator, evals_per_s, vs_loop, vs_torch, memory, note; and "throughput_notes"). Exit 0 when every
-check passes, 1 when one fails, 2 when a library is missing. `--device cpu` runs checks 2-5 with the CPU
+check passes, 1 when one fails, 2 when a library is missing. `--device cpu` runs checks 2-6 with the CPU
 EP standing in for the GPU: the test suite runs it so, to keep this script working on boxes without one
 (its figures then say nothing about a GPU).
 """
@@ -184,6 +188,56 @@ def log_round_check(device: str, data: np.ndarray, n_steps: int, audit_steps: in
         "the replay hashes to the device's weights" if same else "the replay hashes to OTHER weights"
     )
     return Check("log round", same, detail, {**figures, "audited": picks})
+
+
+UPDATE_SETTINGS = {"default": {}, "rank1": {"noise": "rank1", "density": 1.0}, "decoder spsa": {"decoder": "spsa"}}
+
+
+def update_check(device: str, data: np.ndarray, seconds: float = 2.0) -> Check:
+    """Whether the update graph gives the host's bits on `device` (soma_edge.resident.Resident.verified),
+    for both kinds and each noise form; where it does, the worker keeps the expert resident there, else it
+    keeps the host update and feeds the weights every step. Then what that costs: the demo expert's
+    population steps/s, resident and with the host update, for `seconds` each. No verdict (either way the
+    weights are right): the detail says which happened."""
+    from soma_edge import resident, update_graph
+
+    same = {}
+    for kind, m in KINDS.items():
+        for name, spsa in UPDATE_SETTINGS.items():
+            cfg = Config(model=m, device=device)
+            # The update graph does not depend on T; a short population graph opens in a fraction of the time.
+            cfg.spsa.evaluator, cfg.data.seq_len = "population", 16
+            for key, value in spsa.items():
+                setattr(cfg.spsa, key, value)
+            ev = runtime.evaluator_for(cfg, device)
+            same[f"{kind}, {name}"] = resident.Resident(cfg, 0, ev.population, State(params.init(m, 0))).verified()
+    cfg = Config(model=DEMO_MODEL, device=device)
+    cfg.spsa.evaluator = "population"
+    ev = runtime.evaluator_for(cfg, device)
+    rates = {}
+    for where in ("resident", "host update"):
+        state = State(params.init(cfg.model, cfg.seed))
+        real = update_graph.supported
+        if where == "host update":  # what a device whose bits differ runs: the Stepper's host update
+            update_graph.supported = lambda s: "measured on the host"
+        try:
+            train(state, data, cfg, ev, steps=2)  # warm-up: sessions allocate on the first runs
+            rates[where] = train(state, data, cfg, ev, seconds=seconds).steps_per_s
+        finally:
+            update_graph.supported = real
+    on_device = all(same.values())
+    cost = 1 / rates["host update"] - 1 / rates["resident"]
+    detail = (
+        (
+            "the update runs on the device: its bits equal the host's"
+            if on_device
+            else "bits DIFFER from the host's "
+            f"({sorted(k for k, v in same.items() if not v)}): the update stays on the host"
+        )
+        + f"; demo expert, population steps/s: resident {rates['resident']:.1f}, host update "
+        f"{rates['host update']:.1f} (the host update and the weights' upload cost {1000 * cost:.2f} ms a step)"
+    )
+    return Check("update bits", True, detail, {"same_bits": same, "steps_per_s": rates, "host_cost_s": cost})
 
 
 def corpus_bytes(limit: int = 1 << 21) -> np.ndarray:
@@ -485,14 +539,19 @@ def write(out: Path, device: str, checks: list[Check], table: Table | None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda:0", help="cuda:i, or cpu to dry-run checks 2-5 on the CPU EP")
+    ap.add_argument("--device", default="cuda:0", help="cuda:i, or cpu to dry-run checks 2-6 on the CPU EP")
     ap.add_argument("--steps", type=int, default=100, help="SPSA steps of the log round")
     ap.add_argument("--audit-steps", type=int, default=8, help="steps the coordinator's audit recomputes")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_check"), help="where the .md and .json go")
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--only-throughput", action="store_true", help="run the throughput table alone (check 5)")
-    which.add_argument("--no-throughput", action="store_true", help="run checks 1-4 only")
-    ap.add_argument("--seconds", type=float, default=2.0, help="measuring time per throughput cell")
+    which.add_argument("--only-throughput", action="store_true", help="run the throughput table alone (check 6)")
+    which.add_argument("--no-throughput", action="store_true", help="run checks 1-5 only")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=2.0,
+        help="measuring time per throughput cell (and per arm of the update check)",
+    )
     ap.add_argument("--budget", type=float, default=450.0, help="seconds from the start after which cells are skipped")
     ap.add_argument("--sizes", default="124K,S,L", help=f"throughput sizes, of {','.join(SIZES)}")
     ap.add_argument("--batches", default="16,64", help="throughput batch sizes B")
@@ -514,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             ("placement", lambda: placement_check(a.device)),
             ("numerics", lambda: numerics_check(a.device, data)),
             ("log round", lambda: log_round_check(a.device, data, a.steps, a.audit_steps)),
+            ("update bits", lambda: update_check(a.device, data, a.seconds)),
         )
     ):
         t0 = time.perf_counter()

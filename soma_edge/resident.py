@@ -59,7 +59,9 @@ class Resident:
             graph = update_graph.build_update(
                 cfg.model, cfg.spsa, k, population.perturbed, population.noise, self.delta
             )
-            population.update = make_session(graph, population.device, population.threads, population.spin)
+            # One thread, no spinning: the update is a few element-wise passes, and a second session's
+            # spinning pool would steal the cores from the population session's next call.
+            population.update = make_session(graph, population.device, 1, False)
         self.update = population.update
         self.ort = load_ort()
         self.where = _ort_device(population)

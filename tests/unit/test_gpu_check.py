@@ -31,12 +31,16 @@ def test_without_cuda_it_names_what_is_missing_and_exits_2(tmp_path, capsys):
 
 
 def test_cpu_dry_run_passes_every_check_and_writes_markdown_and_json(tmp_path, capsys):
-    argv = ["--device", "cpu", "--steps", "12", "--audit-steps", "4", "--no-throughput", "--out", str(tmp_path)]
-    assert gpu_check.main(argv) == 0
+    argv = ["--device", "cpu", "--steps", "12", "--audit-steps", "4", "--no-throughput", "--seconds", "0.2"]
+    assert gpu_check.main([*argv, "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert record["ok"] and [c["name"] for c in record["checks"]] == ["placement", "numerics", "log round"]
+    names = ["placement", "numerics", "log round", "update bits"]
+    assert record["ok"] and [c["name"] for c in record["checks"]] == names
     log_round = record["checks"][2]
     assert log_round["figures"]["steps"] == 12 and len(log_round["figures"]["audited"]) == 4
+    update = record["checks"][3]["figures"]  # the CPU EP's update graph gives the host's bits
+    assert len(update["same_bits"]) == 6 and all(update["same_bits"].values())
+    assert all(r > 0 for r in update["steps_per_s"].values())
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| log round | pass |" in md and md in capsys.readouterr().out
 
