@@ -18,9 +18,9 @@ from coordinator import scheduler
 from coordinator.fleet import Fleet, Node, Outgoing, message
 from coordinator.ledger import Bases, Ledger
 from coordinator.round import Round, Waiting
-from soma_edge import params, protocol
+from soma_edge import params, protocol, quant
 from soma_edge import seed as seed_mod
-from soma_edge.config import Config, ReplyPolicy, evals_per_step
+from soma_edge.config import Config, LogDecoder, ReplyPolicy, evals_per_step
 from soma_edge.errors import CheckpointError, CorpusError
 from soma_edge.logs import role_logger
 from soma_edge.protocol import ReplyMode
@@ -31,10 +31,14 @@ log = role_logger("soma.coord")
 
 
 def log_bytes(phase: Config, steps: int) -> int:
-    """An update log's size: 4 bytes per direction per step, and a delta-rule decoder's weights and moments."""
-    lay = params.layout(phase.model)
-    dense = 3 * (lay.size - lay.body) if phase.spsa.decoder == "delta" else 0
-    return 4 * (steps * phase.spsa.directions * phase.spsa.accumulate + dense)
+    """An update log's size: 4 bytes per direction per step, and a delta-rule decoder's change in int8
+    codes and their scales (or its float32 weights: federation.log_decoder), with its Adam moments where
+    the coordinator audits."""
+    lay, fed = params.layout(phase.model), phase.federation
+    n = lay.size - lay.body if phase.spsa.decoder == "delta" else 0
+    dense = 4 * n if fed.log_decoder == LogDecoder.FLOAT32 else n + 4 * quant.blocks(n)
+    dense += 8 * n if fed.audit_steps > 0 else 0
+    return 4 * steps * phase.spsa.directions * phase.spsa.accumulate + dense
 
 
 def reply_mode(cfg: Config, phase: Config, node: Node, r: int, steps: int, version_bytes: int) -> ReplyMode:

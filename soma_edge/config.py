@@ -23,6 +23,13 @@ class ReplyPolicy(StrEnum):
     AUTO = "auto"  # the log, with the weights as well every `weights_every` rounds
 
 
+class LogDecoder(StrEnum):
+    """`federation.log_decoder`: how a log reply carries the delta-rule decoder (spsa.UpdateLog)."""
+
+    INT8 = "int8"  # its change in int8 codes per block of 256 (soma_edge.quant), adopted by both sides
+    FLOAT32 = "float32"  # its final weights, lossless, 4 bytes a weight
+
+
 class Noise(StrEnum):
     """`spsa.noise`: how a probe direction is drawn from its key (soma_edge.spsa)."""
 
@@ -131,6 +138,10 @@ class FederationConfig:
     # `weights_every` rounds as a checkpoint the replay must match).
     reply: ReplyPolicy = ReplyPolicy.WEIGHTS
     weights_every: int = 10
+    # How a log reply carries a delta-rule decoder: int8 (its change, coded: ~1/4 of float32 on the wire;
+    # the worker adopts the coded change) or float32 (its weights, lossless). Its Adam moments stay on the
+    # worker; the coordinator's copy is refreshed by each weights reply (see `reply`, `weights_every`).
+    log_decoder: LogDecoder = LogDecoder.INT8
     audit_steps: int = 0  # steps per log reply whose losses the coordinator recomputes to check its scalars
     # Start the next round as soon as every reply of this one is in, from the versions the replies claim,
     # while the coordinator replays, audits and evaluates them; a version its checks refuse costs its
@@ -202,6 +213,7 @@ _VALUE_TYPES: dict[str, type] = {
     "str": str,
     "bool": bool,
     "ReplyPolicy": ReplyPolicy,
+    "LogDecoder": LogDecoder,
     "Noise": Noise,
     "Evaluator": Evaluator,
 }
@@ -268,6 +280,7 @@ SEED_DECODERS = ("frozen", "delta")
 
 
 REPLIES = tuple(p.value for p in ReplyPolicy)
+LOG_DECODERS = tuple(d.value for d in LogDecoder)
 NOISES = tuple(n.value for n in Noise)
 EVALUATORS = tuple(e.value for e in Evaluator)
 
@@ -390,5 +403,7 @@ def _check_federation(cfg: Config) -> None:
     _check(f.reply in REPLIES, "federation.reply", " | ".join(map(repr, REPLIES)), f.reply)
     f.reply = ReplyPolicy(f.reply)  # a config built in code may hold the bare string
     _check(f.weights_every >= 1, "federation.weights_every", ">= 1", f.weights_every)
+    _check(f.log_decoder in LOG_DECODERS, "federation.log_decoder", " | ".join(map(repr, LOG_DECODERS)), f.log_decoder)
+    f.log_decoder = LogDecoder(f.log_decoder)
     _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)

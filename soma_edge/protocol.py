@@ -36,7 +36,9 @@ from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.params import count
 from soma_edge.spsa import OptState, UpdateLog
 
-PROTOCOL = 3  # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces)
+# bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces; 4: a log's
+# decoder as int8 codes, and without its Adam moments)
+PROTOCOL = 4
 STYPE = "soma/msgpack"
 RECORD = "soma"
 QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")

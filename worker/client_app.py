@@ -31,15 +31,16 @@ from soma_edge import (
     __version__,
     codec,
     protocol,
+    quant,
     steps,
 )
 from soma_edge import config as config_mod
-from soma_edge.config import Config
+from soma_edge.config import Config, LogDecoder
 from soma_edge.corpus import SEPARATOR, cache_dir
 from soma_edge.errors import CheckpointError, SomaError, ValidationError
 from soma_edge.logs import role_logger
 from soma_edge.protocol import ReplyMode
-from soma_edge.spsa import OptState, State, UpdateLog, record_log
+from soma_edge.spsa import OptState, State, UpdateLog, code_decoder, record_log
 from worker import probe
 from worker.cache import HEARTBEAT_ADVICE, Cache
 from worker.trainer import train as train_loop
@@ -156,8 +157,20 @@ def _as_sent(t: protocol.Task, state: State, reply_dtype: str) -> np.ndarray:
     return state.weights if t.get("reply", ReplyMode.WEIGHTS) == ReplyMode.LOG else state.weights.astype(reply_dtype)
 
 
-def _result(t: protocol.Task, state: State, out: np.ndarray, start: int, rep, cfg: Config) -> dict[str, Any]:
-    """One expert's result in the form its task asked for (weights `out`, update log, or both)."""
+def _decoder_to_code(t: protocol.Task, state: State, cfg: Config) -> np.ndarray | None:
+    """The delta-rule decoder as the round starts, where the reply's log carries its change in int8 codes
+    (federation.log_decoder), which the worker then adopts (spsa.code_decoder); else None."""
+    body = steps.log_body(cfg)
+    if t.get("reply", ReplyMode.WEIGHTS) == ReplyMode.WEIGHTS or cfg.federation.log_decoder != LogDecoder.INT8:
+        return None
+    return state.weights[body:].copy() if 0 < body < state.weights.size else None
+
+
+def _result(
+    t: protocol.Task, state: State, out: np.ndarray, start: int, rep, cfg: Config, coded: quant.Coded | None
+) -> dict[str, Any]:
+    """One expert's result in the form its task asked for (weights `out`, update log, or both; `coded`: the
+    log's decoder change, already adopted into `state`)."""
     mode, sha = t.get("reply", ReplyMode.WEIGHTS), protocol.weights_sha256(out)
     log.info(
         "sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f",
@@ -183,7 +196,11 @@ def _result(t: protocol.Task, state: State, out: np.ndarray, start: int, rep, cf
         "opt": state.opt.to_record(),
     }
     if mode in (ReplyMode.LOG, ReplyMode.BOTH):
-        res["log"] = record_log(start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg)).to_record()
+        # The decoder's Adam moments go along only where the coordinator audits: it rebuilds the decoder's
+        # steps from them. Otherwise the worker keeps them, and they stay off a weak link.
+        moments = cfg.federation.audit_steps > 0
+        ulog = record_log(start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg), coded, moments)
+        res["log"] = ulog.to_record()
     if mode == ReplyMode.LOG:
         res["weights"] = res["opt"] = None
     return res
@@ -358,10 +375,11 @@ def _train_all(
         remaining = budget - (time.perf_counter() - t_start)
         cap = max(0.01, remaining / (len(runnable) - i))  # at least one step per expert
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
-        start = state.step
+        start, base_decoder = state.step, _decoder_to_code(t, state, cfg)
         rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
+        coded = None if base_decoder is None else code_decoder(state, steps.log_body(cfg), base_decoder)
         out = _as_sent(t, state, reply_dtype)
-        results.append(_result(t, state, out, start, rep, cfg))
+        results.append(_result(t, state, out, start, rep, cfg, coded))
         cache.put_weights(
             results[-1]["sha256"],
             expert=e,

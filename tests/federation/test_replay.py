@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from soma_edge import checkpoint, params, protocol, spsa, steps
+from soma_edge import checkpoint, params, protocol, quant, spsa, steps
 from soma_edge.config import Config, from_dict
 from soma_edge.errors import CheckpointError
 
@@ -50,22 +50,30 @@ def _config(name: str) -> Config:
     return from_dict({**BASE, "model": model, "spsa": {**BASE["spsa"], **v}})
 
 
-def _train(cfg: Config, expert: int, start: spsa.State) -> tuple[spsa.State, spsa.UpdateLog]:
+# Delta-rule variants whose log carries the decoder's change in int8 codes (the shipped log_decoder), which
+# the worker adopts; the others carry its float32 weights.
+CODED = {"gaussian-adam-accumulate-delta", "rms-delta-tied-eps", "soma-kind-adam-delta", "rank1-soma-adam-delta"}
+DATA = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
+
+
+def _train(cfg: Config, expert: int, start: spsa.State, coded: bool = False) -> tuple[spsa.State, spsa.UpdateLog]:
     from soma_edge.runtime import evaluator_for
     from worker.trainer import train
 
     state = spsa.State(start.weights.copy(), step=start.step, opt=start.opt.copy())
     state.opt.lr_scale = 0.5  # the coordinator's plateau factor for the round: the log carries it
-    data = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
-    rep = train(state, data, cfg, evaluator_for(cfg, threads=1, parallel=1), expert=expert, steps=STEPS)
+    body = steps.log_body(cfg)
+    base_decoder = state.weights[body:].copy()
+    rep = train(state, DATA, cfg, evaluator_for(cfg, threads=1, parallel=1), expert=expert, steps=STEPS)
     assert rep.steps == STEPS
-    return state, spsa.record_log(start.step, 0.5, rep.grads, state, steps.log_body(cfg))
+    change = spsa.code_decoder(state, body, base_decoder) if coded and body else None
+    return state, spsa.record_log(start.step, 0.5, rep.grads, state, body, change)
 
 
 REPLAY_CHILD = """
 import sys
 import numpy as np
-from soma_edge import checkpoint, params, protocol, spsa, steps
+from soma_edge import checkpoint, params, protocol, quant, spsa, steps
 from soma_edge.config import from_dict
 jobs = checkpoint.load(sys.argv[1], "replay_jobs")
 out = {}
@@ -91,7 +99,7 @@ def trained(tmp_path_factory):
         w0 = params.init(cfg.model, cfg.seed)
         warm, _ = _train(cfg, i, spsa.State(w0))  # a version with a history, as a second round starts from
         warm.step = 37  # any step: the keys and the schedule follow it
-        end, log = _train(cfg, i, warm)
+        end, log = _train(cfg, i, warm, coded=name in CODED)
         runs[name] = (cfg, i, warm, end, log)
     root = tmp_path_factory.mktemp("replay")
     jobs = {
@@ -124,9 +132,12 @@ def test_replay_in_another_process_matches_the_worker_bit_for_bit(trained, name)
     assert got["step"] == end.step == warm.step + STEPS
     assert got["weights"].tobytes() == end.weights.tobytes()
     assert not np.array_equal(end.weights, warm.weights)
-    for k in ("momentum", "adam_m", "adam_v"):
-        a, b = got["opt"][k], getattr(end.opt, k)
-        assert (a is None and b is None) or a.tobytes() == b.tobytes(), k
+    body = steps.log_body(cfg) or end.weights.size  # a delta-rule decoder's Adam moments stay on the worker:
+    for k in ("momentum", "adam_m", "adam_v"):  # the replay keeps the version's own
+        a, b, before = got["opt"][k], getattr(end.opt, k), getattr(warm.opt, k)
+        assert (a is None and b is None) or a[:body].tobytes() == b[:body].tobytes(), k
+        assert a is None or a[body:].tobytes() == before[body:].tobytes(), k
+    assert (log.decoder_codes is not None) == (name in CODED) and log.decoder_m is None
     assert got["opt"]["adam_t"] == end.opt.adam_t and got["opt"]["lr_scale"] == 0.5
     sizes = log.nbytes()
     assert sizes["body"] == STEPS * cfg.spsa.directions * cfg.spsa.accumulate * 4
@@ -168,12 +179,18 @@ def _good(trained, name="rademacher-sparse-adam-delta"):
             ),
             "the log starts at step 38, the version is at step 37",
         ),
-        (lambda log: spsa.UpdateLog(log.start, log.grads, log.lr_scale, None, None, None), "needs its finite float32"),
+        (lambda log: spsa.UpdateLog(log.start, log.grads, log.lr_scale, None, None, None), "needs its decoder"),
         (
             lambda log: spsa.UpdateLog(
                 log.start, log.grads, log.lr_scale, log.decoder[:-1], log.decoder_m, log.decoder_v
             ),
-            "needs its finite float32",
+            "needs its decoder",
+        ),
+        (
+            lambda log: spsa.UpdateLog(
+                log.start, log.grads, log.lr_scale, None, None, None, np.zeros(3, np.int8), np.ones(1, np.float32)
+            ),
+            "codes must be int8",
         ),
     ],
 )
@@ -192,7 +209,11 @@ def test_replay_refuses_a_log_that_does_not_fit(trained, breaker, message):
         ({"start": -1}, "is not a step"),
         ({"grads": [1.0]}, "float32 [steps, directions]"),
         ({"lr_scale": 2.0}, "not in (0, 1]"),
-        ({"decoder": None}, "all be float32 vectors, or none"),
+        ({"decoder": [1.0]}, "must be float32 vectors"),
+        ({"decoder_m": np.zeros(3, np.float32)}, "come both, or neither"),
+        ({"decoder_codes": np.zeros(3, np.int8)}, "not an update log record"),  # without its scales
+        ({"decoder_codes": np.zeros(3, np.int16), "decoder_scales": np.ones(1, np.float32)}, "int8 vector"),
+        ({"decoder_codes": np.zeros(3, np.int8), "decoder_scales": np.ones(1, np.float32)}, "not both"),
         ({"extra": 1}, "not an update log record"),
     ],
 )
@@ -200,6 +221,28 @@ def test_update_log_records_are_type_checked(trained, edit, message):
     _, _, _, log = _good(trained)
     with pytest.raises(CheckpointError, match=re.escape(message)):
         spsa.UpdateLog.from_record({**log.to_record(), **edit})
+
+
+def test_the_audit_allows_a_coded_decoder_half_a_code_step_and_refuses_a_flipped_code(trained):
+    """The audit rebuilds the decoder from the log's steps with exact clean forwards: an honest coded change
+    lands within DECODER_TOLERANCE plus half a code step of it. A worker that flips its largest code (and
+    claims the hash its altered log replays to, so the replay alone cannot tell) is refused."""
+    from coordinator import replay as audit_mod
+    from soma_edge.config import Evaluator
+    from soma_edge.errors import ValidationError
+    from soma_edge.runtime import evaluator_for
+
+    runs, _ = trained
+    cfg, e, warm, _, log = runs["soma-kind-adam-delta"]
+    ev = evaluator_for(cfg, "cpu", threads=1, parallel=1, evaluator=Evaluator.LOOP)
+    audit_mod.audit(cfg, warm, log, e, DATA, ev, [0, STEPS - 1])
+    lie = spsa.UpdateLog.from_record(log.to_record())
+    lie.decoder_codes = log.decoder_codes.copy()
+    i = int(np.argmax(np.abs(log.decoder_codes.astype(np.int16))))
+    assert abs(int(lie.decoder_codes[i])) == quant.LEVELS and log.decoder_scales[i // quant.BLOCK] > 1e-5
+    lie.decoder_codes[i] = -lie.decoder_codes[i]
+    with pytest.raises(ValidationError, match=f"differs from the one it sent by .* at weight {i} "):
+        audit_mod.audit(cfg, warm, lie, e, DATA, ev, [0])
 
 
 # --- log replies through the round loop (fake grid, real ClientApp) -------------------------------------
@@ -245,6 +288,29 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
     up_log = sum(m["bytes_up"] for m in _round_lines(run))
     up_weights = sum(m["bytes_up"] for m in _round_lines(weights_run))
     assert up_log < 0.05 * up_weights, (up_log, up_weights)
+
+
+@pytest.mark.parametrize("log_decoder,audit", [("int8", 0), ("float32", 0), ("int8", 4)])
+def test_a_log_reply_carries_the_decoder_as_its_codes_or_weights_and_moments_only_for_the_audit(
+    run, tmp_path, monkeypatch, log_decoder, audit
+):
+    """With the delta rule, a log reply carries the decoder's change in int8 codes (the default: ~1/4 of
+    its float32 weights) or its float32 weights; its Adam moments only where the coordinator audits. The
+    coordinator's replay of a coded log hashes to the version the worker adopted and cached."""
+    from coordinator.loop import Coordinator
+    from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
+    from worker.cache import Cache
+
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=1, reply="log", log_decoder=log_decoder, audit_steps=audit)
+    state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    lay = params.layout(run.load_config().model)
+    n = lay.size - lay.body
+    want = (4 * n if log_decoder == "float32" else n + 4 * quant.blocks(n)) + (8 * n if audit else 0)
+    lines = _expert_lines(run)
+    assert len(lines) == 4 and all(m["accepted"] and m["log_bytes_up"]["decoder"] == want for m in lines)
+    for x in state.experts.values():  # the worker cached the version the coordinator stored, by its hash
+        assert Cache(tmp_path / "nodes" / x.node).get_weights(x.sha256) is not None
 
 
 def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(run, tmp_path, monkeypatch):
