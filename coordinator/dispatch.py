@@ -128,11 +128,11 @@ class Dispatcher:
         if wait.mids:
             return
         del rnd.waiting[o.node]
-        left = rnd.deadline - self.fleet.clock() - self.cfg.federation.deadline_slack
+        fed = self.cfg.federation
+        # Never more than round_seconds: the deadline also holds the time its reply takes up the link.
+        budget = min(fed.round_seconds, max(rnd.deadline - self.fleet.clock() - fed.deadline_slack, 1.0))
         bases = Bases(self.ledger, self.fleet.nodes)  # the committed versions (requests planned ahead defer)
-        item = self.train_request(
-            rnd.r, o.node, wait.experts, wait.steps, bases, max(left, 1.0), wait.last, wait.shard_bytes
-        )
+        item = self.train_request(rnd.r, o.node, wait.experts, wait.steps, bases, budget, wait.last, wait.shard_bytes)
         self.push_train(rnd, item)
 
     def missing_shards(self, nid: int, experts: list[int]) -> tuple[dict[str, bytes], dict[int, int]]:

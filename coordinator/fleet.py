@@ -11,6 +11,7 @@ coordinator.intake (a node's status, rate and cache as its replies tell them).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -29,6 +30,7 @@ POLL_SECONDS = 0.5
 END_SECONDS = 15.0  # how long the end of the run waits for the workers to hear of it
 QUERY_SECONDS = 90.0  # a capability query includes the node's throughput probe
 GRACE_QUERY_SECONDS = 30.0  # after join_grace, how long round 1 waits for a node still answering its query
+BUSY_LOG_SECONDS = 30.0  # how often a wait for a busy node says so
 
 
 class NodeStatus(StrEnum):
@@ -224,19 +226,34 @@ class Fleet:
                 node.status = NodeStatus.GONE
         return {nid: n for nid, n in self.nodes.items() if n.status == NodeStatus.ACTIVE and nid in live}
 
-    def wait_for_nodes(self, want: int, grace: float = 0.0, stoppable: bool = False) -> dict[int, Node]:
+    def wait_for_nodes(
+        self,
+        want: int,
+        grace: float = 0.0,
+        stoppable: bool = False,
+        busy: Callable[[], dict[int, float]] | None = None,
+    ) -> dict[int, Node]:
         """Wait (up to wait_seconds) for `want` active nodes; then `grace` seconds more, and for any node
         still answering its capability query, so that workers started together all get round 1's work.
-        `stoppable`: a stop request (`soma-coord stop`) ends the wait too."""
+        `stoppable`: a stop request (`soma-coord stop`) ends the wait too. `busy` (called at each poll):
+        the live nodes still working on a request of the last round, and since when (`Late.poll`, which
+        also takes their replies); while there are any and no node is free, the wait goes on, and
+        wait_seconds counts from when the last of them stopped working."""
         fed = self.cfg.federation
-        deadline, enough_at = self.clock() + fed.wait_seconds, None
+        deadline, enough_at, told = self.clock() + fed.wait_seconds, None, -math.inf
         self.status("waiting", message=f"waiting for {want} worker(s)")
         while True:
             self.query_new_nodes()
             self.pull(lambda mid, reply, o: None)
+            working = busy() if busy is not None else {}
             active = self.active()
             if stoppable and self.run.stop_requested():
                 return active
+            if working and not active:
+                deadline = max(deadline, self.clock() + fed.wait_seconds)
+                if self.clock() - told >= BUSY_LOG_SECONDS:
+                    told = self.clock()
+                    self._tell_busy(working)
             if len(active) >= want and enough_at is None:
                 enough_at = self.clock()
                 if grace > 0:
@@ -263,6 +280,14 @@ class Fleet:
                     f"--coordinator HOST:PORT` on a worker box (or use --local-workers)"
                 )
             self.sleep(POLL_SECONDS)
+
+    def _tell_busy(self, working: dict[int, float]) -> None:
+        """Say, in the log and status.json, which nodes the wait is for."""
+        what = ", ".join(
+            f"{self.nodes[nid].label} (sent {self.clock() - since:.0f} s ago)" for nid, since in sorted(working.items())
+        )
+        log.info("no free worker: waiting for %s, still on the last round's request", what)
+        self.status("waiting", message=f"waiting for {what}, still on the last round's request")
 
     def heartbeat(self, nid: int) -> float:
         """The heartbeat interval to advise node `nid`: 10 s where its measured link moves the largest

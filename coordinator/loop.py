@@ -10,7 +10,8 @@
 Where every reply is in (and `federation.pipeline`), the next round is planned and sent before the
 settling, from the versions the replies claim (`start_round` with `ahead`), so the workers train while
 the coordinator checks and commits. A reply that comes after its round's deadline but before the next
-plan is checked like any other (`collect_late`), and commits with the next round.
+plan is checked like any other (`collect_late`), and commits with the next round; where the next round
+finds no free node, it waits for a node still sending its late reply rather than fail (coordinator.late).
 
 `Coordinator` is the process around the loop: it takes the run lock, logs to RUN/logs, applies an
 external start request, opens the run and writes a failure to status.json. Called by
@@ -29,6 +30,7 @@ from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluation
 from coordinator.fleet import POLL_SECONDS, Fleet, NodeStatus, Outgoing
 from coordinator.intake import Intake
+from coordinator.late import Late
 from coordinator.ledger import Bases, Ledger
 from coordinator.planning import Planner
 from coordinator.round import Round
@@ -139,7 +141,7 @@ class Loop:
         self.intake = Intake(
             run, cfg, self.ledger, self.fleet, self.prep, self.evaluation, self.dispatcher, self.status
         )
-        self.late: dict[str, Outgoing] = {}  # train requests of the last round that missed its deadline
+        self.late = Late(self.fleet, self.intake)  # requests of the last round still out at its deadline
         self.board: Board | None = None  # RUN/tb/'s event writer, while rounds run with federation.tensorboard
 
     def main(self) -> str | None:
@@ -217,10 +219,11 @@ class Loop:
         self.fleet.query_new_nodes()
         self.fleet.pull(lambda mid, reply, o: None)
         active = self.fleet.active()
-        if not active:
-            active = self.fleet.wait_for_nodes(1, stoppable=True)
+        if not active:  # a node still sending its late reply is busy, not gone: the wait takes that reply
+            active = self.fleet.wait_for_nodes(1, stoppable=True, busy=lambda: self.late.poll(late))
             if not active:
                 return None
+        self.late.drop()  # its experts may move now: a reply from their old base would be refused as stale
         bases = Bases(self.ledger, self.fleet.nodes, ahead)
         plan, by_node = self.planner.plan(active, bases)
         log.info(
@@ -253,24 +256,7 @@ class Loop:
         checked like any other, and accepted where their base version is still current. What they give
         (metrics lines marked late, rejections) commits with round r."""
         rnd = Round(r=r, plan=scheduler.Plan({}, {}, 0.0, []), deadline=self.clock(), t_sent=self.clock())
-        if not self.late:
-            return rnd
-        late, self.late = self.late, {}
-        self.fleet.out.update(late)
-        self.fleet.pull(lambda mid, reply, o: self.intake.on_train(mid, reply, o, rnd) if mid in late else None)
-        for mid in late:
-            self.fleet.out.pop(mid, None)
-        self.intake.settle_all(rnd)
-        for line in rnd.accepted.values():
-            line.late = True
-            log.info(
-                "round %d: accepted expert %d v%d from %s after the last round's deadline",
-                r,
-                line.expert,
-                line.version,
-                line.node,
-            )
-            self.fleet.nodes[line.node_id].status = NodeStatus.ACTIVE  # it answered after all
+        self.late.poll(rnd)
         return rnd
 
     def collect(self, rnd: Round) -> None:
@@ -302,7 +288,7 @@ class Loop:
         round, and their replies may still come in time for the next plan (`collect_late`)."""
         out = self.fleet.out
         late = [out.pop(mid) for mid in sorted(out) if out[mid].kind in ("train", "pieces")]
-        self.late = {o.mid: o for o in late if o.kind == "train"}
+        self.late.hold(late, rnd.deadline - rnd.t_sent)
         for nid in sorted({o.node for o in late}):
             node = self.fleet.nodes[nid]
             tasks = {e for o in late if o.node == nid and o.expected for e in o.expected.tasks}
@@ -323,7 +309,9 @@ class Loop:
         is in (none may still come late), outside the seed phase (its commit may fan out), with no stop
         requested, and when a round is left to run with steps to take and a node to take them."""
         fed = self.cfg.federation
-        if not fed.pipeline or rnd.r >= fed.rounds or self.late or self.ledger.seeding() or self.run.stop_requested():
+        if not fed.pipeline or rnd.r >= fed.rounds or self.late.held or self.ledger.seeding():
+            return False
+        if self.run.stop_requested():
             return False
         if not self.fleet.active():
             return False

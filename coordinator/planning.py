@@ -1,6 +1,6 @@
 """Who trains which expert this round, for how many steps, and the round's deadline: a sticky,
 proportionally fair plan (coordinator.scheduler) over the active nodes' rates, that prices what each node
-must fetch and send back over its measured link.
+must fetch and send back over its link: as measured, or at scheduler.UNMEASURED_LINK until it is.
 
 Called by coordinator.loop (`Loop.start_round`).
 """
@@ -44,7 +44,7 @@ class Planner:
 
     def deadline(self, r: int, plan: scheduler.Plan, by_node: dict[int, list[int]]) -> float:
         """When round r's replies are due. A node on a slow link gets the time to fetch what it lacks
-        (weights, shards) and to send its reply."""
+        (weights, shards) and to send its reply, one after the other, both priced at `link`."""
         fed = self.cfg.federation
         transfer = max(
             (plan.transfer.get(n, 0.0) + self.reply_seconds(n, es, r, plan.steps) for n, es in by_node.items()),
@@ -70,23 +70,25 @@ class Planner:
         return prev
 
     def transfer_seconds(self, e: int, nid: int, bases: Bases) -> float:
-        """How long node `nid` would take to fetch what expert e needs and its cache lacks (0 while its
-        link is unmeasured): the version with its optimizer state, and the shards."""
+        """How long node `nid` would take to fetch what expert e needs and its cache lacks: the version
+        with its optimizer state, and the shards."""
         node = self.fleet.nodes[nid]
-        if not node.link:
-            return 0.0
         nbytes = 0 if bases.holds(nid, e) else self.ledger.version_bytes()
         shards = seed_mod.shards(self.cfg, self.prep, e, "train")
         nbytes += sum(self.sizes.get(h, 0) for h in shards if h not in node.shards)
-        return nbytes / node.link
+        return nbytes / link(node)
 
     def reply_seconds(self, nid: int, experts: list[int], r: int, steps: dict[int, int]) -> float:
-        """How long node `nid`'s reply for `experts` takes up its link (0 while the link is unmeasured)."""
+        """How long node `nid`'s reply for `experts` takes up its link."""
         node = self.fleet.nodes[nid]
-        if not node.link:
-            return 0.0
         phase, vbytes = self.ledger.phase_config(), self.ledger.version_bytes()
         mode = reply_mode(self.cfg, phase, node, r, max(steps[e] for e in experts), vbytes)  # as the request asks
         weights = vbytes if mode in (ReplyMode.WEIGHTS, ReplyMode.BOTH) else 0
         logs = (ReplyMode.LOG, ReplyMode.BOTH)
-        return sum(weights + (log_bytes(phase, steps[e]) if mode in logs else 0) for e in experts) / node.link
+        return sum(weights + (log_bytes(phase, steps[e]) if mode in logs else 0) for e in experts) / link(node)
+
+
+def link(node: Node) -> float:
+    """A node's link rate in bytes/s, both ways: as measured, else the slow link every node is assumed to
+    be on until its first large exchange (scheduler.UNMEASURED_LINK)."""
+    return node.link or scheduler.UNMEASURED_LINK

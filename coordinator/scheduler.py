@@ -142,6 +142,12 @@ def plan(
     return Plan(assignment=assignment, steps=steps, makespan=span, moved=moved, transfer=fetch)
 
 
+# What a link is taken to move before it is measured, in bytes/s: 1 Mbit/s, the slowest link soma-edge is
+# built and benchmarked for (bench/slow_link.py). Round 1's deadline then leaves time for its transfers on
+# such a link (pricing them at 0 failed a run at 1 Mbit/s: the worker was still receiving at the deadline);
+# once a node's link is measured (`link_rate`), its own rate replaces this.
+UNMEASURED_LINK = 125_000.0
+
 FLOWER_SECONDS = 4.5  # a message's round trip beyond its transfer and compute (process start, polling)
 MIN_PROBE_BYTES = 256 << 10  # smaller messages say nothing about a link: Flower's overhead dominates
 

@@ -117,12 +117,12 @@ class FederationConfig:
     round_seconds: float = 60.0
     local_workers: int = 0  # SuperNodes that `soma-coord start` launches on this box
     min_nodes: int = 1  # round 1 waits (up to `wait_seconds`) for this many live nodes
-    wait_seconds: float = 120.0
+    wait_seconds: float = 120.0  # later rounds: how long after the last live node stopped working (coordinator.late)
     join_grace: float = 5.0  # once min_nodes are in, round 1 waits this much longer for more (0: none)
     keep_versions: int = 3  # checkpoints kept per expert; older versions are pruned
     reply_dtype: str = "float32"  # or "float16": workers send that, the coordinator stores it as received
     deadline_factor: float = 1.5  # a node misses the round when it has not replied by
-    deadline_slack: float = 30.0  # round_seconds * deadline_factor + deadline_slack
+    deadline_slack: float = 30.0  # round_seconds * deadline_factor + deadline_slack + its transfers' time
     val_windows: int = 64  # held-out windows per expert for the per-round val loss
     corpus: str = "default"
     max_steps: int = 0  # SPSA steps per expert over the whole run (a fixed compute budget); 0 = no cap

@@ -2,6 +2,7 @@ import shutil
 
 import pytest
 
+from coordinator import scheduler
 from coordinator.prepare import prepare
 from soma_edge import config as config_mod
 from soma_edge.rundir import RunDir
@@ -26,3 +27,11 @@ def run(prepared, tmp_path):
     rd = RunDir(dest)
     rd.save_config(config_mod.from_dict(TINY))
     return rd
+
+
+@pytest.fixture(autouse=True)
+def in_process_link(monkeypatch):
+    """The fake grid moves messages in-process: price an unmeasured link at 100 MB/s here, not at the
+    shipped 1 Mbit/s, or every test whose node misses a deadline would wait out a transfer that never happens
+    (test_slow_worker.py checks the shipped rate)."""
+    monkeypatch.setattr(scheduler, "UNMEASURED_LINK", 1e8)

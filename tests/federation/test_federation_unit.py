@@ -601,14 +601,15 @@ def test_link_rate_is_measured_from_large_messages_only():
 
 def test_a_round_deadline_prices_the_reply_up_a_measured_link(run, tmp_path):
     """Weights mode sends weights and Adam moments up; log mode a few bytes per step; an unmeasured link
-    adds nothing. The round deadline adds what the slowest node's fetch and reply take."""
+    is priced at UNMEASURED_LINK. The round deadline adds what the slowest node's fetch and reply take."""
     set_fed(run, rounds=1)
     coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run)
     coord.main()
     loop = coord.loop
     a = loop.fleet.nodes[1000]
     a.link, steps = None, {0: 1000, 1: 1000}
-    assert loop.planner.reply_seconds(1000, [0, 1], 2, steps) == 0.0
+    unmeasured = loop.planner.reply_seconds(1000, [0, 1], 2, steps)
+    assert unmeasured == pytest.approx(2 * 12 * loop.ledger.size / scheduler.UNMEASURED_LINK)
     a.link = 1e5
     assert loop.planner.reply_seconds(1000, [0, 1], 2, steps) == pytest.approx(2 * 12 * loop.ledger.size / 1e5)
     set_fed(run, reply="log")
