@@ -6,8 +6,10 @@
 
 For each expert size and reply mode, a real federation on simulated boxes (tests/helpers/netboxes.py:
 network namespaces, a veth link limited with tc htb): the coordinator in one namespace, one worker in another
-behind `--mbit` Mbit/s, `--experts` experts (all on that worker), `spsa.decoder = "spsa"` (no dense
-decoder). Prints, per round, the round's wall time, the worker's compute seconds, the compute share,
+behind `--mbit` Mbit/s, `--experts` experts (all on that worker). A reply mode (weights, log, auto) runs
+with `spsa.decoder = "spsa"` (no dense decoder) and the flags' round timing; mode `default` runs the shipped
+settings (the delta-rule decoder, reply = auto, 60 s rounds, the default deadlines), setting only the model
+size, experts, rounds and min_nodes. Prints, per round, the round's wall time, the worker's compute seconds, the compute share,
 and the bytes down and up; then the mean share of the rounds after the first, and of those before
 the last (with pipelined rounds, a round's span ends where the next one starts; the last one's ends
 after its checks, which no next round overlaps). Needs root.
@@ -31,24 +33,23 @@ from tests.helpers import netboxes
 SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}
 
 
-def one(size: str, mode: str, args, work: Path) -> list[RoundLine]:
+def _config(size: str, mode: str, args) -> str:
+    """The run's config: with mode "default", the shipped settings but for the model size, experts,
+    rounds and min_nodes; else a reply mode with `spsa.decoder = "spsa"` and the flags' round timing."""
     embed, hidden = SIZES[size]
+    head = f"[model]\nembed = {embed}\nhidden = {hidden}\n"
+    fed = f"[federation]\nexperts = {args.experts}\nrounds = {args.rounds}\nmin_nodes = 1\n"
+    if mode == "default":
+        return head + fed
+    return head + '[spsa]\ndecoder = "spsa"\n' + fed + (
+        f"round_seconds = {args.round_seconds}\ndeadline_factor = 1.5\n"
+        f'deadline_slack = {args.deadline_slack}\nreply = "{mode}"\n'
+    )
+
+
+def one(size: str, mode: str, args, work: Path) -> list[RoundLine]:
     cfg = work / f"{size}-{mode}.toml"
-    cfg.write_text(f"""
-[model]
-embed = {embed}
-hidden = {hidden}
-[spsa]
-decoder = "spsa"
-[federation]
-experts = {args.experts}
-rounds = {args.rounds}
-round_seconds = {args.round_seconds}
-deadline_factor = 1.5
-deadline_slack = {args.deadline_slack}
-min_nodes = 1
-reply = "{mode}"
-""")
+    cfg.write_text(_config(size, mode, args))
     run, env, port = work / f"run-{size}-{mode}", dict(os.environ), free_port()  # the corpus is in the usual cache
     boxes = netboxes.Boxes()
     try:
@@ -79,7 +80,9 @@ reply = "{mode}"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="124K,1M")
-    ap.add_argument("--modes", default="weights,log")
+    ap.add_argument(
+        "--modes", default="weights,log", help="reply modes, or default (the shipped settings: only size, experts, rounds and min_nodes set)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--round-seconds", type=float, default=60.0)
     ap.add_argument("--mbit", type=float, default=1.0)

@@ -41,8 +41,17 @@ def log_bytes(phase: Config, steps: int) -> int:
     return 4 * steps * phase.spsa.directions * phase.spsa.accumulate + dense
 
 
-def reply_mode(cfg: Config, phase: Config, node: Node, r: int, steps: int, version_bytes: int) -> ReplyMode:
-    """What to ask a node's experts back in round r: weights, the update log, or both (a checkpoint)."""
+# reply = "auto": the weights where a node's measured link carries its experts' versions within this share of
+# a round (the log would save little, and cost the coordinator its replay), else the log; and the weights as
+# well every `weights_every` rounds (a checkpoint) only where they cross within CHECKPOINT_SHARE.
+WEIGHTS_SHARE = 0.05
+CHECKPOINT_SHARE = 0.25
+
+
+def reply_mode(
+    cfg: Config, phase: Config, node: Node, r: int, steps: int, version_bytes: int, experts: int = 1
+) -> ReplyMode:
+    """What to ask a node's `experts` back in round r: weights, the update log, or both (a checkpoint)."""
     fed = cfg.federation
     if fed.reply == ReplyPolicy.WEIGHTS:
         return ReplyMode.WEIGHTS
@@ -52,7 +61,13 @@ def reply_mode(cfg: Config, phase: Config, node: Node, r: int, steps: int, versi
         return ReplyMode.LOG
     if log_bytes(phase, steps) >= version_bytes:  # a log longer than the weights and their Adam moments
         return ReplyMode.WEIGHTS
-    return ReplyMode.BOTH if r % fed.weights_every == 0 else ReplyMode.LOG
+    # An unmeasured link counts as slow: logs until the node's first large exchange has been timed.
+    seconds = experts * version_bytes / node.link if node.link else math.inf
+    if seconds <= WEIGHTS_SHARE * fed.round_seconds:
+        return ReplyMode.WEIGHTS
+    if r % fed.weights_every == 0 and seconds <= CHECKPOINT_SHARE * fed.round_seconds:
+        return ReplyMode.BOTH
+    return ReplyMode.LOG
 
 
 class Dispatcher:
@@ -164,7 +179,7 @@ class Dispatcher:
         """Node `nid`'s train request for round r, and what it expects back."""
         node, fed, phase = self.fleet.nodes[nid], self.cfg.federation, self.ledger.phase_config()
         most = max((steps[e] for e in experts), default=0)
-        mode = reply_mode(self.cfg, phase, node, r, most, self.ledger.version_bytes())
+        mode = reply_mode(self.cfg, phase, node, r, most, self.ledger.version_bytes(), len(experts))
         tasks, per_expert, exp_tasks = [], {}, {}
         for e in experts:
             task, exp_tasks[e], per_expert[e] = self._task(e, node, steps[e], bases, mode)

@@ -82,7 +82,8 @@ class Planner:
         """How long node `nid`'s reply for `experts` takes up its link."""
         node = self.fleet.nodes[nid]
         phase, vbytes = self.ledger.phase_config(), self.ledger.version_bytes()
-        mode = reply_mode(self.cfg, phase, node, r, max(steps[e] for e in experts), vbytes)  # as the request asks
+        most = max(steps[e] for e in experts)
+        mode = reply_mode(self.cfg, phase, node, r, most, vbytes, len(experts))  # as the request asks
         weights = vbytes if mode in (ReplyMode.WEIGHTS, ReplyMode.BOTH) else 0
         logs = (ReplyMode.LOG, ReplyMode.BOTH)
         return sum(weights + (log_bytes(phase, steps[e]) if mode in logs else 0) for e in experts) / link(node)

@@ -20,7 +20,7 @@ class ReplyPolicy(StrEnum):
 
     WEIGHTS = "weights"
     LOG = "log"
-    AUTO = "auto"  # the log, with the weights as well every `weights_every` rounds
+    AUTO = "auto"  # per node: the weights on a fast link, the log on a slow one (coordinator.dispatch.reply_mode)
 
 
 class LogDecoder(StrEnum):
@@ -134,13 +134,16 @@ class FederationConfig:
     max_strikes: int = 3
     piece_bytes: int = 32 << 20  # shard bytes a node lacks travel in messages of at most this many (<= 32 MiB)
     # What a worker returns: weights (and optimizer state), log (the round's update log: the SPSA scalars,
-    # which the coordinator replays bit for bit), or auto (the log, with the weights as well every
-    # `weights_every` rounds as a checkpoint the replay must match).
-    reply: ReplyPolicy = ReplyPolicy.WEIGHTS
+    # which the coordinator replays bit for bit), or auto: per node and round, the weights where its measured
+    # link carries them within 5% of round_seconds, else the log (an unmeasured link counts as slow), with
+    # the weights as well every `weights_every` rounds (a checkpoint the replay must match) where they
+    # cross within 25%.
+    reply: ReplyPolicy = ReplyPolicy.AUTO
     weights_every: int = 10
     # How a log reply carries a delta-rule decoder: int8 (its change, coded: ~1/4 of float32 on the wire;
     # the worker adopts the coded change) or float32 (its weights, lossless). Its Adam moments stay on the
-    # worker; the coordinator's copy is refreshed by each weights reply (see `reply`, `weights_every`).
+    # worker unless audit_steps > 0 (the audit rebuilds the decoder's steps from them); the coordinator's
+    # copy is refreshed by each weights reply (see `reply`, `weights_every`).
     log_decoder: LogDecoder = LogDecoder.INT8
     audit_steps: int = 0  # steps per log reply whose losses the coordinator recomputes to check its scalars
     # Start the next round as soon as every reply of this one is in, from the versions the replies claim,

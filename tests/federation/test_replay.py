@@ -17,6 +17,7 @@ import pytest
 from soma_edge import checkpoint, params, protocol, quant, spsa, steps
 from soma_edge.config import Config, from_dict
 from soma_edge.errors import CheckpointError
+from soma_edge.protocol import ReplyMode
 
 STEPS = 200
 BASE = {
@@ -314,10 +315,13 @@ def test_a_log_reply_carries_the_decoder_as_its_codes_or_weights_and_moments_onl
 
 
 def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(run, tmp_path, monkeypatch):
+    from coordinator import dispatch
     from coordinator.loop import Coordinator
     from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
 
     equal_rates(monkeypatch)
+    # The fake grid's links stay unmeasured (slow, to auto): let the checkpoint fit them regardless.
+    monkeypatch.setattr(dispatch, "CHECKPOINT_SHARE", float("inf"))
     set_fed(run, rounds=2, reply="auto", weights_every=2)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     Coordinator(grid, run).main()
@@ -340,6 +344,32 @@ def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=lie), run).main()
     r4 = [m for m in _round_lines(run) if m["round"] == 4][0]
     assert len(r4["rejected"]) == 4 and all("not what its update log replays to" in x["reason"] for x in r4["rejected"])
+
+
+def test_auto_asks_for_weights_on_a_fast_link_and_logs_on_a_slow_or_unmeasured_one():
+    """reply = "auto", per node and round, from the node's link: weights where its experts' versions cross
+    within WEIGHTS_SHARE of round_seconds, else the log, with a checkpoint (both) every weights_every
+    rounds only where the versions cross within CHECKPOINT_SHARE."""
+    from coordinator.dispatch import CHECKPOINT_SHARE, WEIGHTS_SHARE, reply_mode
+    from coordinator.fleet import Node
+
+    cfg = from_dict({**BASE, "federation": {"reply": "auto", "round_seconds": 60.0, "weights_every": 10}})
+    version = 12 * params.count(cfg.model)  # weights and both Adam moments, float32
+    fast = version / (WEIGHTS_SHARE * 60.0 / 2)  # bytes/s: two experts' versions cross in exactly 5% of a round
+
+    def mode(link, r=1, experts=2):
+        return reply_mode(cfg, cfg, Node(id=1, link=link), r, 100, version, experts)
+
+    assert mode(fast) == mode(2 * fast) == ReplyMode.WEIGHTS
+    assert mode(fast, experts=3) == ReplyMode.LOG  # three versions take 7.5% of the round
+    assert mode(None) == mode(None, r=10) == ReplyMode.LOG  # unmeasured: a slow link until timed
+    middle = version * 2 / (CHECKPOINT_SHARE * 60.0)  # the checkpoint fits exactly
+    assert (mode(middle, r=9), mode(middle, r=10), mode(middle / 2, r=10)) == (
+        ReplyMode.LOG,
+        ReplyMode.BOTH,
+        ReplyMode.LOG,
+    )
+    assert reply_mode(cfg, cfg, Node(id=1, link=None), 1, 10**9, version) == ReplyMode.WEIGHTS  # a longer log
 
 
 def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypatch):
