@@ -9,8 +9,8 @@ network namespaces, a veth link limited with tc htb): the coordinator in one nam
 behind `--mbit` Mbit/s, `--experts` experts (all on that worker). A reply mode (weights, log, auto) runs
 with `spsa.decoder = "spsa"` (no dense decoder) and the flags' round timing; mode `default` runs the shipped
 settings (the delta-rule decoder, reply = auto, 60 s rounds, the default deadlines), setting only the model
-size, experts, rounds and min_nodes. Prints, per round, the round's wall time, the worker's compute seconds, the compute share,
-and the bytes down and up; then the mean share of the rounds after the first, and of those before
+size, experts, rounds and min_nodes. Prints, per round, the round's wall time, the worker's compute
+seconds, the compute share, and the bytes down and up; then the mean share of the rounds after the first, and of those before
 the last (with pipelined rounds, a round's span ends where the next one starts; the last one's ends
 after its checks, which no next round overlaps). Needs root.
 """
@@ -81,7 +81,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="124K,1M")
     ap.add_argument(
-        "--modes", default="weights,log", help="reply modes, or default (the shipped settings: only size, experts, rounds and min_nodes set)"
+        "--modes",
+        default="weights,log",
+        help="reply modes, or default (the shipped settings: only size, experts, rounds and min_nodes set)",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--round-seconds", type=float, default=60.0)
