@@ -10,9 +10,9 @@ behind `--mbit` Mbit/s, `--experts` experts (all on that worker). A reply mode (
 with `spsa.decoder = "spsa"` (no dense decoder) and the flags' round timing; mode `default` runs the shipped
 settings (the delta-rule decoder, reply = auto, 60 s rounds, the default deadlines), setting only the model
 size, experts, rounds and min_nodes. Prints, per round, the round's wall time, the worker's compute
-seconds, the compute share, and the bytes down and up; then the mean share of the rounds after the first, and of those before
-the last (with pipelined rounds, a round's span ends where the next one starts; the last one's ends
-after its checks, which no next round overlaps). Needs root.
+seconds, the compute share, and the bytes down and up; then the mean share of the rounds after the first,
+and of those before the last (with pipelined rounds, a round's span ends where the next one starts; the
+last one's ends after its checks, which no next round overlaps). Needs root.
 """
 
 from __future__ import annotations
@@ -41,9 +41,14 @@ def _config(size: str, mode: str, args) -> str:
     fed = f"[federation]\nexperts = {args.experts}\nrounds = {args.rounds}\nmin_nodes = 1\n"
     if mode == "default":
         return head + fed
-    return head + '[spsa]\ndecoder = "spsa"\n' + fed + (
-        f"round_seconds = {args.round_seconds}\ndeadline_factor = 1.5\n"
-        f'deadline_slack = {args.deadline_slack}\nreply = "{mode}"\n'
+    return (
+        head
+        + '[spsa]\ndecoder = "spsa"\n'
+        + fed
+        + (
+            f"round_seconds = {args.round_seconds}\ndeadline_factor = 1.5\n"
+            f'deadline_slack = {args.deadline_slack}\nreply = "{mode}"\n'
+        )
     )
 
 
