@@ -25,7 +25,7 @@ from soma_edge.errors import CheckpointError, CorpusError
 from soma_edge.logs import role_logger
 from soma_edge.protocol import ReplyMode
 from soma_edge.rundir import PrepareSummary, RunDir
-from soma_edge.spsa import UpdateLog
+from soma_edge.spsa import OptState, UpdateLog
 
 log = role_logger("soma.coord")
 
@@ -213,6 +213,11 @@ class Dispatcher:
         body = self.run.load_expert(x.path) if send_w else None
         w = body["weights"] if body else None
         stored = self.ledger.checked_opt(body, x.path) if body else None
+        opt = stored.to_record() if stored is not None else None
+        if not send_w and base_log is None and x.version == 0:
+            # Version 0 may hash like a version the node holds with other optimizer state (a seed's final
+            # weights, which every expert starts from): its own, fresh, goes along.
+            opt = OptState().to_record()
         scale = float(x.lr_scale)
         task = protocol.task(
             expert=e,
@@ -223,7 +228,7 @@ class Dispatcher:
             shards=seed_mod.shards(self.cfg, self.prep, e, "train"),
             lr_scale=scale,
             weights=w,
-            opt=stored.to_record() if stored is not None else None,
+            opt=opt,
             reply=mode,
             base_log=base_log,
         )

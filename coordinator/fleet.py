@@ -25,6 +25,8 @@ from soma_edge.logs import role_logger
 from soma_edge.rundir import RunDir, RunState
 
 log = role_logger("soma.coord")
+# Two intervals must outlast the largest download: 0.75 x its time leaves 50% to spare.
+HEARTBEAT_COVER = 0.75
 
 POLL_SECONDS = 0.5
 END_SECONDS = 15.0  # how long the end of the run waits for the workers to hear of it
@@ -142,7 +144,9 @@ class Fleet:
             if node.status in again or (node.status == NodeStatus.QUERYING and stale):
                 if stale:
                     self.out.pop(node.query_mid, None)
-                body = protocol.capability_query(self.cfg.to_dict(), self.state.run_id)
+                # The advice goes with the query, before round 1's large download: with a train request
+                # it would arrive only once that download is done.
+                body = protocol.capability_query(self.cfg.to_dict(), self.state.run_id, self.heartbeat(nid))
                 msg = message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES)
                 items.append((msg, Outgoing(node=nid, kind="query")))
                 node.status = NodeStatus.QUERYING
@@ -290,13 +294,16 @@ class Fleet:
         self.status("waiting", message=f"waiting for {what}, still on the last round's request")
 
     def heartbeat(self, nid: int) -> float:
-        """The heartbeat interval to advise node `nid`: 10 s where its measured link moves the largest
-        message it may get (a version and a piece of shards) or send (a version) within 10 s, else 30 s:
-        a saturated slow link queues heartbeats for longer than two 10 s intervals, and the SuperLink
-        would declare a node gone in the middle of a download."""
-        link = self.nodes[nid].link
-        fast = link is not None and self.biggest / link <= protocol.HEARTBEAT_FAST
-        return protocol.HEARTBEAT_FAST if fast else protocol.HEARTBEAT_SLOW
+        """The heartbeat interval to advise node `nid`: 10 s where its link moves the largest message it
+        may get (a version and a piece of shards) within 10 s. Elsewhere a saturated link queues heartbeats
+        behind that message, and the SuperLink, which waits two intervals, would declare the node gone in
+        the middle of a download: there the interval covers the transfer (HEARTBEAT_COVER of its time,
+        30 s at least). An unmeasured link is priced as scheduler.UNMEASURED_LINK (1 Mbit/s), so round 1's
+        downloads are covered before the link is known."""
+        seconds = self.biggest / (self.nodes[nid].link or scheduler.UNMEASURED_LINK)
+        if seconds <= protocol.HEARTBEAT_FAST:
+            return protocol.HEARTBEAT_FAST
+        return float(min(protocol.HEARTBEAT_MAX, max(protocol.HEARTBEAT_SLOW, math.ceil(HEARTBEAT_COVER * seconds))))
 
     def end(self, body: dict[str, Any], why: str) -> None:
         """Tell every live node that the run is over (`body`: protocol.run_end), so that its `soma-worker

@@ -106,8 +106,9 @@ def payload_bytes(content) -> int:
 # --- bodies ---------------------------------------------------------------------------------------------
 
 
-def capability_query(config: dict[str, Any], run_id: str) -> dict[str, Any]:
-    return {"soma_version": __version__, "run_id": run_id, "config": config}
+def capability_query(config: dict[str, Any], run_id: str, heartbeat: float = HEARTBEAT_SLOW) -> dict[str, Any]:
+    """The first message a node gets; `heartbeat`: the interval it should report, ahead of round 1's download."""
+    return {"soma_version": __version__, "run_id": run_id, "config": config, "heartbeat": float(heartbeat)}
 
 
 def run_end(run_id: str, rounds: int, of: int, why: str) -> dict[str, Any]:
@@ -151,7 +152,7 @@ def train_request(
 
 
 def heartbeat_advice(body: dict[str, Any]) -> float | None:
-    """A train request's heartbeat interval, if it is one Flower accepts."""
+    """A capability query's or train request's heartbeat interval, if it is one Flower accepts."""
     x = body.get("heartbeat")
     return float(x) if _is_number(x) and HEARTBEAT_MIN <= x <= HEARTBEAT_MAX else None
 

@@ -605,8 +605,8 @@ class UpdateLog:
     decoder_codes: np.ndarray | None = None  # int8[n - body]: the decoder's change, coded (soma_edge.quant)
     decoder_scales: np.ndarray | None = None  # float32[blocks]: ... and its scales
 
-    OLD: ClassVar = ("start", "grads", "lr_scale", "decoder", "decoder_m", "decoder_v")
-    CODED: ClassVar = ("decoder_codes", "decoder_scales")
+    KEYS: ClassVar = ("start", "grads", "lr_scale", "decoder", "decoder_m", "decoder_v")  # every record's
+    CODED_KEYS: ClassVar = ("decoder_codes", "decoder_scales")  # ... and a coded decoder's (protocol 4)
 
     @property
     def steps(self) -> int:
@@ -621,15 +621,15 @@ class UpdateLog:
         return {"body": int(self.grads.nbytes), "decoder": int(sum(a.nbytes for a in parts if a is not None))}
 
     def to_record(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.OLD}
+        out = {k: getattr(self, k) for k in self.KEYS}
         if self.decoder_codes is not None:
-            out.update({k: getattr(self, k) for k in self.CODED})
+            out.update({k: getattr(self, k) for k in self.CODED_KEYS})
         return out
 
     @classmethod
     def from_record(cls, rec: Any, where: str = "update log") -> "UpdateLog":
         """Type-check a record (`replay` checks that it fits the state and config); CheckpointError if not."""
-        if not isinstance(rec, dict) or set(rec) not in (set(cls.OLD), set(cls.OLD) | set(cls.CODED)):
+        if not isinstance(rec, dict) or set(rec) not in (set(cls.KEYS), set(cls.KEYS) | set(cls.CODED_KEYS)):
             raise CheckpointError(f"{where}: not an update log record")
         g, scale = rec["grads"], rec["lr_scale"]
         if not _count(rec["start"]):

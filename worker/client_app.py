@@ -94,6 +94,7 @@ def capabilities(msg: Message, context: Context) -> Message:
     s = settings(dict(context.node_config))
     cfg = config_mod.from_dict(body["config"])
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
+    _take_advice(cache, body)  # before round 1's download, which may take minutes on a slow link
     caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
     # The run's model fixes how large its train requests can be: decode none larger (`train`).
     cache.put_json(_limit_name(context.run_id), protocol.train_request_limit(cfg))
@@ -115,6 +116,14 @@ def capabilities(msg: Message, context: Context) -> Message:
         **caps,
     }
     return _reply(msg, reply, protocol.KIND_CAPS)
+
+
+def _take_advice(cache: Cache, body: dict[str, Any]) -> None:
+    """Keep the coordinator's heartbeat advice where `join --heartbeat auto`'s SuperNode reads it
+    (worker.supernode), from a capability query or a train request."""
+    advice = protocol.heartbeat_advice(body)
+    if advice is not None and cache.get_json(HEARTBEAT_ADVICE) != advice:
+        cache.put_json(HEARTBEAT_ADVICE, advice)
 
 
 def _from_downstream_log(
@@ -278,9 +287,7 @@ def train(msg: Message, context: Context) -> Message:
     if reply_dtype not in protocol.REPLY_DTYPES:
         raise SomaError(f"unknown reply dtype {reply_dtype!r}")
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
-    advice = protocol.heartbeat_advice(body)
-    if advice is not None and cache.get_json(HEARTBEAT_ADVICE) != advice:
-        cache.put_json(HEARTBEAT_ADVICE, advice)  # `join --heartbeat auto`'s SuperNode reads it (worker.supernode)
+    _take_advice(cache, body)
     run_id = str(body.get("run_id"))  # versions are pruned per run: a cache serves many runs
     _, errors = _store_pieces(cache, body.get("pieces", []))
 
@@ -329,7 +336,9 @@ def _runnable(
             if hit is None:
                 missing_w.append(base)
                 continue
-            w, opt = hit["weights"], hit.get("opt")
+            # The task's optimizer state, where it sends one, is the version's (version 0 after a seed hashes
+            # like the seed's final weights, which this cache holds with the seed's state).
+            w, opt = hit["weights"], t.get("opt") if t.get("opt") is not None else hit.get("opt")
         shards = [cache.get_shard(h) for h in t["shards"]]
         if any(x is None for x in shards):
             missing_s += [h for h, x in zip(t["shards"], shards) if x is None]

@@ -66,13 +66,15 @@ def test_rounds_advance_sticky_and_checkpointed(run, tmp_path, monkeypatch):
     assert sorted([x["node"] for x in r2].count(n) for n in ("a", "b")) == [2, 2]
     # The routed-mixture val loss is computed every round.
     assert all(np.isfinite(x["mixture_val_loss"]) for x in m if x["type"] == "round")
-    # Old versions are pruned to keep_versions (3): v0..v2 all kept here; status says done.
-    assert sorted(p.name for p in (run.root / "experts" / "0").iterdir()) == ["v0.msgpack", "v1.msgpack", "v2.msgpack"]
+    # Old versions are pruned to keep_versions (3): v0..v2 all kept here, with the update logs that made v1
+    # and v2 (reply = auto sends logs on the fake grid's unmeasured links); status says done.
+    kept = sorted(p.name for p in (run.root / "experts" / "0").iterdir())
+    assert kept == ["l1.msgpack", "l2.msgpack", "v0.msgpack", "v1.msgpack", "v2.msgpack"]
     assert run.read_status()["phase"] == "done"
 
 
 def test_float16_replies_stored_as_received_and_old_versions_pruned(run, tmp_path):
-    set_fed(run, rounds=3, reply_dtype="float16", keep_versions=2)
+    set_fed(run, rounds=3, reply="weights", reply_dtype="float16", keep_versions=2)
     state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     for e in range(4):
         x = state.expert(e)
@@ -158,7 +160,7 @@ def test_bad_replies_rejected_and_run_dir_untouched(run, tmp_path, kind, caplog,
     equal_rates(monkeypatch)
     set_fed(run, rounds=0)
     Coordinator(FakeGrid(tmp_path / "idle", ["a", "b"]), run).main()  # writes version 0 of every expert, no round
-    set_fed(run, rounds=1)
+    set_fed(run, rounds=1, reply="weights")  # the tampering edits the weights a weights reply carries
     before = _hashes(run.root)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_tamper_all(kind))
     with caplog.at_level(logging.WARNING, logger="soma.coord"):
@@ -171,7 +173,7 @@ def test_bad_replies_rejected_and_run_dir_untouched(run, tmp_path, kind, caplog,
 
 
 def test_rejection_leaves_existing_versions_and_files_unchanged(run, tmp_path):
-    set_fed(run, rounds=1)
+    set_fed(run, rounds=1, reply="weights")  # NaN weights: a weights reply
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
     state_before = run.read_state().experts
     set_fed(run, rounds=2)
@@ -312,6 +314,7 @@ def test_optimizer_state_travels_checkpoints_and_resumes_bit_for_bit(run, tmp_pa
     cfg = run.load_config()
     cfg.spsa.update, cfg.spsa.plateau, cfg.spsa.plateau_patience = "adam", True, 1
     cfg.federation.rounds = 1
+    cfg.federation.reply = "weights"  # the optimizer state travels in weights replies
     cfg.federation.pipeline = False  # pipelined, round 3 starts before round 2's val loss: its scale lags a round
     run.save_config(config_mod.validate(cfg))
     Coordinator(FakeGrid(tmp_path / "n1", ["a", "b"]), run).main()
@@ -602,7 +605,7 @@ def test_link_rate_is_measured_from_large_messages_only():
 def test_a_round_deadline_prices_the_reply_up_a_measured_link(run, tmp_path):
     """Weights mode sends weights and Adam moments up; log mode a few bytes per step; an unmeasured link
     is priced at UNMEASURED_LINK. The round deadline adds what the slowest node's fetch and reply take."""
-    set_fed(run, rounds=1)
+    set_fed(run, rounds=1, reply="weights")
     coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run)
     coord.main()
     loop = coord.loop

@@ -5,6 +5,7 @@ and `soma-worker join`'s output and supervision. Real-process versions: tests/e2
 from __future__ import annotations
 
 import io
+import math
 import os
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator import scheduler
 from coordinator.loop import Coordinator
 from coordinator.progress import Events, Follower
 from soma_edge import protocol
@@ -257,8 +259,10 @@ def test_supernode_polls_eagerly_for_a_while_after_each_reply(monkeypatch):
 
 
 def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
-    """The coordinator advises 30 s until it has measured a node's link, 10 s for a fast link, 30 s for
-    a slow one; the ClientApp leaves the advice in the cache; the SuperNode's thread applies it."""
+    """The coordinator advises 10 s where a node's link moves the largest message it may get within 10 s,
+    else an interval whose two periods outlast that download (30 s at least), an unmeasured link priced at
+    1 Mbit/s; the advice goes with the capability query (before round 1's download) and each train request;
+    the ClientApp leaves it in the cache; the SuperNode's thread applies it."""
     import threading
 
     from flwr.supernode import fleet_http_connection as heartbeat  # where the reported interval lives
@@ -274,12 +278,21 @@ def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
         for m in coord.grid.sent
         if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000
     ]
-    assert sent and protocol.heartbeat_advice(sent[0]) == 30.0  # round 1: the link is not measured yet
-    assert Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == 30.0
+    queries = [
+        protocol.unpack(m.content, protocol.KIND_QUERY)
+        for m in coord.grid.sent
+        if m.metadata.message_type == protocol.QUERY_CAPABILITIES and m.metadata.dst_node_id == 1000
+    ]
     loop = coord.loop
     a = loop.fleet.nodes[1000]
     biggest = loop.ledger.version_bytes() + sum(loop.prep.shard_sizes().values())  # this tiny run's largest message
-    for link, advice in ((None, 30.0), (biggest / 5, 10.0), (biggest / 20, 30.0)):  # it takes 5 s, 20 s
+    unmeasured = biggest / scheduler.UNMEASURED_LINK  # seconds at 1 Mbit/s
+    first = 10.0 if unmeasured <= 10 else max(30.0, math.ceil(0.75 * unmeasured))
+    assert queries and protocol.heartbeat_advice(queries[0]) == first  # before round 1: the link is not measured
+    assert sent and protocol.heartbeat_advice(sent[0]) == first
+    assert Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == first
+    # it takes 5 s, 20 s, 200 s: two 150 s intervals outlast a 200 s download
+    for link, advice in ((None, first), (biggest / 5, 10.0), (biggest / 20, 30.0), (biggest / 200, 150.0)):
         a.link = link
         assert loop.fleet.heartbeat(1000) == advice, link
 

@@ -122,7 +122,7 @@ def test_round_one_deadline_prices_transfers_at_a_slow_link_until_measured(run, 
     down and its reply (weights and moments) going up at 1 Mbit/s. Measured fast: nothing added."""
     assert SHIPPED_LINK == 125_000.0  # 1 Mbit/s, the slowest link soma-edge is built for
     monkeypatch.setattr(scheduler, "UNMEASURED_LINK", SHIPPED_LINK)
-    set_fed(run, rounds=1, min_nodes=1, wait_seconds=WAIT)
+    set_fed(run, rounds=1, min_nodes=1, wait_seconds=WAIT, reply="weights")  # the largest replies
     clock = Clock()
     coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a"]), run, clock=clock, sleep=clock.sleep)
     coord.main()
