@@ -45,6 +45,9 @@ keep_versions = 10
 guard_tolerance = {TOL}
 max_strikes = 2
 piece_bytes = 131072
+# The lie is in the weights, for the guard to refuse: a weights reply. (In a log reply the same lie hashes
+# to weights the log does not replay to, and is refused before the guard: tests/federation/test_replay.py.)
+reply = "weights"
 """
 
 
