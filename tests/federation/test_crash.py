@@ -46,11 +46,12 @@ import pytest
 from soma_edge import checkpoint, protocol
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError
-from soma_edge.rundir import RunDir, verify_experts
+from soma_edge.rundir import LOG_KIND, RunDir, verify_experts
 from tests.helpers.crash_child import CRASH_CODE, EXPERT_RE, POINTS, state_summary
 from tests.helpers.fakegrid import TINY, set_fed
 
 ROOT = Path(__file__).resolve().parents[2]
+LOG_RE = re.compile(r"experts/(\d+)/l(\d+)\.msgpack$")  # an update log, kept beside the version it made
 CHILD = ("-m", "tests.helpers.crash_child")  # run from ROOT, which puts `tests` on its path
 ROUNDS = 3
 KEEP = 1  # keep_versions: the smallest, so that every commit from round 2 on prunes, and protection matters
@@ -272,9 +273,14 @@ def check_resumed(rd: RunDir, snap: dict, expected_tmp: list[str]) -> None:
             overdue.append(str(p.relative_to(root)))
     # Even after a crash past the last commit point, before its prune finished: the resume prunes first.
     assert overdue == [], f"should have been pruned: {overdue}"
-    assert all(
-        not p.is_file() or p.name.startswith(".") for p in (root / "experts").rglob("*") if not EXPERT_RE.search(str(p))
-    )
+    # Besides the versions, only the update logs that made them (reply = auto sends logs here), each loading,
+    # and none outliving its version's prune.
+    for p in (root / "experts").rglob("*"):
+        if not p.is_file() or p.name.startswith(".") or EXPERT_RE.search(str(p)):
+            continue
+        m = LOG_RE.search(str(p))
+        assert m and (int(m.group(1)), int(m.group(2))) in on_disk, p
+        checkpoint.load(p, LOG_KIND)
 
     # Metrics: one round line per round, one line per expert per round, accepted versions 1..final.
     lines = rd.read_metrics()

@@ -61,7 +61,9 @@ def _poison(coord_box: list, attack):
 
 def _guarded_run(run, tmp_path, monkeypatch, attack, rounds: int):
     equal_rates(monkeypatch)
-    set_fed(run, rounds=rounds, guard_tolerance=TOL, max_strikes=3, keep_versions=10)  # v0 stays readable
+    # v0 stays readable; the attacks edit the weights a weights reply carries (a lying log is refused by
+    # its replay before the guard: tests/federation/test_replay.py)
+    set_fed(run, rounds=rounds, guard_tolerance=TOL, max_strikes=3, keep_versions=10, reply="weights")
     box: list = []
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, attack))
     coord = Coordinator(grid, run)
@@ -129,7 +131,7 @@ def test_a_late_poisoned_reply_strikes_and_excludes_its_node_in_the_round_that_s
     """b's x10 reply to round 1 comes after its deadline; round 2 settles it: refused, b struck out, and
     round 2's metrics line says so (found when a slow CI box made the poisoned e2e worker miss round 1)."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=2, deadline_slack=0.5, guard_tolerance=TOL, max_strikes=1)
+    set_fed(run, rounds=2, deadline_slack=0.5, guard_tolerance=TOL, max_strikes=1, reply="weights")
     box: list = []
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, _scale10))
     coord = Coordinator(grid, run)

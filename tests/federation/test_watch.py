@@ -108,7 +108,7 @@ def test_a_stop_request_ends_a_wait_for_workers_when_none_is_left(run, tmp_path,
         if ctx.r == 1:
             grid.gone.update(grid.nodes)
 
-    def wait(self, want, grace=0.0, stoppable=False):
+    def wait(self, want, grace=0.0, stoppable=False, busy=None):
         waits.append(want)
         if want == 1:
             run.request_stop()
