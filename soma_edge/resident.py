@@ -28,7 +28,7 @@ from soma_edge.spsa import State, StepResult, mean_decoder_grad, schedule
 from soma_edge.steps import stepper as make_stepper
 
 log = logging.getLogger("soma.resident")
-_VERIFIED: dict[tuple[str, str, bytes], bool] = {}  # (device, ORT provider, graph bytes) -> bits matched
+_VERIFIED: dict[tuple, bool] = {}  # (device, ORT provider, graph) -> whether its update gave the host's bits
 
 
 def _ort_device(evaluator: PopulationEvaluator) -> tuple[str, int]:
@@ -155,7 +155,9 @@ class Resident:
         """Whether the update graph on this device gives spsa's numpy update bit for bit: one update of a
         copy of the uploaded state, with this step's keyed noise and made-up gradients, against
         Stepper.replay on the host. Run once per device, provider and graph."""
-        key = (repr(self.where), self.update.get_providers()[0], self.update.get_modelmeta().graph_description)
+        # The graph: its description (kind, k, noise, update rule) and its inputs' shapes (the expert's size).
+        graph = (self.update.get_modelmeta().graph_description, tuple((i.name, i.shape) for i in self.inputs))
+        key = (repr(self.where), self.update.get_providers()[0], graph)
         if key not in _VERIFIED:
             _VERIFIED[key] = self._check_bits()
             if not _VERIFIED[key]:
