@@ -142,8 +142,14 @@ def test_federation_trains_and_checkpoints_what_workers_sent(fed):
     assert {m["node"] for m in lines} == {"w0", "w1"}
     rounds = metric_lines(rd, "round")
     assert [m["round"] for m in rounds] == [1, 2] and all(np.isfinite(m["mixture_val_loss"]) for m in rounds)
-    # Round 2 kept every expert on its node: no weights were sent again.
-    assert sum(m["weights_bytes_down"] for m in lines if m["round"] == 2) == 0
+    # An expert that stays on its node is not sent again: the node's cache holds its weights. (Whether one
+    # moves depends on the rates measured in round 1, which a busy box skews; stickiness keeps most in place.)
+    node = {(m["expert"], m["round"]): m["node"] for m in lines}
+    stayed = [e for e in range(4) if node[(e, 1)] == node[(e, 2)]]
+    assert len(stayed) >= 2, node
+    for m in lines:
+        if m["round"] == 2:
+            assert (m["weights_bytes_down"] == 0) == (m["expert"] in stayed), m
     assert not rd.is_locked()
 
 
