@@ -96,10 +96,10 @@ class Dispatcher:
     def send_train(
         self, rnd: Round, nid: int, experts: list[int], steps: dict[int, int], bases: Bases, max_seconds=None
     ) -> None:
-        """Give node `nid` its experts: the shard bytes it lacks in pieces of at most PIECE_BYTES, all but
+        """Give node `nid` its experts: the shard bytes it lacks in pieces of at most `Fleet.piece_bytes`, all but
         the last as messages of their own, then (once those are stored) the train request with the last."""
         shards, shard_bytes = self.missing_shards(nid, experts)
-        pieces = protocol.split_pieces(shards, self.cfg.federation.piece_bytes)
+        pieces = protocol.split_pieces(shards, self.fleet.piece_bytes(nid))
         last = pieces.pop() if pieces else []
         if not pieces:
             self.push_train(rnd, self.train_request(rnd.r, nid, experts, steps, bases, max_seconds, last, shard_bytes))
@@ -194,7 +194,7 @@ class Dispatcher:
             max_seconds=max_seconds or fed.round_seconds,
             tasks=tasks,
             pieces=pieces,
-            heartbeat=self.fleet.heartbeat(nid),
+            heartbeat=self.fleet.advised(nid),
         )
         size = self.ledger.size
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=size, reply_dtype=fed.reply_dtype)

@@ -27,6 +27,10 @@ from soma_edge.rundir import RunDir, RunState
 log = role_logger("soma.coord")
 # Two intervals must outlast the largest download: 0.75 x its time leaves 50% to spare.
 HEARTBEAT_COVER = 0.75
+# Shard pieces are cut to cross the node's link (1 Mbit/s until measured) in this long, so that shards never
+# make the largest message a node gets: a version of a small expert then keeps it on 10 s heartbeats.
+PIECE_SECONDS = 5.0
+MIN_PIECE_BYTES = 64 << 10  # below this, a message's own overhead dominates
 
 POLL_SECONDS = 0.5
 END_SECONDS = 15.0  # how long the end of the run waits for the workers to hear of it
@@ -60,6 +64,7 @@ class Node:
     query_mid: str | None = None
     query_sent: float = 0.0
     identity: str = ""  # who strikes count against (`coordinator.guard.identity`), set when it answers a query
+    advised: float | None = None  # the heartbeat interval last sent to it
 
     @property
     def who(self) -> str:
@@ -69,7 +74,7 @@ class Node:
 @dataclass
 class Outgoing:
     node: int
-    kind: str  # "query" | "pieces" | "train" | "end"
+    kind: str  # "query" | "pieces" | "train" | "advice" | "end"
     expected: protocol.Expected | None = None
     bytes_down: int = 0
     per_expert: dict[int, dict[str, int]] = field(default_factory=dict)  # expert -> weight/shard bytes sent
@@ -91,7 +96,7 @@ class Fleet:
         run: RunDir,
         cfg: Config,
         state: RunState,
-        biggest: int,
+        version_bytes: int,
         status: Callable[..., None],
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -100,7 +105,7 @@ class Fleet:
         # The ledger's RunState object itself (never replaced; strikes change in place): passing the Ledger
         # instead would make fleet and ledger import each other (the ledger uses Node).
         self.state = state  # the run state: its run id and strikes
-        self.biggest = biggest  # bytes of the largest message a node may get (a version and a piece of shards)
+        self.version_bytes = version_bytes  # what one expert's version weighs on the wire
         self.status = status  # writes status.json (`Loop.status`)
         self.nodes: dict[int, Node] = {}
         self.out: dict[str, Outgoing] = {}  # message id -> what it was
@@ -131,6 +136,9 @@ class Fleet:
                 continue
             if o.kind == "query":
                 self.on_capabilities(reply, o)
+            elif o.kind == "advice":
+                if reply.has_error():
+                    log.info("node %s did not take its heartbeat advice: %s", o.node, reply.error.reason)
             else:
                 handle_train(mid, reply, o)
 
@@ -146,7 +154,7 @@ class Fleet:
                     self.out.pop(node.query_mid, None)
                 # The advice goes with the query, before round 1's large download: with a train request
                 # it would arrive only once that download is done.
-                body = protocol.capability_query(self.cfg.to_dict(), self.state.run_id, self.heartbeat(nid))
+                body = protocol.capability_query(self.cfg.to_dict(), self.state.run_id, self.advised(nid))
                 msg = message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES)
                 items.append((msg, Outgoing(node=nid, kind="query")))
                 node.status = NodeStatus.QUERYING
@@ -293,17 +301,44 @@ class Fleet:
         log.info("no free worker: waiting for %s, still on the last round's request", what)
         self.status("waiting", message=f"waiting for {what}, still on the last round's request")
 
+    def link(self, nid: int) -> float:
+        """Node `nid`'s link in bytes/s, priced as scheduler.UNMEASURED_LINK (1 Mbit/s) until measured."""
+        return self.nodes[nid].link or scheduler.UNMEASURED_LINK
+
+    def piece_bytes(self, nid: int) -> int:
+        """How many shard bytes one message to node `nid` carries: what its link moves in PIECE_SECONDS,
+        within [MIN_PIECE_BYTES, federation.piece_bytes]."""
+        return min(self.cfg.federation.piece_bytes, max(MIN_PIECE_BYTES, int(PIECE_SECONDS * self.link(nid))))
+
     def heartbeat(self, nid: int) -> float:
         """The heartbeat interval to advise node `nid`: 10 s where its link moves the largest message it
         may get (a version and a piece of shards) within 10 s. Elsewhere a saturated link queues heartbeats
         behind that message, and the SuperLink, which waits two intervals, would declare the node gone in
         the middle of a download: there the interval covers the transfer (HEARTBEAT_COVER of its time,
-        30 s at least). An unmeasured link is priced as scheduler.UNMEASURED_LINK (1 Mbit/s), so round 1's
-        downloads are covered before the link is known."""
-        seconds = self.biggest / (self.nodes[nid].link or scheduler.UNMEASURED_LINK)
+        30 s at least). An unmeasured link is priced at 1 Mbit/s, so round 1's downloads are covered
+        before the link is known."""
+        seconds = (self.version_bytes + self.piece_bytes(nid)) / self.link(nid)
         if seconds <= protocol.HEARTBEAT_FAST:
             return protocol.HEARTBEAT_FAST
         return float(min(protocol.HEARTBEAT_MAX, max(protocol.HEARTBEAT_SLOW, math.ceil(HEARTBEAT_COVER * seconds))))
+
+    def advised(self, nid: int) -> float:
+        """`heartbeat(nid)`, noted as sent: for a message that carries it (a query, a train request)."""
+        self.nodes[nid].advised = self.heartbeat(nid)
+        return self.nodes[nid].advised
+
+    def advise(self, nid: int) -> None:
+        """Send node `nid` its heartbeat interval in a message of its own if its newly measured link changed
+        it: a worker killed before it pulls its next train request is then still noticed within two of
+        the new intervals, not two of the old."""
+        node = self.nodes[nid]
+        if node.status != NodeStatus.ACTIVE or self.heartbeat(nid) == node.advised:
+            return
+        body = protocol.advice(self.state.run_id, self.advised(nid))
+        self.push(
+            [(message(body, protocol.KIND_ADVICE, nid, protocol.QUERY_ADVICE), Outgoing(node=nid, kind="advice"))]
+        )
+        log.info("node %s (%s): heartbeat advice now %g s", nid, node.label, node.advised)
 
     def end(self, body: dict[str, Any], why: str) -> None:
         """Tell every live node that the run is over (`body`: protocol.run_end), so that its `soma-worker

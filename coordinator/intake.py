@@ -83,6 +83,7 @@ class Intake:
             self.fleet.clock() - o.sent_at,
             float(took) if protocol.is_number(took) else secs,
         )
+        self.fleet.advise(node.id)
         rnd.compute[node.id] = rnd.compute.get(node.id, 0.0) + secs
         for err in body.get("errors") or []:
             log.warning("round %d: node %s (%s) reports: %s", rnd.r, o.node, node.name, err)

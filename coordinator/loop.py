@@ -134,8 +134,7 @@ class Loop:
         self.prep = run.read_prepare()  # which shards each expert trains and validates on
         self.evaluation = Evaluation(run, cfg, self.prep)
         self.ledger = Ledger(run, cfg, self.evaluation)
-        biggest = self.ledger.version_bytes() + min(cfg.federation.piece_bytes, sum(self.prep.shard_sizes().values()))
-        self.fleet = Fleet(grid, run, cfg, self.ledger.state, biggest, self.status, clock, sleep)
+        self.fleet = Fleet(grid, run, cfg, self.ledger.state, self.ledger.version_bytes(), self.status, clock, sleep)
         self.dispatcher = Dispatcher(run, cfg, self.ledger, self.fleet, self.prep)
         self.planner = Planner(cfg, self.ledger, self.fleet, self.prep)
         self.intake = Intake(

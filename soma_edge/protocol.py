@@ -44,11 +44,13 @@ RECORD = "soma"
 QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")
 QUERY_SHARDS = "query.shards"
 QUERY_END = "query.end"  # the run is over: `soma-worker join` exits (or, with --stay, waits for the next)
+QUERY_ADVICE = "query.advice"  # a new heartbeat interval, as soon as a measured link changes it
 TRAIN = "train"
 KIND_QUERY, KIND_CAPS = "capability_query", "capabilities"
 KIND_TRAIN, KIND_REPLY = "train_request", "train_reply"
 KIND_PIECES, KIND_ACK = "shard_pieces", "shard_ack"
 KIND_END = "run_end"
+KIND_ADVICE = "heartbeat_advice"
 # Heartbeat intervals (s) the coordinator advises: fast where the node's largest message moves within
 # HEARTBEAT_FAST, else Flower's 30 s (a slow link's queue can hold off heartbeats for longer than 2 x 10 s).
 HEARTBEAT_FAST, HEARTBEAT_SLOW = 10.0, 30.0
@@ -109,6 +111,12 @@ def payload_bytes(content) -> int:
 def capability_query(config: dict[str, Any], run_id: str, heartbeat: float = HEARTBEAT_SLOW) -> dict[str, Any]:
     """The first message a node gets; `heartbeat`: the interval it should report, ahead of round 1's download."""
     return {"soma_version": __version__, "run_id": run_id, "config": config, "heartbeat": float(heartbeat)}
+
+
+def advice(run_id: str, heartbeat: float) -> dict[str, Any]:
+    """A heartbeat interval on its own, sent when the node's measured link changes what it should report
+    (a train request would bring it only once the node pulls its next round's work)."""
+    return {"soma_version": __version__, "run_id": run_id, "heartbeat": float(heartbeat)}
 
 
 def run_end(run_id: str, rounds: int, of: int, why: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The SOMA worker as a Flower ClientApp: answers the capability query, stores shard pieces, trains experts.
+"""The SOMA worker as a Flower ClientApp: answers the capability query, stores shard pieces, trains experts,
+takes heartbeat advice.
 
 The SuperNode starts a fresh process for every message, so all state between rounds lives in the disk
 cache (`worker.cache`): shards by hash, weights by version hash, the throughput probe. Settings come
@@ -244,6 +245,14 @@ def shard_pieces(msg: Message, context: Context) -> Message:
         f", errors: {errors}" if errors else "",
     )
     return _reply(msg, {"node": context.node_id, "complete": done, "errors": errors}, protocol.KIND_ACK)
+
+
+@app.query("advice")
+def heartbeat_advice(msg: Message, context: Context) -> Message:
+    body = protocol.unpack(msg.content, protocol.KIND_ADVICE, protocol.SMALL_BYTES)
+    _take_advice(Cache(settings(dict(context.node_config)).cache), body)
+    log.info("heartbeat advice: %s s", protocol.heartbeat_advice(body))
+    return _reply(msg, {"node": context.node_id}, protocol.KIND_ACK)
 
 
 @app.query("end")

@@ -6,8 +6,9 @@ the node's to choose (the SuperLink accepts 10 s to 30 min, and takes the one ea
 but flwr 1.42's SuperNode has no option for it, only a module constant, which this launcher sets before
 running Flower's own entry point, and, with `auto`, keeps setting to what the coordinator advises: 10 s
 where the node's link is fast, 30 s on a slow one (its queue can hold heartbeats off for longer than
-2 x 10 s during a large transfer). The advice arrives with each train request; the ClientApp leaves it
-in the cache, where a thread here reads it.
+2 x 10 s during a large transfer). The advice arrives with the capability query, each train request,
+and on its own when a measured link changes it; the ClientApp leaves it in the cache, where a thread
+here reads it.
 
 It also polls for messages every 0.5 s for a while after each reply it sends (`eager_polls`): the
 next round's request (pipelined rounds) is then seconds away, and Flower's 3 s idle poll is the largest
@@ -27,7 +28,7 @@ from soma_edge.protocol import HEARTBEAT_MAX, HEARTBEAT_MIN, HEARTBEAT_SLOW
 from worker.cache import HEARTBEAT_ADVICE, Cache
 
 AUTO_START = HEARTBEAT_SLOW  # until the coordinator has measured the link: Flower's own default
-POLL_SECONDS = 2.0
+POLL_SECONDS = 0.5  # how often the advice in the cache is read: it counts from the next heartbeat (~4 s)
 FLOWER_IDLE_POLL = 3  # flwr 1.42's SuperNode: time.sleep(3) after a pull that found no message
 EAGER_SECONDS = 20.0  # after a reply, poll every EAGER_POLL seconds this long (then Flower's 3 s again)
 EAGER_POLL = 0.5

@@ -5,6 +5,13 @@ PYTHONPATH (tests/e2e/poison/sitecustomize.py): it trains, then sends its expert
 noise, with correct shapes and hashes. The best-loss bound must refuse every such reply, strike the
 liar's key out, keep a good version of every expert, and finish the run with the honest worker.
 Small shard pieces (128 KiB) make the shards travel as several real `query.shards` messages too.
+
+Then the strikes must outlive a real coordinator restart: they count against the worker's registered key,
+never the Flower node id, and commit in state.msgpack. A new `start` on the same run resumes it on a new
+SuperLink; the same key joins again through a new SuperNode, so with a new node id. It must be refused at its
+capability reply, by its key and the committed count, before it is given any work, while w0 trains on. Keyed
+on node ids, or lost on the restart, the liar would be a stranger with no strikes: it would get experts, lie,
+and be struck again.
 """
 
 from __future__ import annotations
@@ -18,7 +25,18 @@ from pathlib import Path
 
 from soma_edge import checkpoint
 from soma_edge.rundir import RunDir
-from tests.helpers.federation import cli, finish, metric_lines, secure_federation, secure_join
+from tests.helpers.federation import (
+    START_TIMEOUT,
+    cli,
+    finish,
+    leftovers,
+    log_tails,
+    metric_lines,
+    secure_federation,
+    secure_join,
+    start_coordinator,
+    wait_until,
+)
 
 POISON = Path(__file__).parent / "poison"
 TOL = 0.5
@@ -51,7 +69,32 @@ reply = "weights"
 """
 
 
-def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
+def _liar(tmp_path: Path, env: dict, port: str, log: str) -> subprocess.Popen:
+    """The registered liar's `soma-worker join` (a new SuperNode each time), its ClientApp poisoned."""
+    env = dict(env, PYTHONPATH=os.pathsep.join([str(POISON), env.get("PYTHONPATH", "")]), SOMA_TEST_POISON="mixed")
+    with open(tmp_path / log, "ab") as out:
+        return subprocess.Popen(
+            secure_join(tmp_path, port, "liar"), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _interrupt(fed, proc: subprocess.Popen) -> int:
+    """Ctrl-C on `start`: it stops the SuperLink, the ServerApp and its local workers; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("start did not stop within 60 s of Ctrl-C" + log_tails(fed)) from None
+
+
+def _node_id(run: Path, name: str) -> int:
+    (nid,) = [w["node_id"] for w in json.loads((run / "workers.json").read_text()) if w["name"] == name]
+    return nid
+
+
+def test_poisoned_worker_is_refused_struck_out_and_stays_out_after_a_restart(tmp_path):
     fed, proc, port = secure_federation(tmp_path, CONFIG, "liar")
     env = fed["env"]
     r = cli(
@@ -65,10 +108,8 @@ def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
         "liar",
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    cmd = secure_join(tmp_path, port, "liar")
-    liar_env = dict(env, PYTHONPATH=os.pathsep.join([str(POISON), env.get("PYTHONPATH", "")]), SOMA_TEST_POISON="mixed")
-    with open(tmp_path / "liar.log", "ab") as out:
-        liar = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=liar_env, start_new_session=True)
+    first_id = _node_id(fed["run"], "liar")
+    liar = _liar(tmp_path, env, port, "liar.log")
     try:
         finish(fed, proc)
     finally:
@@ -103,3 +144,52 @@ def test_poisoned_worker_is_refused_struck_out_and_the_run_completes(tmp_path):
         best = state.expert(e).best_or_current()
         assert best.val_loss <= v0 and state.expert(e).val_loss <= best.val_loss + TOL
         assert checkpoint.load(rd.root / best.path, "expert")["sha256"] == best.sha256
+    _restart_refuses_the_struck_key(tmp_path, fed, fp, first_id)
+
+
+def _restart_refuses_the_struck_key(tmp_path: Path, fed: dict, fp: str, first_id: int) -> None:
+    env, run, rd = fed["env"], fed["run"], RunDir(fed["run"])
+    key, stopped_at = f"key:{fp}", rd.read_state().round
+    struck = rd.read_state().strikes[key]["count"]
+    wait_until(lambda: not leftovers(run), 30, f"no processes of the run left: {leftovers(run)}", fed)
+    # A real restart: a new `start` on the same RUN resumes it, with a new SuperLink and new node ids.
+    # --min-nodes 1: the resumed run must not wait for the liar, whom it refuses, before its first round.
+    proc = start_coordinator(fed, "--tls", str(tmp_path / "tls"), "--auth", "--min-nodes", "1", "--rounds", "30")
+    log, coord_log, liar = tmp_path / "start.log", run / "logs" / "coordinator.log", None
+    try:
+        wait_until(lambda: log.read_text(errors="replace").count("registered") >= 2, START_TIMEOUT, "the restart", fed)
+        port = re.findall(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text())[-1]
+        wait_until(rd.is_locked, START_TIMEOUT, "the resumed ServerApp to hold the run", fed)
+        second_id = _node_id(run, "liar")
+        assert second_id != first_id  # the key is known to the new SuperLink under another node id
+        liar = _liar(tmp_path, env, port, "liar-2.log")
+        # Refused at its capability reply, by its key and the committed count ...
+        refused = f"node {second_id} (liar) is excluded from this run: {struck} strikes against {key}"
+        wait_until(lambda: refused in coord_log.read_text(errors="replace"), START_TIMEOUT, refused, fed)
+        # ... while the honest registered worker trains on in the resumed run.
+        wait_until(
+            lambda: any(m["round"] > stopped_at and m["accepted"] for m in metric_lines(rd, "expert")),
+            START_TIMEOUT,
+            "an accepted version after the restart",
+            fed,
+        )
+        status = rd.read_status()
+        assert status["nodes"][str(second_id)]["status"] == "excluded", status["nodes"]
+        assert _interrupt(fed, proc) == 130
+    finally:
+        if liar is not None and liar.poll() is None:
+            os.killpg(liar.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            _interrupt(fed, proc)
+
+    after = rd.read_state()
+    assert after.round > stopped_at
+    # Refused before any work: no new strike, no reply, no version of the liar's after the restart.
+    assert after.strikes[key]["count"] == struck and all(w.startswith("key:") for w in after.strikes), after.strikes
+    later = [m for m in metric_lines(rd, "expert") if m["round"] > stopped_at]
+    assert later and all(m["node"] == "w0" for m in later), later
+    rejected = [x for m in metric_lines(rd, "round") if m["round"] > stopped_at for x in m["rejected"]]
+    assert not any(x["node"] == "liar" for x in rejected), rejected
+    assert "weights replaced" not in (tmp_path / "liar-2.log").read_text(errors="replace")
+    r = cli(tmp_path, env, "coordinator", "workers", str(run))
+    assert re.search(rf"liar +{fp} +{second_id} +{struck} excluded", r.stdout), r.stdout

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator import fleet as fleet_mod
 from coordinator import scheduler
 from coordinator.loop import Coordinator
 from coordinator.progress import Events, Follower
@@ -261,8 +262,9 @@ def test_supernode_polls_eagerly_for_a_while_after_each_reply(monkeypatch):
 def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
     """The coordinator advises 10 s where a node's link moves the largest message it may get within 10 s,
     else an interval whose two periods outlast that download (30 s at least), an unmeasured link priced at
-    1 Mbit/s; the advice goes with the capability query (before round 1's download) and each train request;
-    the ClientApp leaves it in the cache; the SuperNode's thread applies it."""
+    1 Mbit/s; the advice goes with the capability query (before round 1's download) and each train request,
+    and on its own as soon as a measured link changes it; the ClientApp leaves it in the cache; the
+    SuperNode's thread applies it."""
     import threading
 
     from flwr.supernode import fleet_http_connection as heartbeat  # where the reported interval lives
@@ -284,17 +286,35 @@ def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
         if m.metadata.message_type == protocol.QUERY_CAPABILITIES and m.metadata.dst_node_id == 1000
     ]
     loop = coord.loop
-    a = loop.fleet.nodes[1000]
-    biggest = loop.ledger.version_bytes() + sum(loop.prep.shard_sizes().values())  # this tiny run's largest message
-    unmeasured = biggest / scheduler.UNMEASURED_LINK  # seconds at 1 Mbit/s
-    first = 10.0 if unmeasured <= 10 else max(30.0, math.ceil(0.75 * unmeasured))
+    a, vb = loop.fleet.nodes[1000], loop.ledger.version_bytes()
+
+    def advice_at(link: float) -> float:  # the largest message: a version and a piece of PIECE_SECONDS' worth
+        seconds = (vb + max(fleet_mod.MIN_PIECE_BYTES, int(fleet_mod.PIECE_SECONDS * link))) / link
+        return 10.0 if seconds <= 10 else max(30.0, math.ceil(0.75 * seconds))
+
+    first = advice_at(scheduler.UNMEASURED_LINK)
     assert queries and protocol.heartbeat_advice(queries[0]) == first  # before round 1: the link is not measured
-    assert sent and protocol.heartbeat_advice(sent[0]) == first
     assert Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == first
-    # it takes 5 s, 20 s, 200 s: two 150 s intervals outlast a 200 s download
-    for link, advice in ((None, first), (biggest / 5, 10.0), (biggest / 20, 30.0), (biggest / 200, 150.0)):
+    assert sent and protocol.heartbeat_advice(sent[0]) == first
+    # The link measured in round 1 moves a version in 1 s: 10 s; in 40 s, 400 s: intervals whose two periods
+    # outlast the download.
+    a.link = vb
+    assert loop.fleet.heartbeat(1000) == advice_at(vb) == 10.0
+    for link in (vb / 40, vb / 400):
         a.link = link
-        assert loop.fleet.heartbeat(1000) == advice, link
+        advice = loop.fleet.heartbeat(1000)
+        assert advice == advice_at(link) and 2 * advice > vb / link >= 40 and advice >= 30, link
+    assert loop.fleet.piece_bytes(1000) == fleet_mod.MIN_PIECE_BYTES  # a slow link's pieces are small
+    # A measured link that changes the advice sends it at once, in a message of its own, and only once.
+    a.link, a.advised = vb, 30.0
+    grid, pushed = coord.grid, len(coord.grid.sent)
+    loop.fleet.advise(1000)
+    loop.fleet.advise(1000)
+    (msg,) = grid.sent[pushed:]
+    assert msg.metadata.message_type == protocol.QUERY_ADVICE and a.advised == 10.0
+    assert protocol.heartbeat_advice(protocol.unpack(msg.content, protocol.KIND_ADVICE)) == 10.0
+    loop.fleet.pull(lambda *_: pytest.fail("an advice reply is the fleet's own"))
+    assert not loop.fleet.out and Cache(tmp_path / "nodes" / "a").get_json(HEARTBEAT_ADVICE) == 10.0
 
     before, stop = heartbeat.HEARTBEAT_DEFAULT_INTERVAL, threading.Event()
     cache = Cache(tmp_path / "w")
