@@ -226,6 +226,8 @@ class Result:
     seconds: float
     curve: list[tuple[float, float]] = field(default_factory=list)  # (train seconds, val nats/byte)
     weights: np.ndarray | None = None  # the trained weights (SPSA arms)
+    val: float = float("nan")  # val nats/byte of the final weights (the BPTT lr sweep picks by it)
+    lr: float | None = None  # the BPTT reference's Adam lr
 
 
 def prepared(corpus_name: str, work: Path, seed: int = 0) -> RunDir:
@@ -271,6 +273,11 @@ def arm_config(name: str, seed: int = 0) -> Config:
     return cfg
 
 
+def arm_init(cfg: Config) -> np.ndarray:
+    """An arm's initial weights: its model's seeded init. The BPTT reference starts from the same vector."""
+    return params.init(cfg.model, cfg.seed)
+
+
 def run_spsa(
     name: str,
     cfg: Config,
@@ -281,10 +288,12 @@ def run_spsa(
     state: State | None = None,
     expert: int = 0,
     steps: int | None = None,
+    score_test: bool = True,
 ) -> Result:
-    """Train `state` (default: a fresh init) for `seconds`, `evals` forward passes or `steps` steps."""
+    """Train `state` (default: a fresh init) for `seconds`, `evals` forward passes or `steps` steps; then
+    score the test split unless `score_test` is False (.test NaN: the caller scores the weights itself)."""
     ev = evaluator_for(cfg, "cpu", threads=1, parallel=1)
-    state = state if state is not None else State(params.init(cfg.model, cfg.seed))
+    state = state if state is not None else State(arm_init(cfg))
     per = evals_per_step(cfg.spsa)
     budget_steps = steps if evals is None else max(1, evals // per)
     res = Result(name=name, test=0.0, steps=0, evals=0, seconds=0.0)
@@ -299,9 +308,10 @@ def run_spsa(
         )
         val = mean_loss(ev, state.weights, *data.val)
         res.curve.append((res.seconds, val))
+        res.val = val
         if plateau(cfg.spsa, state.opt, val, state.step):
             say(f"  {name}: plateau at step {state.step}, lr scale now {state.opt.lr_scale:g}")
-    res.test = mean_loss(ev, state.weights, *data.test)
+    res.test = mean_loss(ev, state.weights, *data.test) if score_test else float("nan")
     res.weights = state.weights
     return res
 

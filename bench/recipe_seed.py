@@ -78,7 +78,9 @@ def arm_cfg(model: dict[str, Any], seed_decoder: str | None, evals: int, share: 
 def _expert_job(args: tuple) -> np.ndarray:
     name, cfg, data, steps, check, weights, expert = args
     state = State(params.init(cfg.model, cfg.seed) if weights is None else weights.copy())
-    return run_spsa(name, cfg, data, None, None, check, state=state, expert=expert, steps=steps).weights
+    # The mixture is scored on its own (`score`): each expert's own test score would be unused work.
+    res = run_spsa(name, cfg, data, None, None, check, state=state, expert=expert, steps=steps, score_test=False)
+    return res.weights
 
 
 def _seed_data(datas: list[Data]) -> Data:

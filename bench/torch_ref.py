@@ -41,14 +41,17 @@ class TorchExpert(torch.nn.Module):
 
     def flat_grad(self) -> np.ndarray:
         """The gradient of the last backward pass, as a flat vector in soma-edge's layout."""
+        return self._flat(lambda p: p.grad.detach().numpy())
+
+    def flat_weights(self) -> np.ndarray:
+        """The weights, as a flat vector in soma-edge's layout (load_flat's inverse)."""
+        return self._flat(lambda p: p.detach().numpy())
+
+    def _flat(self, g) -> np.ndarray:
         lay = layout(self.m)
         out = np.empty(lay.size, dtype=np.float32)
         v = lay.views(out)
         H = self.m.hidden
-
-        def g(p):
-            return p.grad.detach().numpy()
-
         v["embed"][...] = g(self.embed.weight)
         for layer in range(self.m.layers):
             v[f"lstm{layer}.W"][0] = from_torch_gates(g(getattr(self.lstm, f"weight_ih_l{layer}")), H)
@@ -116,10 +119,16 @@ class TorchSomaExpert(torch.nn.Module):
         return self
 
     def flat_grad(self) -> np.ndarray:
+        return self._flat(lambda p: p.grad.detach().numpy())
+
+    def flat_weights(self) -> np.ndarray:
+        return self._flat(lambda p: p.detach().numpy())
+
+    def _flat(self, get) -> np.ndarray:
         out = np.empty(layout(self.m).size, dtype=np.float32)
         v = layout(self.m).views(out)
         for name, t, gates in self._pairs():
-            g = t.grad.detach().numpy()
+            g = get(t)
             if gates:
                 v[name][0] = from_torch_gates(g, self.m.hidden)
             else:
