@@ -1,7 +1,8 @@
 """Which parts of the SOMA recipe make one expert learn: cumulative arms on one cluster of a corpus.
 
     .venv/bin/python -m bench.recipe [--seconds 90] [--evals 0] [--cluster 0] [--corpus default]
-        [--jobs 1] [--arms today,+delta,...] [--plot docs/img/recipe.png] [--json]
+        [--jobs 1] [--arms today,+delta,...] [--bptt-lrs 3e-3,1e-2,3e-2 | --no-bptt]
+        [--plot docs/img/recipe.png] [--json]
 
 One cluster of `soma-coord prepare CORPUS --experts 4` (the demo's split), one expert (E32/H128 LSTM, the
 demo's shape), one ORT thread. The arms are cumulative:
@@ -18,12 +19,18 @@ and, on top of `default` (not cumulative), the paper's expert (`model.kind = "so
     soma      d = 32, D = 2 residual blocks, tied E by the delta rule (the paper's shape, 41K parameters)
     soma-d64  the same at d = 64 (147K parameters, the demo expert's size)
 
-plus `bptt`, the reference: the same model trained by torch backprop through time with Adam, on the same
-batches, under the same limits (one thread). Table 1 holds wall time equal (`--seconds` of training, the
-periodic val checks not counted); table 2 holds forward passes equal (`--evals`, default: what `today`
-did in table 1; a delta-rule step counts 2K + 1). Every row gives test nats/byte on the cluster's test
-split and the share of backprop's gain over a byte unigram (fitted on the cluster's train split) that the
-arm captures: (unigram - arm) / (unigram - bptt). The plateau rule looks at the val split every
+plus `bptt`, the reference for `default`: torch backprop through time with Adam from `default`'s config
+and its initial weights (the same flat vector, bit for bit: input gain 4 included), on `default`'s
+minibatches (step s draws what SPSA step s draws), under table 1's limits (`--seconds`, one thread). Its
+Adam lr is swept (`--bptt-lrs`, each lr a full run under those limits) and the val split picks the row,
+never the test split; the row is named `bptt (lr X)` and the JSON gives every swept run. With `--jobs 2`
+the sweep's runs share the cores with the arms, two at a time, like any arm.
+
+Table 1 holds wall time equal (`--seconds` of training, the periodic val checks not counted); table 2
+holds forward passes equal (`--evals`, default: what `today` did in table 1; a delta-rule step counts
+2K + 1). Every row gives test nats/byte on the cluster's test split and the share of backprop's gain over
+a byte unigram (fitted on the cluster's train split) that the arm captures: (unigram - arm) /
+(unigram - bptt), with table 1's reference in both tables. The plateau rule looks at the val split every
 `--check-steps` steps, as the coordinator does at round boundaries. `--jobs 2` runs two arms at a time,
 one per core: compare ratios from one run only.
 
