@@ -71,12 +71,13 @@ from bench.common import (
 )
 from bench.recipe_seed import run_seed_table, seed_table
 from soma_edge import steps
+from soma_edge.config import Config
 
 BPTT_FOR = "default"  # the arm the BPTT reference shares its config, initial weights and batches with
 BPTT_LRS = (3e-3, 1e-2, 3e-2)  # Adam lrs the reference sweeps (1e-2 was its one lr before the sweep)
 
 
-def bptt_model(seed: int = 0):
+def bptt_model(seed: int = 0) -> tuple[Config, Any]:
     """(config, torch model) of the BPTT reference: `BPTT_FOR`'s config, loaded with that arm's initial
     weights (the same flat vector, so the same input gain and every other init rule, bit for bit)."""
     from bench.torch_ref import reference  # torch: optional (the bench extra), only the reference needs it

@@ -48,6 +48,7 @@ class TorchExpert(torch.nn.Module):
         return self._flat(lambda p: p.detach().numpy())
 
     def _flat(self, g) -> np.ndarray:
+        """`g(parameter)` (its weights or its gradient, as an array) of every parameter, in the flat layout."""
         lay = layout(self.m)
         out = np.empty(lay.size, dtype=np.float32)
         v = lay.views(out)
