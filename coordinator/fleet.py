@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Callable
 
-from coordinator import guard, scheduler
+from coordinator import guard, heartbeat, scheduler
 from soma_edge import __version__, protocol
 from soma_edge.config import Config
 from soma_edge.errors import CodecError, SomaError, ValidationError
@@ -25,13 +25,6 @@ from soma_edge.logs import role_logger
 from soma_edge.rundir import RunDir, RunState
 
 log = role_logger("soma.coord")
-# Two intervals must outlast the largest download: 0.75 x its time leaves 50% to spare.
-HEARTBEAT_COVER = 0.75
-# Shard pieces are cut to cross the node's link (1 Mbit/s until measured) in this long, so that shards never
-# make the largest message a node gets: a version of a small expert then keeps it on 10 s heartbeats.
-PIECE_SECONDS = 5.0
-MIN_PIECE_BYTES = 64 << 10  # below this, a message's own overhead dominates
-
 POLL_SECONDS = 0.5
 END_SECONDS = 15.0  # how long the end of the run waits for the workers to hear of it
 QUERY_SECONDS = 90.0  # a capability query includes the node's throughput probe
@@ -301,26 +294,11 @@ class Fleet:
         log.info("no free worker: waiting for %s, still on the last round's request", what)
         self.status("waiting", message=f"waiting for {what}, still on the last round's request")
 
-    def link(self, nid: int) -> float:
-        """Node `nid`'s link in bytes/s, priced as scheduler.UNMEASURED_LINK (1 Mbit/s) until measured."""
-        return self.nodes[nid].link or scheduler.UNMEASURED_LINK
-
     def piece_bytes(self, nid: int) -> int:
-        """How many shard bytes one message to node `nid` carries: what its link moves in PIECE_SECONDS,
-        within [MIN_PIECE_BYTES, federation.piece_bytes]."""
-        return min(self.cfg.federation.piece_bytes, max(MIN_PIECE_BYTES, int(PIECE_SECONDS * self.link(nid))))
+        return heartbeat.piece_bytes(self.cfg.federation.piece_bytes, self.nodes[nid].link)
 
     def heartbeat(self, nid: int) -> float:
-        """The heartbeat interval to advise node `nid`: 10 s where its link moves the largest message it
-        may get (a version and a piece of shards) within 10 s. Elsewhere a saturated link queues heartbeats
-        behind that message, and the SuperLink, which waits two intervals, would declare the node gone in
-        the middle of a download: there the interval covers the transfer (HEARTBEAT_COVER of its time,
-        30 s at least). An unmeasured link is priced at 1 Mbit/s, so round 1's downloads are covered
-        before the link is known."""
-        seconds = (self.version_bytes + self.piece_bytes(nid)) / self.link(nid)
-        if seconds <= protocol.HEARTBEAT_FAST:
-            return protocol.HEARTBEAT_FAST
-        return float(min(protocol.HEARTBEAT_MAX, max(protocol.HEARTBEAT_SLOW, math.ceil(HEARTBEAT_COVER * seconds))))
+        return heartbeat.interval(self.version_bytes, self.cfg.federation.piece_bytes, self.nodes[nid].link)
 
     def advised(self, nid: int) -> float:
         """`heartbeat(nid)`, noted as sent: for a message that carries it (a query, a train request)."""
@@ -340,25 +318,26 @@ class Fleet:
         )
         log.info("node %s (%s): heartbeat advice now %g s", nid, node.label, node.advised)
 
-    def end(self, body: dict[str, Any], why: str) -> None:
-        """Tell every live node that the run is over (`body`: protocol.run_end), so that its `soma-worker
-        join` exits (or waits for the next run); wait up to END_SECONDS for them to hear it, as Flower drops
-        a finished run's messages."""
-        items = [
-            (message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind="end"))
-            for nid in sorted(self.live_ids())
-        ]
-        self.push(items)
-        deadline, heard = self.clock() + END_SECONDS, set()
 
-        def ack(mid: str, reply: Any, o: Outgoing) -> None:
-            if o.kind == "end" and not reply.has_error():
-                heard.add(o.node)
+def end_run(fleet: Fleet, body: dict[str, Any], why: str) -> None:
+    """Tell every live node that the run is over (`body`: protocol.run_end), so that its `soma-worker
+    join` exits (or waits for the next run); wait up to END_SECONDS for them to hear it, as Flower drops
+    a finished run's messages."""
+    items = [
+        (message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind="end"))
+        for nid in sorted(fleet.live_ids())
+    ]
+    fleet.push(items)
+    deadline, heard = fleet.clock() + END_SECONDS, set()
 
-        # Only for nodes that were working: one that missed a deadline may be dead, and Flower takes as long
-        # as its heartbeat patience to say so.
-        waited = {nid for nid, n in self.nodes.items() if n.status == NodeStatus.ACTIVE}
-        while any(o.kind == "end" and o.node in waited for o in self.out.values()) and self.clock() < deadline:
-            self.sleep(POLL_SECONDS)
-            self.pull(ack)
-        log.info("run over (%s): %d worker(s) told", why, len(heard))
+    def ack(mid: str, reply: Any, o: Outgoing) -> None:
+        if o.kind == "end" and not reply.has_error():
+            heard.add(o.node)
+
+    # Only for nodes that were working: one that missed a deadline may be dead, and Flower takes as long
+    # as its heartbeat patience to say so.
+    waited = {nid for nid, n in fleet.nodes.items() if n.status == NodeStatus.ACTIVE}
+    while any(o.kind == "end" and o.node in waited for o in fleet.out.values()) and fleet.clock() < deadline:
+        fleet.sleep(POLL_SECONDS)
+        fleet.pull(ack)
+    log.info("run over (%s): %d worker(s) told", why, len(heard))

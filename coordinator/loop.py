@@ -28,7 +28,7 @@ from coordinator import records, scheduler
 from coordinator.board import Board
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluation
-from coordinator.fleet import POLL_SECONDS, Fleet, NodeStatus, Outgoing
+from coordinator.fleet import POLL_SECONDS, Fleet, NodeStatus, Outgoing, end_run
 from coordinator.intake import Intake
 from coordinator.late import Late
 from coordinator.ledger import Bases, Ledger
@@ -94,7 +94,7 @@ class Coordinator:
     def _finish(self, loop: Loop, why: str) -> None:
         """Tell the workers the run is over, and say why in status.json and the log."""
         state, fed = loop.ledger.state, loop.cfg.federation
-        loop.fleet.end(protocol.run_end(state.run_id, state.round, fed.rounds, why), why)
+        end_run(loop.fleet, protocol.run_end(state.run_id, state.round, fed.rounds, why), why)
         if why == STOPPED:
             self.run.clear_stop()
             loop.status("done", stopped=True)

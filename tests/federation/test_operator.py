@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import fleet as fleet_mod
+from coordinator import heartbeat as heartbeat_mod
 from coordinator import scheduler
 from coordinator.loop import Coordinator
 from coordinator.progress import Events, Follower
@@ -289,7 +289,7 @@ def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
     a, vb = loop.fleet.nodes[1000], loop.ledger.version_bytes()
 
     def advice_at(link: float) -> float:  # the largest message: a version and a piece of PIECE_SECONDS' worth
-        seconds = (vb + max(fleet_mod.MIN_PIECE_BYTES, int(fleet_mod.PIECE_SECONDS * link))) / link
+        seconds = (vb + max(heartbeat_mod.MIN_PIECE_BYTES, int(heartbeat_mod.PIECE_SECONDS * link))) / link
         return 10.0 if seconds <= 10 else max(30.0, math.ceil(0.75 * seconds))
 
     first = advice_at(scheduler.UNMEASURED_LINK)
@@ -304,7 +304,7 @@ def test_auto_heartbeat_follows_the_coordinators_advice(run, tmp_path):
         a.link = link
         advice = loop.fleet.heartbeat(1000)
         assert advice == advice_at(link) and 2 * advice > vb / link >= 40 and advice >= 30, link
-    assert loop.fleet.piece_bytes(1000) == fleet_mod.MIN_PIECE_BYTES  # a slow link's pieces are small
+    assert loop.fleet.piece_bytes(1000) == heartbeat_mod.MIN_PIECE_BYTES  # a slow link's pieces are small
     # A measured link that changes the advice sends it at once, in a message of its own, and only once.
     a.link, a.advised = vb, 30.0
     grid, pushed = coord.grid, len(coord.grid.sent)
