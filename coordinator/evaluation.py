@@ -19,7 +19,7 @@ from soma_edge.corpus import SEPARATOR, eval_windows
 from soma_edge.errors import SomaError
 from soma_edge.logs import role_logger
 from soma_edge.rundir import PrepareSummary, RunDir, RunState
-from soma_edge.runtime import LossEvaluator, make_session, mean_loss
+from soma_edge.runtime import LossEvaluator, make_session
 
 log = role_logger("soma.coord")
 
@@ -42,14 +42,19 @@ class Evaluation:
             stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
         return stream
 
-    def val_loss(self, e: int, weights: np.ndarray) -> float:
+    def window_losses(self, e: int, weights: np.ndarray) -> np.ndarray:
+        """Nats/byte of `weights` on each of expert e's val windows (the guard compares them window by window)."""
         if e not in self.windows:
             self.windows[e] = eval_windows(self.val_stream(e), self.cfg.data.seq_len, self.cfg.federation.val_windows)
         if self.evaluator is None:
             # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
             self.evaluator = LossEvaluator(self.cfg.model, "cpu", 1, False)
         x, y = self.windows[e]
-        return float(mean_loss(self.evaluator, weights, x, y))
+        return np.array([self.evaluator.loss(weights, x[i : i + 1], y[i : i + 1]) for i in range(len(x))])
+
+    def val_loss(self, e: int, weights: np.ndarray) -> float:
+        """The mean of `window_losses`: the val loss the guard, the plateau rule and the metrics report."""
+        return float(np.mean(self.window_losses(e, weights)))
 
     def mixture_val_loss(self, state: RunState) -> float | None:
         """Routed-mixture nats/byte of the whole model (`state`'s current versions) on held-out text (None if

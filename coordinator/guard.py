@@ -1,12 +1,25 @@
 """Guarded updates: a reply that passes the protocol checks must still not make its expert worse.
 
-A new version is accepted only if its val loss is at most the expert's *best* val loss so far plus
-`federation.guard_tolerance`. Bounding by the best, not the current version, is what stops a node that
-drifts the expert by just under one tolerance per round: the second such step is past the bound.
+The coordinator scores each new version on the expert's val windows and compares it, window by window,
+with the guard's bar (`GuardBar`: a version and its loss on each window). The difference of the two means
+is measured with its standard error from the per-window differences, so the test follows the noise of the
+val estimate: few or uneven windows widen it, many narrow it. A version is refused when it is worse than
+the bar by more than `federation.guard_tolerance` (a floor for what the windows cannot show: the drift of
+honest SPSA between rounds) plus `federation.guard_sigmas` standard errors, that standard error capped
+by the bar's own (a liar cannot widen the margin by spreading its damage unevenly: at most it costs the
+expert tolerance + sigmas x the val estimate's standard error, once, as the bar does not move for it).
+At the defaults (0.01 and 3) a version no worse than the bar in truth is refused with probability under
+Phi(-3) = 0.13%, and on the 64 windows of a 124K expert (standard error ~0.006-0.011 between rounds) one
+that raises the val loss by 0.05 is refused (docs/RELIABILITY.md, "The guard, measured").
+
+The bar moves only to a version that beats it by more than `guard_sigmas` standard errors: a lucky
+measurement never raises the bar that honest versions after it must meet. Bounding by the bar, not the
+current version, is what stops a node that drifts the expert by just under one margin per round: the
+second such step is past it. (The expert's `best`, what export takes, is still its lowest val loss.)
 
 Every rejected result (by this bound or by the protocol checks) is a strike against the node's
 identity; at `federation.max_strikes` strikes the node is excluded for the rest of the run. A version that
-improves on its expert's best takes one strike off its node, so an honest node whose step overshot now
+raises its expert's bar takes one strike off its node, so an honest node whose step overshot now
 and then is not excluded over a long run, while one that never improves anything is. The identity
 is the worker's registered key (`key:<fingerprint>`, from RUN/workers.json, with `soma-coord start
 --auth`), which survives restarts of the worker and of the coordinator. Without authentication it is the
@@ -17,22 +30,49 @@ The strike table lives in state.msgpack (`strikes`), so it commits with the roun
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from coordinator import workers
 from soma_edge.errors import ConfigError
-from soma_edge.rundir import BestVersion, RunDir
+from soma_edge.rundir import GuardBar, RunDir
 
 
-def verdict(val: float, best: BestVersion, tolerance: float) -> str | None:
-    """Why a version of val loss `val` is refused (None: accept; `best`: the expert's best version so far,
-    soma_edge.rundir.ExpertRecord.best_or_current)."""
-    if val <= best.val_loss + tolerance:
-        return None
-    return (
-        f"val loss {val:.4f} is worse than the expert's best {best.val_loss:.4f} (v{best.version}) by more "
-        f"than federation.guard_tolerance = {tolerance:g}"
-    )
+@dataclass
+class Verdict:
+    refused: str | None  # why the version is refused (None: accepted)
+    raises_bar: bool  # it beat the bar beyond the noise: it is the new bar
+    margin: float  # how much worse than the bar it could have been: tolerance + sigmas x standard error
+
+
+def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float) -> Verdict:
+    """The guard's verdict on a version whose loss on each val window is `windows` (the bar's windows, in
+    the same order). The standard error of the paired difference is capped by the bar's own (the standard
+    error of its val loss): a liar that spreads its damage unevenly over the windows cannot widen the
+    margin beyond what the val estimate's noise is."""
+    d = np.asarray(windows, np.float64) - np.asarray(bar.windows, np.float64)
+    mean = float(d.mean())
+    se = min(_standard_error(d), _standard_error(np.asarray(bar.windows, np.float64)))
+    margin = tolerance + sigmas * se
+    refused = None
+    if not mean <= margin:  # NaN too
+        refused = (
+            f"val loss {float(np.mean(windows)):.4f} is worse than the guard's bar {bar.val_loss:.4f} "
+            f"(v{bar.version}) by {mean:.4f}, more than federation.guard_tolerance {tolerance:g} + "
+            f"guard_sigmas {sigmas:g} x its standard error {se:.4f}"
+        )
+    return Verdict(refused=refused, raises_bar=mean < -sigmas * se, margin=margin)
+
+
+def _standard_error(x: np.ndarray) -> float:
+    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+
+
+def bar_of(version: int, windows: np.ndarray) -> GuardBar:
+    return GuardBar(version=version, val_loss=float(np.mean(windows)), windows=[float(x) for x in windows])
 
 
 def identity(run: RunDir, node_id: int) -> str:
@@ -64,8 +104,9 @@ def strike(strikes: dict[str, Any], who: str, label: str, reason: str, round_: i
 
 
 def forgive(strikes: dict[str, Any], who: str) -> None:
-    """A new best version from `who` takes one strike off: honest overshoots are forgiven by good work, a
-    node that only ever makes its experts worse is not."""
+    """A version from `who` that raised its expert's bar takes one strike off: honest overshoots are
+    forgiven by good work (beyond the noise: luck earns nothing), a node that never improves anything is
+    not."""
     rec = strikes.get(who)
     if rec and int(rec["count"]) > 0:
         rec["count"] = int(rec["count"]) - 1

@@ -228,13 +228,17 @@ class Intake:
 
     def accept(self, rnd: Round, node: Node, c: Claim, w: np.ndarray, opt: OptState) -> None:
         """The guard's verdict on a checked result, by its val loss; then the ledger stores it."""
-        res, e = c.res, c.res["expert"]
-        val = self.evaluation.val_loss(e, protocol.decode_weights(w))
-        best = self.ledger.expert(e).best_or_current()
-        why = guard.verdict(val, best, self.cfg.federation.guard_tolerance)
-        if why is not None:
-            self.reject(rnd, node, [e], why, guard=True, val_loss=val, **self.ledger.slow_down(e))
+        res, e, fed = c.res, c.res["expert"], self.cfg.federation
+        windows = self.evaluation.window_losses(e, protocol.decode_weights(w))
+        val, bar = float(np.mean(windows)), self.ledger.bar(e, len(windows))
+        verdict = guard.judge(windows, bar, fed.guard_tolerance, fed.guard_sigmas)
+        if verdict.refused is not None:
+            why, slower = verdict.refused, self.ledger.slow_down(e)
+            self.reject(rnd, node, [e], why, guard=True, val_loss=val, guard_margin=verdict.margin, **slower)
             return
+        if verdict.raises_bar:
+            bar = guard.bar_of(res["version"], windows)
+        best = self.ledger.expert(e).best_or_current()
         # The plateau counters are the coordinator's own (never the worker's): restore them, then decide the
         # next round's lr scale from this version's val loss.
         prev, trained_at = self.ledger.expert(e), opt.lr_scale
@@ -248,11 +252,12 @@ class Intake:
                 opt.best_val,
                 opt.lr_scale,
             )
-        best = self.ledger.store(res, w, opt, val, c.ulog, best, node)
+        best = self.ledger.store(res, w, opt, val, c.ulog, best, node, bar)
         lr, eps = schedule(self.ledger.phase_config().spsa, res["step"] - 1, trained_at)  # at the round's last step
         node.weights.add(res["sha256"])
         self.refused.discard(res["sha256"])  # the same version made again and accepted (refused for its node)
         line = records.expert_line(rnd.r, res, node, val, w, opt, c.ulog, c.sent, c.reply, trained_at, best, lr, eps)
+        line.bar_version, line.guard_margin = bar.version, verdict.margin
         rnd.accepted[e] = line
         rnd.failed.pop(e, None)
         rnd.pending_resend.discard(e)

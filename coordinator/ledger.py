@@ -26,7 +26,7 @@ from soma_edge.config import Config, expert_config, expert_steps
 from soma_edge.errors import CheckpointError, SomaError
 from soma_edge.logs import role_logger
 from soma_edge.metrics import Line, SeedDone
-from soma_edge.rundir import BestVersion, ExpertRecord, RunDir, RunState
+from soma_edge.rundir import BestVersion, ExpertRecord, GuardBar, RunDir, RunState
 from soma_edge.spsa import OptState, UpdateLog
 
 log = role_logger("soma.coord")
@@ -170,11 +170,32 @@ class Ledger:
         x.lr_scale = max(s.lr_floor / s.lr, old * s.plateau_factor)
         return {"lr_scale": old, "next_lr_scale": x.lr_scale}
 
+    def bar(self, e: int, windows: int) -> GuardBar:
+        """Expert e's guard bar (coordinator.guard); for a run from before bars, or one whose number of val
+        windows (`windows`) changed, its best version scored afresh."""
+        x = self.expert(e)
+        if x.bar is not None and len(x.bar.windows) == windows:
+            return x.bar
+        best = x.best_or_current()
+        if best is None:
+            raise CheckpointError(f"expert {e} has neither a best version nor a scored current one to guard by")
+        w = protocol.decode_weights(self.run.load_expert(best.path)["weights"])
+        return guard.bar_of(best.version, self.evaluation.window_losses(e, w))
+
     def store(
-        self, res: dict, w: np.ndarray, opt: OptState, val: float, ulog: UpdateLog | None, best: BestVersion, node: Node
+        self,
+        res: dict,
+        w: np.ndarray,
+        opt: OptState,
+        val: float,
+        ulog: UpdateLog | None,
+        best: BestVersion,
+        node: Node,
+        bar: GuardBar,
     ) -> BestVersion:
         """Store an accepted version (and the log it replays from) and make it expert e's current one; its
-        best too when it improves on it, which forgives the node a strike. Returns the expert's best."""
+        best too when its val loss is lower; `bar`: the guard's bar after it (a new bar forgives the node a
+        strike). Returns the expert's best."""
         e = res["expert"]
         body = records.expert_body(e, res["version"], res["sha256"], self.cfg, res["step"], w, opt, val)
         rel = self.run.save_expert(body)
@@ -183,9 +204,10 @@ class Ledger:
             self.run.save_log(e, res["version"], rec)
         if val < best.val_loss:
             best = BestVersion(version=res["version"], sha256=res["sha256"], path=rel, val_loss=val)
+        if bar.version == res["version"]:
             guard.forgive(self.state.strikes, node.who)
         self.state.experts[str(e)] = records.expert_record(
-            res["version"], res["sha256"], rel, res["step"], float(res["train_loss"]), val, node.label, best, opt
+            res["version"], res["sha256"], rel, res["step"], float(res["train_loss"]), val, node.label, best, opt, bar
         )
         return best
 

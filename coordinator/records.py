@@ -21,7 +21,7 @@ import numpy as np
 from soma_edge import __version__
 from soma_edge.config import Config
 from soma_edge.metrics import ExpertLine, Line, NodeEntry, RoundLine, Status
-from soma_edge.rundir import BestVersion, ExpertRecord, RunState
+from soma_edge.rundir import BestVersion, ExpertRecord, GuardBar, RunState
 from soma_edge.spsa import OptState, UpdateLog
 
 
@@ -49,9 +49,10 @@ def expert_record(
     node: str | None,
     best: BestVersion,
     opt: OptState,
+    bar: GuardBar | None = None,
 ) -> ExpertRecord:
-    """An expert's entry in state.msgpack: its current version, where it is stored, its best version, and
-    the plateau rule's state (the next round's task reads it)."""
+    """An expert's entry in state.msgpack: its current version, where it is stored, its best version, the
+    plateau rule's state (the next round's task reads it) and the guard's bar."""
     return ExpertRecord(
         version=version,
         sha256=sha256,
@@ -64,6 +65,7 @@ def expert_record(
         lr_scale=opt.lr_scale,
         best_val=opt.best_val,
         best_step=opt.best_step,
+        bar=bar,
     )
 
 

@@ -127,10 +127,13 @@ class FederationConfig:
     corpus: str = "default"
     max_steps: int = 0  # SPSA steps per expert over the whole run (a fixed compute budget); 0 = no cap
     seed_steps: int = 0  # > 0: first train one seed expert on all shards; its weights start every expert
-    # Guarded updates: a new version is accepted only if its val loss is at most the expert's best val
-    # loss so far plus `guard_tolerance` (nats/byte); each rejected result is a strike against the node's
-    # key, and a node with `max_strikes` strikes takes no part in the rest of the run (0: never excluded).
-    guard_tolerance: float = 0.05
+    # Guarded updates (coordinator.guard): a new version is refused when its val loss exceeds the guard's
+    # bar (the expert's last version that beat the one before beyond the noise) by more than
+    # `guard_tolerance` (nats/byte) plus `guard_sigmas` standard errors of that difference, measured window
+    # by window; each refused result is a strike against the node's key, and a node with `max_strikes`
+    # strikes takes no part in the rest of the run (0: never excluded).
+    guard_tolerance: float = 0.01
+    guard_sigmas: float = 3.0
     max_strikes: int = 3
     piece_bytes: int = 32 << 20  # shard bytes a node lacks travel in messages of at most this many (<= 32 MiB)
     # What a worker returns: weights (and optimizer state), log (the round's update log: the SPSA scalars,
@@ -397,6 +400,7 @@ def _check_federation(cfg: Config) -> None:
     _check(
         0 <= f.guard_tolerance <= 100, "federation.guard_tolerance", "between 0 and 100 nats/byte", f.guard_tolerance
     )
+    _check(0 <= f.guard_sigmas <= 10, "federation.guard_sigmas", "between 0 and 10", f.guard_sigmas)
     _check(
         1 << 16 <= f.piece_bytes <= 32 << 20,
         "federation.piece_bytes",

@@ -59,6 +59,8 @@ class ExpertLine(Record):
     eps: float | None = None
     late: bool = False  # accepted after its round's deadline, committed with the next round
     evaluator: str | None = None  # how the worker evaluated the steps (loop | population); None: not said
+    bar_version: int | None = None  # the guard's bar after it (coordinator.guard); None: a run from before bars
+    guard_margin: float | None = None  # how much worse than the bar it was allowed to be
 
     ACCEPTED: ClassVar = (
         "type",
@@ -126,6 +128,7 @@ class Rejection(Record):
     val_loss: float | None = None
     lr_scale: float | None = None
     next_lr_scale: float | None = None
+    guard_margin: float | None = None  # how much worse than the guard's bar it was allowed to be
 
     KEYS: ClassVar = ("expert", "node", "node_id", "reason", "strike")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import time
 from contextlib import AbstractContextManager, contextmanager
@@ -76,10 +77,34 @@ class BestVersion(Record):
 
 
 @dataclass(kw_only=True)
+class GuardBar(Record):
+    """The version the guard measures an expert's new versions against, and its loss on each val window
+    (the guard's test is paired, window by window). It moves only to a version that beat it beyond the
+    noise of that comparison, so a lucky measurement never sets the bar."""
+
+    version: int
+    val_loss: float
+    windows: list[float]
+
+    KEYS: ClassVar = ("version", "val_loss", "windows")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "GuardBar":
+        bar = records.read(cls, d, where)
+        w = bar.windows
+        if not isinstance(w, list) or not w or not all(isinstance(x, float) and math.isfinite(x) for x in w):
+            raise CheckpointError(f"{where}: windows must be a non-empty list of finite floats")
+        return bar
+
+    def to_dict(self) -> dict[str, Any]:
+        return records.write(self, self.KEYS)
+
+
+@dataclass(kw_only=True)
 class ExpertRecord(Record):
     """An expert's entry in state.msgpack: its current version and where it is stored. `best` and the plateau
-    rule's state (`lr_scale`, `best_val`, `best_step`) came later: older runs lack them. `expert` is set
-    only in the finished seed's record (state.msgpack's `seed`)."""
+    rule's state (`lr_scale`, `best_val`, `best_step`) came later, and the guard's `bar` later still: older
+    runs lack them. `expert` is set only in the finished seed's record (state.msgpack's `seed`)."""
 
     version: int
     sha256: str
@@ -93,6 +118,7 @@ class ExpertRecord(Record):
     best_val: float | None = None
     best_step: int = 0
     expert: int | None = None
+    bar: GuardBar | None = None
 
     KEYS: ClassVar = (
         "version",
@@ -110,10 +136,15 @@ class ExpertRecord(Record):
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "ExpertRecord":
-        return records.read(cls, d, where, best=BestVersion.from_dict)
+        return records.read(cls, d, where, best=BestVersion.from_dict, bar=GuardBar.from_dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return records.write(self, self.KEYS, best=None if self.best is None else self.best.to_dict())
+        return records.write(
+            self,
+            self.KEYS,
+            best=None if self.best is None else self.best.to_dict(),
+            bar=None if self.bar is None else self.bar.to_dict(),
+        )
 
     def best_or_current(self) -> BestVersion | None:
         """Its best version; the current one for a run from before guards (None without a path or val loss)."""

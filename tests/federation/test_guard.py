@@ -1,8 +1,8 @@
 """Guarded updates: replies that pass every protocol check but would make an expert worse.
 
 Node "b" of a fake grid (the real ClientApp, trained for real) lies about its results; node "a" is
-honest. Each attack must be refused by the best-loss bound, strike b out, and leave every expert with
-a version no worse than its best so far plus the tolerance.
+honest. At the default rule, each attack must be refused by the guard's bound, strike b out, and leave
+every expert with a version no worse than its bar plus the margin it was judged by.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import pytest
 from coordinator import guard
 from coordinator.loop import Coordinator
 from soma_edge import checkpoint, protocol
-from soma_edge.rundir import BestVersion
+from soma_edge.rundir import GuardBar
 from tests.helpers.fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
-
-TOL = 0.3  # wide enough for the honest node's noise on TINY's 4 val windows
 
 
 def _rehash(res: dict, w: np.ndarray) -> None:
@@ -34,18 +32,28 @@ def _random(coord, res):
 
 
 def _drift(coord, res):
-    """An attacker that knows the coordinator's val set: each reply is 0.9 tolerance worse than the version
-    it was sent, found by bisection along a fixed direction, so each single step is within tolerance."""
-    e = res["expert"]
-    base = coord.loop.ledger.expert(e).val_loss
+    """An attacker that knows the coordinator's val set and rule: each reply is worse than the version it
+    was sent by 0.9 of the margin the guard would allow against that version, found by bisection along a
+    fixed direction, so each single step is within the rule."""
+    e, fed, ev = res["expert"], coord.loop.cfg.federation, coord.loop.evaluation
+    x = coord.loop.ledger.expert(e)
+    base = guard.bar_of(x.version, ev.window_losses(e, coord.loop.run.load_expert(x.path)["weights"]))
     w = res["weights"].astype(np.float32)
     d = np.random.default_rng(e).standard_normal(w.size).astype(np.float32)
+
+    def within(a: float) -> bool:
+        windows = ev.window_losses(e, w + a * d)
+        return (
+            np.mean(windows) - base.val_loss
+            < 0.9 * guard.judge(windows, base, fed.guard_tolerance, fed.guard_sigmas).margin
+        )
+
     lo, hi = 0.0, 1.0
-    while coord.loop.evaluation.val_loss(e, w + hi * d) < base + 0.9 * TOL:
+    while within(hi):
         hi *= 2
     for _ in range(30):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if coord.loop.evaluation.val_loss(e, w + mid * d) < base + 0.9 * TOL else (lo, mid)
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
     _rehash(res, w + lo * d)
 
 
@@ -63,7 +71,7 @@ def _guarded_run(run, tmp_path, monkeypatch, attack, rounds: int):
     equal_rates(monkeypatch)
     # v0 stays readable; the attacks edit the weights a weights reply carries (a lying log is refused by
     # its replay before the guard: tests/federation/test_replay.py)
-    set_fed(run, rounds=rounds, guard_tolerance=TOL, max_strikes=3, keep_versions=10, reply="weights")
+    set_fed(run, rounds=rounds, max_strikes=3, keep_versions=10, reply="weights")
     box: list = []
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, attack))
     coord = Coordinator(grid, run)
@@ -82,12 +90,13 @@ def _train_rounds(grid: FakeGrid, node: int) -> list[int]:
 
 
 def _accepted_within_bound(metrics: list[dict], v0: dict[int, float]) -> None:
-    """Replaying the metrics: every accepted version was within tolerance of its expert's best so far."""
-    best = dict(v0)
+    """Replaying the metrics: every accepted version was within its margin of its expert's bar."""
+    bar = dict(v0)
     for m in metrics:
         if m["type"] == "expert" and m["accepted"] and m["val_loss"] is not None:
-            assert m["val_loss"] <= best[m["expert"]] + TOL + 1e-9, m
-            best[m["expert"]] = min(best[m["expert"]], m["val_loss"])
+            assert m["val_loss"] <= bar[m["expert"]] + m["guard_margin"] + 1e-9, m
+            if m["bar_version"] == m["version"]:
+                bar[m["expert"]] = m["val_loss"]
 
 
 @pytest.mark.parametrize(
@@ -117,12 +126,13 @@ def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, mon
     ]
     last = [m for m in metrics if m["type"] == "expert" and m["round"] == rounds]
     assert all(m["node"] == "a" and m["accepted"] for m in last)
-    # The honest node's work stands; every expert ends no worse than its best + tolerance, and its best
-    # version (never pruned) is at least as good as version 0.
+    # The honest node's work stands; every expert ends no worse than its bar + the largest margin it was
+    # judged by, and its best version (never pruned) is at least as good as version 0.
+    margin = max(m["guard_margin"] for m in metrics if m["type"] == "expert" and m["accepted"])
     for e in range(4):
         x = state.expert(e)
         best = x.best_or_current()
-        assert best.val_loss <= v0[e] and x.val_loss <= best.val_loss + TOL
+        assert best.val_loss <= v0[e] and x.val_loss <= x.bar.val_loss + margin
         body = checkpoint.load(run.root / best.path, "expert")
         assert protocol.weights_sha256(body["weights"]) == best.sha256 and body["val_loss"] == best.val_loss
 
@@ -131,7 +141,7 @@ def test_a_late_poisoned_reply_strikes_and_excludes_its_node_in_the_round_that_s
     """b's x10 reply to round 1 comes after its deadline; round 2 settles it: refused, b struck out, and
     round 2's metrics line says so (found when a slow CI box made the poisoned e2e worker miss round 1)."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=2, deadline_slack=0.5, guard_tolerance=TOL, max_strikes=1, reply="weights")
+    set_fed(run, rounds=2, deadline_slack=0.5, max_strikes=1, reply="weights")
     box: list = []
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, _scale10))
     coord = Coordinator(grid, run)
@@ -153,7 +163,7 @@ def test_strikes_persist_across_a_coordinator_restart(run, tmp_path, monkeypatch
 
 
 def test_an_honest_overshoot_is_refused_then_retrained_slower_and_forgiven(run, tmp_path, monkeypatch):
-    """One bad reply is a strike and halves lr; the next version that improves the best takes it off."""
+    """One bad reply is a strike and halves lr; the next version that raises the bar takes it off."""
     calls = {"n": 0}
 
     def once(coord, res):
@@ -167,16 +177,40 @@ def test_an_honest_overshoot_is_refused_then_retrained_slower_and_forgiven(run, 
     improved = [
         m
         for m in metrics
-        if m["type"] == "expert" and m["accepted"] and m["node"] == "b" and m["best_version"] == m["version"]
+        if m["type"] == "expert" and m["accepted"] and m["node"] == "b" and m["bar_version"] == m["version"]
     ]
-    assert improved  # b did honest work that set a new best ...
+    assert improved  # b did honest work that raised the bar ...
     assert state.strikes["node:1001"]["count"] == 0  # ... so its strike was forgiven
 
 
-def test_guard_verdict_bounds_by_the_best_not_the_current_version():
-    best = BestVersion(version=2, sha256="0" * 64, path="experts/0/v2.msgpack", val_loss=3.0)
-    assert guard.verdict(3.1, best, 0.1) is None
-    assert "worse than the expert's best 3.0000 (v2)" in guard.verdict(3.1001, best, 0.1)
+def test_the_guard_judges_window_by_window_with_a_margin_that_follows_the_noise():
+    rng = np.random.default_rng(0)
+    bar = guard.bar_of(2, 3.0 + rng.standard_normal(64))
+    base = np.asarray(bar.windows)
+    # The same shift on every window: no noise, so the margin is the floor alone.
+    v = guard.judge(base + 0.0199, bar, 0.02, 3.0)
+    assert v.refused is None and v.margin == pytest.approx(0.02) and not v.raises_bar
+    v = guard.judge(base + 0.0201, bar, 0.02, 3.0)
+    assert "worse than the guard's bar 3.0" in v.refused and "(v2)" in v.refused
+    # The same mean change, +0.05, spread unevenly over the windows: its standard error widens the margin.
+    noisy = base + rng.standard_normal(64) * 0.5
+    noisy += base.mean() + 0.05 - noisy.mean()
+    se = np.std(noisy - base, ddof=1) / 8
+    v = guard.judge(noisy, bar, 0.02, 3.0)
+    assert v.refused is None and v.margin == pytest.approx(0.02 + 3 * se)
+    # ... but never beyond the bar's own standard error: damage spread wider is refused all the same.
+    wild = base + rng.standard_normal(64) * 5.0
+    wild += base.mean() + 0.5 - wild.mean()
+    v = guard.judge(wild, bar, 0.02, 3.0)
+    assert v.refused and v.margin == pytest.approx(0.02 + 3 * np.std(base, ddof=1) / 8)
+    # A clear improvement raises the bar; one within the noise does not; NaN is refused.
+    assert guard.judge(base - 0.01, bar, 0.02, 3.0).raises_bar
+    assert not guard.judge(noisy - 0.1, bar, 0.02, 3.0).raises_bar
+    assert guard.judge(np.full(64, np.nan), bar, 0.02, 3.0).refused
+    assert isinstance(bar, GuardBar) and bar.val_loss == pytest.approx(base.mean())
+
+
+def test_strikes_count_and_forgive():
     strikes: dict = {}
     assert [guard.strike(strikes, "key:ab", "w", "x", r) for r in (1, 2)] == [1, 2]
     assert not guard.excluded(strikes, "key:ab", 3) and guard.excluded(strikes, "key:ab", 2)

@@ -103,15 +103,15 @@ def test_a_refused_claim_costs_its_expert_the_next_round_and_no_second_strike(ru
     equal_rates(monkeypatch)
     set_fed(run, rounds=3, max_strikes=3)
     refused: list[bool] = []
-    real = guard.verdict
+    real = guard.judge
 
-    def verdict(val, best, tol):
+    def judge(*args):
         if not refused:
             refused.append(True)
-            return "refused for the test"
-        return real(val, best, tol)
+            return guard.Verdict(refused="refused for the test", raises_bar=False, margin=0.0)
+        return real(*args)
 
-    monkeypatch.setattr(guard, "verdict", verdict)
+    monkeypatch.setattr(guard, "judge", judge)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     Coordinator(grid, run).main()
     lines = {(m["round"], m["expert"]): m for m in run.read_metrics() if m["type"] == "expert"}

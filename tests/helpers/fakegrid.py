@@ -31,8 +31,7 @@ TINY = {
         "min_nodes": 2,
         "wait_seconds": 5.0,
         "join_grace": 0.0,
-        "guard_tolerance": 1.0,
-    },  # 4 val windows of 32 bytes are noisy: tests of the guard set their own
+    },  # the guard at its default rule: its margin follows the noise of these 4 val windows of 32 bytes
 }
 
 
