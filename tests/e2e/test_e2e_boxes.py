@@ -33,7 +33,6 @@ val_windows = 16
 min_nodes = 2
 wait_seconds = 120
 reply = "log"
-guard_tolerance = 0.5  # 16 val windows are noisy, and the guard is not what this test is about
 """
 
 

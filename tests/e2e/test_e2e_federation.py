@@ -63,7 +63,6 @@ deadline_factor = 1.5
 deadline_slack = 12.0
 val_windows = 16
 local_workers = 2
-guard_tolerance = 0.5  # 16 val windows are noisy: an honest round overshot 0.05 once (guards: test_guard.py)
 """
 
 

@@ -39,7 +39,6 @@ deadline_slack = {DEADLINE_SLACK}
 val_windows = 16
 min_nodes = 1
 wait_seconds = 120
-guard_tolerance = 1.0  # 16 val windows are noisy, and the guard is not what this test is about
 """
 
 

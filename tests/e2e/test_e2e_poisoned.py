@@ -39,8 +39,7 @@ from tests.helpers.federation import (
 )
 
 POISON = Path(__file__).parent / "poison"
-TOL = 0.5
-CONFIG = f"""
+CONFIG = """
 seed = 5
 [model]
 embed = 8
@@ -60,7 +59,6 @@ local_workers = 1
 min_nodes = 2
 wait_seconds = 120
 keep_versions = 10
-guard_tolerance = {TOL}
 max_strikes = 2
 piece_bytes = 131072
 # The lie is in the weights, for the guard to refuse: a weights reply. (In a log reply the same lie hashes
@@ -138,11 +136,14 @@ def test_poisoned_worker_is_refused_struck_out_and_stays_out_after_a_restart(tmp
     assert state.strikes[f"key:{fp}"]["count"] >= 2 and set(state.strikes) == {f"key:{fp}"}
     r = cli(tmp_path, env, "coordinator", "workers", str(fed["run"]))
     assert re.search(r"liar .* [2-9]\d* excluded", r.stdout), r.stdout
-    # Every expert keeps a version no worse than its version 0, and its best is on disk.
+    # Every expert keeps a version no worse than its version 0 and within its margin of the guard's bar, and
+    # its best is on disk.
+    margin = max(m["guard_margin"] for m in experts if m["accepted"])
     for e in range(4):
         v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")["val_loss"]
-        best = state.expert(e).best_or_current()
-        assert best.val_loss <= v0 and state.expert(e).val_loss <= best.val_loss + TOL
+        x = state.expert(e)
+        best = x.best_or_current()
+        assert best.val_loss <= v0 and x.val_loss <= x.bar.val_loss + margin
         assert checkpoint.load(rd.root / best.path, "expert")["sha256"] == best.sha256
     _restart_refuses_the_struck_key(tmp_path, fed, fp, first_id)
 
