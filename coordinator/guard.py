@@ -5,7 +5,9 @@ with the guard's bar (`GuardBar`: a version and its loss on each window). The di
 is measured with its standard error from the per-window differences, so the test follows the noise of the
 val estimate: few or uneven windows widen it, many narrow it. A version is refused when it is worse than
 the bar by more than `federation.guard_tolerance` (a floor for what the windows cannot show: the drift of
-honest SPSA between rounds) plus `federation.guard_sigmas` standard errors, that standard error capped
+honest SPSA between rounds) plus `federation.guard_sigmas` standard errors (as a confidence: Student's
+t for that many windows, 3.1 errors at 64 windows, 9.2 at 4, since the error is estimated from the
+same few windows), that standard error capped
 by the bar's own (a liar cannot widen the margin by spreading its damage unevenly: at most it costs the
 expert tolerance + sigmas x the val estimate's standard error, once, as the bar does not move for it).
 At the defaults (0.01 and 3) a version no worse than the bar in truth is refused with probability under
@@ -30,6 +32,7 @@ The strike table lives in state.msgpack (`strikes`), so it commits with the roun
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +59,8 @@ def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float) -
     d = np.asarray(windows, np.float64) - np.asarray(bar.windows, np.float64)
     mean = float(d.mean())
     se = min(_standard_error(d), _standard_error(np.asarray(bar.windows, np.float64)))
-    margin = tolerance + sigmas * se
+    # The error comes from the same few windows: Student's t, not the normal, at sigmas' confidence.
+    margin = tolerance + t_quantile(sigmas, d.size - 1) * se
     refused = None
     if not mean <= margin:  # NaN too
         refused = (
@@ -64,7 +68,29 @@ def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float) -
             f"(v{bar.version}) by {mean:.4f}, more than federation.guard_tolerance {tolerance:g} + "
             f"guard_sigmas {sigmas:g} x its standard error {se:.4f}"
         )
-    return Verdict(refused=refused, raises_bar=mean < -sigmas * se, margin=margin)
+    return Verdict(refused=refused, raises_bar=mean < -(margin - tolerance), margin=margin)
+
+
+@functools.lru_cache(maxsize=64)
+def t_quantile(sigmas: float, dof: int) -> float:
+    """The quantile of Student's t with `dof` degrees of freedom at the normal's probability of `sigmas`
+    (3 -> 0.99865): 3.1 for 64 windows, 3.6 for 16, 9.2 for 4. 0 without a dof (then the error is 0)."""
+    if dof < 1 or sigmas <= 0:
+        return 0.0
+    target = 0.5 * math.erf(sigmas / math.sqrt(2))  # the t density's area from 0 to the quantile
+    scale = math.exp(math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)) / math.sqrt(dof * math.pi)
+
+    def area(t: float) -> float:
+        x = np.linspace(0.0, t, 4001)
+        return float(np.trapezoid(scale * (1 + x * x / dof) ** (-(dof + 1) / 2), x))
+
+    lo, hi = sigmas, 2 * sigmas  # t's tails are heavier than the normal's: its quantile is the larger
+    while area(hi) < target:
+        lo, hi = hi, 2 * hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if area(mid) < target else (lo, mid)
+    return hi
 
 
 def _standard_error(x: np.ndarray) -> float:

@@ -129,9 +129,9 @@ class FederationConfig:
     seed_steps: int = 0  # > 0: first train one seed expert on all shards; its weights start every expert
     # Guarded updates (coordinator.guard): a new version is refused when its val loss exceeds the guard's
     # bar (the expert's last version that beat the one before beyond the noise) by more than
-    # `guard_tolerance` (nats/byte) plus `guard_sigmas` standard errors of that difference, measured window
-    # by window; each refused result is a strike against the node's key, and a node with `max_strikes`
-    # strikes takes no part in the rest of the run (0: never excluded).
+    # `guard_tolerance` (nats/byte) plus `guard_sigmas` standard errors (a confidence, as Student's t) of
+    # that difference, measured window by window; each refused result is a strike against the node's key,
+    # and a node with `max_strikes` strikes takes no part in the rest of the run (0: never excluded).
     guard_tolerance: float = 0.01
     guard_sigmas: float = 3.0
     max_strikes: int = 3

@@ -197,17 +197,21 @@ def test_the_guard_judges_window_by_window_with_a_margin_that_follows_the_noise(
     noisy += base.mean() + 0.05 - noisy.mean()
     se = np.std(noisy - base, ddof=1) / 8
     v = guard.judge(noisy, bar, 0.02, 3.0)
-    assert v.refused is None and v.margin == pytest.approx(0.02 + 3 * se)
+    t = guard.t_quantile(3.0, 63)  # Student's t: the error is estimated from the same 64 windows
+    assert 3.1 < t < 3.15 and v.refused is None and v.margin == pytest.approx(0.02 + t * se)
     # ... but never beyond the bar's own standard error: damage spread wider is refused all the same.
     wild = base + rng.standard_normal(64) * 5.0
     wild += base.mean() + 0.5 - wild.mean()
     v = guard.judge(wild, bar, 0.02, 3.0)
-    assert v.refused and v.margin == pytest.approx(0.02 + 3 * np.std(base, ddof=1) / 8)
+    assert v.refused and v.margin == pytest.approx(0.02 + t * np.std(base, ddof=1) / 8)
     # A clear improvement raises the bar; one within the noise does not; NaN is refused.
     assert guard.judge(base - 0.01, bar, 0.02, 3.0).raises_bar
     assert not guard.judge(noisy - 0.1, bar, 0.02, 3.0).raises_bar
     assert guard.judge(np.full(64, np.nan), bar, 0.02, 3.0).refused
     assert isinstance(bar, GuardBar) and bar.val_loss == pytest.approx(base.mean())
+    # Few windows say little about their own error: on 4, the margin is 9.2 of them (t with 3 dof, whose
+    # upper 0.135% quantile is 9.22: 1/2 + (u/(1 + u^2) + atan(u))/pi = 0.99865 at u = 9.22/sqrt(3)).
+    assert guard.t_quantile(3.0, 3) == pytest.approx(9.22, abs=0.01) and guard.t_quantile(3.0, 0) == 0.0
 
 
 def test_strikes_count_and_forgive():
