@@ -38,7 +38,7 @@ from coordinator.evaluation import Evaluation
 from soma_edge import corpus, params
 from soma_edge.config import Config
 from soma_edge.runtime import evaluator_for, mean_loss
-from soma_edge.spsa import State, plateau
+from soma_edge.spsa import State, plateau, slower
 from worker.trainer import train as spsa_train
 
 WORK = Path("/tmp/soma-bench")
@@ -114,7 +114,7 @@ def trajectory(job: tuple[str, int, int, int, int, int]) -> Trajectory:
         out.decisions.append(d)
         if d.refused:
             state = kept
-            state.opt.lr_scale = max(cfg.spsa.lr_floor / cfg.spsa.lr, state.opt.lr_scale * cfg.spsa.plateau_factor)
+            state.opt.lr_scale = slower(cfg.spsa, state.opt.lr_scale)
             continue
         best = min(best, val)
         if v.raises_bar:

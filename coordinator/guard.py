@@ -56,9 +56,10 @@ def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float) -
     the same order). The standard error of the paired difference is capped by the bar's own (the standard
     error of its val loss): a liar that spreads its damage unevenly over the windows cannot widen the
     margin beyond what the val estimate's noise is."""
-    d = np.asarray(windows, np.float64) - np.asarray(bar.windows, np.float64)
+    base = np.asarray(bar.windows, np.float64)
+    d = np.asarray(windows, np.float64) - base
     mean = float(d.mean())
-    se = min(_standard_error(d), _standard_error(np.asarray(bar.windows, np.float64)))
+    se = min(_standard_error(d), _standard_error(base))
     # The error comes from the same few windows: Student's t, not the normal, at sigmas' confidence.
     margin = tolerance + t_quantile(sigmas, d.size - 1) * se
     refused = None

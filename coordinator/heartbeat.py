@@ -22,20 +22,15 @@ PIECE_SECONDS = 5.0
 MIN_PIECE_BYTES = 64 << 10  # below this, a message's own overhead dominates
 
 
-def link(measured: float | None) -> float:
-    """A node's link in bytes/s: as measured, or 1 Mbit/s until it is."""
-    return measured or scheduler.UNMEASURED_LINK
-
-
 def piece_bytes(limit: int, measured: float | None) -> int:
     """Shard bytes per message to a node: what its link moves in PIECE_SECONDS, within [MIN_PIECE_BYTES,
     `limit` (federation.piece_bytes)]."""
-    return min(limit, max(MIN_PIECE_BYTES, int(PIECE_SECONDS * link(measured))))
+    return min(limit, max(MIN_PIECE_BYTES, int(PIECE_SECONDS * scheduler.priced_link(measured))))
 
 
 def interval(version_bytes: int, limit: int, measured: float | None) -> float:
     """The heartbeat interval (s) to advise a node whose link is `measured` (bytes/s, None: not yet)."""
-    seconds = (version_bytes + piece_bytes(limit, measured)) / link(measured)
+    seconds = (version_bytes + piece_bytes(limit, measured)) / scheduler.priced_link(measured)
     if seconds <= protocol.HEARTBEAT_FAST:
         return protocol.HEARTBEAT_FAST
     return float(min(protocol.HEARTBEAT_MAX, max(protocol.HEARTBEAT_SLOW, math.ceil(HEARTBEAT_COVER * seconds))))

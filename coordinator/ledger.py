@@ -27,7 +27,7 @@ from soma_edge.errors import CheckpointError, SomaError
 from soma_edge.logs import role_logger
 from soma_edge.metrics import Line, SeedDone
 from soma_edge.rundir import BestVersion, ExpertRecord, GuardBar, RunDir, RunState
-from soma_edge.spsa import OptState, UpdateLog
+from soma_edge.spsa import OptState, UpdateLog, slower
 
 log = role_logger("soma.coord")
 
@@ -165,9 +165,9 @@ class Ledger:
     def slow_down(self, e: int) -> dict[str, float]:
         """After a refused version: the expert retrains from the same version at a lower lr and eps (the
         plateau factor), so an honest node does not repeat the same refused steps bit for bit."""
-        s, x = self.cfg.spsa, self.expert(e)
+        x = self.expert(e)
         old = float(x.lr_scale)
-        x.lr_scale = max(s.lr_floor / s.lr, old * s.plateau_factor)
+        x.lr_scale = slower(self.cfg.spsa, old)
         return {"lr_scale": old, "next_lr_scale": x.lr_scale}
 
     def bar(self, e: int, windows: int) -> GuardBar:

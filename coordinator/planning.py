@@ -90,6 +90,4 @@ class Planner:
 
 
 def link(node: Node) -> float:
-    """A node's link rate in bytes/s, both ways: as measured, else the slow link every node is assumed to
-    be on until its first large exchange (scheduler.UNMEASURED_LINK)."""
-    return node.link or scheduler.UNMEASURED_LINK
+    return scheduler.priced_link(node.link)

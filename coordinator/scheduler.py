@@ -148,6 +148,12 @@ def plan(
 # once a node's link is measured (`link_rate`), its own rate replaces this.
 UNMEASURED_LINK = 125_000.0
 
+
+def priced_link(measured: float | None) -> float:
+    """A node's link in bytes/s, both ways: as measured, else UNMEASURED_LINK until its first large exchange."""
+    return measured or UNMEASURED_LINK
+
+
 FLOWER_SECONDS = 4.5  # a message's round trip beyond its transfer and compute (process start, polling)
 MIN_PROBE_BYTES = 256 << 10  # smaller messages say nothing about a link: Flower's overhead dominates
 

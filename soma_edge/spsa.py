@@ -285,6 +285,12 @@ class State:
     opt: OptState = field(default_factory=OptState)
 
 
+def slower(cfg: SPSAConfig, scale: float) -> float:
+    """The lr scale after one slow-down (a plateau, or a refused version): x plateau_factor, never below
+    lr_floor."""
+    return max(cfg.lr_floor / cfg.lr, scale * cfg.plateau_factor)
+
+
 def plateau(cfg: SPSAConfig, opt: OptState, val: float, step: int) -> bool:
     """Record the expert's val loss at `step`; halve lr and eps (opt.lr_scale) when it has not improved by
     `plateau_min_delta` for `plateau_patience` steps, never below `lr_floor`. True when it decayed.
@@ -298,8 +304,7 @@ def plateau(cfg: SPSAConfig, opt: OptState, val: float, step: int) -> bool:
         return False
     if step - opt.best_step < cfg.plateau_patience:
         return False
-    floor = cfg.lr_floor / cfg.lr
-    new = max(floor, opt.lr_scale * cfg.plateau_factor)
+    new = slower(cfg, opt.lr_scale)
     opt.best_step = step  # patience counts afresh from the decay
     if new >= opt.lr_scale:
         return False
