@@ -3,18 +3,32 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.soma-installed
+DEMO_STAMP := $(VENV)/.soma-demo-installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup demo-setup test demo bench clean
 
+# What the tests need: the dev extra (pytest, torch for the references, ruff, ...) and the CPU ONNX Runtime.
 setup: $(STAMP)
 	@$(PY) -m soma_edge.corpus fetch
 
-$(STAMP): pyproject.toml
+# What the demo needs, and no more: the CPU ONNX Runtime and matplotlib for `soma-coord report` (no torch).
+demo-setup: $(DEMO_STAMP)
+	@$(PY) -m soma_edge.corpus fetch
+
+$(VENV)/.created:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# A .venv made before the cpu/cuda extras holds onnxruntime-gpu: both packages own the module onnxruntime.
 	@! $(PY) -m pip show --quiet onnxruntime-gpu >/dev/null 2>&1 || $(PY) -m pip uninstall --quiet -y onnxruntime-gpu
+	@touch $@
+
+$(STAMP): pyproject.toml $(VENV)/.created
 	$(PY) -m pip install --quiet -e '.[dev,cpu]'
-	@touch $(STAMP)
+	@touch $@ $(DEMO_STAMP)
+
+# The dev install holds everything the demo needs, so a box that ran `make test` installs nothing more here.
+$(DEMO_STAMP): pyproject.toml $(VENV)/.created
+	$(PY) -m pip install --quiet -e '.[cpu,report]'
+	@touch $@
 
 test: setup
 	$(VENV)/bin/ruff check .
@@ -30,7 +44,7 @@ DEMO_ROUND_SECONDS ?= 55
 HELDOUT = import json, sys; r = sys.argv[1]; p = json.load(open(r + "/prepare.json")); \
 	print(" ".join("--data %s/shards/%s.bin" % (r, c["shards"]["test"]) for c in p["clusters"] if c["bytes"]["test"]))
 
-demo: setup
+demo: demo-setup
 	rm -rf $(DEMO_RUN)
 	$(VENV)/bin/soma-coord start --run $(DEMO_RUN) --config examples/demo.toml --local-workers 2 --experts 4 \
 		--rounds $(DEMO_ROUNDS) --round-seconds $(DEMO_ROUND_SECONDS) --port 0

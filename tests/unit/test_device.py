@@ -212,7 +212,9 @@ def test_one_install_line_for_each_kind_of_box():
     assert extras["cpu"] == ["onnxruntime==1.31.1"]
     assert extras["cuda"] == ["onnxruntime-gpu[cuda,cudnn]==1.31.1"]
     assert not [d for d in extras["dev"] if d.startswith("onnxruntime")]
-    assert "'.[dev,cpu]'" in (ROOT / "Makefile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "'.[dev,cpu]'" in makefile
+    assert "'.[cpu,report]'" in makefile and "demo: demo-setup" in makefile  # the demo installs no torch
 
 
 def test_gpus_from_the_driver_files(tmp_path):
