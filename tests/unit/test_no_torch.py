@@ -58,3 +58,24 @@ def test_worker_path_never_loads_torch_even_when_installed():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "not-loaded"
+
+
+def test_the_coordinators_event_writer_leaves_torch_unloaded(tmp_path):
+    """tensorboardX imports torch where it can; the coordinator's Board keeps it out (seconds at every start)
+    and leaves it importable for the rest of the process."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from coordinator.board import Board
+        board = Board(Path({str(tmp_path / "tb")!r}), 0)
+        board.commit([])
+        board.close()
+        print("loaded" if "torch" in sys.modules else "not-loaded")
+        import importlib.util
+        print("importable" if importlib.util.find_spec("torch") else "absent")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["not-loaded", "importable"]
