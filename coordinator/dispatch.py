@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from coordinator import scheduler
-from coordinator.fleet import Fleet, Node, Outgoing, message
+from coordinator.fleet import Fleet, Node, Outgoing, Sent, message
 from coordinator.ledger import Bases, Ledger
 from coordinator.round import Round, Waiting
 from soma_edge import params, protocol, quant
@@ -110,7 +110,7 @@ class Dispatcher:
             [
                 (
                     message(protocol.pieces_request(run_id, nid, p), protocol.KIND_PIECES, nid, protocol.QUERY_SHARDS),
-                    Outgoing(node=nid, kind="pieces"),
+                    Outgoing(node=nid, kind=Sent.PIECES),
                 )
                 for p in pieces
             ]
@@ -199,7 +199,7 @@ class Dispatcher:
         size = self.ledger.size
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=size, reply_dtype=fed.reply_dtype)
         msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
-        return msg, Outgoing(node=nid, kind="train", expected=expected, per_expert=per_expert)
+        return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
 
     def _task(
         self, e: int, node: Node, steps: int, bases: Bases, mode: ReplyMode

@@ -64,10 +64,20 @@ class Node:
         return self.identity or f"node:{self.id}"
 
 
+class Sent(StrEnum):
+    """What an outgoing message asked of its node, which says what its reply means."""
+
+    QUERY = "query"  # the capability query: the reply's probe and link
+    PIECES = "pieces"  # shard pieces ahead of a round: the reply says the node is free of them
+    TRAIN = "train"  # a round's experts: the reply carries their versions
+    ADVICE = "advice"  # heartbeat advice on its own: the reply is an acknowledgement
+    END = "end"  # the end of the run
+
+
 @dataclass
 class Outgoing:
     node: int
-    kind: str  # "query" | "pieces" | "train" | "advice" | "end"
+    kind: Sent
     expected: protocol.Expected | None = None
     bytes_down: int = 0
     per_expert: dict[int, dict[str, int]] = field(default_factory=dict)  # expert -> weight/shard bytes sent
@@ -113,7 +123,7 @@ class Fleet:
         for mid, (m, o) in zip(mids, items):
             o.bytes_down, o.sent_at, o.mid = protocol.payload_bytes(m.content), self.clock(), mid
             self.out[mid] = o
-            if o.kind == "query":
+            if o.kind is Sent.QUERY:
                 self.nodes[o.node].query_mid = mid
                 self.nodes[o.node].query_sent = self.clock()
 
@@ -127,9 +137,9 @@ class Fleet:
             if o is None:
                 log.warning("reply to an unknown message %r from node %s ignored", mid, reply.metadata.src_node_id)
                 continue
-            if o.kind == "query":
+            if o.kind is Sent.QUERY:
                 self.on_capabilities(reply, o)
-            elif o.kind == "advice":
+            elif o.kind is Sent.ADVICE:
                 if reply.has_error():
                     log.info("node %s did not take its heartbeat advice: %s", o.node, reply.error.reason)
             else:
@@ -149,7 +159,7 @@ class Fleet:
                 # it would arrive only once that download is done.
                 body = protocol.capability_query(self.cfg.to_dict(), self.state.run_id, self.advised(nid))
                 msg = message(body, protocol.KIND_QUERY, nid, protocol.QUERY_CAPABILITIES)
-                items.append((msg, Outgoing(node=nid, kind="query")))
+                items.append((msg, Outgoing(node=nid, kind=Sent.QUERY)))
                 node.status = NodeStatus.QUERYING
         self.push(items)
 
@@ -314,7 +324,7 @@ class Fleet:
             return
         body = protocol.advice(self.state.run_id, self.advised(nid))
         self.push(
-            [(message(body, protocol.KIND_ADVICE, nid, protocol.QUERY_ADVICE), Outgoing(node=nid, kind="advice"))]
+            [(message(body, protocol.KIND_ADVICE, nid, protocol.QUERY_ADVICE), Outgoing(node=nid, kind=Sent.ADVICE))]
         )
         log.info("node %s (%s): heartbeat advice now %g s", nid, node.label, node.advised)
 
@@ -324,20 +334,20 @@ def end_run(fleet: Fleet, body: dict[str, Any], why: str) -> None:
     join` exits (or waits for the next run); wait up to END_SECONDS for them to hear it, as Flower drops
     a finished run's messages."""
     items = [
-        (message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind="end"))
+        (message(body, protocol.KIND_END, nid, protocol.QUERY_END), Outgoing(node=nid, kind=Sent.END))
         for nid in sorted(fleet.live_ids())
     ]
     fleet.push(items)
     deadline, heard = fleet.clock() + END_SECONDS, set()
 
     def ack(mid: str, reply: Any, o: Outgoing) -> None:
-        if o.kind == "end" and not reply.has_error():
+        if o.kind is Sent.END and not reply.has_error():
             heard.add(o.node)
 
     # Only for nodes that were working: one that missed a deadline may be dead, and Flower takes as long
     # as its heartbeat patience to say so.
     waited = {nid for nid, n in fleet.nodes.items() if n.status == NodeStatus.ACTIVE}
-    while any(o.kind == "end" and o.node in waited for o in fleet.out.values()) and fleet.clock() < deadline:
+    while any(o.kind is Sent.END and o.node in waited for o in fleet.out.values()) and fleet.clock() < deadline:
         fleet.sleep(POLL_SECONDS)
         fleet.pull(ack)
     log.info("run over (%s): %d worker(s) told", why, len(heard))

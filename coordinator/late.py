@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.fleet import Fleet, NodeStatus, Outgoing
+from coordinator.fleet import Fleet, NodeStatus, Outgoing, Sent
 from coordinator.intake import Intake
 from coordinator.round import Round
 from soma_edge.logs import role_logger
@@ -73,7 +73,7 @@ class Late:
         out.update({mid: h.o for mid, h in self.held.items()})
 
         def handle(mid, reply, o: Outgoing) -> None:
-            if mid in self.held and o.kind == "train":  # a piece's reply only says the node is free of it
+            if mid in self.held and o.kind is Sent.TRAIN:  # a piece's reply only says the node is free of it
                 self.intake.on_train(mid, reply, o, rnd)
 
         self.fleet.pull(handle)

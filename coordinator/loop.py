@@ -28,7 +28,7 @@ from coordinator import records, scheduler
 from coordinator.board import Board
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluation
-from coordinator.fleet import POLL_SECONDS, Fleet, NodeStatus, Outgoing, end_run
+from coordinator.fleet import POLL_SECONDS, Fleet, NodeStatus, Outgoing, Sent, end_run
 from coordinator.intake import Intake
 from coordinator.late import Late
 from coordinator.ledger import Bases, Ledger
@@ -263,7 +263,7 @@ class Loop:
         are in while waiting for the rest; a node that misses the deadline is set aside."""
 
         def handle(mid: str, reply: Any, o: Outgoing) -> None:
-            (self.dispatcher.on_pieces if o.kind == "pieces" else self.intake.on_train)(mid, reply, o, rnd)
+            (self.dispatcher.on_pieces if o.kind is Sent.PIECES else self.intake.on_train)(mid, reply, o, rnd)
 
         def waiting() -> bool:
             return bool(rnd.waiting) or any(mid in self.fleet.out for mid in rnd.train_mids)
@@ -286,7 +286,7 @@ class Loop:
         """The requests still out at the deadline: their nodes go on probation, their experts move next
         round, and their replies may still come in time for the next plan (`collect_late`)."""
         out = self.fleet.out
-        late = [out.pop(mid) for mid in sorted(out) if out[mid].kind in ("train", "pieces")]
+        late = [out.pop(mid) for mid in sorted(out) if out[mid].kind in (Sent.TRAIN, Sent.PIECES)]
         self.late.hold(late, rnd.deadline - rnd.t_sent)
         for nid in sorted({o.node for o in late}):
             node = self.fleet.nodes[nid]
