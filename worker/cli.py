@@ -34,7 +34,9 @@ def train_cmd(
     steps: int = typer.Option(200, min=1, help="SPSA steps to run."),
     seed: Optional[int] = typer.Option(None, min=0, max=MAX_SEED, help="Override the config's seed."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:i] | an ORT execution provider."),
-    threads: Optional[int] = typer.Option(None, help="ORT intra-op threads (0 = ORT decides)."),
+    threads: Optional[int] = typer.Option(
+        None, help="ORT intra-op threads (0 = choose: cores / parallel on a CPU, ORT's choice on a GPU)."
+    ),
     out: Optional[Path] = typer.Option(
         None, help="Write the trained weights and optimizer state here (checksummed msgpack)."
     ),
@@ -129,7 +131,9 @@ def join_cmd(
         None, help="Cache for shards, weights and the probe (default: $SOMA_CACHE/worker)."
     ),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:i] | an ORT execution provider."),
-    threads: int = typer.Option(0, min=0, help="ORT intra-op threads (0 = ORT decides; 1 when workers share a box)."),
+    threads: int = typer.Option(
+        0, min=0, help="ORT intra-op threads (0 = choose: cores / --parallel on a CPU, ORT's choice on a GPU)."
+    ),
     no_spin: bool = typer.Option(False, "--no-spin", help="No ORT spin-waiting (for workers sharing cores)."),
     parallel: int = typer.Option(
         0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."

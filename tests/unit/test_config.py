@@ -122,8 +122,8 @@ def test_shipped_example_configs_load(name):
         assert cfg.federation.seed_steps > 0
 
 
-def test_the_readme_table_lists_every_setting_with_its_default():
-    """README's "Every setting" table: one row per config key, each default the dataclasses' own."""
+def test_the_config_doc_lists_every_setting_with_its_default():
+    """docs/CONFIG.md's "Every setting" table: one row per config key, each default the dataclasses' own."""
     import dataclasses
     import re
     import tomllib
@@ -131,8 +131,8 @@ def test_the_readme_table_lists_every_setting_with_its_default():
 
     from soma_edge.config import Config
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### Every setting", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md").read_text()
+    section = text.split("## Every setting", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
     rows = [re.match(r"\| `([\w.]+)` \| `(.+?)` \| (.+) \|$", line) for line in section.splitlines()[2:]]
     assert rows and all(rows), section
     documented = {m.group(1): tomllib.loads(f"v = {m.group(2)}")["v"] for m in rows}
