@@ -147,7 +147,10 @@ def _tls(ca: Path | None, cert: Path | None, key: Path | None, folder: Path | No
 def certs_cmd(
     out: Path = typer.Argument(..., help="Folder to write ca.pem, ca.key, server.pem and server.key into."),
     hosts: List[str] = typer.Option(
-        ..., "--host", help="DNS name or IP address workers use to reach the coordinator (repeatable)."
+        ...,
+        "--host",
+        help="DNS name or IP address workers use to reach the coordinator (repeatable); 127.0.0.1 and "
+        "localhost are always added, for the coordinator's own commands.",
     ),
     force: bool = typer.Option(False, help="Replace certificates already in OUT."),
 ) -> None:
@@ -155,7 +158,7 @@ def certs_cmd(
     f = certs.make_certs(out, hosts, force=force)
     print(
         f"wrote {f.ca} (give it to every worker: soma-worker join --root-certificates ca.pem), {f.cert} and {f.key} "
-        f"for {', '.join(hosts)}; start the coordinator with --tls {out}"
+        f"for {', '.join(hosts)} (and loopback); start the coordinator with --tls {out}"
     )
 
 

@@ -65,6 +65,9 @@ def _check_out(root: Path, names: tuple[str, ...], force: bool) -> None:
         raise ConfigError(f"{root}: already holds {', '.join(existing)}; pass --force to replace them")
 
 
+LOOPBACK = ("127.0.0.1", "localhost")  # in every server certificate
+
+
 def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFiles:
     # cryptography (a compiled library, ~30 ms to load) serves only `certs`, `keygen` and --auth: loaded here
     from cryptography import x509
@@ -75,6 +78,9 @@ def make_certs(root: str | Path, hosts: list[str], force: bool = False) -> TLSFi
     root = Path(root)
     if not hosts:
         raise ConfigError("give at least one --host: the names or IP addresses workers use to reach the coordinator")
+    # The coordinator's own commands dial the SuperLink on loopback (`start --host 0.0.0.0` submits its run
+    # to 127.0.0.1), so the certificate names it too, whatever names the workers dial.
+    hosts = [*hosts, *(h for h in LOOPBACK if h not in hosts)]
     sans = [_san(h) for h in hosts]
     _check_out(root, (CA, CA_KEY, SERVER, SERVER_KEY), force)
     now = datetime.datetime.now(datetime.timezone.utc)

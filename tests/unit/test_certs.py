@@ -23,7 +23,12 @@ def test_certs_chain_hosts_and_key_permissions(tmp_path):
     server.verify_directly_issued_by(ca)  # raises unless the CA signed it
     san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "::1"]
-    assert san.get_values_for_type(x509.DNSName) == ["coord.example"]
+    assert san.get_values_for_type(x509.DNSName) == ["coord.example", "localhost"]
+    only = make_certs(tmp_path / "only", ["coord.example"])  # start's own loopback dial is always named
+    san = x509.load_pem_x509_certificate(only.cert.read_bytes()).extensions
+    san = san.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert san.get_values_for_type(x509.DNSName) == ["coord.example", "localhost"]
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     assert not server.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     for key in (f.key, tmp_path / "tls" / "ca.key"):
