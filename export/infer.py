@@ -226,9 +226,11 @@ def sample(p: np.ndarray, temperature: float, rng: np.random.Generator) -> tuple
     elif temperature == 1:
         b = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
     else:
-        with np.errstate(divide="ignore"):
-            z = np.log(p) / temperature
-        ct = np.cumsum(np.exp(z - z.max()))
+        with np.errstate(divide="ignore", over="ignore"):
+            lp = np.log(p)
+            # shifted before the division: a tiny temperature sends the others to -inf, never all to nan
+            z = (lp - lp.max()) / temperature
+        ct = np.cumsum(np.exp(z))
         b = int(np.searchsorted(ct, rng.random() * ct[-1], side="right"))
     b = min(b, 255)  # rounding at the very top of the cdf
     return b, math.log(p[b] / c[-1])
@@ -244,8 +246,8 @@ def generate(
     router_temperature: float | None = None,
 ) -> Iterator[tuple[int, float]]:
     """Yield (byte, its log-prob under the untempered mixture) for n sampled bytes after `prompt`."""
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):  # NaN would sample byte 255 forever
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if n < 0:
         raise ConfigError(f"bytes must be >= 0, got {n}")
     rng = np.random.default_rng(seed)

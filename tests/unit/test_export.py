@@ -538,6 +538,12 @@ def test_truncated_onnx(deploy_copy, eval_file, capsys):
         (["generate", "{deploy}", "--prompt", "hi", "--top-k", "0"], ["top-k must be between 1"]),
         (["generate", "{deploy}", "--prompt", "hi", "--top-k", str(N + 1)], ["top-k must be between 1"]),
         (["generate", "{deploy}", "--prompt", ""], ["prompt"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--temperature", "nan"], ["temperature", "finite", "nan"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--temperature", "inf"], ["temperature", "finite", "inf"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--temperature", "-1"], ["--temperature"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--router-temperature", "nan"], ["router temperature", "nan"]),
+        (["eval", "{deploy}", "--data", "{file}", "--router-temperature", "inf"], ["router temperature", "inf"]),
+        (["eval", "{deploy}", "--data", "{file}", "--router-temperature", "0"], ["router temperature", "0.0"]),
         (["eval", "{nowhere}", "--data", "{file}"], ["nowhere", "not a directory"]),
         (["eval", "{tmp}", "--data", "{file}"], ["manifest.json", "missing"]),
         (["onnx", "{nowhere}", "--out", "{tmp}/x"], ["nowhere", "not a run directory"]),
@@ -560,6 +566,17 @@ def test_bad_input_one_line_exit_2(argv, fragments, exported, eval_file, tmp_pat
     }
     rc, _, err = cli([a.format(**paths) for a in argv], capsys)
     assert_user_error(rc, err, *fragments)
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy_not_byte_255():
+    """A temperature so small that log(p)/T overflows still picks the most likely byte (it once gave NaN,
+    and NaN sampled byte 255 every time)."""
+    from export.infer import sample
+
+    p = np.full(256, 1e-3)
+    p[38] = 0.5
+    rng = np.random.default_rng(0)
+    assert {sample(p, t, rng)[0] for t in (1e-320, 1e-3) for _ in range(5)} == {38}
 
 
 # ---------------------------------------------------------------------------------------------- deploy box
