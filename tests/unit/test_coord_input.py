@@ -89,3 +89,31 @@ def test_status_of_a_corrupt_commit_shows_the_one_before_whole_and_says_so(old_r
     rc, out, err = cli(["status", old_run], capsys)
     assert rc == 2 and out == ""
     assert "no committed state loads" in one_line(err, "error: ")
+
+
+@pytest.mark.parametrize("why", ["corpus", "config"])
+def test_a_failed_first_start_leaves_no_run_directory_behind(why, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.toml").write_text("[spsa]\neps = 0\n")
+    bad = ["--corpus", tmp_path / "no-corpus"] if why == "corpus" else ["--config", "bad.toml"]
+    rc, _, err = cli(["start", "--run", "runs/new/run", *bad, "--port", "0"], capsys)
+    assert rc == 2
+    one_line(err, "error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.toml"]  # runs/new/run, and runs/ that it made
+
+    (tmp_path / "runs" / "mine").mkdir(parents=True)  # folders that were there before start stay
+    rc, _, err = cli(["start", "--run", "runs/mine", *bad, "--port", "0"], capsys)
+    assert rc == 2 and (tmp_path / "runs" / "mine").is_dir()
+    rc, _, err = cli(["start", "--run", "runs/mine/run", *bad, "--port", "0"], capsys)
+    assert rc == 2 and [p.name for p in (tmp_path / "runs").iterdir()] == ["mine"]
+    assert list((tmp_path / "runs" / "mine").iterdir()) == []
+
+
+def test_a_run_with_a_commit_is_never_removed(old_run):
+    from coordinator.start import first_missing, remove_made
+    from soma_edge.rundir import RunDir
+
+    assert first_missing(old_run) is None and first_missing(old_run / "a" / "b") == old_run / "a"
+    before = sorted(p.relative_to(old_run) for p in old_run.rglob("*"))
+    remove_made(RunDir(old_run), old_run)  # even if start had believed it made the folder
+    assert sorted(p.relative_to(old_run) for p in old_run.rglob("*")) == before
