@@ -313,9 +313,10 @@ class RunDir:
     registry_path = property(lambda self: self.root / "workers.json")  # the worker keys it trusts (`add-worker`)
 
     def is_run(self) -> bool:
-        """Whether the folder holds any file a run writes (its keys, its prepared data, its commits)."""
+        """Whether the folder holds any file a run writes (its keys, its lock, its prepared data, its commits):
+        the lock alone is a first start that is still preparing, which `status --watch` follows."""
         marks = (self.run_toml, self.prepare_json, self.router, self.state_path, self.prev_state_path)
-        return any(p.exists() for p in (*marks, self.metrics_path, self.registry_path))
+        return any(p.exists() for p in (*marks, self.metrics_path, self.registry_path, self.lock_path))
 
     def expert_rel(self, expert: int, version: int) -> str:
         return f"experts/{expert}/v{version}.msgpack"

@@ -59,6 +59,10 @@ def test_workers_reads_a_run_that_only_has_keys_and_one_that_never_had_any(old_r
     keys.mkdir()
     (keys / "workers.json").write_text("[]")  # `add-worker` before the first start leaves only this
     assert cli(["workers", keys], capsys)[0] == 0
+    preparing = tmp_path / "preparing"
+    preparing.mkdir()
+    (preparing / "run.lock").touch()  # a first start, still preparing: `status --watch` may follow it
+    assert cli(["workers", preparing], capsys)[0] == 0
 
 
 def test_status_of_a_corrupt_commit_shows_the_one_before_whole_and_says_so(old_run, capsys):
