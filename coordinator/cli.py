@@ -188,6 +188,7 @@ def workers_cmd(
     rd = rundir.existing(run)
     rows = workers.load(rd)
     state = rd.read_state() if rd.state_path.exists() or rd.prev_state_path.exists() else None
+    _warn_fallback(rd)
     strikes = state.strikes if state is not None else {}
     limit = rd.load_config().federation.max_strikes if rd.has_config() else 0
     count = {w.fingerprint: guard.count(strikes, guard.key_identity(w.fingerprint)) for w in rows}
@@ -230,12 +231,17 @@ def status_cmd(
         watch_run(rd, every)
         return
     s = summary(rd)
-    if rd.fallback:  # the table is the commit before, whole: say so, in one line
-        print(f"warning: {rd.fallback}", file=sys.stderr, flush=True)
+    _warn_fallback(rd)  # the table is the commit before, whole
     if as_json:
         print(json.dumps(s, default=str))
     else:
         console().print(experts_table(s))
+
+
+def _warn_fallback(rd: RunDir) -> None:
+    """One line when what was just read is the commit before state.msgpack, and why."""
+    if rd.fallback:
+        print(f"warning: {rd.fallback}", file=sys.stderr, flush=True)
 
 
 @app.command("report")

@@ -84,6 +84,9 @@ def test_status_of_a_corrupt_commit_shows_the_one_before_whole_and_says_so(old_r
     assert rc == 0 and "round 1/2, routed val 3.5852" in out
     one_line(err, "warning: ")
 
+    rc, out, err = cli(["workers", old_run], capsys)  # its strikes come from the same commit, and it says so
+    assert rc == 0 and "state.prev.msgpack" in one_line(err, "warning: ")
+
     state.unlink()  # a crash between moving the commit aside and writing the new one
     rc, out, err = cli(["status", old_run, "--json"], capsys)
     assert rc == 0 and json.loads(out)["round"] == 1 and "missing" in one_line(err, "warning: ")
