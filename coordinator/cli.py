@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, List, Optional
@@ -16,7 +17,7 @@ from coordinator.launcher import APP_DIR, CONNECTION, TLS
 from coordinator.prepare import prepare, print_summary
 from coordinator.progress import experts_table, summary
 from coordinator.progress import watch as watch_run
-from soma_edge import certs, runtime
+from soma_edge import certs, rundir, runtime
 from soma_edge.cli import console, entry, make_app
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError, SomaError
@@ -187,9 +188,10 @@ def workers_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """The workers whose keys RUN trusts."""
-    rd = RunDir(run)
+    rd = rundir.existing(run)
     rows = workers.load(rd)
     state = rd.read_state() if rd.state_path.exists() or rd.prev_state_path.exists() else None
+    _warn_fallback(rd)
     strikes = state.strikes if state is not None else {}
     limit = rd.load_config().federation.max_strikes if rd.has_config() else 0
     count = {w.fingerprint: guard.count(strikes, guard.key_identity(w.fingerprint)) for w in rows}
@@ -207,7 +209,7 @@ def workers_cmd(
     for w in rows:
         mark = " excluded" if guard.excluded(strikes, guard.key_identity(w.fingerprint), limit) else ""
         print(f"{w.name:<16} {w.fingerprint:<16} {str(w.node_id or '-'):>22} {count[w.fingerprint]:>8}{mark}")
-    print(f"{len(rows)} worker key(s) in {rd.root / workers.REGISTRY}")
+    print(f"{len(rows)} worker key(s) in {rd.registry_path}")
 
 
 @app.command("status")
@@ -222,8 +224,9 @@ def status_cmd(
     every: float = typer.Option(1.0, "--every", min=0.1, help="With --watch: seconds between redraws."),
 ) -> None:
     """The experts table of a run, from its checkpoint (no server needed)."""
-    rd = RunDir(run)
-    if not rd.state_path.exists() and not (watch and rd.is_locked()):
+    rd = rundir.existing(run)
+    committed = rd.state_path.exists() or rd.prev_state_path.exists()
+    if not committed and not (watch and rd.is_locked()):
         raise CheckpointError(f"{run}: no state.msgpack, so no training has started in this directory")
     if watch:
         if as_json:
@@ -231,10 +234,17 @@ def status_cmd(
         watch_run(rd, every)
         return
     s = summary(rd)
+    _warn_fallback(rd)  # the table is the commit before, whole
     if as_json:
         print(json.dumps(s, default=str))
     else:
         console().print(experts_table(s))
+
+
+def _warn_fallback(rd: RunDir) -> None:
+    """One line when what was just read is the commit before state.msgpack, and why."""
+    if rd.fallback:
+        print(f"warning: {rd.fallback}", file=sys.stderr, flush=True)
 
 
 @app.command("report")
@@ -245,7 +255,7 @@ def report_cmd(
     ),
 ) -> None:
     """One HTML page about RUN: loss curves, a node timeline, throughput per node, the experts table."""
-    r = report.write(RunDir(run), out)
+    r = report.write(rundir.existing(run), out)
     print(f"report: {r.html}")
 
 
@@ -255,7 +265,7 @@ def stop_cmd(
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the coordinator has stopped."),
 ) -> None:
     """Stop RUN's coordinator once the round in progress has committed; `start --run RUN` resumes it."""
-    rd = RunDir(run)
+    rd = rundir.existing(run)
     if not rd.is_locked():
         raise SomaError(f"{run}: no coordinator is running on it, so there is nothing to stop")
     rd.request_stop()

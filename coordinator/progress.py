@@ -34,7 +34,9 @@ def summary(run: RunDir) -> dict[str, Any]:
     """Everything `soma-coord status` reports, from the checkpoint alone (no server needed): the JSON of
     `soma-coord status --json`."""
     state = run.read_state()
-    lines = metrics.read_lines(run)
+    # Metrics of rounds after the state's are not its own: a round that crashed before it committed, or
+    # the rounds of a state.msgpack that did not read and fell back to the commit before it.
+    lines = [m for m in metrics.read_lines(run) if m.round <= (state.round if state else 0)]
     cfg = run.load_config() if run.has_config() else None
     last = last_expert_lines(lines)
     lr = last_round(lines)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -51,10 +52,15 @@ def start(opts: Options) -> int:
     if opts.superlink:
         return start_external(opts)
     run = RunDir(opts.run)
+    made = first_missing(run.root)
     run.root.mkdir(parents=True, exist_ok=True)
     if run.is_locked():
         raise RunLockedError(f"{run.root} is in use by a running coordinator (pid {run.lock_holder()}); stop it first")
-    cfg = runconfig.configure(run, opts.config, opts.overrides or {}, check=check_local_device)
+    try:
+        cfg = runconfig.configure(run, opts.config, opts.overrides or {}, check=check_local_device)
+    except BaseException:  # a config or corpus refused, an interrupted prepare: leave no empty run behind
+        remove_made(run, made)
+        raise
     state = run.read_state()
     if state and state.round >= cfg.federation.rounds:
         print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
@@ -81,6 +87,31 @@ def start(opts: Options) -> int:
         return 130
     finally:
         procs.stop_all()
+
+
+def first_missing(path: Path) -> Path | None:
+    """The topmost folder of `path` that does not exist yet (what mkdir(parents=True) creates), or None."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def remove_made(run: RunDir, made: Path | None) -> None:
+    """Undo the folders a first `start` made (`made`: `first_missing` before it), when it failed before any
+    commit: a run directory that existed before, or holds a commit, is never removed."""
+    if made is None or run.state_path.exists() or run.prev_state_path.exists():
+        return
+    shutil.rmtree(run.root, ignore_errors=True)
+    for p in run.root.parents:  # the parents it made too, unless something else went into them since
+        if not p.is_relative_to(made):
+            break
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def check_options(opts: Options) -> None:

@@ -23,7 +23,6 @@ from soma_edge.errors import ConfigError, SomaError
 from soma_edge.procs import flower_bin, flower_env
 from soma_edge.rundir import RunDir
 
-REGISTRY = "workers.json"
 MAX_REGISTRY_BYTES = 4 << 20
 
 
@@ -51,7 +50,7 @@ class Worker:
 
 
 def load(run: RunDir) -> list[Worker]:
-    path = run.root / REGISTRY
+    path = run.registry_path
     if not path.exists():
         return []
     try:
@@ -66,9 +65,7 @@ def load(run: RunDir) -> list[Worker]:
 
 
 def save(run: RunDir, workers: list[Worker]) -> None:
-    atomic_write(
-        run.root / REGISTRY, (json.dumps([w.to_dict() for w in workers], indent=2) + "\n").encode(), mode=0o644
-    )
+    atomic_write(run.registry_path, (json.dumps([w.to_dict() for w in workers], indent=2) + "\n").encode(), mode=0o644)
 
 
 def add(run: RunDir, public_key: Path, name: str | None = None) -> Worker:

@@ -1,4 +1,4 @@
-"""Routed top-k inference over a deploy bundle: eval (held-out nats/byte) and generation.
+"""Routed top-k inference over a deploy bundle: eval (nats/byte of data files) and generation.
 
 Needs only onnxruntime, numpy and msgpack (plus soma_edge modules that import nothing else at module
 level): no onnx, flwr or torch. Sessions are created lazily, so experts the router never selects are never
@@ -12,6 +12,7 @@ eval scores, byte for byte.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ import numpy as np
 from export.bundle import Bundle, BundleError, ExpertEntry, read
 from soma_edge import config as config_mod
 from soma_edge import mixture
-from soma_edge.errors import CodecError, ConfigError, CorpusError, DeviceError
+from soma_edge.errors import CodecError, ConfigError, CorpusError, DeviceError, SomaError
 from soma_edge.router import Router
+from soma_edge.rundir import RunDir
 from soma_edge.runtime import make_session
 
 MAX_DATA_FILES = 100_000
@@ -226,9 +228,11 @@ def sample(p: np.ndarray, temperature: float, rng: np.random.Generator) -> tuple
     elif temperature == 1:
         b = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
     else:
-        with np.errstate(divide="ignore"):
-            z = np.log(p) / temperature
-        ct = np.cumsum(np.exp(z - z.max()))
+        with np.errstate(divide="ignore", over="ignore"):
+            lp = np.log(p)
+            # shifted before the division: a tiny temperature sends the others to -inf, never all to nan
+            z = (lp - lp.max()) / temperature
+        ct = np.cumsum(np.exp(z))
         b = int(np.searchsorted(ct, rng.random() * ct[-1], side="right"))
     b = min(b, 255)  # rounding at the very top of the cdf
     return b, math.log(p[b] / c[-1])
@@ -244,8 +248,8 @@ def generate(
     router_temperature: float | None = None,
 ) -> Iterator[tuple[int, float]]:
     """Yield (byte, its log-prob under the untempered mixture) for n sampled bytes after `prompt`."""
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):  # NaN would sample byte 255 forever
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if n < 0:
         raise ConfigError(f"bytes must be >= 0, got {n}")
     rng = np.random.default_rng(seed)
@@ -263,10 +267,20 @@ def generate(
 # -- eval over files -----------------------------------------------------------------------------------------
 
 
-def data_files(paths: list[Path]) -> list[Path]:
-    """FILE... where each is a file or a directory of them (recursively, sorted, hidden entries skipped)."""
+def data_files(paths: list[Path]) -> tuple[list[Path], int]:
+    """FILE... where each is a file or a directory of them (recursively, sorted, hidden entries skipped), each
+    file once however often it was named (by the same path resolved); and how many repeats were left out."""
     if not paths:
         raise CorpusError("no data given: pass --data FILE (a file or a directory of files)")
+    found, seen, unique = _data_files(paths), set(), []
+    for f in found:
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            unique.append(f)
+    return unique, len(found) - len(unique)
+
+
+def _data_files(paths: list[Path]) -> list[Path]:
     out: list[Path] = []
     for p in paths:
         if p.is_dir():
@@ -307,6 +321,23 @@ def read_data(path: Path) -> np.ndarray:
         raise CorpusError(f"{path}: cannot read ({e.strerror})") from None
 
 
+def run_split(path: Path, data: np.ndarray, router_sha256: str) -> str | None:
+    """The split (train, val or test) of the run this bundle was exported from that `path` is a shard of:
+    RUN/shards/<sha256>.bin holding those bytes, listed in RUN/prepare.json, whose router is the bundle's.
+    None for any other file: nothing is known of where it came from."""
+    if path.suffix != ".bin" or path.parent.name != "shards":
+        return None
+    try:
+        prep = RunDir(path.parent.parent).read_prepare()
+    except SomaError:
+        return None
+    if prep.router is None or prep.router.sha256 != router_sha256:
+        return None
+    if hashlib.sha256(data.tobytes()).hexdigest() != path.stem:
+        return None
+    return next((split for c in prep.clusters for split, sha in c.shards.items() if sha == path.stem), None)
+
+
 @dataclass
 class FileScore:
     path: str
@@ -314,6 +345,7 @@ class FileScore:
     nats_per_byte: float
     seconds: float
     compared: float | None = None  # with `compare`: the stream protocol's nats/byte on the same bytes
+    split: str | None = None  # the bundle's run's split it is a shard of (`run_split`); None: not known
 
 
 @dataclass
@@ -326,6 +358,13 @@ class EvalReport:
     expert_weight: dict[int, float] = field(default_factory=dict)
     expert_bytes: dict[int, int] = field(default_factory=dict)
     expert_nats_sum: dict[int, float] = field(default_factory=dict)
+    repeated: int = 0  # data files named more than once, scored once
+
+    @property
+    def held_out(self) -> bool:
+        """Every scored byte is from the test split of the bundle's run: neither trained on nor used to pick
+        versions. Of any other file the tool cannot know it."""
+        return all(f.split == "test" for f in self.files if f.bytes)
 
     @property
     def bytes(self) -> int:
@@ -363,14 +402,16 @@ def evaluate(
         raise ConfigError(
             "--compare scores the stream protocol on the paper protocol's bytes: use it with --protocol paper"
         )
-    files = data_files(paths)
+    files, repeated = data_files(paths)
     for f in files:  # every file is checked before any scoring starts; each is read when its turn comes
         check_data(f)
-    report = EvalReport(top_k, uniform, protocol)
+    report = EvalReport(top_k, uniform, protocol, repeated=repeated)
+    router_sha256 = dep.bundle.manifest["files"][dep.bundle.manifest["router"]["file"]]["sha256"]
     for f in files:
         data = read_data(f)
+        split = run_split(f, data, router_sha256)
         if protocol == "paper" and data.size < mixture.PAPER_WINDOW:
-            report.files.append(FileScore(str(f), 0, 0.0, 0.0))  # no full window: nothing to score
+            report.files.append(FileScore(str(f), 0, 0.0, 0.0, split=split))  # no full window: nothing to score
             continue
         t0 = time.perf_counter()
         r = dep.score(data, top_k, temperature, uniform, protocol=protocol)
@@ -379,7 +420,7 @@ def evaluate(
         if compare:
             other = dep.score(data, dep.default_top_k(), keep_logprobs=True)
             compared = float(-other.logprobs[r.positions].sum() / r.bytes)
-        report.files.append(FileScore(str(f), r.bytes, r.nats_per_byte, seconds, compared))
+        report.files.append(FileScore(str(f), r.bytes, r.nats_per_byte, seconds, compared, split))
         for e, n in r.expert_windows.items():
             report.expert_windows[e] = report.expert_windows.get(e, 0) + n
             report.expert_weight[e] = report.expert_weight.get(e, 0.0) + r.expert_weight[e]

@@ -273,6 +273,12 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"{p}: {e}") from None
 
 
+def tables(path: str | Path) -> list[str]:
+    """The [sections] a config file sets (after `load` accepted it): a command that reads only some of them
+    names the others, which would else be ignored without a word."""
+    return [k for k, v in tomllib.loads(Path(path).read_text(encoding="utf-8")).items() if k in _SECTIONS]
+
+
 def _check(ok: bool, path: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{path} must be {rule}, got {value!r}")

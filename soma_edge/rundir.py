@@ -310,6 +310,13 @@ class RunDir:
     logs = property(lambda self: self.root / "logs")
     flwr_home = property(lambda self: self.root / "flwr")
     lock_path = property(lambda self: self.root / "run.lock")
+    registry_path = property(lambda self: self.root / "workers.json")  # the worker keys it trusts (`add-worker`)
+
+    def is_run(self) -> bool:
+        """Whether the folder holds any file a run writes (its keys, its lock, its prepared data, its commits):
+        the lock alone is a first start that is still preparing, which `status --watch` follows."""
+        marks = (self.run_toml, self.prepare_json, self.router, self.state_path, self.prev_state_path)
+        return any(p.exists() for p in (*marks, self.metrics_path, self.registry_path, self.lock_path))
 
     def expert_rel(self, expert: int, version: int) -> str:
         return f"experts/{expert}/v{version}.msgpack"
@@ -525,6 +532,21 @@ class RunDir:
 
     def is_locked(self) -> bool:
         return held(self.lock_path)
+
+
+def existing(path: str | Path) -> RunDir:
+    """The run directory a command that reads one was given: CheckpointError, naming PATH, when it does not
+    exist, is not a directory or holds no run (a mistyped path would otherwise read as an empty run)."""
+    run = RunDir(path)
+    if not run.root.exists():
+        raise CheckpointError(f"{path}: no such run directory")
+    if not run.root.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    if not run.is_run():
+        raise CheckpointError(
+            f"{path}: not a run directory (no run.toml, prepare.json, state.msgpack or workers.json in it)"
+        )
+    return run
 
 
 def verify_experts(run: RunDir, state: Any, where: Path) -> None:

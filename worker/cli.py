@@ -49,6 +49,12 @@ def train_cmd(
 ) -> None:
     """Train one expert on the default corpus on this box, and report held-out nats/byte before and after."""
     cfg = config_mod.load(config) if config else config_mod.Config()
+    if config and "federation" in config_mod.tables(config):
+        print(
+            f"warning: {config}: [federation] is read by `soma-coord start`, not by `soma-worker train`; ignored",
+            file=sys.stderr,
+            flush=True,
+        )
     if seed is not None:
         cfg.seed = seed
     if device is not None:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -742,6 +743,10 @@ def test_status_prints_the_checkpoint_and_start_refuses_identity_changes(run, tm
         code == 2 and err.startswith("error: ") and "federation.experts" in err and len(err.strip().splitlines()) == 1
     )
     code, _, err = _cli(["status", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "no such run directory" in err
+    (tmp_path / "prepared").mkdir()
+    shutil.copy(run.prepare_json, tmp_path / "prepared")
+    code, _, err = _cli(["status", str(tmp_path / "prepared")], capsys)
     assert code == 2 and "no state.msgpack" in err
 
 

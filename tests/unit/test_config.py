@@ -174,3 +174,29 @@ def test_a_bad_log_level_is_one_error_line(argv, capsys):
     assert cli.run(app, argv, "soma-coord") == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --log-level") and "\n" not in err
+
+
+@pytest.mark.parametrize("federation", [True, False])
+def test_train_names_the_section_it_does_not_read(federation, tmp_path, capsys, monkeypatch):
+    """`soma-worker train` reads [model], [spsa] and [data]; a [federation] section (soma-coord start's) is
+    one warning line, not silently nothing."""
+    from soma_edge import cli
+    from worker import cli as worker_cli
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop  # the corpus comes next: the warning must be out by now
+
+    monkeypatch.setattr(worker_cli.corpus, "default_documents", stop)
+    path = tmp_path / "my.toml"
+    path.write_text("[model]\nhidden = 64\n" + ("[federation]\nexperts = 4\n" if federation else ""))
+    with pytest.raises(Stop):
+        cli.run(worker_cli.app, ["train", "--config", str(path), "--device", "cpu"], "soma-worker")
+    err = capsys.readouterr().err
+    if federation:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"warning: {path}: [federation]") and "ignored" in lines[0]
+    else:
+        assert err == ""

@@ -377,7 +377,8 @@ def test_eval_cli_tables_and_json(exported, eval_file, tmp_path, capsys):
     assert "expert" in out and "nats/byte alone" in out
     assert str(folder / "sub" / "b.bin") in out and ".hidden" not in out
     last = out.strip().splitlines()[-1]
-    assert last.startswith("top-2 routed mixture of 3 experts, stream protocol, held-out nats/byte: ")
+    # none of these files is a shard of the bundle's run, so nothing says they were held out
+    assert last.startswith("top-2 routed mixture of 3 experts, stream protocol, nats/byte of 3 files: ")
     rc, out, err = cli(["eval", deploy, "--data", folder, "--data", eval_file, "--top-k", 2, "--json"], capsys)
     got = json.loads(out)
     size = eval_file.stat().st_size
@@ -385,7 +386,53 @@ def test_eval_cli_tables_and_json(exported, eval_file, tmp_path, capsys):
     assert [f["bytes"] for f in got["files"]] == [size - 1, 767, size - 1]
     per_file = sum(f["nats_per_byte"] * f["bytes"] for f in got["files"]) / got["bytes"]
     assert got["nats_per_byte"] == pytest.approx(per_file) and 0 < got["nats_per_byte"] < 20
+    assert got["held_out"] is False and [f["split"] for f in got["files"]] == [None] * 3
     assert float(last.split(": ")[1].split()[0]) == pytest.approx(got["nats_per_byte"], abs=1e-4)
+
+
+def test_eval_scores_a_file_named_twice_once(exported, eval_file, capsys):
+    _, deploy, _ = exported
+    again = eval_file.parent / ".." / eval_file.parent.name / eval_file.name  # the same file, spelt otherwise
+    rc, out, err = cli(
+        ["eval", deploy, "--data", eval_file, "--data", again, "--data", eval_file.parent, "--json"], capsys
+    )
+    assert rc == 0
+    got = json.loads(out)
+    assert [f["path"] for f in got["files"]] == [str(eval_file)] and got["bytes"] == eval_file.stat().st_size - 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: 2 data file(s) named more than once"), err
+
+
+def test_eval_says_held_out_only_of_the_bundles_own_test_shards(tmp_path, capsys):
+    """Whether bytes were held out is known only of a shard of the bundle's own run (RUN/shards/<sha256>.bin,
+    listed in RUN/prepare.json beside the bundle's router): `make demo` scores those, and its last line
+    says held-out. Any other file is named, and nothing is claimed of it."""
+    deploy, run = ROOT / "tests" / "fixtures" / "old_bundle", ROOT / "tests" / "fixtures" / "old_run"
+    splits = {
+        split: sha
+        for c in json.loads((run / "prepare.json").read_text())["clusters"][:1]
+        for split, sha in c["shards"].items()
+    }
+    test = run / "shards" / f"{splits['test']}.bin"
+    rc, out, err = cli(["eval", deploy, "--data", test], capsys)
+    assert rc == 0 and err == ""
+    assert "held-out nats/byte: " in out.strip().splitlines()[-1]
+    assert f"{test}   test " in out
+
+    rc, out, _ = cli(["eval", deploy, "--data", test, "--data", run / "shards" / f"{splits['train']}.bin"], capsys)
+    assert "held-out" not in out and "nats/byte of 2 files: " in out.strip().splitlines()[-1]
+    assert " train " in out
+
+    (tmp_path / "shards").mkdir()  # the same bytes, under the same name, but of no run that this bundle knows
+    copy = tmp_path / "shards" / test.name
+    shutil.copy(test, copy)
+    rc, out, _ = cli(["eval", deploy, "--data", copy, "--json"], capsys)
+    got = json.loads(out)
+    assert got["held_out"] is False and got["files"][0]["split"] is None
+    shutil.copy(run / "prepare.json", tmp_path)  # of the bundle's run now, but not its bytes
+    copy.write_bytes(copy.read_bytes()[:-1] + b"!")
+    rc, out, _ = cli(["eval", deploy, "--data", copy], capsys)
+    assert "held-out" not in out and f"nats/byte of {test.name}: " in out.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("kind", ["lstm", "soma"])
@@ -538,6 +585,12 @@ def test_truncated_onnx(deploy_copy, eval_file, capsys):
         (["generate", "{deploy}", "--prompt", "hi", "--top-k", "0"], ["top-k must be between 1"]),
         (["generate", "{deploy}", "--prompt", "hi", "--top-k", str(N + 1)], ["top-k must be between 1"]),
         (["generate", "{deploy}", "--prompt", ""], ["prompt"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--temperature", "nan"], ["temperature", "finite", "nan"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--temperature", "inf"], ["temperature", "finite", "inf"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--temperature", "-1"], ["--temperature"]),
+        (["generate", "{deploy}", "--prompt", "hi", "--router-temperature", "nan"], ["router temperature", "nan"]),
+        (["eval", "{deploy}", "--data", "{file}", "--router-temperature", "inf"], ["router temperature", "inf"]),
+        (["eval", "{deploy}", "--data", "{file}", "--router-temperature", "0"], ["router temperature", "0.0"]),
         (["eval", "{nowhere}", "--data", "{file}"], ["nowhere", "not a directory"]),
         (["eval", "{tmp}", "--data", "{file}"], ["manifest.json", "missing"]),
         (["onnx", "{nowhere}", "--out", "{tmp}/x"], ["nowhere", "not a run directory"]),
@@ -560,6 +613,17 @@ def test_bad_input_one_line_exit_2(argv, fragments, exported, eval_file, tmp_pat
     }
     rc, _, err = cli([a.format(**paths) for a in argv], capsys)
     assert_user_error(rc, err, *fragments)
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy_not_byte_255():
+    """A temperature so small that log(p)/T overflows still picks the most likely byte (it once gave NaN,
+    and NaN sampled byte 255 every time)."""
+    from export.infer import sample
+
+    p = np.full(256, 1e-3)
+    p[38] = 0.5
+    rng = np.random.default_rng(0)
+    assert {sample(p, t, rng)[0] for t in (1e-320, 1e-3) for _ in range(5)} == {38}
 
 
 # ---------------------------------------------------------------------------------------------- deploy box
