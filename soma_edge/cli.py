@@ -26,6 +26,7 @@ def make_app(help: str) -> typer.Typer:
     # typer 0.20 still escapes "[default: ...]" for rich when rich is importable, and the plain formatter
     # then prints the backslash; it escapes only when it believes rich renders the help.
     typer.core.HAS_RICH = False
+    _keep_argument_help()
     app = typer.Typer(
         help=help, pretty_exceptions_enable=False, add_completion=False, no_args_is_help=True, rich_markup_mode=None
     )
@@ -42,6 +43,28 @@ def make_app(help: str) -> typer.Typer:
         pass  # `run` took it out of the arguments already (typer would accept it only before the command)
 
     return app
+
+
+def _keep_argument_help() -> None:
+    """Make `--help` show each positional argument's help again, once. typer 0.20's TyperArgument keeps the
+    help itself and passes none to click, and click 8.5 gave Argument a help of its own, whose __init__ sets
+    it back to None: set it again after. click 8.5 would then also list the arguments in a section of its
+    own ("Positional arguments") before typer's ("Arguments", with their defaults): only typer's stays.
+    Both are harmless with a click before 8.5, which had neither."""
+    init = typer.core.TyperArgument.__init__
+    if getattr(init, "keeps_help", False):
+        return
+
+    def __init__(self, *args, help: str | None = None, **kwargs) -> None:
+        init(self, *args, help=help, **kwargs)
+        self.help = help
+
+    def format_arguments(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        pass  # typer's format_options writes the arguments
+
+    __init__.keeps_help = True
+    typer.core.TyperArgument.__init__ = __init__
+    typer.core.TyperCommand.format_arguments = format_arguments
 
 
 def log_level() -> str:
