@@ -120,7 +120,7 @@ def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None
         print(f"error: {e}", file=sys.stderr)
         return 2
     except click.exceptions.UsageError as e:
-        print(f"error: {e.format_message()}", file=sys.stderr)
+        print(f"error: {_usage_message(e)}", file=sys.stderr)
         return 2
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -130,6 +130,14 @@ def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+
+
+def _usage_message(e: click.exceptions.UsageError) -> str:
+    """A usage error's one line, with one suggestion for a mistyped command: typer writes its "Did you mean"
+    into the message, and click 8.4+ appends its own when it formats the message."""
+    if "Did you mean" in e.message:
+        return e.message
+    return e.format_message()
 
 
 def entry(app: typer.Typer, prog: str) -> Callable[[], None]:

@@ -54,3 +54,13 @@ def test_help_shows_every_parameters_help(prog, app, name, cmd, capsys):
     arguments = [p for p in cmd.params if isinstance(p, click.Argument)]
     # listed once: click 8.5 would add a "Positional arguments" section of its own
     assert shown.count("Arguments:") == (1 if arguments else 0) and "Positional arguments" not in shown, shown
+
+
+@pytest.mark.parametrize(
+    "app,typo,suggestion",
+    [(export_app, "evl", "Did you mean 'eval'?"), (coord_app, "stat", "Did you mean 'start', 'status'?")],
+)
+def test_a_mistyped_command_gets_one_suggestion(app, typo, suggestion, capsys):
+    assert cli.run(app, [typo]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: No such command '{typo}'. {suggestion}\n"
