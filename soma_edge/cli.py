@@ -1,7 +1,9 @@
 """What every soma-edge CLI shares: the exit-code contract (0 ok, 2 bad input, 1 internal failure).
 
 0 success; 2 and one `error: ...` line on stderr when the user's input is wrong (any SomaError, or a
-usage error from typer/click); 1 for an internal failure.
+usage error from typer/click); 1 for an internal failure. A path on the command line is one from where
+the user stands: every path option and argument is declared with `path_option` or `path_argument`, which
+make it absolute as the command line is read.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import click
 import typer
@@ -65,6 +68,27 @@ def _keep_argument_help() -> None:
     __init__.keeps_help = True
     typer.core.TyperArgument.__init__ = __init__
     typer.core.TyperCommand.format_arguments = format_arguments
+
+
+def absolute(value: Path | Sequence[Path] | None) -> Path | list[Path] | None:
+    """The callback of every path option and argument: a relative path means one from where the user
+    stands, so it becomes absolute here, once, before a command hands it to a process that runs elsewhere
+    (the SuperLink runs in RUN/flwr) or writes it into a file read later from another directory."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [Path(v).absolute() for v in value]
+    return Path(value).absolute()
+
+
+def path_option(default: Any, *param_decls: str, help: str, **kwargs: Any) -> Any:
+    """typer.Option for a path: made `absolute` as the command line is read."""
+    return typer.Option(default, *param_decls, callback=absolute, help=help, **kwargs)
+
+
+def path_argument(default: Any = ..., *, help: str, **kwargs: Any) -> Any:
+    """typer.Argument for a path: made `absolute` as the command line is read."""
+    return typer.Argument(default, callback=absolute, help=help, **kwargs)
 
 
 def log_level() -> str:

@@ -15,7 +15,7 @@ import typer
 from soma_edge import checkpoint, corpus, devices, params, protocol, runtime
 from soma_edge import config as config_mod
 from soma_edge.certs import check_private_key, fingerprint, make_worker_key, read_public_key
-from soma_edge.cli import entry, log_level, make_app
+from soma_edge.cli import entry, log_level, make_app, path_argument, path_option
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError
 from soma_edge.procs import flower_env, free_port
@@ -30,15 +30,15 @@ app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on 
 
 @app.command("train")
 def train_cmd(
-    config: Optional[Path] = typer.Option(None, help="TOML config ([model], [spsa], [data], seed, device, threads)."),
+    config: Optional[Path] = path_option(None, help="TOML config ([model], [spsa], [data], seed, device, threads)."),
     steps: int = typer.Option(200, min=1, help="SPSA steps to run."),
     seed: Optional[int] = typer.Option(None, min=0, max=MAX_SEED, help="Override the config's seed."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:i] | an ORT execution provider."),
     threads: Optional[int] = typer.Option(None, help="ORT intra-op threads (0 = ORT decides)."),
-    out: Optional[Path] = typer.Option(
+    out: Optional[Path] = path_option(
         None, help="Write the trained weights and optimizer state here (checksummed msgpack)."
     ),
-    resume: Optional[Path] = typer.Option(
+    resume: Optional[Path] = path_option(
         None, help="Continue from a checkpoint that --out wrote (weights, step, optimizer state)."
     ),
     eval_windows: int = typer.Option(128, min=1, help="Held-out windows for the before/after loss."),
@@ -125,7 +125,7 @@ def join_cmd(
     name: Optional[str] = typer.Option(
         None, help="This worker's name in the coordinator's table (default: host name)."
     ),
-    cache: Optional[Path] = typer.Option(
+    cache: Optional[Path] = path_option(
         None, help="Cache for shards, weights and the probe (default: $SOMA_CACHE/worker)."
     ),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:i] | an ORT execution provider."),
@@ -136,11 +136,13 @@ def join_cmd(
     ),
     port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0 = a free one)."),
     cache_mb: int = typer.Option(2048, min=16, help="Bound on the cache size; least recently used entries go first."),
-    root_certificates: Optional[Path] = typer.Option(
-        None, "--root-certificates", help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure."
+    root_certificates: Optional[Path] = path_option(
+        None,
+        "--root-certificates",
+        help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure.",
     ),
     probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
-    auth_key: Optional[Path] = typer.Option(
+    auth_key: Optional[Path] = path_option(
         None,
         "--auth-key",
         help="This worker's private key (`keygen` writes worker.key), for a coordinator started with --auth.",
@@ -247,7 +249,7 @@ def _supernode_cmd(
         node_config,
     ]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
-    cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
+    cmd += ["--auth-supernode-private-key", str(auth_key)] if auth_key else []
     return cmd
 
 
@@ -263,7 +265,7 @@ def doctor_cmd(
 
 @app.command("keygen")
 def keygen_cmd(
-    out: Path = typer.Argument(..., help="Folder to write worker.key (private) and worker.pub into."),
+    out: Path = path_argument(..., help="Folder to write worker.key (private) and worker.pub into."),
     force: bool = typer.Option(False, help="Replace a key pair already in OUT."),
 ) -> None:
     """This worker's key pair: give worker.pub to the coordinator (`soma-coord add-worker RUN worker.pub`)."""

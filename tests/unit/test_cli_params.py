@@ -6,6 +6,7 @@ stands."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import click
 import pytest
@@ -64,3 +65,69 @@ def test_a_mistyped_command_gets_one_suggestion(app, typo, suggestion, capsys):
     assert cli.run(app, [typo]) == 2
     err = capsys.readouterr().err
     assert err == f"error: No such command '{typo}'. {suggestion}\n"
+
+
+def _value(param: click.Parameter, path: str) -> str | None:
+    """A command-line value for `param`: `path` for a path, something valid for another required one."""
+    if isinstance(param.type, click.Path):
+        return path
+    if not param.required:
+        return None
+    if isinstance(param.type, (click.IntRange, click.FloatRange)):
+        return str(param.type.min if param.type.min is not None else 1)
+    if isinstance(param.type, click.Choice):
+        return str(param.type.choices[0])
+    return "1" if param.type in (click.INT, click.FLOAT) else "x"
+
+
+@pytest.mark.parametrize("prog,app,name,cmd", COMMANDS, ids=IDS)
+def test_every_path_is_made_absolute_from_where_the_user_stands(prog, app, name, cmd, tmp_path, monkeypatch):
+    """The SuperLink runs in RUN/flwr, and run.toml and prepare.json are read later from elsewhere: each
+    path option and argument must reach the command absolute (soma_edge.cli.absolute), the same file the
+    user named. Parsing alone runs the callbacks; nothing of the command runs."""
+    monkeypatch.chdir(tmp_path)
+    args, positional = [], []
+    for p in cmd.params:
+        value = _value(p, f"rel/{p.name}")
+        if value is None or (isinstance(p, click.Option) and p.is_flag):
+            continue
+        if isinstance(p, click.Argument):
+            positional.append(value)
+        else:
+            args += [p.opts[0], value]
+    ctx = cmd.make_context(name, args + positional)
+    paths = [p for p in cmd.params if isinstance(p.type, click.Path)]
+    for p in paths:
+        want = Path.cwd() / "rel" / p.name
+        got = ctx.params[p.name]
+        assert got == ([want] if p.multiple else want), f"{prog} {name} {p.opts[0]}: {got}"
+
+
+def test_a_corpus_path_is_absolute_and_a_corpus_name_stays(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    group = typer.main.get_command(coord_app)
+    prepare, start = group.commands["prepare"], group.commands["start"]
+    for corpus, want in [("texts/", str(Path.cwd() / "texts")), ("default", "default"), ("debian", "debian")]:
+        assert prepare.make_context("prepare", [corpus, "--experts", "2", "--out", "o"]).params["corpus"] == want
+        assert start.make_context("start", ["--corpus", corpus]).params["corpus"] == want
+    assert start.make_context("start", []).params["run"] == Path.cwd() / "runs" / "default"  # the default too
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_start_with_superlink_still_needs_an_absolute_run(order, tmp_path, monkeypatch, capsys):
+    """With --superlink, --run names a directory on the SuperLink's host: a relative one is refused as it
+    was given, whichever comes first on the command line."""
+    monkeypatch.chdir(tmp_path)
+    pair = [["--superlink", "127.0.0.1:9"], ["--run", "runs/x"]]
+    argv = ["start", *pair[order], *pair[1 - order]]
+    assert cli.run(coord_app, argv, "soma-coord") == 2
+    assert capsys.readouterr().err.startswith("error: --run runs/x: with --superlink, give the absolute path")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_start_with_superlink_refuses_local_workers(capsys):
+    argv = ["start", "--superlink", "127.0.0.1:9", "--run", "/srv/runs/x", "--local-workers", "2"]
+    assert cli.run(coord_app, argv, "soma-coord") == 2
+    assert capsys.readouterr().err == (
+        "error: --local-workers needs the embedded SuperLink; start workers with `soma-worker join`\n"
+    )
