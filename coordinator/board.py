@@ -74,7 +74,7 @@ def _summary_writer() -> type:
     blocked = "torch" not in sys.modules
     if blocked:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
-    try:
+    try:  # tensorboardX only where a run writes events (Board): status and the worker never need it
         from tensorboardX import SummaryWriter
 
         return SummaryWriter
@@ -87,7 +87,7 @@ class Board:
     """The run's event writer; `commit` adds a round's lines and flushes them to disk."""
 
     def __init__(self, folder: Path, committed_round: int) -> None:
-        try:  # tensorboardX only where a run writes events: `soma-coord status` and the worker never need it
+        try:
             SummaryWriter = _summary_writer()
         except ImportError:
             raise ConfigError(

@@ -18,19 +18,39 @@ from coordinator.prepare import prepare, print_summary
 from coordinator.progress import experts_table, summary
 from coordinator.progress import watch as watch_run
 from soma_edge import certs, rundir, runtime
-from soma_edge.cli import console, entry, make_app
+from soma_edge.cli import absolute, console, entry, make_app, path_argument, path_option
 from soma_edge.config import MAX_SEED
+from soma_edge.corpus import DEBIAN
 from soma_edge.errors import CheckpointError, ConfigError, SomaError
 from soma_edge.rundir import RunDir
 
 app = make_app("soma-edge coordinator: prepare data clusters, orchestrate training over Flower.")
 
 
+def _corpus(value: str | None) -> str | None:
+    """A corpus name as it is, a corpus path made absolute (`absolute`): prepare.json keeps it, and with
+    --superlink the ServerApp prepares it, in the SuperLink's working directory."""
+    return value if value in (None, "default", DEBIAN) else str(absolute(Path(value)))
+
+
+def _run_path(ctx: typer.Context, value: Path) -> Path:
+    """start's --run: absolute (`absolute`), except with --superlink (eager, so parsed before it), where it
+    names a directory on the SuperLink's host, which only an absolute path given as such can."""
+    if ctx.params.get("superlink") and not value.is_absolute():
+        raise ConfigError(
+            f"--run {value}: with --superlink, give the absolute path of the run directory on the "
+            "SuperLink's host (Flower runs the coordinator there)"
+        )
+    return absolute(value)
+
+
 @app.command("prepare")
 def prepare_cmd(
-    corpus: str = typer.Argument(..., help="`default`, `debian` (built as root), a text file or folder, or a .jsonl."),
+    corpus: str = typer.Argument(
+        ..., callback=_corpus, help="`default`, `debian` (built as root), a text file or folder, or a .jsonl."
+    ),
     experts: int = typer.Option(..., "--experts", min=1, help="Number of experts N."),
-    out: Path = typer.Option(..., "--out", help="Run directory to write router.msgpack, prepare.json, shards/ into."),
+    out: Path = path_option(..., "--out", help="Run directory to write router.msgpack, prepare.json, shards/ into."),
     clusters: Optional[int] = typer.Option(None, "--clusters", min=1, help="Clusters C >= N (default N)."),
     seed: int = typer.Option(
         0, "--seed", min=0, max=MAX_SEED, help="Seed of the fit: same corpus and seed, same router and shards."
@@ -47,12 +67,14 @@ def prepare_cmd(
 
 @app.command("start")
 def start_cmd(
-    run: Path = typer.Option(Path("runs/default"), "--run", help="Run directory (created, prepared and resumed here)."),
-    config: Optional[Path] = typer.Option(
+    run: Path = typer.Option(
+        Path("runs/default"), "--run", callback=_run_path, help="Run directory (created, prepared and resumed here)."
+    ),
+    config: Optional[Path] = path_option(
         None, "--config", help="TOML config: [model] [spsa] [data] [federation], seed."
     ),
     corpus: Optional[str] = typer.Option(
-        None, "--corpus", help="Corpus to prepare if RUN is not prepared (default: default)."
+        None, "--corpus", callback=_corpus, help="Corpus to prepare if RUN is not prepared (default: default)."
     ),
     experts: Optional[int] = typer.Option(None, "--experts", min=1, help="Number of experts N."),
     rounds: Optional[int] = typer.Option(
@@ -85,20 +107,20 @@ def start_cmd(
         None, "--seed", min=0, max=MAX_SEED, help="Seed of initialization, noise, batches and prepare."
     ),
     superlink: Optional[str] = typer.Option(
-        None, "--superlink", help="HOST:PORT of an existing SuperLink (external mode)."
+        None, "--superlink", is_eager=True, help="HOST:PORT of an existing SuperLink (external mode)."
     ),
     host: str = typer.Option(
         "127.0.0.1", "--host", help="Embedded SuperLink: interface to listen on (0.0.0.0 for other boxes)."
     ),
     port: int = typer.Option(9092, "--port", min=0, max=65535, help="Embedded SuperLink port (0 = a free one)."),
-    ssl_ca_certfile: Optional[Path] = typer.Option(
+    ssl_ca_certfile: Optional[Path] = path_option(
         None, "--ssl-ca-certfile", help="TLS CA certificate (passed to Flower)."
     ),
-    ssl_certfile: Optional[Path] = typer.Option(
+    ssl_certfile: Optional[Path] = path_option(
         None, "--ssl-certfile", help="TLS server certificate (embedded SuperLink)."
     ),
-    ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="TLS server key (embedded SuperLink)."),
-    tls_dir: Optional[Path] = typer.Option(None, "--tls", help="TLS with the files `soma-coord certs DIR` wrote."),
+    ssl_keyfile: Optional[Path] = path_option(None, "--ssl-keyfile", help="TLS server key (embedded SuperLink)."),
+    tls_dir: Optional[Path] = path_option(None, "--tls", help="TLS with the files `soma-coord certs DIR` wrote."),
     auth: bool = typer.Option(
         False, "--auth", help="Admit only workers whose keys `add-worker` registered (needs --tls)."
     ),
@@ -117,8 +139,6 @@ def start_cmd(
             "federation.wait_seconds": wait_seconds,
         }
     )
-    if superlink is not None and local_workers:
-        raise typer.BadParameter("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
     if superlink is None:
         runtime.load_ort()  # its ServerApp audits and evaluates on ONNX Runtime: say what to install now
     tls = _tls(ssl_ca_certfile, ssl_certfile, ssl_keyfile, tls_dir)
@@ -146,7 +166,7 @@ def _tls(ca: Path | None, cert: Path | None, key: Path | None, folder: Path | No
 
 @app.command("certs")
 def certs_cmd(
-    out: Path = typer.Argument(..., help="Folder to write ca.pem, ca.key, server.pem and server.key into."),
+    out: Path = path_argument(..., help="Folder to write ca.pem, ca.key, server.pem and server.key into."),
     hosts: List[str] = typer.Option(
         ...,
         "--host",
@@ -165,8 +185,8 @@ def certs_cmd(
 
 @app.command("add-worker")
 def add_worker_cmd(
-    run: Path = typer.Argument(..., help="Run directory."),
-    public_key: Path = typer.Argument(..., help="The worker's public key (`soma-worker keygen` writes worker.pub)."),
+    run: Path = path_argument(..., help="Run directory."),
+    public_key: Path = path_argument(..., help="The worker's public key (`soma-worker keygen` writes worker.pub)."),
     name: Optional[str] = typer.Option(None, help="The worker's name in the registry (default: the key file's stem)."),
 ) -> None:
     """Trust a worker's key for RUN's `start --auth`; on a live run it takes effect at once."""
@@ -184,7 +204,7 @@ def add_worker_cmd(
 
 @app.command("workers")
 def workers_cmd(
-    run: Path = typer.Argument(..., help="Run directory."),
+    run: Path = path_argument(..., help="Run directory."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """The workers whose keys RUN trusts."""
@@ -214,7 +234,7 @@ def workers_cmd(
 
 @app.command("status")
 def status_cmd(
-    run: Path = typer.Argument(..., help="Run directory."),
+    run: Path = path_argument(..., help="Run directory."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     watch: bool = typer.Option(
         False,
@@ -249,10 +269,8 @@ def _warn_fallback(rd: RunDir) -> None:
 
 @app.command("report")
 def report_cmd(
-    run: Path = typer.Argument(..., help="Run directory."),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="Folder for report.html and its PNGs (default: RUN/report)."
-    ),
+    run: Path = path_argument(..., help="Run directory."),
+    out: Optional[Path] = path_option(None, "--out", help="Folder for report.html and its PNGs (default: RUN/report)."),
 ) -> None:
     """One HTML page about RUN: loss curves, a node timeline, throughput per node, the experts table."""
     r = report.write(rundir.existing(run), out)
@@ -261,7 +279,7 @@ def report_cmd(
 
 @app.command("stop")
 def stop_cmd(
-    run: Path = typer.Argument(..., help="Run directory of a running coordinator."),
+    run: Path = path_argument(..., help="Run directory of a running coordinator."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the coordinator has stopped."),
 ) -> None:
     """Stop RUN's coordinator once the round in progress has committed; `start --run RUN` resumes it."""

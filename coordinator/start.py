@@ -127,6 +127,8 @@ def check_options(opts: Options) -> None:
             f"--run {opts.run}: with --superlink, give the absolute path of the run directory on the "
             "SuperLink's host (Flower runs the coordinator there)"
         )
+    if (opts.overrides or {}).get("federation.local_workers"):
+        raise ConfigError("--local-workers needs the embedded SuperLink; start workers with `soma-worker join`")
     if opts.auth:
         raise ConfigError(
             "--auth registers worker keys with the embedded SuperLink; with --superlink, register "

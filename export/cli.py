@@ -16,7 +16,7 @@ import typer
 
 from export.bundle import write
 from export.infer import Deployment, EvalReport, evaluate, generate
-from soma_edge.cli import entry, make_app
+from soma_edge.cli import entry, make_app, path_argument, path_option
 from soma_edge.mixture import check_protocol
 from soma_edge.runtime import check_device
 
@@ -27,8 +27,8 @@ DEVICE_HELP = "auto | cpu | cuda[:i] | an ORT execution provider."
 
 @app.command("onnx")
 def onnx_cmd(
-    run: Path = typer.Argument(..., help="Run directory written by `soma-coord start`."),
-    out: Path = typer.Option(..., "--out", help="Deploy bundle directory to write."),
+    run: Path = path_argument(..., help="Run directory written by `soma-coord start`."),
+    out: Path = path_option(..., "--out", help="Deploy bundle directory to write."),
     quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the weights."),
     force: bool = typer.Option(False, help="Replace an existing bundle at --out."),
     version: str = typer.Option(
@@ -72,8 +72,8 @@ def _top_k(dep, top_k: Optional[int], protocol: str = "stream") -> int:
 
 @app.command("eval")
 def eval_cmd(
-    deploy: Path = typer.Argument(..., help="Deploy bundle written by `soma-export onnx`."),
-    data: List[Path] = typer.Option(..., "--data", help="Text or binary file, or a directory of them (repeatable)."),
+    deploy: Path = path_argument(..., help="Deploy bundle written by `soma-export onnx`."),
+    data: List[Path] = path_option(..., "--data", help="Text or binary file, or a directory of them (repeatable)."),
     protocol: str = typer.Option(
         "stream",
         help="stream: every byte, each seq_len window routed on the one before | "
@@ -191,7 +191,7 @@ def _files(report: EvalReport) -> str:
 
 @app.command("generate")
 def generate_cmd(
-    deploy: Path = typer.Argument(..., help="Deploy bundle written by `soma-export onnx`."),
+    deploy: Path = path_argument(..., help="Deploy bundle written by `soma-export onnx`."),
     prompt: str = typer.Option(..., help="Text to continue (UTF-8; at least one byte)."),
     n_bytes: int = typer.Option(256, "--bytes", min=0, help="Bytes to sample."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts mixed per window (default: min(2, N))."),

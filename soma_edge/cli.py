@@ -1,7 +1,9 @@
 """What every soma-edge CLI shares: the exit-code contract (0 ok, 2 bad input, 1 internal failure).
 
 0 success; 2 and one `error: ...` line on stderr when the user's input is wrong (any SomaError, or a
-usage error from typer/click); 1 for an internal failure.
+usage error from typer/click); 1 for an internal failure. A path on the command line is one from where
+the user stands: every path option and argument is declared with `path_option` or `path_argument`, which
+make it absolute as the command line is read.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import click
 import typer
@@ -26,6 +29,7 @@ def make_app(help: str) -> typer.Typer:
     # typer 0.20 still escapes "[default: ...]" for rich when rich is importable, and the plain formatter
     # then prints the backslash; it escapes only when it believes rich renders the help.
     typer.core.HAS_RICH = False
+    _keep_argument_help()
     app = typer.Typer(
         help=help, pretty_exceptions_enable=False, add_completion=False, no_args_is_help=True, rich_markup_mode=None
     )
@@ -42,6 +46,49 @@ def make_app(help: str) -> typer.Typer:
         pass  # `run` took it out of the arguments already (typer would accept it only before the command)
 
     return app
+
+
+def _keep_argument_help() -> None:
+    """Make `--help` show each positional argument's help again, once. typer 0.20's TyperArgument keeps the
+    help itself and passes none to click, and click 8.5 gave Argument a help of its own, whose __init__ sets
+    it back to None: set it again after. click 8.5 would then also list the arguments in a section of its
+    own ("Positional arguments") before typer's ("Arguments", with their defaults): only typer's stays.
+    Both are harmless with a click before 8.5, which had neither."""
+    init = typer.core.TyperArgument.__init__
+    if getattr(init, "keeps_help", False):
+        return
+
+    def __init__(self, *args, help: str | None = None, **kwargs) -> None:
+        init(self, *args, help=help, **kwargs)
+        self.help = help
+
+    def format_arguments(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        pass  # typer's format_options writes the arguments
+
+    __init__.keeps_help = True
+    typer.core.TyperArgument.__init__ = __init__
+    typer.core.TyperCommand.format_arguments = format_arguments
+
+
+def absolute(value: Path | Sequence[Path] | None) -> Path | list[Path] | None:
+    """The callback of every path option and argument: a relative path means one from where the user
+    stands, so it becomes absolute here, once, before a command hands it to a process that runs elsewhere
+    (the SuperLink runs in RUN/flwr) or writes it into a file read later from another directory."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [Path(v).absolute() for v in value]
+    return Path(value).absolute()
+
+
+def path_option(default: Any, *param_decls: str, help: str, **kwargs: Any) -> Any:
+    """typer.Option for a path: made `absolute` as the command line is read."""
+    return typer.Option(default, *param_decls, callback=absolute, help=help, **kwargs)
+
+
+def path_argument(default: Any = ..., *, help: str, **kwargs: Any) -> Any:
+    """typer.Argument for a path: made `absolute` as the command line is read."""
+    return typer.Argument(default, callback=absolute, help=help, **kwargs)
 
 
 def log_level() -> str:
@@ -97,7 +144,7 @@ def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None
         print(f"error: {e}", file=sys.stderr)
         return 2
     except click.exceptions.UsageError as e:
-        print(f"error: {e.format_message()}", file=sys.stderr)
+        print(f"error: {_usage_message(e)}", file=sys.stderr)
         return 2
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -107,6 +154,14 @@ def run(app: typer.Typer, argv: list[str] | None = None, prog: str | None = None
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+
+
+def _usage_message(e: click.exceptions.UsageError) -> str:
+    """A usage error's one line, with one suggestion for a mistyped command: typer writes its "Did you mean"
+    into the message, and click 8.4+ appends its own when it formats the message."""
+    if "Did you mean" in e.message:
+        return e.message
+    return e.format_message()
 
 
 def entry(app: typer.Typer, prog: str) -> Callable[[], None]:

@@ -15,7 +15,7 @@ import typer
 from soma_edge import checkpoint, corpus, devices, params, protocol, runtime
 from soma_edge import config as config_mod
 from soma_edge.certs import check_private_key, fingerprint, make_worker_key, read_public_key
-from soma_edge.cli import entry, log_level, make_app
+from soma_edge.cli import entry, log_level, make_app, path_argument, path_option
 from soma_edge.config import MAX_SEED
 from soma_edge.errors import CheckpointError, ConfigError
 from soma_edge.procs import flower_env, free_port
@@ -30,17 +30,17 @@ app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on 
 
 @app.command("train")
 def train_cmd(
-    config: Optional[Path] = typer.Option(None, help="TOML config ([model], [spsa], [data], seed, device, threads)."),
+    config: Optional[Path] = path_option(None, help="TOML config ([model], [spsa], [data], seed, device, threads)."),
     steps: int = typer.Option(200, min=1, help="SPSA steps to run."),
     seed: Optional[int] = typer.Option(None, min=0, max=MAX_SEED, help="Override the config's seed."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:i] | an ORT execution provider."),
     threads: Optional[int] = typer.Option(
         None, help="ORT intra-op threads (0 = choose: cores / parallel on a CPU, ORT's choice on a GPU)."
     ),
-    out: Optional[Path] = typer.Option(
+    out: Optional[Path] = path_option(
         None, help="Write the trained weights and optimizer state here (checksummed msgpack)."
     ),
-    resume: Optional[Path] = typer.Option(
+    resume: Optional[Path] = path_option(
         None, help="Continue from a checkpoint that --out wrote (weights, step, optimizer state)."
     ),
     eval_windows: int = typer.Option(128, min=1, help="Held-out windows for the before/after loss."),
@@ -133,7 +133,7 @@ def join_cmd(
     name: Optional[str] = typer.Option(
         None, help="This worker's name in the coordinator's table (default: host name)."
     ),
-    cache: Optional[Path] = typer.Option(
+    cache: Optional[Path] = path_option(
         None, help="Cache for shards, weights and the probe (default: $SOMA_CACHE/worker)."
     ),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:i] | an ORT execution provider."),
@@ -146,11 +146,13 @@ def join_cmd(
     ),
     port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0 = a free one)."),
     cache_mb: int = typer.Option(2048, min=16, help="Bound on the cache size; least recently used entries go first."),
-    root_certificates: Optional[Path] = typer.Option(
-        None, "--root-certificates", help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure."
+    root_certificates: Optional[Path] = path_option(
+        None,
+        "--root-certificates",
+        help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure.",
     ),
     probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
-    auth_key: Optional[Path] = typer.Option(
+    auth_key: Optional[Path] = path_option(
         None,
         "--auth-key",
         help="This worker's private key (`keygen` writes worker.key), for a coordinator started with --auth.",
@@ -175,15 +177,7 @@ def join_cmd(
     With --log-level info (the default) it prints its own lines and Flower's warnings; debug adds Flower's
     per-message lines; warning or error keeps warnings and errors only."""
     host, link_port = _check_join(coordinator, heartbeat, device, root_certificates, auth_key)
-    name = name or socket.gethostname()
-    cache = (cache or corpus.cache_dir() / "worker").resolve()
-    for what, v in (("--name", name), ("--cache", str(cache)), ("--device", device)):
-        if "'" in v or "\\" in v:
-            raise ConfigError(f"{what} {v!r}: must not contain quotes or backslashes")
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--cache {cache}: cannot create ({e.strerror or e})") from None
+    name, cache = _node_values(name, cache, device)
     join.preflight(host, link_port, root_certificates, wait=patience)
     if port == 0:
         port = free_port()
@@ -207,6 +201,20 @@ def join_cmd(
     )
     j.say(f"joining {coordinator} (device {device}, threads {threads}, cache {cache})")
     raise typer.Exit(join.serve(j))
+
+
+def _node_values(name: str | None, cache: Path | None, device: str) -> tuple[str, Path]:
+    """The worker's name and its cache folder (made here), as they go into the SuperNode's node config."""
+    name = name or socket.gethostname()
+    cache = (cache or corpus.cache_dir() / "worker").resolve()
+    for what, v in (("--name", name), ("--cache", str(cache)), ("--device", device)):
+        if "'" in v or "\\" in v:  # the node config is a string of key='value' pairs
+            raise ConfigError(f"{what} {v!r}: must not contain quotes or backslashes")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--cache {cache}: cannot create ({e.strerror or e})") from None
+    return name, cache
 
 
 def _check_join(
@@ -257,7 +265,7 @@ def _supernode_cmd(
         node_config,
     ]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
-    cmd += ["--auth-supernode-private-key", str(auth_key.resolve())] if auth_key else []
+    cmd += ["--auth-supernode-private-key", str(auth_key)] if auth_key else []
     return cmd
 
 
@@ -273,7 +281,7 @@ def doctor_cmd(
 
 @app.command("keygen")
 def keygen_cmd(
-    out: Path = typer.Argument(..., help="Folder to write worker.key (private) and worker.pub into."),
+    out: Path = path_argument(..., help="Folder to write worker.key (private) and worker.pub into."),
     force: bool = typer.Option(False, help="Replace a key pair already in OUT."),
 ) -> None:
     """This worker's key pair: give worker.pub to the coordinator (`soma-coord add-worker RUN worker.pub`)."""

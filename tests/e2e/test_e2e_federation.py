@@ -377,9 +377,11 @@ wait_seconds = 120
 
 
 def test_tls_with_worker_authentication(tmp_path):
-    """Over TLS with --auth: a worker registered on the live run trains and keeps its node id across a
-    restart; a worker with an unregistered key is refused in one line and never gets an assignment; one
-    without the CA fails within 30 s with a line that names TLS."""
+    """Over TLS with --auth, set up as the README does, from one directory with relative paths (`certs tls/`,
+    `start --tls tls/`, `join --root-certificates tls/ca.pem --auth-key ext/worker.key`): a worker registered
+    on the live run trains and keeps its node id across a restart; a worker with an unregistered key is
+    refused in one line and never gets an assignment; one without the CA fails within 30 s with a line that
+    names TLS."""
     fed, proc, port = secure_federation(tmp_path, AUTH_CONFIG, "ext", "stranger")
     env = fed["env"]
     assert "registered 1 worker key(s): w0" in (tmp_path / "start.log").read_text()
@@ -389,8 +391,8 @@ def test_tls_with_worker_authentication(tmp_path):
         env,
         "coordinator",
         "add-worker",
-        str(fed["run"]),
-        str(tmp_path / "ext" / "worker.pub"),
+        "run",
+        "ext/worker.pub",
         "--name",
         "ext",
     )
@@ -399,7 +401,7 @@ def test_tls_with_worker_authentication(tmp_path):
     def join(name: str) -> subprocess.Popen:
         out = open(tmp_path / f"{name}.log", "ab")
         return subprocess.Popen(
-            secure_join(tmp_path, port, name), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            secure_join(port, name), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
         )
 
     no_ca = [

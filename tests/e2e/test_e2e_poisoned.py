@@ -72,7 +72,12 @@ def _liar(tmp_path: Path, env: dict, port: str, log: str) -> subprocess.Popen:
     env = dict(env, PYTHONPATH=os.pathsep.join([str(POISON), env.get("PYTHONPATH", "")]), SOMA_TEST_POISON="mixed")
     with open(tmp_path / log, "ab") as out:
         return subprocess.Popen(
-            secure_join(tmp_path, port, "liar"), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            secure_join(port, "liar"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+            start_new_session=True,
         )
 
 

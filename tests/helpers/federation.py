@@ -20,18 +20,20 @@ from tests.helpers.corpus import write_stdlib_corpus
 START_TIMEOUT = 240
 
 
-def start_coordinator(fed, *extra: str) -> subprocess.Popen:
+def start_coordinator(fed, *extra: str, relative: bool = False) -> subprocess.Popen:
+    """`soma-coord start` in fed["root"]; `relative`: --run, --config and --corpus as paths from there."""
+    where = (lambda p: os.path.relpath(p, fed["root"])) if relative else str
     cmd = [
         sys.executable,
         "-m",
         "coordinator",
         "start",
         "--run",
-        str(fed["run"]),
+        where(fed["run"]),
         "--config",
-        str(fed["config"]),
+        where(fed["config"]),
         "--corpus",
-        str(fed["corpus"]),
+        where(fed["corpus"]),
         "--port",
         "0",
         *extra,
@@ -103,26 +105,34 @@ def cli(root: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
 
 def secure_federation(tmp_path: Path, config: str, *workers: str) -> tuple[dict, subprocess.Popen, str]:
     """A run over TLS with --auth on 127.0.0.1: certificates, key pairs for `workers` (not yet trusted),
-    `soma-coord start --tls --auth` waiting for the ServerApp to hold the run; (fed, start, port)."""
+    `soma-coord start --tls --auth` waiting for the ServerApp to hold the run; (fed, start, port). Every
+    command runs in tmp_path and names its files relative to it, as the README's secure setup does (the
+    SuperLink runs in RUN/flwr, the worker's SuperNode in another process)."""
     src = write_stdlib_corpus(tmp_path / "corpus")
     (tmp_path / "fed.toml").write_text(config)
     env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
     fed = {"root": tmp_path, "run": tmp_path / "run", "corpus": src, "config": tmp_path / "fed.toml", "env": env}
-    for argv in [("coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1")] + [
-        ("worker.cli", "keygen", str(tmp_path / w)) for w in workers
+    for argv in [("coordinator", "certs", "tls/", "--host", "127.0.0.1")] + [
+        ("worker.cli", "keygen", w) for w in workers
     ]:
         r = cli(tmp_path, env, *argv)
         assert r.returncode == 0, r.stderr
-    proc = start_coordinator(fed, "--tls", str(tmp_path / "tls"), "--auth")
+    proc = start_coordinator(fed, "--tls", "tls/", "--auth", relative=True)
     log = tmp_path / "start.log"
-    wait_until(lambda: "registered" in log.read_text(errors="replace"), START_TIMEOUT, "the local workers' keys")
+
+    def registered() -> bool:
+        return "registered" in log.read_text(errors="replace")
+
+    wait_until(lambda: registered() or proc.poll() is not None, START_TIMEOUT, "the local workers' keys", fed)
+    assert registered(), f"start exited {proc.poll()}" + log_tails(fed)
     port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
-    wait_until(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run")
+    wait_until(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run", fed)
     return fed, proc, port
 
 
-def secure_join(tmp_path: Path, port: str, name: str) -> list[str]:
-    """`soma-worker join` for worker `name` (its keys in tmp_path/name) of a `secure_federation`."""
+def secure_join(port: str, name: str) -> list[str]:
+    """`soma-worker join` for worker `name` of a `secure_federation`, to run in its tmp_path: its key in
+    NAME/, the CA in tls/, its cache in NAME-cache/, all relative."""
     return [
         sys.executable,
         "-m",
@@ -133,11 +143,11 @@ def secure_join(tmp_path: Path, port: str, name: str) -> list[str]:
         "--name",
         name,
         "--root-certificates",
-        str(tmp_path / "tls" / "ca.pem"),
+        "tls/ca.pem",
         "--auth-key",
-        str(tmp_path / name / "worker.key"),
+        f"{name}/worker.key",
         "--cache",
-        str(tmp_path / f"{name}-cache"),
+        f"{name}-cache",
         "--threads",
         "1",
         "--no-spin",
