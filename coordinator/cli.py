@@ -196,9 +196,9 @@ def add_worker_cmd(
     rd.root.mkdir(parents=True, exist_ok=True)  # keys may be registered before the run's first start
     w = workers.add(rd, public_key, name)
     where = "registered with the run"
-    if rd.is_locked() and (rd.flwr_home / "config.toml").is_file():
+    if workers.live(rd):
         (w,) = workers.register_all(rd, CONNECTION, only=w.fingerprint)
-        where += f" and with the live SuperLink as node {w.node_id}"
+        where += " and with the live SuperLink" + (f" as node {w.node_id}" if w.node_id is not None else "")
     print(f"worker {w.name!r} (key {w.fingerprint}) {where}")
 
 

@@ -59,6 +59,24 @@ def port_open(host: str, port: int) -> bool:
         return False
 
 
+def superlink_running(flwr_home: Path) -> bool:
+    """Whether a SuperLink that a `start` of this run launched is alive: a flower-superlink process working
+    in the run's Flower home (where `Launcher.superlink` starts it). Linux's /proc; elsewhere False."""
+    want = str(flwr_home.resolve())
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit():
+            continue
+        try:
+            if (
+                os.readlink(f"/proc/{pid}/cwd") == want
+                and b"flower-superlink" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ):
+                return True
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return False
+
+
 def wait_port(host: str, port: int, timeout: float, proc: "Proc | None" = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.launcher import superlink_running
 from soma_edge.certs import fingerprint, read_public_key
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, SomaError
@@ -84,15 +85,18 @@ def add(run: RunDir, public_key: Path, name: str | None = None) -> Worker:
     return worker
 
 
-def register(flwr_home: Path, worker: Worker, connection: str, wait: float = 30.0) -> int:
-    """Register one key with the SuperLink of `connection` (in flwr_home's config); its node id. Retries
-    while the SuperLink's Control API is still coming up, for up to `wait` seconds."""
+def register(flwr_home: Path, worker: Worker, connection: str, wait: float = 30.0) -> int | None:
+    """Register one key with the SuperLink of `connection` (in flwr_home's config); its node id (None when
+    another command registered it a moment before). Retries while the SuperLink's Control API is still
+    coming up, for up to `wait` seconds."""
     deadline = time.monotonic() + wait
     while True:
         out = _flwr_register(flwr_home, worker, connection)
         if out.get("success") and isinstance(out.get("node-id"), int):
             return out["node-id"]
         why = str(out.get("error-message") or out).strip().splitlines()
+        if "already in use" in str(why):  # `start` and `add-worker` both registered it just now: it is
+            return None
         if "unavailable" not in str(why) or time.monotonic() >= deadline:
             raise SomaError(f"could not register worker {worker.name!r} with the SuperLink: {why[-1] if why else out}")
         time.sleep(1.0)
@@ -120,6 +124,12 @@ def _flwr_register(flwr_home: Path, worker: Worker, connection: str) -> dict:
     except ValueError:
         out = None
     return out if isinstance(out, dict) else {"error-message": (r.stdout + r.stderr).strip() or f"exit {r.returncode}"}
+
+
+def live(run: RunDir) -> bool:
+    """Whether RUN's SuperLink is up, so that a key added now must be registered with it: from the moment
+    `start` launched it, not only once the ServerApp holds the run (a key added in between was missed)."""
+    return (run.flwr_home / "config.toml").is_file() and (run.is_locked() or superlink_running(run.flwr_home))
 
 
 def register_all(run: RunDir, connection: str, only: str | None = None) -> list[Worker]:

@@ -103,9 +103,12 @@ def cli(root: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env, cwd=root, timeout=120)
 
 
-def secure_federation(tmp_path: Path, config: str, *workers: str) -> tuple[dict, subprocess.Popen, str]:
+def secure_federation(
+    tmp_path: Path, config: str, *workers: str, hold: bool = True
+) -> tuple[dict, subprocess.Popen, str]:
     """A run over TLS with --auth on 127.0.0.1: certificates, key pairs for `workers` (not yet trusted),
-    `soma-coord start --tls --auth` waiting for the ServerApp to hold the run; (fed, start, port). Every
+    `soma-coord start --tls --auth` that has registered its keys and, with `hold`, whose ServerApp holds
+    the run; (fed, start, port). Every
     command runs in tmp_path and names its files relative to it, as the README's secure setup does (the
     SuperLink runs in RUN/flwr, the worker's SuperNode in another process)."""
     src = write_stdlib_corpus(tmp_path / "corpus")
@@ -126,7 +129,8 @@ def secure_federation(tmp_path: Path, config: str, *workers: str) -> tuple[dict,
     wait_until(lambda: registered() or proc.poll() is not None, START_TIMEOUT, "the local workers' keys", fed)
     assert registered(), f"start exited {proc.poll()}" + log_tails(fed)
     port = re.search(r"SuperLink listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
-    wait_until(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run", fed)
+    if hold:
+        wait_until(lambda: RunDir(fed["run"]).is_locked(), START_TIMEOUT, "the ServerApp to hold the run", fed)
     return fed, proc, port
 
 

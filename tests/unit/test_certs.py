@@ -5,15 +5,20 @@ tests/e2e/test_e2e_certs.py."""
 from __future__ import annotations
 
 import stat
+import subprocess
+import time
 
 import pytest
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
+from coordinator import launcher
+from coordinator import workers as workers_mod
 from coordinator.cli import app
 from coordinator.launcher import TLS
 from soma_edge.certs import make_certs
 from soma_edge.cli import run as run_cli
+from soma_edge.rundir import RunDir
 
 
 def test_certs_chain_hosts_and_key_permissions(tmp_path):
@@ -137,3 +142,23 @@ def test_listening_beyond_loopback_unprotected_warns(host, tls, auth, warned, tm
     _warn_if_open(Options(run=tmp_path, host=host, tls=t, auth=auth))
     err = capsys.readouterr().err
     assert (warned in err and err.startswith("warning: ")) if warned else err == ""
+
+
+def test_a_run_is_live_for_add_worker_from_its_superlinks_start(tmp_path):
+    """add-worker registers a key with the SuperLink as soon as `start` launched it (a process named
+    flower-superlink working in RUN/flwr), not only once the ServerApp holds the run."""
+    run = RunDir(tmp_path / "run")
+    run.flwr_home.mkdir(parents=True)
+    (run.flwr_home / "config.toml").write_text("")
+    assert not workers_mod.live(run)
+    fake = subprocess.Popen(["bash", "-c", "exec -a flower-superlink sleep 60"], cwd=run.flwr_home)
+    try:
+        deadline = time.monotonic() + 10
+        while not launcher.superlink_running(run.flwr_home) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers_mod.live(run)
+        assert not launcher.superlink_running(tmp_path)  # another folder's: not this run's
+    finally:
+        fake.kill()
+        fake.wait()
+    assert not workers_mod.live(run)
