@@ -345,7 +345,9 @@ def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
             env=fed["env"],
         )
         assert r.returncode == 0, r.stderr
-        nats = float(r.stdout.strip().splitlines()[-1].split("nats/byte: ")[1].split()[0])
+        last = r.stdout.strip().splitlines()[-1]
+        assert "nats/byte of heldout.txt: " in last, last  # a file, not the run's shards: not labelled held-out
+        nats = float(re.search(r": (\S+) over \d+ bytes$", last).group(1))
         assert f"{protocol_name} protocol" in r.stdout and 0.5 < nats < np.log(256)
 
 
