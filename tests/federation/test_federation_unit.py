@@ -799,7 +799,9 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
     from soma_edge.config import expert_steps
 
     equal_rates(monkeypatch)
-    _seeded(run, seed_steps=12, rounds=3, max_steps=40, keep_versions=5)
+    # Time enough that the step budget, not a slow box's clock, ends each expert's round: 36 steps of 5
+    # forwards each take 0.3 s at 600 evals/s, over the 0.2 s each of two experts gets of 0.4 s.
+    _seeded(run, seed_steps=12, rounds=3, max_steps=40, keep_versions=5, round_seconds=3.0)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     cfg = run.load_config()
