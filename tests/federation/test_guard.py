@@ -71,7 +71,9 @@ def _guarded_run(run, tmp_path, monkeypatch, attack, rounds: int):
     equal_rates(monkeypatch)
     # v0 stays readable; the attacks edit the weights a weights reply carries (a lying log is refused by
     # its replay before the guard: tests/federation/test_replay.py)
-    set_fed(run, rounds=rounds, max_strikes=3, keep_versions=10, reply="weights")
+    # The shipped 64 val windows, not the fake grid's 4: with 4, Student's t (9.2) widens the margin to about
+    # 0.55 nats/byte, and a random lie (about +0.45 over v0 here, by its draw) was accepted or not by chance.
+    set_fed(run, rounds=rounds, max_strikes=3, keep_versions=10, reply="weights", val_windows=64)
     box: list = []
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, attack))
     coord = Coordinator(grid, run)
