@@ -70,6 +70,40 @@ def reply_mode(
     return ReplyMode.LOG
 
 
+def missing_shards(
+    run: RunDir, cfg: Config, prep: PrepareSummary, node: Node, experts: list[int]
+) -> tuple[dict[str, bytes], dict[int, int]]:
+    """The train shards of `experts` that `node` lacks, and how many of their bytes each expert is the
+    first to need."""
+    shards, per_expert = {}, {}
+    for e in experts:
+        hashes = seed_mod.shards(cfg, prep, e, "train")
+        if not hashes:
+            raise CorpusError(f"expert {e} has no train shards in {run.prepare_json}")
+        per_expert[e] = 0
+        for h in hashes:
+            if h not in node.shards and h not in shards:
+                shards[h] = run.shard(h)
+                per_expert[e] += len(shards[h])
+    return shards, per_expert
+
+
+def downstream_log(run: RunDir, ledger: Ledger, e: int, node: Node) -> tuple[dict[str, Any], int] | None:
+    """For a node that holds the version before expert e's current one: the log between them (and its
+    bytes), when it is shorter than the weights and optimizer state it replaces (downstream logs)."""
+    x = ledger.expert(e)
+    rec = run.load_log(e, int(x.version)) if int(x.version) > 0 else None
+    if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x.sha256:
+        return None
+    try:
+        nbytes = sum(UpdateLog.from_record(rec.get("log")).nbytes().values())
+    except CheckpointError:
+        return None
+    if nbytes >= ledger.version_bytes():
+        return None
+    return {"from_sha256": rec["from_sha256"], "log": rec["log"]}, nbytes
+
+
 class Dispatcher:
     def __init__(self, run: RunDir, cfg: Config, ledger: Ledger, fleet: Fleet, prep: PrepareSummary) -> None:
         self.run, self.cfg, self.ledger, self.fleet, self.prep = run, cfg, ledger, fleet, prep  # prep: the shards
@@ -97,13 +131,32 @@ class Dispatcher:
         self, rnd: Round, nid: int, experts: list[int], steps: dict[int, int], bases: Bases, max_seconds=None
     ) -> None:
         """Give node `nid` its experts: the shard bytes it lacks in pieces of at most `Fleet.piece_bytes`, all but
-        the last as messages of their own, then (once those are stored) the train request with the last."""
-        shards, shard_bytes = self.missing_shards(nid, experts)
+        the last as messages of their own, then (once those are stored) the train request with the last.
+        Where the node's link is not yet measured, the first piece goes alone: its exchange times the link
+        (`on_pieces`), and the rest go in messages sized for the link as measured, not as feared."""
+        shards, shard_bytes = missing_shards(self.run, self.cfg, self.prep, self.fleet.nodes[nid], experts)
         pieces = protocol.split_pieces(shards, self.fleet.piece_bytes(nid))
-        last = pieces.pop() if pieces else []
-        if not pieces:
+        if len(pieces) <= 1:
+            last = pieces[0] if pieces else []
             self.push_train(rnd, self.train_request(rnd.r, nid, experts, steps, bases, max_seconds, last, shard_bytes))
             return
+        # An unmeasured link is priced low: time it with the first piece, and the rest wait to go in pieces
+        # sized by what it measured, unless federation.piece_bytes already caps them at the feared size.
+        timing = self.fleet.nodes[nid].link is None and self.fleet.piece_bytes(nid) < self.cfg.federation.piece_bytes
+        rest = [p for m in pieces[1:] for p in m] if timing else []
+        wait = Waiting(set(), experts, steps, [] if timing else pieces.pop(), shard_bytes, rest)
+        rnd.waiting[nid] = wait
+        self.push_pieces(nid, wait, pieces[:1] if timing else pieces)
+        log.info(
+            "round %d: node %s lacks %.1f MiB of shards: %s before its experts %s",
+            rnd.r,
+            self.fleet.nodes[nid].label,
+            sum(map(len, shards.values())) / 2**20,
+            "a first piece times its link" if timing else f"{len(pieces) + 1} pieces go",
+            experts,
+        )
+
+    def push_pieces(self, nid: int, wait: Waiting, messages: list[list[dict[str, Any]]]) -> None:
         before = set(self.fleet.out)
         run_id = self.ledger.state.run_id
         self.fleet.push(
@@ -112,18 +165,10 @@ class Dispatcher:
                     message(protocol.pieces_request(run_id, nid, p), protocol.KIND_PIECES, nid, protocol.QUERY_SHARDS),
                     Outgoing(node=nid, kind=Sent.PIECES),
                 )
-                for p in pieces
+                for p in messages
             ]
         )
-        rnd.waiting[nid] = Waiting(set(self.fleet.out) - before, experts, steps, last, shard_bytes)
-        log.info(
-            "round %d: node %s lacks %.1f MiB of shards: %d pieces go before its experts %s",
-            rnd.r,
-            self.fleet.nodes[nid].label,
-            sum(map(len, shards.values())) / 2**20,
-            len(pieces) + 1,
-            experts,
-        )
+        wait.mids |= set(self.fleet.out) - before
 
     def push_train(self, rnd: Round, item: tuple[Any, Outgoing]) -> None:
         before = set(self.fleet.out)
@@ -139,7 +184,23 @@ class Dispatcher:
             return
         if reply.has_error():
             log.warning("round %d: node %s did not store shard pieces: %s", rnd.r, o.node, reply.error.reason)
+        else:
+            self.fleet.time_link(o, reply, 0.0)  # a piece is stored, not trained on
         wait.mids.discard(mid)
+        if wait.rest:  # the first piece is in: the rest, in messages sized by the link it measured
+            rest, wait.rest = wait.rest, []
+            messages = protocol.group_pieces(rest, self.fleet.piece_bytes(o.node))
+            wait.last = messages.pop()  # rides in the train request
+            self.push_pieces(o.node, wait, messages)
+            link = self.fleet.nodes[o.node].link
+            log.info(
+                "round %d: node %s's link %s: %s with and before its experts %s",
+                rnd.r,
+                self.fleet.nodes[o.node].label,
+                f"timed at {8 * link / 1e6:.1f} Mbit/s" if link else "still untimed (a piece too small to tell)",
+                "1 more piece goes" if not messages else f"{len(messages) + 1} more pieces go",
+                wait.experts,
+            )
         if wait.mids:
             return
         del rnd.waiting[o.node]
@@ -149,21 +210,6 @@ class Dispatcher:
         bases = Bases(self.ledger, self.fleet.nodes)  # the committed versions (requests planned ahead defer)
         item = self.train_request(rnd.r, o.node, wait.experts, wait.steps, bases, budget, wait.last, wait.shard_bytes)
         self.push_train(rnd, item)
-
-    def missing_shards(self, nid: int, experts: list[int]) -> tuple[dict[str, bytes], dict[int, int]]:
-        """The train shards of `experts` that node `nid` lacks, and how many of their bytes each expert
-        is the first to need."""
-        node, shards, per_expert = self.fleet.nodes[nid], {}, {}
-        for e in experts:
-            hashes = seed_mod.shards(self.cfg, self.prep, e, "train")
-            if not hashes:
-                raise CorpusError(f"expert {e} has no train shards in {self.run.prepare_json}")
-            per_expert[e] = 0
-            for h in hashes:
-                if h not in node.shards and h not in shards:
-                    shards[h] = self.run.shard(h)
-                    per_expert[e] += len(shards[h])
-        return shards, per_expert
 
     def train_request(
         self,
@@ -207,7 +253,7 @@ class Dispatcher:
         """Expert e's task for `node`, what its reply must match, and the weight bytes it sends down."""
         x = bases.base(e)
         send_w = not bases.holds(node.id, e)
-        downstream = self.downstream_log(e, node) if send_w else None
+        downstream = downstream_log(self.run, self.ledger, e, node) if send_w else None
         base_log, log_nbytes = downstream or (None, 0)
         send_w = send_w and base_log is None
         body = self.run.load_expert(x.path) if send_w else None
@@ -242,21 +288,6 @@ class Dispatcher:
         }
         opt_bytes = stored.nbytes() if stored is not None else 0
         return task, expected, {"weights": log_nbytes if w is None else w.nbytes + opt_bytes}
-
-    def downstream_log(self, e: int, node: Node) -> tuple[dict[str, Any], int] | None:
-        """For a node that holds the version before expert e's current one: the log between them (and its
-        bytes), when it is shorter than the weights and optimizer state it replaces (downstream logs)."""
-        x = self.ledger.expert(e)
-        rec = self.run.load_log(e, int(x.version)) if int(x.version) > 0 else None
-        if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x.sha256:
-            return None
-        try:
-            nbytes = sum(UpdateLog.from_record(rec.get("log")).nbytes().values())
-        except CheckpointError:
-            return None
-        if nbytes >= self.ledger.version_bytes():
-            return None
-        return {"from_sha256": rec["from_sha256"], "log": rec["log"]}, nbytes
 
     def resend(self, rnd: Round, nid: int, experts: list[int]) -> None:
         """The node lacked something it was assumed to cache: send again, with the payload, if time allows."""

@@ -315,6 +315,17 @@ class Fleet:
         self.nodes[nid].advised = self.heartbeat(nid)
         return self.nodes[nid].advised
 
+    def time_link(self, o: Outgoing, reply: Any, compute: float) -> None:
+        """What the exchange of `o` and its reply showed of the node's link (the request down and the reply
+        up, one after the other, beyond `compute` seconds of work on the node); the heartbeat advice
+        follows the link as measured."""
+        node = self.nodes.get(o.node)
+        if node is None:
+            return
+        nbytes = o.bytes_down + protocol.payload_bytes(reply.content)
+        node.link = scheduler.link_rate(node.link, nbytes, self.clock() - o.sent_at, compute)
+        self.advise(o.node)
+
     def advise(self, nid: int) -> None:
         """Send node `nid` its heartbeat interval in a message of its own if its newly measured link changed
         it: a worker killed before it pulls its next train request is then still noticed within two of

@@ -76,14 +76,7 @@ class Intake:
         if secs > 0:
             node.rate = scheduler.update_rate(node.rate, evals / secs)
         took = body.get("seconds_total")
-        # The exchange moved the request down and the reply up, one after the other, over the same link.
-        node.link = scheduler.link_rate(
-            node.link,
-            o.bytes_down + protocol.payload_bytes(reply.content),
-            self.fleet.clock() - o.sent_at,
-            float(took) if protocol.is_number(took) else secs,
-        )
-        self.fleet.advise(node.id)
+        self.fleet.time_link(o, reply, float(took) if protocol.is_number(took) else secs)
         rnd.compute[node.id] = rnd.compute.get(node.id, 0.0) + secs
         for err in body.get("errors") or []:
             log.warning("round %d: node %s (%s) reports: %s", rnd.r, o.node, node.name, err)

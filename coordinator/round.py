@@ -40,6 +40,7 @@ class Waiting:
     steps: dict[int, int]
     last: list[dict[str, Any]]  # the last piece, which rides in the train request
     shard_bytes: dict[int, int]
+    rest: list[dict[str, Any]] = field(default_factory=list)  # pieces held until the first one timed the link
 
 
 @dataclass

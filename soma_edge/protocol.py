@@ -198,6 +198,20 @@ def split_pieces(shards: dict[str, bytes], limit: int | None = None) -> list[lis
     return [p for p in out if p]
 
 
+def group_pieces(pieces: list[dict[str, Any]], limit: int) -> list[list[dict[str, Any]]]:
+    """Pieces (as `split_pieces` cut them) regrouped into messages of at most `limit` bytes of data each,
+    in order; a piece larger than `limit` goes alone."""
+    out: list[list[dict[str, Any]]] = []
+    room = 0
+    for p in pieces:
+        if not out or len(p["data"]) > room:
+            out.append([])
+            room = limit
+        out[-1].append(p)
+        room -= len(p["data"])
+    return out
+
+
 def check_pieces(pieces: Any) -> list[dict[str, Any]]:
     """The pieces of a request, type-checked (a worker trusts the coordinator's bytes only once they hash)."""
     if not isinstance(pieces, list):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message, RecordDict
 
+from coordinator import heartbeat as heartbeat_mod
 from coordinator import scheduler
 from coordinator.dispatch import log_bytes
 from coordinator.loop import Coordinator
@@ -985,6 +986,45 @@ def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
         }
         assert needed <= held and all(cache.get_shard(h) is not None for h in needed)
         assert not any((tmp_path / "nodes" / name / "parts").iterdir())  # every piece joined, nothing left over
+
+
+def test_a_first_piece_times_an_unmeasured_link_and_the_rest_go_in_pieces_it_allows(run, tmp_path, monkeypatch):
+    """Round 1, links not yet measured: a first piece goes alone, sized for the feared 1 Mbit/s (here a slower
+    fear, so that the shards make several pieces); its exchange times the link, and the rest of the shards go
+    in messages sized for the link it showed, not in a long run of small ones (each costs a process start)."""
+    equal_rates(monkeypatch)
+    first = heartbeat_mod.MIN_PIECE_BYTES  # this corpus gives a node a few hundred KB of shards
+    monkeypatch.setattr(scheduler, "UNMEASURED_LINK", first / heartbeat_mod.PIECE_SECONDS)
+    monkeypatch.setattr(scheduler, "MIN_PROBE_BYTES", first)  # so that one piece times the link
+    set_fed(run, rounds=1)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    state = Coordinator(grid, run).main()
+    assert all(x.version == 1 for x in state.experts.values())
+    for nid in (1000, 1001):
+        mine = [
+            m
+            for m in grid.sent
+            if m.metadata.dst_node_id == nid and m.metadata.message_type in (protocol.QUERY_SHARDS, protocol.TRAIN)
+        ]
+        kinds = [m.metadata.message_type for m in mine]
+        data = [
+            sum(len(p["data"]) for p in protocol.unpack(m.content, kind)["pieces"])
+            for m, kind in zip(
+                mine, [protocol.KIND_PIECES if k == protocol.QUERY_SHARDS else protocol.KIND_TRAIN for k in kinds]
+            )
+        ]
+        assert kinds[0] == protocol.QUERY_SHARDS and data[0] == first, (kinds, data)  # the first, alone
+        assert kinds[-1] == protocol.TRAIN and max(data[1:]) > first, (kinds, data)  # then as the timed link allows
+        assert len(mine) < sum(data) / first, (kinds, data)  # fewer messages than the feared link's pieces
+
+
+def test_group_pieces_keeps_order_and_bounds():
+    data = {"a" * 64: bytes(10_000), "b" * 64: bytes(3_000)}
+    pieces = [p for m in protocol.split_pieces(data, 2_000) for p in m]
+    messages = protocol.group_pieces(pieces, 5_000)
+    assert [p for m in messages for p in m] == pieces
+    assert all(sum(len(p["data"]) for p in m) <= 5_000 for m in messages) and len(messages) == 3
+    assert protocol.group_pieces(pieces, 1_000) == [[p] for p in pieces]  # a piece over the limit goes alone
 
 
 def test_cache_joins_pieces_in_any_order_and_drops_bad_ones(tmp_path):
