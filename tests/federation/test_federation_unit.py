@@ -871,9 +871,11 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
         from export.bundle import write
 
         write(run.root, tmp_path / "deploy")
-    # Debris of a crashed round 2, then a restart with more rounds.
+    # Debris of a crashed round 2, then a restart with more, longer rounds: rounds are timed, and a slow
+    # box's 0.4 s rounds took all 6 for the seed's 150 steps, leaving the experts none. At 1 s, rounds
+    # 2-6 carry >= 5 * 35 steps on such a box, and round 7 is the experts'.
     run.write_metrics(run.read_metrics() + [{"type": "round", "round": 2, "debris": True}])
-    set_fed(run, rounds=6)
+    set_fed(run, rounds=7, round_seconds=1.0)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     first = _train_tasks(grid)[0]
@@ -881,7 +883,7 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
     assert state.phase == "experts" and state.seed.step == 150
     assert all(x.version >= 1 for x in state.experts.values())
     rounds = [m["round"] for m in run.read_metrics() if m["type"] == "round"]
-    assert rounds == list(range(1, 7))
+    assert rounds == list(range(1, 8))
 
 
 # ---------------------------------------------------------------------------------------------- corrupt state
