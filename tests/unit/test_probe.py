@@ -15,7 +15,9 @@ from worker.cache import Cache
 from worker.trainer import train
 
 CFG = from_dict({"model": {"embed": 8, "hidden": 16}, "data": {"batch": 2, "seq_len": 16}, "device": "cpu"})
-SLOW = 0.02  # s added to each call of the slowed part: far above a step of this model (well under 1 ms)
+# s added to each call of the slowed part: far above a step of this model (well under 1 ms), so that even a
+# box loaded enough to run it at ~500 evals/s (as under 4 test processes on 2 cores) tells the two apart.
+SLOW = 0.05
 
 
 def _evaluator():
@@ -41,7 +43,7 @@ def test_the_probe_counts_the_noise_and_the_update(monkeypatch, part):
     assert CFG.spsa.directions * CFG.spsa.accumulate == 1 and per == 3  # K = 1 with the delta rule's clean forward
     assert fast > 4 * per / SLOW  # so the slowed rate below is told apart
     monkeypatch.setattr(spsa, part, _slowed(getattr(spsa, part)))
-    slow = probe.measure(evaluator, CFG, seconds=0.3)
+    slow = probe.measure(evaluator, CFG, seconds=0.5)  # ~10 slowed steps
     assert 0.5 * per / SLOW < slow <= per / SLOW, (fast, slow)
 
 
