@@ -8,7 +8,7 @@ DEMO_STAMP := $(VENV)/.soma-demo-installed
 .PHONY: setup demo-setup test demo bench clean
 
 # The project's own bytecode: an editable install leaves it uncompiled, and where PYTHONDONTWRITEBYTECODE
-# is set, every process (a Flower ClientApp is one per message) compiled the sources again: ~0.5 s of CPU.
+# is set, every process (a Flower ClientApp is one per message) compiled the sources again: ~0.4 s of CPU.
 # compileall skips what is up to date.
 COMPILE = $(PY) -m compileall -q soma_edge coordinator worker export bench tests >/dev/null
 
