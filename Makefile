@@ -10,16 +10,17 @@ DEMO_STAMP := $(VENV)/.soma-demo-installed
 # The project's own bytecode: an editable install leaves it uncompiled, and where PYTHONDONTWRITEBYTECODE
 # is set, every process (a Flower ClientApp is one per message) compiled the sources again: ~0.4 s of CPU.
 # compileall skips what is up to date.
-COMPILE = $(PY) -m compileall -q soma_edge coordinator worker export bench tests >/dev/null
+PACKAGES := soma_edge coordinator worker export
+COMPILE = $(PY) -m compileall -q
 
 # What the tests need: the dev extra (pytest, torch for the references, ruff, ...) and the CPU ONNX Runtime.
 setup: $(STAMP)
-	@$(COMPILE)
+	@$(COMPILE) $(PACKAGES) bench tests >/dev/null
 	@$(PY) -m soma_edge.corpus fetch
 
 # What the demo needs, and no more: the CPU ONNX Runtime and matplotlib for `soma-coord report` (no torch).
 demo-setup: $(DEMO_STAMP)
-	@$(COMPILE)
+	@$(COMPILE) $(PACKAGES) >/dev/null
 	@$(PY) -m soma_edge.corpus fetch
 
 $(VENV)/.created:
