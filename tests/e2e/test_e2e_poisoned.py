@@ -179,8 +179,13 @@ def _restart_refuses_the_struck_key(tmp_path: Path, fed: dict, fp: str, first_id
             "an accepted version after the restart",
             fed,
         )
-        status = rd.read_status()
-        assert status["nodes"][str(second_id)]["status"] == "excluded", status["nodes"]
+        # status.json is rewritten as rounds start and commit, so it says so by the next one at the latest.
+        wait_until(
+            lambda: (rd.read_status() or {}).get("nodes", {}).get(str(second_id), {}).get("status") == "excluded",
+            START_TIMEOUT,
+            "status.json to show the liar excluded",
+            fed,
+        )
         assert _interrupt(fed, proc) == 130
     finally:
         if liar is not None and liar.poll() is None:
