@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+from soma_edge import flower_commands
 from soma_edge.errors import SomaError
 
 _PR_SET_PDEATHSIG = 1
@@ -31,13 +32,17 @@ def flower_bin(name: str) -> str:
 
 
 def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
-    """Our environment for a Flower process: its own FLWR_HOME, no telemetry, no update checks."""
+    """Our environment for a Flower process: its own FLWR_HOME, no telemetry, no update checks, and on its
+    PATH first our lighter `flwr-clientapp` and `flower-superexec` (written into FLWR_HOME/bin, see
+    `flower_commands`), then this interpreter's Flower (flwr-serverapp, ...)."""
     env = dict(os.environ)
+    path = [str(Path(sys.executable).parent), env.get("PATH", "")]
+    light = flower_commands.install(flwr_home / "bin")
     env.update(
         FLWR_HOME=str(flwr_home),
         FLWR_TELEMETRY_ENABLED="0",
         FLWR_DISABLE_UPDATE_CHECK="1",
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",  # flwr-serverapp/-clientapp
+        PATH=os.pathsep.join([str(light), *path] if light else path),
         PYTHONUNBUFFERED="1",
         **extra,
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time
@@ -23,7 +22,7 @@ from soma_edge.procs import flower_env, free_port
 from soma_edge.protocol import weights_sha256
 from soma_edge.runtime import evaluator_for, mean_loss
 from soma_edge.spsa import OptState, State, plateau
-from worker import app_process, doctor, join
+from worker import doctor, join
 from worker.trainer import train as train_loop
 
 app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on ONNX Runtime.")
@@ -187,7 +186,7 @@ def join_cmd(
         f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}"
     )
     cmd = _supernode_cmd(heartbeat, cache, coordinator, port, node_config, root_certificates, auth_key)
-    env = supernode_env(cache)
+    env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
     marker = join.accepted_marker(cache, auth_key, coordinator) if auth_key else None
     j = join.Join(
         name=name,
@@ -240,16 +239,6 @@ def _check_join(
             raise ConfigError("--auth-key needs --root-certificates: Flower authenticates workers over TLS only")
         check_private_key(auth_key)
     return host, int(port_s)
-
-
-def supernode_env(cache: Path) -> dict[str, str]:
-    """The SuperNode's environment: Flower's, torch blocked in the ClientApp, and our `flwr-clientapp`
-    (worker/app_process.py) first on its PATH."""
-    env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
-    shim = app_process.command(cache)
-    if shim is not None:
-        env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
-    return env
 
 
 def _supernode_cmd(
