@@ -8,7 +8,8 @@ commands import a CLI package whose `__init__` also loads its sibling commands: 
 registered but its `__init__` not run, so Flower's arguments, tokens and app loading are its own;
 `procs.flower_env` puts the folder first on the PATH of every Flower process soma-edge starts. CPU per
 process start on a 2-core desktop box (/usr/bin/time, 3 runs each): flwr-clientapp 2.4 s -> 1.4 s,
-flower-superexec 1.9 s -> 1.2 s. Where a flwr lays a package out otherwise, the full import runs.
+flower-superexec 1.9 s -> 1.2 s. Where a flwr lays a package out otherwise, the full import runs. They
+also end themselves once their parent is gone and Flower's own exit did not (`watch_parent`).
 
     python -m soma_edge.flower_commands NAME [Flower's arguments...]
 """
@@ -20,6 +21,8 @@ import importlib.util
 import os
 import shlex
 import sys
+import threading
+import time
 from pathlib import Path
 
 # name: (the package whose __init__ is skipped, its module with the entry point, the entry point)
@@ -27,6 +30,7 @@ COMMANDS = {
     "flwr-clientapp": ("flwr.supernode.cli", "flwr_clientapp", "flwr_clientapp"),
     "flower-superexec": ("flwr.supercore.cli", "flower_superexec", "flower_superexec"),
 }
+ORPHAN_GRACE = 15.0  # seconds a process outlives its Flower parent before `watch_parent` ends it
 
 
 def install(folder: Path) -> Path | None:
@@ -65,10 +69,46 @@ def register_package(package: str, module: str) -> None:
     sys.modules[package] = importlib.util.module_from_spec(spec)
 
 
+def parent_pid(argv: list[str]) -> int | None:
+    """The `--parent-pid` Flower gave the process, if any."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--parent-pid" and argv[i + 1].isdigit():
+            return int(argv[i + 1])
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch_parent(pid: int, grace: float = ORPHAN_GRACE, poll: float = 1.0) -> None:
+    """End this process `grace` seconds after its parent is gone, however it is stuck. Flower's own monitor
+    raises SIGINT in a thread of its own, which runs the exit handler only once the main thread runs Python
+    again; a ClientApp that lost its SuperNode while pulling its task waits forever on retrying threads
+    (seen in a test that kills a worker: the orphan lived on, idle, holding ~150 MB)."""
+
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(poll)
+        time.sleep(grace)  # Flower's own exit first, with its 5 s force-exit timer
+        os._exit(1)
+
+    threading.Thread(target=watch, name="soma-orphan-watch", daemon=True).start()
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         raise SystemExit(f"usage: python -m soma_edge.flower_commands {{{','.join(COMMANDS)}}} [arguments...]")
     name = sys.argv.pop(1)
+    pid = parent_pid(sys.argv)
+    if pid is not None:
+        watch_parent(pid)
     package, module, function = COMMANDS[name]
     register_package(package, module)
     entry = getattr(importlib.import_module(f"{package}.{module}"), function)

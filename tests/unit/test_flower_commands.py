@@ -57,3 +57,24 @@ def test_an_unknown_command_is_one_usage_line():
         [sys.executable, "-m", "soma_edge.flower_commands", "flwr-serverapp"], capture_output=True, text=True
     )
     assert r.returncode == 1 and r.stderr.strip().startswith("usage: python -m soma_edge.flower_commands")
+
+
+def test_a_process_whose_parent_is_gone_ends_even_with_its_main_thread_stuck():
+    """Flower's own monitor cannot interrupt a main thread blocked on a lock (a ClientApp whose SuperNode
+    died while it pulled its task): ours ends the process once the parent is gone and the grace is up."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert flower_commands.parent_pid(["--token", "t", "--parent-pid", str(gone.pid)]) == gone.pid
+    assert flower_commands.parent_pid(["--insecure"]) is None
+    code = textwrap.dedent(
+        f"""
+        import threading
+        from soma_edge import flower_commands
+        flower_commands.watch_parent({gone.pid}, grace=0.2, poll=0.05)
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # stuck, as the orphan's main thread was
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1, r.stderr
