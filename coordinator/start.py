@@ -28,6 +28,7 @@ from soma_edge import checkpoint, metrics, runtime
 from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
 from soma_edge.config import Config
 from soma_edge.errors import ConfigError, SomaError
+from soma_edge.pids import pid_alive
 from soma_edge.procs import free_port
 from soma_edge.rundir import RunDir, RunLockedError
 
@@ -252,7 +253,7 @@ def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) 
                 if p.name == "superlink" and not p.alive():
                     raise SomaError(f"the SuperLink exited (code {p.popen.returncode}); see {p.log}")
             now = time.time()
-            alive = fresh and _pid_alive(int(status.pid or 0))
+            alive = fresh and pid_alive(int(status.pid or 0))
             if not alive and now - last_check > 15 and now - t_submit > 10:
                 last_check = now
                 st = launcher.run_status(run.flwr_home, run_id)
@@ -281,18 +282,3 @@ def _fail(run: RunDir, why: str) -> None:
         pass
     detail = ("\n  " + "\n  ".join(lines)) if lines else ""
     raise RuntimeError(f"{why}; see {log}{detail}")
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

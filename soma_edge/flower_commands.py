@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from soma_edge.pids import pid_alive
+
 # name: (the package whose __init__ is skipped, its module with the entry point, the entry point)
 COMMANDS = {
     "flwr-clientapp": ("flwr.supernode.cli", "flwr_clientapp", "flwr_clientapp"),
@@ -77,16 +79,6 @@ def parent_pid(argv: list[str]) -> int | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def watch_parent(pid: int, grace: float = ORPHAN_GRACE, poll: float = 1.0) -> None:
     """End this process `grace` seconds after its parent is gone, however it is stuck. Flower's own monitor
     raises SIGINT in a thread of its own, which runs the exit handler only once the main thread runs Python
@@ -94,7 +86,7 @@ def watch_parent(pid: int, grace: float = ORPHAN_GRACE, poll: float = 1.0) -> No
     (seen in a test that kills a worker: the orphan lived on, idle, holding ~150 MB)."""
 
     def watch() -> None:
-        while _alive(pid):
+        while pid_alive(pid):
             time.sleep(poll)
         time.sleep(grace)  # Flower's own exit first, with its 5 s force-exit timer
         os._exit(1)
