@@ -35,9 +35,9 @@ $(STAMP): pyproject.toml $(VENV)/.created
 
 # The dev install holds everything the demo needs, so a box that ran `make test` installs nothing more here.
 # The demo installs through uv (flwr depends on it, in this range: nothing extra in the venv), which fetches
-# and unpacks in parallel: ~7 s here, bytecode aside, where pip took 37-75 s. uv does not read pip's configuration, so
-# where it cannot reach the index pip would use, pip installs instead. `make test` stays on pip, for the
-# same reason: the dev extra's torch comes from wherever pip is configured to find it.
+# and unpacks in parallel: ~7 s here, bytecode aside, where pip took 37-75 s. uv does not read pip's
+# configuration, so where it cannot reach the index pip would use, pip installs instead. `make test` stays
+# on pip, for the same reason: the dev extra's torch comes from wherever pip is configured to find it.
 $(DEMO_STAMP): pyproject.toml $(VENV)/.created
 	$(PY) -m pip install --quiet 'uv>=0.13.5,<0.14' && $(VENV)/bin/uv pip install --quiet --compile-bytecode \
 		--python $(PY) -e '.[cpu,report]' || $(PY) -m pip install --quiet -e '.[cpu,report]'
