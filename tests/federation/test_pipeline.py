@@ -39,7 +39,7 @@ def _commits(run, grid: FakeGrid) -> list[int]:
 
 def _step_budgets_bind(grid: FakeGrid) -> None:
     """Train requests carry a time limit (max_seconds) far above what their step budgets need, so that each
-    expert takes exactly its budget of steps. Under the round's own limit (round_seconds, 0.4 s: 0.2 s an
+    expert takes exactly its budget of steps. Under the round's own limit (round_seconds, 0.2 s: 0.1 s an
     expert) a busy box once stopped an expert at 58 of its 60 steps in one copy and not in the other."""
     real = grid.push_messages
 

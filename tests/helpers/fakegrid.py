@@ -24,7 +24,7 @@ TINY = {
     "federation": {
         "experts": 4,
         "rounds": 2,
-        "round_seconds": 0.4,
+        "round_seconds": 0.2,
         "deadline_factor": 1.0,
         "deadline_slack": 3.0,
         "val_windows": 4,
