@@ -75,10 +75,10 @@ def fed(tmp_path_factory):
     return {"root": root, "run": root / "run", "corpus": src, "config": root / "fed.toml", "env": env}
 
 
-def _sent(run: Path) -> dict[tuple[int, int], str]:
-    """(expert, version) -> sha256, from every worker's log line for what it sent."""
+def _sent(*logs: Path) -> dict[tuple[int, int], str]:
+    """(expert, version) -> sha256, from the workers' log lines for what they sent."""
     out = {}
-    for log in (run / "logs").glob("w*.log"):
+    for log in logs:
         for e, v, sha in re.findall(
             r"sent expert=(\d+) version=(\d+) sha256=([0-9a-f]{64})", log.read_text(errors="replace")
         ):
@@ -124,7 +124,7 @@ def test_federation_trains_and_checkpoints_what_workers_sent(fed):
     rd = RunDir(fed["run"])
     state = rd.read_state()
     assert state.round == 2
-    sent = _sent(fed["run"])
+    sent = _sent(*(fed["run"] / "logs").glob("w*.log"))
     for e in range(4):
         x = state.expert(e)
         assert x.version == 2, x
@@ -254,7 +254,7 @@ def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
     wait_until(lambda: not leftovers(fed["run"]), 30, "no processes of the run left")
 
 
-SEED_CONFIG = """
+SECURE_CONFIG = """
 seed = 5
 [model]
 kind = "soma"
@@ -268,107 +268,11 @@ seq_len = 64
 warmup_steps = 0
 [federation]
 join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
-experts = 4
-rounds = 3
-round_seconds = 4.0
-seed_steps = 40
-keep_versions = 5
-deadline_factor = 1.5
-deadline_slack = 12.0
-val_windows = 16
-local_workers = 2
-"""
-
-
-def test_seed_run_of_the_paper_expert_starts_every_expert_over_tls(tmp_path):
-    """The paper's setting through real processes, over TLS with certificates from `soma-coord certs`: a
-    soma-kind seed expert trains on every shard, becomes version 0 of every expert bit for bit, and its
-    tied E stays frozen while the experts train; the run exports and evaluates under both protocols."""
-    src = write_stdlib_corpus(tmp_path / "corpus")
-    (tmp_path / "seed.toml").write_text(SEED_CONFIG)
-    fed = {
-        "root": tmp_path,
-        "run": tmp_path / "run",
-        "corpus": src,
-        "config": tmp_path / "seed.toml",
-        "env": dict(os.environ, SOMA_CACHE=str(tmp_path / "cache")),
-    }
-    certs = subprocess.run(
-        [sys.executable, "-m", "coordinator", "certs", str(tmp_path / "tls"), "--host", "127.0.0.1"],
-        capture_output=True,
-        text=True,
-        env=fed["env"],
-    )
-    assert certs.returncode == 0, certs.stderr
-    finish(fed, start_coordinator(fed, "--tls", str(tmp_path / "tls")))
-    logs = fed["run"] / "logs"
-    assert (
-        "--ssl-certfile" in (logs / "superlink.log").read_text()
-        and "--insecure" not in (logs / "superlink.log").read_text()
-    )
-    assert all("--root-certificates" in (logs / f"w{i}.log").read_text() for i in (0, 1))
-    rd = RunDir(fed["run"])
-    state = rd.read_state()
-    seed = state.seed
-    assert (state.round, state.phase, seed.expert, seed.step) == (3, "experts", 4, 40)
-    sent = _sent(fed["run"])
-    assert sent[(4, seed.version)] == seed.sha256  # the seed's weights are what a worker sent
-    seed_w = checkpoint.load(rd.root / seed.path, "expert")["weights"]
-    from soma_edge import params
-
-    body = params.layout(rd.load_config().model).body
-    for e in range(4):
-        v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")
-        assert v0["weights"].tobytes() == seed_w.tobytes() and v0["step"] == 0
-        x = state.expert(e)
-        assert x.version >= 1 and x.sha256 == sent[(e, x.version)]
-        w = checkpoint.load(rd.root / x.path, "expert")["weights"]
-        assert w[body:].tobytes() == seed_w[body:].tobytes()  # E frozen
-        assert not np.array_equal(w[:body], seed_w[:body])
-    phases = [m["phase"] for m in metric_lines(rd, "round")]
-    assert phases[0] == "seed" and phases[-1] == "experts"
-
-    deploy = tmp_path / "deploy"
-    subprocess.run(
-        [sys.executable, "-m", "export.cli", "onnx", str(fed["run"]), "--out", str(deploy)],
-        check=True,
-        capture_output=True,
-        env=fed["env"],
-    )
-    text = tmp_path / "heldout.txt"
-    text.write_bytes(b"".join(rd.shard(h) for h in _test_shards(rd))[:6000])
-    for protocol_name in ("stream", "paper"):
-        r = subprocess.run(
-            [sys.executable, "-m", "export.cli", "eval", str(deploy), "--data", str(text), "--protocol", protocol_name],
-            capture_output=True,
-            text=True,
-            env=fed["env"],
-        )
-        assert r.returncode == 0, r.stderr
-        last = r.stdout.strip().splitlines()[-1]
-        assert "nats/byte of heldout.txt: " in last, last  # a file, not the run's shards: not labelled held-out
-        nats = float(re.search(r": (\S+) over \d+ bytes$", last).group(1))
-        assert f"{protocol_name} protocol" in r.stdout and 0.5 < nats < np.log(256)
-
-
-def _test_shards(rd: RunDir) -> list[str]:
-    prep = rd.read_prepare()
-    return [h for e in range(4) for h in prep.shards(e, "test")]
-
-
-AUTH_CONFIG = """
-seed = 2
-[model]
-embed = 8
-hidden = 16
-[data]
-batch = 4
-seq_len = 32
-[federation]
-join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
 experts = 2
 rounds = 6
 round_seconds = 3.0
+seed_steps = 40
+keep_versions = 8  # every version stays on disk: version 0 is checked against the seed
 deadline_factor = 1.0
 deadline_slack = 6.0
 val_windows = 4
@@ -376,29 +280,32 @@ local_workers = 1
 min_nodes = 2
 wait_seconds = 120
 """
+EXPERTS = 2
 
 
-def test_tls_with_worker_authentication(tmp_path):
-    """Over TLS with --auth, set up as the README does, from one directory with relative paths (`certs tls/`,
-    `start --tls tls/`, `join --root-certificates tls/ca.pem --auth-key ext/worker.key`): a worker registered
-    on the live run trains and keeps its node id across a restart; a worker with an unregistered key is
-    refused in one line and never gets an assignment; one without the CA fails within 30 s with a line that
-    names TLS."""
-    fed, proc, port = secure_federation(tmp_path, AUTH_CONFIG, "ext", "stranger", hold=False)
+def test_secure_seed_run_with_worker_authentication(tmp_path):
+    """The paper's setting over TLS with --auth, set up as the README does, from one directory with relative
+    paths (`certs tls/`, `start --tls tls/`, `join --root-certificates tls/ca.pem --auth-key ext/worker.key`).
+
+    Workers: one registered on the live run trains and keeps its node id across a restart; one with an
+    unregistered key is refused in one line and never gets an assignment; one without the CA fails within
+    30 s with a line that names TLS. The run: a soma-kind seed expert trains on every shard, becomes version
+    0 of every expert bit for bit, and its tied E stays frozen while the experts train; the run exports and
+    evaluates under both protocols. (One federation for both stories keeps the suite short.)"""
+    fed, proc, port = secure_federation(tmp_path, SECURE_CONFIG, "ext", "stranger", hold=False)
+    ext_log = _secure_workers(tmp_path, fed, proc, port)
+    _check_the_secure_launch(fed)
+    _check_the_seed_run(fed, _sent(fed["run"] / "logs" / "w0.log", ext_log))
+    _export_and_evaluate(tmp_path, fed)
+
+
+def _secure_workers(tmp_path: Path, fed: dict, proc: subprocess.Popen, port: str) -> Path:
+    """The run's workers, as described above, until the run ends; the registered worker's log."""
     env = fed["env"]
     assert "registered 1 worker key(s): w0" in (tmp_path / "start.log").read_text()
     # Trust the external worker while the run is live: the moment after start registered its own keys,
     # before the ServerApp holds the run (a key added then was once left out), it is registered at once.
-    r = cli(
-        tmp_path,
-        env,
-        "coordinator",
-        "add-worker",
-        "run",
-        "ext/worker.pub",
-        "--name",
-        "ext",
-    )
+    r = cli(tmp_path, env, "coordinator", "add-worker", "run", "ext/worker.pub", "--name", "ext")
     assert r.returncode == 0 and "with the live SuperLink as node" in r.stdout, r.stdout + r.stderr
 
     def join(name: str) -> subprocess.Popen:
@@ -423,11 +330,11 @@ def test_tls_with_worker_authentication(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("error: TLS: the coordinator at 127.0.0.1:"), r.stderr
     stranger = join("stranger")
     ext = join("ext")
+    rd = RunDir(fed["run"])
     try:
         assert stranger.wait(90) == 2  # refused (Flower's exit code 305: unknown key), said in one line
         assert "error: the coordinator at 127.0.0.1:" in (tmp_path / "stranger.log").read_text(errors="replace")
         assert "refused this worker's key" in (tmp_path / "stranger.log").read_text(errors="replace")
-        rd = RunDir(fed["run"])
         wait_until(lambda: any(m["round"] >= 1 for m in metric_lines(rd, "round")), START_TIMEOUT, "round 1")
         os.killpg(ext.pid, signal.SIGTERM)  # restart the registered worker with the same key
         ext.wait(60)
@@ -450,4 +357,62 @@ def test_tls_with_worker_authentication(tmp_path):
     assert any(m["node"] == "ext" and m["round"] > restarted + 1 for m in lines), [
         (m["round"], m["node"]) for m in lines
     ]
-    assert rd.read_state().round == 6
+    return tmp_path / "ext.log"
+
+
+def _check_the_secure_launch(fed: dict) -> None:
+    """The SuperLink served TLS, and the local worker trusted it by the CA."""
+    logs = fed["run"] / "logs"
+    assert (
+        "--ssl-certfile" in (logs / "superlink.log").read_text()
+        and "--insecure" not in (logs / "superlink.log").read_text()
+    )
+    assert "--root-certificates" in (logs / "w0.log").read_text()
+
+
+def _check_the_seed_run(fed: dict, sent: dict[tuple[int, int], str]) -> None:
+    rd = RunDir(fed["run"])
+    state = rd.read_state()
+    seed = state.seed
+    assert (state.round, state.phase, seed.expert, seed.step) == (6, "experts", EXPERTS, 40)
+    assert sent[(EXPERTS, seed.version)] == seed.sha256  # the seed's weights are what a worker sent
+    seed_w = checkpoint.load(rd.root / seed.path, "expert")["weights"]
+    from soma_edge import params
+
+    body = params.layout(rd.load_config().model).body
+    for e in range(EXPERTS):
+        v0 = checkpoint.load(rd.root / f"experts/{e}/v0.msgpack", "expert")
+        assert v0["weights"].tobytes() == seed_w.tobytes() and v0["step"] == 0
+        x = state.expert(e)
+        assert x.version >= 1 and x.sha256 == sent[(e, x.version)]
+        w = checkpoint.load(rd.root / x.path, "expert")["weights"]
+        assert w[body:].tobytes() == seed_w[body:].tobytes()  # E frozen
+        assert not np.array_equal(w[:body], seed_w[:body])
+    phases = [m["phase"] for m in metric_lines(rd, "round")]
+    assert phases[0] == "seed" and phases[-1] == "experts"
+
+
+def _export_and_evaluate(tmp_path: Path, fed: dict) -> None:
+    rd = RunDir(fed["run"])
+    deploy = tmp_path / "deploy"
+    subprocess.run(
+        [sys.executable, "-m", "export.cli", "onnx", str(fed["run"]), "--out", str(deploy)],
+        check=True,
+        capture_output=True,
+        env=fed["env"],
+    )
+    prep = rd.read_prepare()
+    text = tmp_path / "heldout.txt"
+    text.write_bytes(b"".join(rd.shard(h) for e in range(EXPERTS) for h in prep.shards(e, "test"))[:6000])
+    for protocol_name in ("stream", "paper"):
+        r = subprocess.run(
+            [sys.executable, "-m", "export.cli", "eval", str(deploy), "--data", str(text), "--protocol", protocol_name],
+            capture_output=True,
+            text=True,
+            env=fed["env"],
+        )
+        assert r.returncode == 0, r.stderr
+        last = r.stdout.strip().splitlines()[-1]
+        assert "nats/byte of heldout.txt: " in last, last  # a file, not the run's shards: not labelled held-out
+        nats = float(re.search(r": (\S+) over \d+ bytes$", last).group(1))
+        assert f"{protocol_name} protocol" in r.stdout and 0.5 < nats < np.log(256)
