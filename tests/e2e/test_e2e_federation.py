@@ -1,17 +1,21 @@
 """The federation with real processes on 127.0.0.1: `soma-coord start` runs a real `flower-superlink`
 and two real SuperNodes (`soma-worker join`), and Flower spawns real ServerApp/ClientApp processes.
 
-One run directory is shared by the three tests, in order, to keep the suite short:
+One run directory is shared by four tests, in order, to keep the suite short:
 1. rounds 1-2: every expert advances, the val loss recomputed here from the checkpoints falls, the
    checkpoint hashes are the ones the workers logged as sent, and torch was unimportable in the workers;
 2. rounds 3-4: one worker is killed with SIGKILL while it trains; the run completes without it;
 3. rounds 5-6: the coordinator is interrupted (Ctrl-C) in round 5 and killed with SIGKILL in round 6,
-   and started again each time; every process it launched goes away, and it resumes.
+   and started again each time; every process it launched goes away, and it resumes;
+4. from round 8: resumed with `start --run RUN` alone, watched, stopped with `soma-coord stop`; its
+   TensorBoard events and its report.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import io
 import json
 import os
 import re
@@ -27,12 +31,14 @@ import pytest
 from soma_edge import checkpoint, corpus, protocol
 from soma_edge.rundir import RunDir
 from soma_edge.runtime import LossEvaluator, mean_loss
+from tests.helpers.board import events
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import (
     START_TIMEOUT,
     cli,
     finish,
     leftovers,
+    log_tails,
     metric_lines,
     secure_federation,
     secure_join,
@@ -252,6 +258,84 @@ def test_coordinator_interrupted_or_killed_mid_run_resumes(fed):
         assert protocol.weights_sha256(body["weights"]) == x.sha256
     # The finished ServerApp exits on its own shortly after `start` returns.
     wait_until(lambda: not leftovers(fed["run"]), 30, "no processes of the run left")
+
+
+@SHARED_RUN
+def test_watch_stop_tensorboard_and_report_on_the_run(fed):
+    """The run resumed as `stop` says to (`start --run RUN`, nothing else): `status --watch` follows it from
+    another process, `soma-coord stop` ends it after a committed round with every process gone, RUN/tb/
+    holds every round's metrics (through the restarts and kills above), and `soma-coord report` draws them."""
+    from PIL import Image
+
+    rd, run, root = RunDir(fed["run"]), fed["run"], fed["root"]
+    r0 = rd.read_state().round
+    assert r0 == 7, "needs the runs of the previous tests"
+    env = dict(fed["env"], COLUMNS="200")
+    assert cli(root, env, "coordinator", "stop", str(run)).returncode == 2  # nothing is running
+    with open(root / "start.log", "ab") as out:
+        start = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--rounds", "50", "--port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=root,
+        )
+    try:
+        wait_until(rd.is_locked, START_TIMEOUT, "the ServerApp to hold the run", fed)
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "status", str(run), "--watch", "--every", "0.3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=root,
+        )
+        wait_until(lambda: rd.read_state().round > r0, 120, f"round {r0 + 1} to commit", fed)
+        stop = cli(root, env, "coordinator", "stop", str(run), "--log-level", "warning")
+        code = start.wait(120)
+        watched, _ = watch.communicate(timeout=60)
+    finally:
+        if start.poll() is None:
+            start.kill()
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert code == 0, log_tails(fed, 3000)
+    wait_until(lambda: not leftovers(run), 30, f"no processes of the run left: {leftovers(run)}")
+    assert not rd.is_locked() and not rd.stop_path.exists()
+
+    # Stopped after a committed round, with that round's metrics and nothing of a later one.
+    state = rd.read_state()
+    lines = rd.read_metrics()
+    assert r0 < state.round < 50
+    assert [m["round"] for m in lines if m["type"] == "round"] == list(range(1, state.round + 1))
+    said = re.search(r"stopped after round (\d+) of 50", stop.stdout)
+    assert said and int(said.group(1)) == state.round, stop.stdout
+    console = (root / "start.log").read_text(errors="replace")
+    assert f"stopped after round {state.round} of 50 (soma-coord stop)" in console
+    assert "stop requested (soma-coord stop)" in console
+    # The watcher saw the rounds commit as they did, and left by itself when the coordinator stopped.
+    assert watch.returncode == 0 and re.search(r"round \d+/50 committed", watched), watched
+    assert "the coordinator has stopped" in watched
+
+    # TensorBoard's reader finds every round's numbers as metrics.jsonl has them, once each.
+    got = events(rd.tb)
+    for m in lines:
+        if m["type"] == "round":
+            (share,) = got[("round/compute_share", m["round"])]
+            assert abs(share - m["compute_share"]) < 1e-6
+        elif m["accepted"]:
+            assert abs(got[(f"expert_{m['expert']}/val_loss", m["round"])][0] - m["val_loss"]) < 1e-5
+
+    # The report: one page whose every image is a PNG that decodes.
+    rep = cli(root, env, "coordinator", "report", str(run))
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    page = (run / "report" / "report.html").read_text()
+    uris = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(uris) == 3 == page.count("<img")
+    for uri in uris:
+        img = Image.open(io.BytesIO(base64.b64decode(uri)))
+        assert img.format == "PNG" and img.size[0] > 400
+        img.load()
+    assert "<table>" in page and f"round {state.round} of 50" in page
 
 
 SECURE_CONFIG = """

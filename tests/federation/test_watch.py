@@ -1,6 +1,6 @@
 """Watching a run, with the fake Grid (real training): RUN/tb/, the TensorBoard event files written at
 each commit, read back with TensorBoard's own EventAccumulator against metrics.jsonl; and a stop request
-(`soma-coord stop`). Real processes: test_e2e_watch.py."""
+(`soma-coord stop`). Real processes: test_e2e_federation.py."""
 
 from __future__ import annotations
 
