@@ -244,6 +244,7 @@ def run_spsa_arm(
     fed.rounds = 100_000  # max_steps ends the run
     fed.round_seconds = round_seconds
     fed.local_workers = fed.min_nodes = min(n, 2)
+    fed.join_grace = 0.0  # round 1 waits for min_nodes, which are all the workers there are: no one else comes
     fed.keep_versions = 100_000  # every version stays: the curve is scored from them afterwards
     fed.val_windows = 16  # the coordinator's own per-round val loss: keep it cheap
     (run / "bench.toml").write_text(tomli_w.dumps(cfg.to_dict()))
