@@ -5,7 +5,7 @@ One run directory is shared by four tests, in order, to keep the suite short:
 1. rounds 1-2: every expert advances, the val loss recomputed here from the checkpoints falls, the
    checkpoint hashes are the ones the workers logged as sent, and torch was unimportable in the workers;
 2. rounds 3-4: one worker is killed with SIGKILL while it trains; the run completes without it;
-3. rounds 5-6: the coordinator is interrupted (Ctrl-C) in round 5 and killed with SIGKILL in round 6,
+3. rounds 5-7: the coordinator is interrupted (Ctrl-C) in round 5 and killed with SIGKILL in round 6,
    and started again each time; every process it launched goes away, and it resumes;
 4. from round 8: resumed with `start --run RUN` alone, watched, stopped with `soma-coord stop`; its
    TensorBoard events and its report.
