@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from soma_edge.pids import pid_alive
 from soma_edge.rundir import RunDir
 from tests.helpers.corpus import write_stdlib_corpus
 
@@ -90,10 +91,9 @@ def leftovers(run: Path) -> list[str]:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             cwd = os.readlink(f"/proc/{pid}/cwd")
-            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
         except OSError:
             continue
-        if state != "Z" and (str(run) in cmd or cwd.startswith(str(run))):
+        if pid_alive(int(pid)) and (str(run) in cmd or cwd.startswith(str(run))):
             out.append(f"{pid} {cmd[:120]}")
     return out
 
