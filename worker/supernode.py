@@ -10,16 +10,15 @@ where the node's link is fast, 30 s on a slow one (its queue can hold heartbeats
 and on its own when a measured link changes it; the ClientApp leaves it in the cache, where a thread
 here reads it.
 
-It also polls for messages every 0.5 s for a while after each reply it sends (`eager_polls`): the
-next round's request (pipelined rounds) is then seconds away, and Flower's 3 s idle poll is the largest
-wait left between a worker's rounds.
+It also polls for messages every 0.5 s for a while after it starts and after each reply it sends
+(`eager_polls`): the capability query, and the next round's request (pipelined rounds), are then seconds
+away, and Flower's 3 s idle poll is the largest wait left between a worker's rounds.
 
     python -m worker.supernode SECONDS|auto CACHE [flower-supernode arguments...]
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 from pathlib import Path
@@ -30,7 +29,7 @@ from worker.cache import HEARTBEAT_ADVICE, Cache
 AUTO_START = HEARTBEAT_SLOW  # until the coordinator has measured the link: Flower's own default
 POLL_SECONDS = 0.5  # how often the advice in the cache is read: it counts from the next heartbeat (~4 s)
 FLOWER_IDLE_POLL = 3  # flwr 1.42's SuperNode: time.sleep(3) after a pull that found no message
-EAGER_SECONDS = 20.0  # after a reply, poll every EAGER_POLL seconds this long (then Flower's 3 s again)
+EAGER_SECONDS = 20.0  # after start and each reply, poll every EAGER_POLL s this long (then Flower's 3 s again)
 EAGER_POLL = 0.5
 
 
@@ -53,9 +52,10 @@ def set_heartbeat(seconds: float) -> None:
 
 
 def eager_polls(window: float = EAGER_SECONDS, poll: float = EAGER_POLL) -> None:
-    """Make this process's SuperNode poll every `poll` seconds for `window` seconds after each reply it
-    pushes, instead of Flower's bare 3 s: idle traffic stays Flower's, a round's next request is picked
-    up ~1.5 s sooner on average. flwr 1.42 has no option for it: its loop's module globals are wrapped."""
+    """Make this process's SuperNode poll every `poll` seconds for `window` seconds from now (its capability
+    query comes seconds after it connects) and after each reply it pushes, instead of Flower's bare 3 s:
+    idle traffic stays Flower's, the query and a round's next request are picked up ~1.25 s sooner on
+    average. flwr 1.42 has no option for it: its loop's module globals are wrapped."""
     from flwr.supernode import start_client_internal as sci  # flwr: heavy, see set_heartbeat
 
     if not all(hasattr(sci, name) for name in ("time", "_push_messages")):
@@ -63,7 +63,8 @@ def eager_polls(window: float = EAGER_SECONDS, poll: float = EAGER_POLL) -> None
             "error: flwr.supernode.start_client_internal has changed; this flwr is not the 1.42 that "
             "soma-edge pins: reinstall soma-edge"
         )
-    real_push, real_time, last = sci._push_messages, sci.time, [-math.inf]
+    real_push, real_time = sci._push_messages, sci.time
+    last = [real_time.monotonic()]
 
     def push(*args, **kwargs):
         try:

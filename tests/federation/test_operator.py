@@ -224,9 +224,9 @@ def test_supernode_launcher_sets_the_heartbeat_flower_uses():
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: heartbeat 5 s")
 
 
-def test_supernode_polls_eagerly_for_a_while_after_each_reply(monkeypatch):
+def test_supernode_polls_eagerly_for_a_while_after_start_and_each_reply(monkeypatch):
     """Flower's SuperNode waits a bare time.sleep(3) after a pull that found nothing; the launcher makes
-    that 0.5 s for 20 s after each reply it pushes, and leaves every other sleep alone."""
+    that 0.5 s for 20 s after it starts and after each reply it pushes, and leaves every other sleep alone."""
     import inspect
 
     from flwr.supernode import start_client_internal as sci
@@ -248,14 +248,16 @@ def test_supernode_polls_eagerly_for_a_while_after_each_reply(monkeypatch):
     monkeypatch.setattr(sci, "time", FakeTime)
     monkeypatch.setattr(sci, "_push_messages", lambda *a, **k: pushed.append(a))
     supernode.eager_polls()
-    sci.time.sleep(3)  # no reply yet: Flower's poll
+    sci.time.sleep(3)  # just started: the capability query is due
+    now[0] += supernode.EAGER_SECONDS
+    sci.time.sleep(3)  # nothing came: Flower's poll
     sci._push_messages("state")
     now[0] += 5.0
     sci.time.sleep(3)
     sci.time.sleep(0.5)  # the reply wait inside _push_messages: untouched
     now[0] += supernode.EAGER_SECONDS
     sci.time.sleep(3)
-    assert pushed == [("state",)] and slept == [3, supernode.EAGER_POLL, 0.5, 3]
+    assert pushed == [("state",)] and slept == [supernode.EAGER_POLL, 3, supernode.EAGER_POLL, 0.5, 3]
     assert sci.time.monotonic() == now[0]  # everything else is the real module's
 
 
