@@ -405,7 +405,7 @@ def test_kill_9_of_a_real_coordinator_process_mid_round_resumes(prepared, tmp_pa
     """A real SIGKILL (not an injected os._exit) of the fake-grid coordinator process while it trains round 2,
     then a resume, with the same checks as the crash trials; where it lands is up to the scheduler.
     The full federation (SuperLink, SuperNodes, Flower's ServerApp process) is SIGKILLed mid-round by
-    tests/e2e/test_e2e_federation.py::test_coordinator_interrupted_or_killed_mid_run_resumes."""
+    tests/e2e/test_e2e_federation.py::test_coordinator_interrupted_or_killed_mid_run."""
     rd = _new_run(prepared, tmp_path / "run")
     nodes, journal = tmp_path / "nodes", tmp_path / "journal.jsonl"
     cmd = [sys.executable, *CHILD, str(rd.root), str(nodes), "--journal", str(journal)]
