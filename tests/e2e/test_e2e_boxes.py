@@ -25,7 +25,7 @@ decoder = "spsa"
 [federation]
 join_grace = 0.0  # every worker is there at once; the grace is tested in test_e2e_operator.py
 experts = 2
-rounds = 4
+rounds = 3
 round_seconds = 5.0
 deadline_factor = 1.5
 deadline_slack = 40.0
@@ -101,18 +101,18 @@ def test_log_replies_across_namespaces_with_a_slow_link(tmp_path):
     assert boxes.leftovers() == [] and all(p.poll() is not None for p in boxes.procs)
 
     rd = RunDir(run)
-    assert rd.read_state().round == 4
+    assert rd.read_state().round == 3
     lines = rd.read_metrics()
     experts = [m for m in lines if m["type"] == "expert"]
     on_slow = [m for m in experts if m["node"] == "slow"]
     assert on_slow and all(m["accepted"] for m in on_slow if m["round"] >= 2), [
         (m["round"], m.get("reason")) for m in on_slow
     ]
-    assert {m["round"] for m in on_slow} >= {2, 3, 4}
+    assert {m["round"] for m in on_slow} >= {2, 3}
     # Upstream, a log reply is under 1% of what weights mode sends for the same expert: its weights and
     # the Adam moments (float32 each).
     size = params.layout(rd.load_config().model).size
-    for r in range(2, 5):
+    for r in range(2, 4):
         line = next(m for m in lines if m["type"] == "round" and m["round"] == r)
         results = sum(1 for m in experts if m["round"] == r and m["accepted"])
         assert results == 2 and line["bytes_up"] < 0.01 * results * 3 * 4 * size, (line["bytes_up"], size)
