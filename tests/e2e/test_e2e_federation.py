@@ -158,6 +158,22 @@ def test_federation_trains_and_checkpoints_what_workers_sent(fed):
     assert not rd.is_locked()
 
 
+def _check_nothing_lost(rd: RunDir) -> None:
+    """Through every restart and kill: one metrics line per round, none repeated or skipped, every expert
+    trained in each, each expert's version the count of its accepted ones, its file matching its hash."""
+    state, lines = rd.read_state(), metric_lines(rd, "expert")
+    rounds = list(range(1, state.round + 1))
+    assert [m["round"] for m in metric_lines(rd, "round")] == rounds
+    per_round = {}
+    for m in lines:
+        per_round.setdefault(m["round"], []).append(m["expert"])
+    assert sorted(per_round) == rounds and all(sorted(v) == [0, 1, 2, 3] for v in per_round.values())
+    for e, x in state.experts.items():
+        assert x.version == sum(1 for m in lines if m["expert"] == int(e) and m["accepted"])
+        body = checkpoint.load(rd.root / x.path, "expert")
+        assert protocol.weights_sha256(body["weights"]) == x.sha256
+
+
 @SHARED_RUN
 def test_killed_worker_loses_its_experts_to_the_other(fed):
     rd = RunDir(fed["run"])
@@ -194,12 +210,8 @@ def test_killed_worker_loses_its_experts_to_the_other(fed):
     )
     after = [m for m in lines if m["round"] == r0 + 2]
     assert all(m["accepted"] and m["node"] == "w0" for m in after)  # reassigned, and trained
-    for e, x in state.experts.items():
-        accepted = sum(1 for m in lines if m["expert"] == int(e) and m["accepted"])
-        assert x.version == accepted  # every accepted version counted, none lost
-        assert x.version > versions_before[e]
-        body = checkpoint.load(rd.root / x.path, "expert")
-        assert protocol.weights_sha256(body["weights"]) == x.sha256
+    _check_nothing_lost(rd)  # every accepted version counted, none lost
+    assert all(x.version > versions_before[e] for e, x in state.experts.items())
 
 
 def _interrupt_in_round(fed, rd: RunDir, r: int, sig: int, target: int) -> int:
@@ -247,22 +259,6 @@ def test_coordinator_interrupted_or_killed_mid_run(fed):
     log = (fed["run"] / "logs" / "coordinator.log").read_text()
     assert f"resuming after round {c1} of {target}" in log
     fed["killed_after"] = c2
-
-
-def _check_nothing_lost(rd: RunDir) -> None:
-    """Through every restart and kill: one metrics line per round, none repeated or skipped, every expert
-    trained in each, each expert's version the count of its accepted ones, its file matching its hash."""
-    state = rd.read_state()
-    rounds = list(range(1, state.round + 1))
-    assert [m["round"] for m in metric_lines(rd, "round")] == rounds
-    per_round = {}
-    for m in metric_lines(rd, "expert"):
-        per_round.setdefault(m["round"], []).append(m["expert"])
-    assert sorted(per_round) == rounds and all(sorted(v) == [0, 1, 2, 3] for v in per_round.values())
-    for e, x in state.experts.items():
-        assert x.version == sum(1 for m in metric_lines(rd, "expert") if m["expert"] == int(e) and m["accepted"])
-        body = checkpoint.load(rd.root / x.path, "expert")
-        assert protocol.weights_sha256(body["weights"]) == x.sha256
 
 
 @SHARED_RUN
