@@ -141,6 +141,12 @@ def join_cmd(
         0, min=0, help="ORT intra-op threads (0 = choose: cores / --parallel on a CPU, ORT's choice on a GPU)."
     ),
     no_spin: bool = typer.Option(False, "--no-spin", help="No ORT spin-waiting (for workers sharing cores)."),
+    no_speculate: bool = typer.Option(
+        False,
+        "--no-speculate",
+        help="Do not go on training an expert while its reply goes up and the next request comes down "
+        "(what a round that asks for other work then discards is idle compute).",
+    ),
     parallel: int = typer.Option(
         0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."
     ),
@@ -183,7 +189,7 @@ def join_cmd(
         port = free_port()
     node_config = (
         f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
-        f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds}"
+        f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds} speculate={0 if no_speculate else 1}"
     )
     cmd = _supernode_cmd(heartbeat, cache, coordinator, port, node_config, root_certificates, auth_key)
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")

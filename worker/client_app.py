@@ -32,19 +32,16 @@ from soma_edge import (
     __version__,
     codec,
     protocol,
-    quant,
     steps,
 )
 from soma_edge import config as config_mod
-from soma_edge.config import Config, LogDecoder
+from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR, cache_dir
 from soma_edge.errors import CheckpointError, SomaError, ValidationError
 from soma_edge.logs import role_logger
-from soma_edge.protocol import ReplyMode
-from soma_edge.spsa import OptState, State, UpdateLog, code_decoder, record_log
-from worker import probe
+from soma_edge.spsa import OptState, State, UpdateLog
+from worker import probe, speculation, task
 from worker.cache import HEARTBEAT_ADVICE, Cache
-from worker.trainer import train as train_loop
 
 log = role_logger("soma.worker")
 
@@ -61,6 +58,7 @@ class Settings:
     parallel: int
     cache_bytes: int
     probe_seconds: float
+    speculate: bool  # keep training while the reply goes up (worker.speculation); join sets it, a bare node_config not
 
 
 def settings(node_config: dict[str, Any]) -> Settings:
@@ -77,6 +75,7 @@ def settings(node_config: dict[str, Any]) -> Settings:
         parallel=int(get("parallel", 0)),
         cache_bytes=int(float(get("cache-mb", 2048)) * (1 << 20)),
         probe_seconds=float(get("probe-seconds", probe.PROBE_SECONDS)),
+        speculate=bool(int(get("speculate", 0))),
     )
 
 
@@ -162,60 +161,6 @@ def _from_downstream_log(
     return {"weights": got.weights, "opt": opt}
 
 
-def _as_sent(t: protocol.Task, state: State, reply_dtype: str) -> np.ndarray:
-    # With the log alone, the coordinator stores its float32 replay: the hash is of the float32 weights.
-    return state.weights if t.get("reply", ReplyMode.WEIGHTS) == ReplyMode.LOG else state.weights.astype(reply_dtype)
-
-
-def _decoder_to_code(t: protocol.Task, state: State, cfg: Config) -> np.ndarray | None:
-    """The delta-rule decoder as the round starts, where the reply's log carries its change in int8 codes
-    (federation.log_decoder), which the worker then adopts (spsa.code_decoder); else None."""
-    body = steps.log_body(cfg)
-    if t.get("reply", ReplyMode.WEIGHTS) == ReplyMode.WEIGHTS or cfg.federation.log_decoder != LogDecoder.INT8:
-        return None
-    return state.weights[body:].copy() if 0 < body < state.weights.size else None
-
-
-def _result(
-    t: protocol.Task, state: State, out: np.ndarray, start: int, rep, cfg: Config, coded: quant.Coded | None
-) -> dict[str, Any]:
-    """One expert's result in the form its task asked for (weights `out`, update log, or both; `coded`: the
-    log's decoder change, already adopted into `state`)."""
-    mode, sha = t.get("reply", ReplyMode.WEIGHTS), protocol.weights_sha256(out)
-    log.info(
-        "sent expert=%d version=%d sha256=%s steps=%d seconds=%.2f loss=%.4f",
-        t["expert"],
-        t["version"] + 1,
-        sha,
-        rep.steps,
-        rep.seconds,
-        rep.loss,
-    )
-    res = {
-        "expert": t["expert"],
-        "base_sha256": t["base_sha256"],
-        "version": t["version"] + 1,
-        "step": state.step,
-        "steps": rep.steps,
-        "forward_evals": rep.forward_evals,
-        "seconds": rep.seconds,
-        "train_loss": rep.loss,
-        "evaluator": rep.evaluator.value,
-        "sha256": sha,
-        "weights": out,
-        "opt": state.opt.to_record(),
-    }
-    if mode in (ReplyMode.LOG, ReplyMode.BOTH):
-        # The decoder's Adam moments go along only where the coordinator audits: it rebuilds the decoder's
-        # steps from them. Otherwise the worker keeps them, and they stay off a weak link.
-        moments = cfg.federation.audit_steps > 0
-        ulog = record_log(start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg), coded, moments)
-        res["log"] = ulog.to_record()
-    if mode == ReplyMode.LOG:
-        res["weights"] = res["opt"] = None
-    return res
-
-
 def _store_pieces(cache: Cache, pieces: Any) -> tuple[list[str], list[str]]:
     """Put shard pieces into the cache: the shards now complete, and one error line per bad piece (its
     shard is then reported missing and comes again)."""
@@ -258,6 +203,7 @@ def heartbeat_advice(msg: Message, context: Context) -> Message:
 @app.query("end")
 def run_end(msg: Message, context: Context) -> Message:
     body = protocol.unpack(msg.content, protocol.KIND_END, protocol.SMALL_BYTES)
+    speculation.stop(settings(dict(context.node_config)).cache)  # nothing comes after the end
     log.info("%s %s", protocol.RUN_ENDED, protocol.end_summary(body))
     return _reply(msg, {"node": context.node_id}, protocol.KIND_ACK)
 
@@ -300,16 +246,22 @@ def train(msg: Message, context: Context) -> Message:
     run_id = str(body.get("run_id"))  # versions are pruned per run: a cache serves many runs
     _, errors = _store_pieces(cache, body.get("pieces", []))
 
-    runnable, missing = _runnable(cache, cfg, body["tasks"], run_id, errors)
-    if missing["weights"] or missing["shards"]:
-        log.info(
-            "round %s: cache misses: %d weight versions, %d shards",
-            body["round"],
-            len(missing["weights"]),
-            len(missing["shards"]),
-        )
-    results = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), body)
-    protect = {r["sha256"] for r in results} | {h for t, *_ in runnable for h in t["shards"]}
+    key = _key(body, context.node_id, reply_dtype) if s.speculate else None
+    results = _claimed(s, key, body)
+    missing: protocol.Inventory = {"weights": [], "shards": []}
+    if results is None:
+        runnable, missing = _runnable(cache, cfg, body["tasks"], run_id, errors)
+        if missing["weights"] or missing["shards"]:
+            log.info(
+                "round %s: cache misses: %d weight versions, %d shards",
+                body["round"],
+                len(missing["weights"]),
+                len(missing["shards"]),
+            )
+        results = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), body)
+        if key is not None and len(runnable) == 1 and results:
+            _speculate(s, key, runnable[0][0], results[0], body)
+    protect = {r["sha256"] for r in results} | {h for t in body["tasks"] for h in t["shards"]}
     cache.evict(protect)
     reply = {
         **header,
@@ -319,6 +271,48 @@ def train(msg: Message, context: Context) -> Message:
         "seconds_total": time.perf_counter() - t_start,
     }
     return _reply(msg, reply, protocol.KIND_REPLY)
+
+
+def _key(body: dict[str, Any], node: int, reply_dtype: str) -> speculation.Key | None:
+    """The speculation key of a request of one task (None for several: the trainer runs one expert)."""
+    tasks = body["tasks"]
+    return speculation.key_of(node, body["run_id"], body["config"], reply_dtype, tasks[0]) if len(tasks) == 1 else None
+
+
+def _claimed(s: Settings, key: speculation.Key | None, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The round, trained by this worker's speculating trainer where it ran from the task's base; None:
+    train it here."""
+    if key is None:
+        return None
+    if speculation.brings_base(body["tasks"][0]):
+        speculation.stop(s.cache)  # whatever it trains, this round starts elsewhere
+        return None
+    t0 = time.perf_counter()
+    res = speculation.claim(s.cache, key, body["tasks"][0], float(body["max_seconds"]))
+    if res is None:
+        return None
+    log.info(
+        "round %s: expert %d trained while the last reply went up (%.1f s of its %.1f s before this request)",
+        body["round"],
+        key.expert,
+        max(0.0, res["seconds"] - (time.perf_counter() - t0)),
+        res["seconds"],
+    )
+    return [res]
+
+
+def _speculate(s: Settings, key: speculation.Key, t: protocol.Task, res: dict[str, Any], body: dict[str, Any]) -> None:
+    """Start the speculating trainer on the round after t, from the version `res` that it just cached."""
+    settings = {
+        "cache": str(s.cache),
+        "cache_bytes": s.cache_bytes,
+        "device": s.device,
+        "threads": s.threads,
+        "spin": int(s.spin),
+        "parallel": s.parallel,
+        "probe_seconds": s.probe_seconds,
+    }
+    speculation.spawn(s.cache, key, t, res, body["config"], float(body["max_seconds"]), settings)
 
 
 Runnable = tuple[protocol.Task, State, list[bytes]]  # a task, its base state, its shards' bytes
@@ -353,15 +347,10 @@ def _runnable(
             missing_s += [h for h, x in zip(t["shards"], shards) if x is None]
             continue
         try:
-            state = State(
-                protocol.decode_weights(w),
-                step=t["step"],
-                opt=OptState.from_record(opt, w.size, f"expert {t['expert']}: optimizer state"),
-            )
+            state = task.base_state(t, w, opt)
         except CheckpointError as err:
             errors.append(str(err))
             continue
-        state.opt.lr_scale = float(t["lr_scale"])  # the coordinator's plateau decision for this round
         runnable.append((t, state, shards))
     return runnable, {"weights": missing_w, "shards": sorted(set(missing_s))}
 
@@ -392,22 +381,8 @@ def _train_all(
     t_start = time.perf_counter()
     results = []
     for i, (t, state, shards) in enumerate(runnable):
-        e = t["expert"]
         remaining = budget - (time.perf_counter() - t_start)
         cap = max(0.01, remaining / (len(runnable) - i))  # at least one step per expert
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
-        start, base_decoder = state.step, _decoder_to_code(t, state, cfg)
-        rep = train_loop(state, data, cfg, evaluator, expert=e, steps=t["steps"], seconds=cap)
-        coded = None if base_decoder is None else code_decoder(state, steps.log_body(cfg), base_decoder)
-        out = _as_sent(t, state, reply_dtype)
-        results.append(_result(t, state, out, start, rep, cfg, coded))
-        cache.put_weights(
-            results[-1]["sha256"],
-            expert=e,
-            version=t["version"] + 1,
-            step=state.step,
-            weights=out,
-            opt=state.opt.to_record(),
-            run_id=run_id,
-        )
+        results.append(task.run(t, cfg, state, data, evaluator, cap, reply_dtype, cache, run_id))
     return results

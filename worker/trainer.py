@@ -6,6 +6,7 @@ Imports nothing from torch: this is the path that runs on inference-only hardwar
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,16 @@ class TrainReport:
     grads: list[np.ndarray] = field(default_factory=list)  # per step, the scalars that replay its body update
     decoder_grads: list[np.ndarray] = field(default_factory=list)  # per step, with keep_decoder_grads
 
+    def add(self, more: "TrainReport") -> None:
+        """Count a later stretch of the same round's training (`train` called again on the same state)."""
+        total = self.steps + more.steps
+        self.loss = (self.loss * self.steps + more.loss * more.steps) / max(total, 1)
+        self.steps, self.seconds = total, self.seconds + more.seconds
+        self.forward_evals += more.forward_evals
+        self.evaluator = more.evaluator
+        self.grads += more.grads
+        self.decoder_grads += more.decoder_grads
+
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
@@ -46,8 +57,10 @@ def train(
     steps: int | None = None,
     seconds: float | None = None,
     keep_decoder_grads: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> TrainReport:
-    """Run SPSA on `state` in place until `steps` are done or `seconds` have passed (whichever is set first)."""
+    """Run SPSA on `state` in place until `steps` are done or `seconds` have passed (whichever is set
+    first), or `stop()`, asked before each step, says so."""
     if steps is None and seconds is None:
         raise ValueError("give steps, seconds, or both")
     if cfg.spsa.decoder == "delta" and evaluator.train_session is None:
@@ -63,7 +76,11 @@ def train(
     t0 = time.perf_counter()
     loss_sum = 0.0
     try:
-        while (steps is None or report.steps < steps) and (seconds is None or time.perf_counter() - t0 < seconds):
+        while (
+            (steps is None or report.steps < steps)
+            and (seconds is None or time.perf_counter() - t0 < seconds)
+            and (stop is None or not stop())
+        ):
             if runner is not None:
                 result = runner.step(batches(data, cfg, expert, state.step), keep_decoder_grads)
             else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from soma_edge import params
 from soma_edge.procs import free_port
@@ -14,6 +15,7 @@ from soma_edge.rundir import RunDir
 from tests.helpers import netboxes
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import START_TIMEOUT
+from worker import speculation
 
 CONFIG = """
 seed = 6
@@ -117,3 +119,10 @@ def test_log_replies_across_namespaces_with_a_slow_link(tmp_path):
         results = sum(1 for m in experts if m["round"] == r and m["accepted"])
         assert results == 2 and line["bytes_up"] < 0.01 * results * 3 * 4 * size, (line["bytes_up"], size)
     assert all(m["log_bytes_up"] and m["log_bytes_up"]["decoder"] == 0 for m in experts if m["accepted"])
+    # The slow worker went on training while its replies went up (worker.speculation), and its trainer
+    # stopped with the run.
+    assert "trained while the last reply went up" in (tmp_path / "slow.log").read_text(errors="replace")
+    until = time.monotonic() + 20
+    while any(speculation._held(tmp_path / n / speculation.FOLDER) for n in ("slow", "fast")):
+        assert time.monotonic() < until, "a speculating trainer outlived the run"
+        time.sleep(0.2)

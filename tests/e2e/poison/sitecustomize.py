@@ -36,10 +36,11 @@ def _lie(train):
 
 
 class _Hook(importlib.abc.MetaPathFinder):
-    """Wraps `worker.client_app.train_loop` right after that module runs."""
+    """Wraps `worker.task.train_loop` right after that module runs (the ClientApp's rounds and the
+    speculating trainer's both train through it)."""
 
     def find_spec(self, name, path, target=None):
-        if name != "worker.client_app":
+        if name != "worker.task":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

@@ -1,0 +1,158 @@
+"""The speculating trainer (worker.speculation): a worker goes on training while its reply is in flight,
+and the next round's ClientApp takes the steps it ran. With the fake Grid (tests/helpers/fakegrid.py):
+real ClientApp, real trainer processes, real ORT training."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coordinator.loop import Coordinator
+from soma_edge import codec, protocol
+from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
+from worker import speculation
+
+NODES = ["a", "b", "c", "d"]  # one expert each: the trainer runs nodes of one expert
+
+
+def _step_budgets_bind(grid: FakeGrid) -> None:
+    """Each expert takes exactly its step budget: the time limit is far off (as in test_pipeline.py)."""
+    real = grid.push_messages
+
+    def push(messages):
+        for m in messages:
+            if m.metadata.message_type == protocol.TRAIN:
+                body = protocol.unpack(m.content, protocol.KIND_TRAIN)
+                m.content = protocol.pack({**body, "max_seconds": 600.0}, protocol.KIND_TRAIN)
+        return real(messages)
+
+    grid.push_messages = push
+
+
+def _no_trainer_left(root: Path, within: float = 20.0) -> bool:
+    until = time.monotonic() + within
+    while time.monotonic() < until:
+        if not any(speculation._held(root / n / speculation.FOLDER) for n in NODES):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, monkeypatch):
+    """From round 2 on, every round is trained by the trainer the round before started (claims), the
+    experts end bit for bit where workers without speculation end, and the run's end stops every trainer."""
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=4, min_nodes=4, deadline_slack=60.0)
+    cfg = run.load_config()
+    cfg.spsa.plateau = False  # the lr scale stays, so every round's key is the one its trainer ran
+    run.save_config(cfg)
+    claims: list[bool] = []
+    real_claim = speculation.claim
+
+    def counted(*args, **kwargs):
+        res = real_claim(*args, **kwargs)
+        claims.append(res is not None)
+        return res
+
+    monkeypatch.setattr(speculation, "claim", counted)
+    ends = {}
+    for speculate in (1, 0):
+        rd = type(run)(tmp_path / f"copy-{speculate}")
+        shutil.copytree(run.root, rd.root)
+        grid = FakeGrid(tmp_path / f"nodes-{speculate}", NODES)
+        for node in grid.nodes.values():
+            node["speculate"] = speculate
+        _step_budgets_bind(grid)
+        state = Coordinator(grid, rd).main()
+        ends[speculate] = {e: x.sha256 for e, x in state.experts.items()}
+        rounds = [m for m in rd.read_metrics() if m["type"] == "round"]
+        assert all(m["accepted"] == 4 for m in rounds)
+    assert ends[1] == ends[0]
+    # Round 1 brings version 0's optimizer state (no claim asked); rounds 2, 3 and 4 of 4 nodes are claimed.
+    assert claims.count(True) == 12, claims
+    assert _no_trainer_left(tmp_path / "nodes-1")
+
+
+def test_a_round_of_another_key_stops_the_trainer_and_trains_fresh(run, tmp_path, monkeypatch):
+    """When the next request differs from what the trainer ran (here: its config, in a key the worker
+    does not train by), the ClientApp
+    refuses the speculation, trains from the request's base itself, and the experts still end where
+    workers without speculation end."""
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=3, min_nodes=4, deadline_slack=60.0)
+    cfg = run.load_config()
+    cfg.spsa.plateau = False
+    run.save_config(cfg)
+    claims: list[bool] = []
+    real_claim = speculation.claim
+
+    def counted(*args, **kwargs):
+        res = real_claim(*args, **kwargs)
+        claims.append(res is not None)
+        return res
+
+    monkeypatch.setattr(speculation, "claim", counted)
+    ends = {}
+    for speculate in (1, 0):
+        rd = type(run)(tmp_path / f"copy-{speculate}")
+        shutil.copytree(run.root, rd.root)
+        grid = FakeGrid(tmp_path / f"nodes-{speculate}", NODES)
+        for node in grid.nodes.values():
+            node["speculate"] = speculate
+        real_push = grid.push_messages
+
+        def push(messages, real_push=real_push):
+            for m in messages:
+                if m.metadata.message_type == protocol.TRAIN:
+                    body = protocol.unpack(m.content, protocol.KIND_TRAIN)
+                    fed = {**body["config"]["federation"], "round_seconds": 1.0 + body["round"]}
+                    config = {**body["config"], "federation": fed}
+                    m.content = protocol.pack({**body, "config": config, "max_seconds": 600.0}, protocol.KIND_TRAIN)
+            return real_push(messages)
+
+        grid.push_messages = push
+        state = Coordinator(grid, rd).main()
+        ends[speculate] = {e: x.sha256 for e, x in state.experts.items()}
+    assert ends[1] == ends[0]
+    assert claims and not any(claims)
+    assert _no_trainer_left(tmp_path / "nodes-1")
+
+
+def _key(**kw) -> speculation.Key:
+    base = dict(node=1, run_id="r", expert=0, version=2, base_sha256="a" * 64, step=10, lr_scale=1.0)
+    return speculation.Key(**{**base, "shards": ("b" * 64,), "reply_dtype": "float32", "config": "c" * 64, **kw})
+
+
+def test_a_claim_on_no_live_trainer_trains_here_and_stops_it(tmp_path):
+    """A state left by a trainer that died (its lock is free), or a trainer of another key: the claim gives
+    the round back to the ClientApp at once, and no trainer is wanted any more."""
+    folder = tmp_path / speculation.FOLDER
+    folder.mkdir()
+    (folder / "current.json").write_text(json.dumps({"id": "x", "pid": os.getpid()}))
+    (folder / "state.json").write_text(json.dumps({"id": "x", "pid": os.getpid(), "key": _key().record()}))
+    t0 = time.monotonic()
+    assert speculation.claim(tmp_path, _key(), {"steps": 5}, 1.0) is None
+    assert time.monotonic() - t0 < 2.0
+    assert json.loads((folder / "current.json").read_text()) == {}
+    assert speculation.claim(tmp_path / "none", _key(), {"steps": 5}, 1.0) is None
+
+
+def test_a_trainer_that_is_not_wanted_or_cannot_read_its_spec_exits(tmp_path):
+    """A trainer whose spec is not the one current.json names (the run moved on while it started) exits
+    without training; a corrupt spec gets one warning line and exit status 2."""
+    folder = tmp_path / speculation.FOLDER
+    folder.mkdir()
+    (folder / "current.json").write_text(json.dumps({"id": "other", "pid": 1}))
+    spec = folder / "spec-x.msgpack"
+    spec.write_bytes(codec.encode({"id": "x"}, speculation.SPEC_KIND))
+    assert speculation.main([str(spec)]) == 0
+    assert not spec.exists() and not (folder / "state.json").exists()
+    spec.write_bytes(b"\x00not msgpack")
+    proc = subprocess.run([sys.executable, "-m", "worker.speculation", str(spec)], capture_output=True, text=True)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "the speculating trainer did not start" in err[0], proc.stderr

@@ -1,0 +1,410 @@
+"""A worker that keeps training while its reply crosses the link: the speculating trainer.
+
+Flower starts a fresh ClientApp process for every message, so between two rounds a worker sat idle: its
+reply went up, the coordinator took it and sent the next request, a new process started and built its
+sessions. On a 1 Mbit/s link that was ~10 s of a 60 s round at 8M.
+
+So the ClientApp that finishes a round of one expert starts this trainer (`soma-worker join` enables it;
+`--no-speculate` does not). It goes on from the version just sent, as the next round will most likely
+ask: the same expert, shards, config, lr scale and reply dtype, from the next version and step. The next
+request's ClientApp claims the round when its task has that key, and the trainer finishes it: the steps
+it ran before the request came are the ones a fresh process would have run from that base (their noise
+and batches come from the step's keys), and the round's budget counts its training seconds from there.
+A task with another key (the coordinator refused the version, moved the expert, changed the lr scale)
+stops the trainer, and the ClientApp trains from the base itself, as without speculation: nothing but
+idle compute is lost. After a claimed round the trainer goes on from its new version in the same way,
+with its sessions and state kept, so it starts once per run.
+
+One trainer per cache folder, under <cache>/speculation: `current.json` names the one wanted (none after
+a mismatched claim or the run's end), which holds `lock` for its life and says which round it trains in
+`state.json`; a ClientApp claims with `claim.json` and gets `result-<nonce>.msgpack` back. A trainer
+stops when it is no longer the one wanted, when the SuperExec that started its ClientApp is gone, or when
+no claim came for IDLE_SECONDS.
+
+    python -m worker.speculation SPEC   (started by the ClientApp; SPEC: a msgpack file in that folder)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("SOMA_BLOCK_TORCH") == "1" and "torch" not in sys.modules:
+    sys.modules["torch"] = None  # type: ignore[assignment]  # as in the ClientApp: the worker path is torch-free
+
+import fcntl
+import hashlib
+import json
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from soma_edge import codec, protocol
+from soma_edge import config as config_mod
+from soma_edge.checkpoint import atomic_write
+from soma_edge.corpus import SEPARATOR
+from soma_edge.errors import CheckpointError, SomaError
+from soma_edge.logs import role_logger
+from worker import probe, task
+from worker.cache import Cache
+from worker.trainer import TrainReport
+
+log = role_logger("soma.worker")
+
+FOLDER = "speculation"
+SPEC_KIND, RESULT_KIND = "speculation_spec", "speculated_result"
+POLL = 0.05  # seconds between looks for a claim (while idle) or a result
+LOCK_WAIT = 10.0  # a new trainer waits this long for the one it replaces to stop (one step of it)
+IDLE_SECONDS = 1800.0  # an unclaimed trainer stops after this long: a 91 MB weights reply takes 12 min at 1 Mbit/s
+RESULT_SLACK = 60.0  # a claimed round's result is given up on this long past its budget
+START_SECONDS = 20.0  # a claim waits this long for a trainer that is still starting
+
+
+@dataclass(frozen=True)
+class Key:
+    """What a round must match for the trainer's steps to be the ones it asks for."""
+
+    node: int
+    run_id: str
+    expert: int
+    version: int
+    base_sha256: str
+    step: int
+    lr_scale: float
+    shards: tuple[str, ...]
+    reply_dtype: str
+    config: str  # sha256 of the round's config
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "shards": list(self.shards)}
+
+
+def brings_base(t: protocol.Task) -> bool:
+    """Does task t bring its own base (weights, optimizer state, a downstream log)? No trainer ran from it."""
+    return any(t.get(k) is not None for k in ("weights", "opt", "base_log"))
+
+
+def key_of(node: int, run_id: str, config: dict[str, Any], reply_dtype: str, t: protocol.Task) -> Key:
+    """Task t's key."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return Key(
+        node=int(node),
+        run_id=str(run_id),
+        expert=int(t["expert"]),
+        version=int(t["version"]),
+        base_sha256=str(t["base_sha256"]),
+        step=int(t["step"]),
+        lr_scale=float(t["lr_scale"]),
+        shards=tuple(str(h) for h in t["shards"]),
+        reply_dtype=str(reply_dtype),
+        config=digest,
+    )
+
+
+def _next(key: Key, t: protocol.Task, res: dict[str, Any]) -> tuple[Key, dict[str, Any]]:
+    """The key and task of the round after `t`, whose result is `res`, as the coordinator will most likely send it."""
+    key = replace(key, version=res["version"], base_sha256=res["sha256"], step=res["step"])
+    nt = {**t, "version": key.version, "base_sha256": key.base_sha256, "step": key.step}
+    return key, {**nt, "weights": None, "opt": None, "base_log": None}
+
+
+# --- the ClientApp's side ----------------------------------------------------------------------------------
+
+
+def _held(folder: Path) -> bool:
+    """Does a trainer hold this folder's lock (is one alive)?"""
+    try:
+        with open(folder / "lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+    except OSError:
+        return False
+
+
+def _read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _current(folder: Path) -> dict[str, Any]:
+    """The trainer this folder wants ({"id", "pid"}), or {} for none."""
+    c = _read_json(folder / "current.json")
+    return c if isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("pid"), int) else {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def stop(root: Path) -> None:
+    """Stop this cache's trainer, if one runs (before its next step, or as soon as it has started)."""
+    folder = root / FOLDER
+    if folder.is_dir():
+        atomic_write(folder / "current.json", b"{}")
+
+
+def _ready(folder: Path) -> dict[str, Any] | None:
+    """The wanted trainer's state ({"id", "pid", "key"}) once it trains, waiting for it while it starts
+    (imports, its base read back, its sessions: seconds, which the round would spend on the same); None
+    if none is wanted, or it died or stopped."""
+    want, until = _current(folder), time.monotonic() + START_SECONDS
+    while want and time.monotonic() < until:
+        state = _read_json(folder / "state.json")
+        if isinstance(state, dict) and state.get("id") == want["id"]:
+            return state if _held(folder) else None
+        if not _alive(want["pid"]) or _current(folder) != want:
+            return None
+        time.sleep(POLL)
+    return None
+
+
+def claim(root: Path, key: Key, t: protocol.Task, budget: float) -> dict[str, Any] | None:
+    """Task t's result (as sent), trained by this cache's trainer where it ran from t's base for t's key,
+    within `budget` seconds of training and t's step cap; None if it did not (any trainer is then
+    stopped), and the ClientApp trains t."""
+    folder = root / FOLDER
+    state = _ready(folder)
+    if state is None or state.get("key") != key.record():
+        stop(root)
+        return None
+    nonce = uuid.uuid4().hex
+    request = {"nonce": nonce, "key": key.record(), "budget": float(budget), "steps": int(t["steps"]), "task": t}
+    atomic_write(folder / "claim.json", json.dumps(request).encode())
+    path, give_up = folder / f"result-{nonce}.msgpack", time.monotonic() + budget + RESULT_SLACK
+    while time.monotonic() < give_up:
+        if path.exists():
+            try:
+                res = codec.decode(path.read_bytes(), RESULT_KIND)
+            except (OSError, SomaError) as e:
+                log.warning(
+                    "expert %d: the speculating trainer's result does not read (%s); training here", key.expert, e
+                )
+                return None
+            finally:
+                path.unlink(missing_ok=True)
+            if not isinstance(res, dict) or "refused" in res:
+                why = res.get("refused") if isinstance(res, dict) else "not a result"
+                log.info("expert %d: the speculating trainer did not take the round (%s)", key.expert, why)
+                return None
+            return res
+        if not _held(folder) or not _alive(state["pid"]):
+            log.warning("expert %d: the speculating trainer stopped before its result; training here", key.expert)
+            return None
+        time.sleep(POLL)
+    stop(root)
+    log.warning("expert %d: no result from the speculating trainer in %.0f s; training here", key.expert, budget)
+    return None
+
+
+def spawn(
+    root: Path,
+    key: Key,
+    t: protocol.Task,
+    res: dict[str, Any],
+    config: dict[str, Any],
+    budget: float,
+    settings: dict[str, Any],
+) -> None:
+    """Start a trainer on the round after `t`, from its result `res`, whose version is in the cache; any
+    trainer before it stops."""
+    folder = root / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    key, nt = _next(key, t, res)
+    ident = uuid.uuid4().hex
+    spec = {"id": ident, "key": key.record(), "task": nt, "config": config, "budget": budget}
+    spec.update(settings=settings, watch=os.getppid())
+    path = folder / f"spec-{ident}.msgpack"
+    atomic_write(path, codec.encode(spec, SPEC_KIND))
+    atomic_write(folder / "current.json", json.dumps({"id": ident, "pid": os.getpid()}).encode())  # before it looks
+    # Our stderr: its lines go where the ClientApp's go. Its own process group stays ours (the SuperNode's),
+    # so stopping the worker's group stops it too.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.speculation", str(path)], stdin=subprocess.DEVNULL, close_fds=True
+    )
+    atomic_write(folder / "current.json", json.dumps({"id": ident, "pid": proc.pid}).encode())
+
+
+# --- the trainer ---------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Trains one expert round after round, each from the version it last sent, until a round is not
+    claimed or it is told to stop."""
+
+    def __init__(self, folder: Path, spec: dict[str, Any], cache: Cache, state, data: np.ndarray, evaluator) -> None:
+        self.folder, self.cache, self.state, self.data, self.evaluator = folder, cache, state, data, evaluator
+        self.cfg = config_mod.from_dict(spec["config"])
+        self.key = Key(**{**spec["key"], "shards": tuple(spec["key"]["shards"])})
+        self.task: dict[str, Any] = spec["task"]
+        self.budget, self.watch, self.id = float(spec["budget"]), int(spec["watch"]), str(spec["id"])
+        self.claimed: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        while self._round():
+            pass
+
+    def _gone(self) -> bool:
+        """Told to stop (another trainer is wanted, or none), or the SuperExec of our ClientApp is gone."""
+        return _current(self.folder).get("id") != self.id or not _alive(self.watch)
+
+    def _interrupt(self) -> bool:
+        return self._gone() or (self.claimed is None and (self.folder / "claim.json").exists())
+
+    def _take_claim(self) -> dict[str, Any] | None:
+        path = self.folder / "claim.json"
+        c = _read_json(path)
+        path.unlink(missing_ok=True)
+        return c if isinstance(c, dict) and isinstance(c.get("nonce"), str) else None
+
+    def _refusal(self, c: dict[str, Any], done: int) -> str | None:
+        if c.get("key") != self.key.record():
+            return "it trained another round"
+        if not isinstance(c.get("steps"), int) or not isinstance(c.get("budget"), (int, float)):
+            return "a malformed claim"
+        if c["steps"] < done:
+            return f"it ran {done} steps, over the task's {c['steps']}"
+        return None
+
+    def _answer(self, nonce: str, body: dict[str, Any]) -> None:
+        atomic_write(self.folder / f"result-{nonce}.msgpack", codec.encode(body, RESULT_KIND))
+
+    def _round(self) -> bool:
+        """Train one round from the current version until it is claimed and done; False to stop."""
+        atomic_write(
+            self.folder / "state.json",
+            json.dumps({"id": self.id, "pid": os.getpid(), "key": self.key.record()}).encode(),
+        )
+        start, base_decoder = self.state.step, task.decoder_base(self.cfg, self.state)
+        rep = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
+        budget, cap, idle_from = self.budget, int(self.task["steps"]), time.monotonic()
+        self.claimed = None
+        while True:
+            if self._gone():
+                return False
+            if self.claimed is None and (self.folder / "claim.json").exists():
+                c = self._take_claim()
+                if c is None:
+                    continue
+                why = self._refusal(c, rep.steps)
+                if why:
+                    self._answer(c["nonce"], {"refused": why})
+                    return False
+                self.claimed, budget, cap = c, float(c["budget"]), int(c["steps"])
+            left, steps_left = budget - rep.seconds, cap - rep.steps
+            if left > 0 and steps_left > 0:
+                more = task.train_loop(
+                    self.state,
+                    self.data,
+                    self.cfg,
+                    self.evaluator,
+                    expert=self.key.expert,
+                    steps=steps_left,
+                    seconds=left,
+                    stop=self._interrupt,
+                )
+                rep.add(more)
+                if more.steps:
+                    idle_from = time.monotonic()
+                continue
+            if self.claimed is not None:
+                break
+            if time.monotonic() - idle_from > IDLE_SECONDS:
+                return False
+            time.sleep(POLL)
+        t = self.claimed["task"]
+        res = task.finish(t, self.cfg, self.state, start, base_decoder, rep, self.key.reply_dtype)
+        self._answer(self.claimed["nonce"], task.as_reply(t, res))
+        task.keep(self.cache, res, self.key.run_id)
+        self.key, self.task = _next(self.key, t, res)
+        self.budget = budget
+        self.state = task.base_state(self.task, res["weights"], res["opt"])  # as the next ClientApp would load it
+        return True
+
+
+def _start(folder: Path, spec: dict[str, Any]) -> Trainer | None:
+    """The trainer of `spec`, with its base version and shards from the cache (None where one is gone)."""
+    s, cfg, t = spec["settings"], config_mod.from_dict(spec["config"]), spec["task"]
+    cache = Cache(Path(s["cache"]), max_bytes=int(s["cache_bytes"]), keep_versions=cfg.federation.keep_versions)
+    hit = cache.get_weights(t["base_sha256"])
+    shards = [cache.get_shard(h) for h in t["shards"]]
+    if hit is None or any(x is None for x in shards):
+        return None
+    state = task.base_state(t, hit["weights"], hit.get("opt"))
+    data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
+    device, threads, spin, parallel = s["device"], int(s["threads"]), bool(s["spin"]), int(s["parallel"])
+    caps = probe.capabilities(cfg, cache, device, threads, spin, parallel, float(s["probe_seconds"]))
+    evaluator = probe.make_evaluator(cfg, device, threads, spin, parallel, probe.chosen(caps))
+    return Trainer(folder, spec, cache, state, data, evaluator)
+
+
+def _lock(folder: Path):
+    """This folder's lock, held (the file stays open), once the trainer it replaces has stopped; None if
+    that one does not stop within LOCK_WAIT."""
+    f = open(folder / "lock", "a+")
+    until = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except BlockingIOError:
+            if time.monotonic() > until:
+                f.close()
+                return None
+            time.sleep(POLL)
+
+
+def main(argv: list[str]) -> int:
+    path = Path(argv[0])
+    folder = path.parent
+    try:
+        spec = codec.decode(path.read_bytes(), SPEC_KIND)
+    except (OSError, SomaError) as e:
+        log.warning("the speculating trainer did not start: %s", e)
+        return 2
+    finally:
+        path.unlink(missing_ok=True)
+    lock = _lock(folder)
+    if lock is None:
+        return 0
+    try:
+        if _current(folder).get("id") != spec["id"]:
+            return 0  # stopped, or another trainer is wanted, before this one started
+        stale = _read_json(folder / "claim.json")  # a claim on the trainer before this one, which stopped
+        (folder / "claim.json").unlink(missing_ok=True)
+        if isinstance(stale, dict) and isinstance(stale.get("nonce"), str):
+            body = codec.encode({"refused": "it stopped"}, RESULT_KIND)
+            atomic_write(folder / f"result-{stale['nonce']}.msgpack", body)
+        trainer = _start(folder, spec)
+        if trainer is not None:
+            log.info(
+                "expert %d: training on from version %d while the reply goes up",
+                trainer.key.expert,
+                trainer.key.version,
+            )
+            trainer.run()
+    except (CheckpointError, SomaError, OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("the speculating trainer stopped: %s", e)
+    finally:
+        (folder / "state.json").unlink(missing_ok=True)
+        lock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
