@@ -12,7 +12,7 @@ import pytest
 from coordinator import guard
 from coordinator.loop import Coordinator, Loop
 from soma_edge import checkpoint, protocol
-from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
+from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed, step_budgets_bind
 
 
 def _trains(grid: FakeGrid) -> list[tuple[int, int, dict]]:
@@ -37,28 +37,12 @@ def _commits(run, grid: FakeGrid) -> list[int]:
     return marks
 
 
-def _step_budgets_bind(grid: FakeGrid) -> None:
-    """Train requests carry a time limit (max_seconds) far above what their step budgets need, so that each
-    expert takes exactly its budget of steps. Under the round's own limit (round_seconds, 0.2 s: 0.1 s an
-    expert) a busy box once stopped an expert at 58 of its 60 steps in one copy and not in the other."""
-    real = grid.push_messages
-
-    def push(messages):
-        for m in messages:
-            if m.metadata.message_type == protocol.TRAIN:
-                body = protocol.unpack(m.content, protocol.KIND_TRAIN)
-                m.content = protocol.pack({**body, "max_seconds": 600.0}, protocol.KIND_TRAIN)
-        return real(messages)
-
-    grid.push_messages = push
-
-
 def test_pipelining_changes_when_rounds_start_not_what_they_compute(run, tmp_path, monkeypatch):
     """Rounds 2 and 3 go out before the commit of the round before, from the versions its replies claim
     (which their nodes hold: no weights travel); the experts end bit for bit where rounds that wait for
     each other's checks end; and the rounds' spans tile the run."""
     equal_rates(monkeypatch)
-    # The step budgets bind (`_step_budgets_bind`); a deadline far off, so that a slow step on a busy box
+    # The step budgets bind (`step_budgets_bind`); a deadline far off, so that a slow step on a busy box
     # cannot make a reply late either (a late reply makes the next round wait for the commit).
     set_fed(run, rounds=3, deadline_slack=60.0)
     cfg = run.load_config()
@@ -70,7 +54,7 @@ def test_pipelining_changes_when_rounds_start_not_what_they_compute(run, tmp_pat
         shutil.copytree(run.root, rd.root)
         set_fed(rd, pipeline=pipeline)
         grid = FakeGrid(tmp_path / f"nodes-{pipeline}", ["a", "b"])
-        _step_budgets_bind(grid)
+        step_budgets_bind(grid)
         marks = _commits(rd, grid)
         t0 = time.monotonic()
         state = Coordinator(grid, rd).main()

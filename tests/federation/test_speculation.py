@@ -13,25 +13,11 @@ import time
 from pathlib import Path
 
 from coordinator.loop import Coordinator
-from soma_edge import codec, protocol
-from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
+from soma_edge import codec
+from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed, step_budgets_bind
 from worker import speculation
 
 NODES = ["a", "b", "c", "d"]  # one expert each: the trainer runs nodes of one expert
-
-
-def _step_budgets_bind(grid: FakeGrid) -> None:
-    """Each expert takes exactly its step budget: the time limit is far off (as in test_pipeline.py)."""
-    real = grid.push_messages
-
-    def push(messages):
-        for m in messages:
-            if m.metadata.message_type == protocol.TRAIN:
-                body = protocol.unpack(m.content, protocol.KIND_TRAIN)
-                m.content = protocol.pack({**body, "max_seconds": 600.0}, protocol.KIND_TRAIN)
-        return real(messages)
-
-    grid.push_messages = push
 
 
 def _no_trainer_left(root: Path, within: float = 20.0) -> bool:
@@ -43,11 +29,12 @@ def _no_trainer_left(root: Path, within: float = 20.0) -> bool:
     return False
 
 
-def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, monkeypatch):
-    """From round 2 on, every round is trained by the trainer the round before started (claims), the
-    experts end bit for bit where workers without speculation end, and the run's end stops every trainer."""
+def _with_and_without(run, tmp_path, monkeypatch, rounds: int, request=None) -> tuple[dict, dict, list[bool]]:
+    """The experts' final hashes with speculation on and off, from one prepared run, and whether each
+    claim got the trainer's result. Each expert takes exactly its step budget (`step_budgets_bind`);
+    `request(body)`, where given, edits every train request's body."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=4, min_nodes=4, deadline_slack=60.0)
+    set_fed(run, rounds=rounds, min_nodes=4, deadline_slack=60.0)
     cfg = run.load_config()
     cfg.spsa.plateau = False  # the lr scale stays, so every round's key is the one its trainer ran
     run.save_config(cfg)
@@ -67,12 +54,18 @@ def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, mo
         grid = FakeGrid(tmp_path / f"nodes-{speculate}", NODES)
         for node in grid.nodes.values():
             node["speculate"] = speculate
-        _step_budgets_bind(grid)
+        step_budgets_bind(grid, request)
         state = Coordinator(grid, rd).main()
         ends[speculate] = {e: x.sha256 for e, x in state.experts.items()}
-        rounds = [m for m in rd.read_metrics() if m["type"] == "round"]
-        assert all(m["accepted"] == 4 for m in rounds)
-    assert ends[1] == ends[0]
+        assert all(m["accepted"] == 4 for m in rd.read_metrics() if m["type"] == "round")
+    return ends[1], ends[0], claims
+
+
+def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, monkeypatch):
+    """From round 2 on, every round is trained by the trainer the round before started (claims), the
+    experts end bit for bit where workers without speculation end, and the run's end stops every trainer."""
+    on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=4)
+    assert on == off
     # Round 1 brings version 0's optimizer state (no claim asked); rounds 2, 3 and 4 of 4 nodes are claimed.
     assert claims.count(True) == 12, claims
     assert _no_trainer_left(tmp_path / "nodes-1")
@@ -80,45 +73,15 @@ def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, mo
 
 def test_a_round_of_another_key_stops_the_trainer_and_trains_fresh(run, tmp_path, monkeypatch):
     """When the next request differs from what the trainer ran (here: its config, in a key the worker
-    does not train by), the ClientApp
-    refuses the speculation, trains from the request's base itself, and the experts still end where
-    workers without speculation end."""
-    equal_rates(monkeypatch)
-    set_fed(run, rounds=3, min_nodes=4, deadline_slack=60.0)
-    cfg = run.load_config()
-    cfg.spsa.plateau = False
-    run.save_config(cfg)
-    claims: list[bool] = []
-    real_claim = speculation.claim
+    does not train by), the ClientApp refuses the speculation, trains from the request's base itself,
+    and the experts still end where workers without speculation end."""
 
-    def counted(*args, **kwargs):
-        res = real_claim(*args, **kwargs)
-        claims.append(res is not None)
-        return res
+    def new_config(body):
+        fed = {**body["config"]["federation"], "round_seconds": 1.0 + body["round"]}
+        return {**body, "config": {**body["config"], "federation": fed}}
 
-    monkeypatch.setattr(speculation, "claim", counted)
-    ends = {}
-    for speculate in (1, 0):
-        rd = type(run)(tmp_path / f"copy-{speculate}")
-        shutil.copytree(run.root, rd.root)
-        grid = FakeGrid(tmp_path / f"nodes-{speculate}", NODES)
-        for node in grid.nodes.values():
-            node["speculate"] = speculate
-        real_push = grid.push_messages
-
-        def push(messages, real_push=real_push):
-            for m in messages:
-                if m.metadata.message_type == protocol.TRAIN:
-                    body = protocol.unpack(m.content, protocol.KIND_TRAIN)
-                    fed = {**body["config"]["federation"], "round_seconds": 1.0 + body["round"]}
-                    config = {**body["config"], "federation": fed}
-                    m.content = protocol.pack({**body, "config": config, "max_seconds": 600.0}, protocol.KIND_TRAIN)
-            return real_push(messages)
-
-        grid.push_messages = push
-        state = Coordinator(grid, rd).main()
-        ends[speculate] = {e: x.sha256 for e, x in state.experts.items()}
-    assert ends[1] == ends[0]
+    on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=3, request=new_config)
+    assert on == off
     assert claims and not any(claims)
     assert _no_trainer_left(tmp_path / "nodes-1")
 

@@ -157,6 +157,24 @@ def set_fed(rd: RunDir, **fed) -> None:
     rd.save_config(config_mod.validate(cfg))
 
 
+def step_budgets_bind(grid: FakeGrid, request=None) -> None:
+    """Train requests carry a time limit (max_seconds) far above what their step budgets need, so that each
+    expert takes exactly its budget of steps. Under the round's own limit (round_seconds, 0.2 s: 0.1 s an
+    expert) a busy box once stopped an expert at 58 of its 60 steps in one copy and not in the other.
+    `request(body)`, where given, edits each train request's body too."""
+    real = grid.push_messages
+
+    def push(messages):
+        for m in messages:
+            if m.metadata.message_type == protocol.TRAIN:
+                body = protocol.unpack(m.content, protocol.KIND_TRAIN)
+                body = request(body) if request else body
+                m.content = protocol.pack({**body, "max_seconds": 600.0}, protocol.KIND_TRAIN)
+        return real(messages)
+
+    grid.push_messages = push
+
+
 def equal_rates(monkeypatch) -> None:
     """Nodes claim, and keep, 1000 evals/s: the probe and the measured rates are noisy on a busy box, and a
     2x difference between two nodes rightly moves an expert."""
