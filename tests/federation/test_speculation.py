@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,3 +120,28 @@ def test_a_trainer_that_is_not_wanted_or_cannot_read_its_spec_exits(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "worker.speculation", str(spec)], capture_output=True, text=True)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and "the speculating trainer did not start" in err[0], proc.stderr
+
+
+def test_a_trainer_killed_mid_round_gives_the_round_back(tmp_path):
+    """The ClientApp has claimed the round, and the trainer dies (kill -9) before its result: the claim
+    gives the round back within a second or two, and the ClientApp trains it."""
+    folder = tmp_path / speculation.FOLDER
+    folder.mkdir()
+    hold = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print(1, flush=True); time.sleep(60)"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", hold, str(folder / "lock")], stdout=subprocess.PIPE)
+    try:
+        assert trainer.stdout.readline().strip() == b"1"
+        (folder / "current.json").write_text(json.dumps({"id": "x", "pid": trainer.pid}))
+        (folder / "state.json").write_text(json.dumps({"id": "x", "pid": trainer.pid, "key": _key().record()}))
+        killer = threading.Timer(1.0, trainer.kill)
+        killer.start()
+        t0 = time.monotonic()
+        assert speculation.claim(tmp_path, _key(), {"steps": 5}, 30.0) is None
+        assert 0.9 < time.monotonic() - t0 < 5.0
+        assert json.loads((folder / "claim.json").read_text())["key"] == _key().record()  # it had claimed
+    finally:
+        trainer.kill()
+        trainer.wait()
