@@ -189,19 +189,9 @@ def claim(root: Path, key: Key, t: protocol.Task, budget: float) -> dict[str, An
     path, give_up = folder / f"result-{nonce}.msgpack", time.monotonic() + budget + RESULT_SLACK
     while time.monotonic() < give_up:
         if path.exists():
-            try:
-                res = codec.decode(path.read_bytes(), RESULT_KIND)
-            except (OSError, SomaError) as e:
-                log.warning(
-                    "expert %d: the speculating trainer's result does not read (%s); training here", key.expert, e
-                )
-                return None
-            finally:
-                path.unlink(missing_ok=True)
-            if not isinstance(res, dict) or "refused" in res:
-                why = res.get("refused") if isinstance(res, dict) else "not a result"
-                log.info("expert %d: the speculating trainer did not take the round (%s)", key.expert, why)
-                return None
+            res = _result(path, key)
+            if res is None:
+                stop(root)
             return res
         if not _held(folder) or not _alive(state["pid"]):
             log.warning("expert %d: the speculating trainer stopped before its result; training here", key.expert)
@@ -210,6 +200,26 @@ def claim(root: Path, key: Key, t: protocol.Task, budget: float) -> dict[str, An
     stop(root)
     log.warning("expert %d: no result from the speculating trainer in %.0f s; training here", key.expert, budget)
     return None
+
+
+def _result(path: Path, key: Key) -> dict[str, Any] | None:
+    """The trainer's answer to a claim: its result, or None (it refused, or the answer does not read)."""
+    try:
+        res = codec.decode(path.read_bytes(), RESULT_KIND)
+    except (OSError, SomaError) as e:
+        res = {"refused": f"its answer does not read: {e}"}
+    finally:
+        path.unlink(missing_ok=True)
+    if not isinstance(res, dict):
+        res = {"refused": "its answer is not a map"}
+    elif "refused" not in res and (res.get("expert"), res.get("base_sha256")) != (key.expert, key.base_sha256):
+        res = {"refused": "its answer is the result of another round"}
+    if "refused" in res:
+        log.info(
+            "expert %d: the speculating trainer did not give the round (%s); training here", key.expert, res["refused"]
+        )
+        return None
+    return res
 
 
 def spawn(
@@ -272,6 +282,11 @@ class Trainer:
         path.unlink(missing_ok=True)
         return c if isinstance(c, dict) and isinstance(c.get("nonce"), str) else None
 
+    def _advertise(self) -> None:
+        """Say which round this trainer trains: a claim must have its key."""
+        body = {"id": self.id, "pid": os.getpid(), "key": self.key.record()}
+        atomic_write(self.folder / "state.json", json.dumps(body).encode())
+
     def _refusal(self, c: dict[str, Any], done: int) -> str | None:
         if c.get("key") != self.key.record():
             return "it trained another round"
@@ -286,10 +301,7 @@ class Trainer:
 
     def _round(self) -> bool:
         """Train one round from the current version until it is claimed and done; False to stop."""
-        atomic_write(
-            self.folder / "state.json",
-            json.dumps({"id": self.id, "pid": os.getpid(), "key": self.key.record()}).encode(),
-        )
+        self._advertise()
         start, base_decoder = self.state.step, task.decoder_base(self.cfg, self.state)
         rep = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
         budget, cap, idle_from = self.budget, int(self.task["steps"]), time.monotonic()
@@ -330,8 +342,9 @@ class Trainer:
         t = self.claimed["task"]
         res = task.finish(t, self.cfg, self.state, start, base_decoder, rep, self.key.reply_dtype)
         self._answer(self.claimed["nonce"], task.as_reply(t, res))
-        task.keep(self.cache, res, self.key.run_id)
         self.key, self.task = _next(self.key, t, res)
+        self._advertise()  # before the cache write (0.5 s at 8M): a claim may come from then on
+        task.keep(self.cache, res, self.key.run_id)
         self.budget = budget
         self.state = task.base_state(self.task, res["weights"], res["opt"])  # as the next ClientApp would load it
         return True

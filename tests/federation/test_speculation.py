@@ -122,26 +122,60 @@ def test_a_trainer_that_is_not_wanted_or_cannot_read_its_spec_exits(tmp_path):
     assert proc.returncode == 2 and len(err) == 1 and "the speculating trainer did not start" in err[0], proc.stderr
 
 
+def _fake_trainer(folder: Path, then: str) -> subprocess.Popen:
+    """A process that holds the trainer's lock and says it trains round `_key()`; once claimed, it runs
+    `then` (Python, with `claim`: the claim's record, and `folder`)."""
+    script = (
+        "import fcntl, json, pathlib, sys, time\n"
+        "folder = pathlib.Path(sys.argv[1]); f = open(folder / 'lock', 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print(1, flush=True)\n"
+        "while not (folder / 'claim.json').exists(): time.sleep(0.02)\n"
+        "claim = json.loads((folder / 'claim.json').read_text()); (folder / 'claim.json').unlink()\n"
+        + then
+        + "\ntime.sleep(60)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE)
+    assert trainer.stdout.readline().strip() == b"1"
+    (folder / "current.json").write_text(json.dumps({"id": "x", "pid": trainer.pid}))
+    (folder / "state.json").write_text(json.dumps({"id": "x", "pid": trainer.pid, "key": _key().record()}))
+    return trainer
+
+
+def test_a_trainer_whose_answer_does_not_read_gives_the_round_back(tmp_path):
+    """A corrupt answer, or the result of another round: the claim gives the round back at once, in one
+    line, and no trainer is wanted any more."""
+    folder = tmp_path / speculation.FOLDER
+    folder.mkdir()
+    for then in (
+        "(folder / f\"result-{claim['nonce']}.msgpack\").write_bytes(b'\\x00garbage')",
+        "import numpy; from soma_edge import codec\n"
+        "body = codec.encode({'expert': 9, 'base_sha256': 'f' * 64}, 'speculated_result')\n"
+        "(folder / f\"result-{claim['nonce']}.msgpack\").write_bytes(body)",
+    ):
+        trainer = _fake_trainer(folder, then)
+        try:
+            t0 = time.monotonic()
+            assert speculation.claim(tmp_path, _key(), {"steps": 5}, 30.0) is None
+            assert time.monotonic() - t0 < 5.0
+            assert json.loads((folder / "current.json").read_text()) == {}
+        finally:
+            trainer.kill()
+            trainer.wait()
+
+
 def test_a_trainer_killed_mid_round_gives_the_round_back(tmp_path):
     """The ClientApp has claimed the round, and the trainer dies (kill -9) before its result: the claim
     gives the round back within a second or two, and the ClientApp trains it."""
     folder = tmp_path / speculation.FOLDER
     folder.mkdir()
-    hold = (
-        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
-        "print(1, flush=True); time.sleep(60)"
-    )
-    trainer = subprocess.Popen([sys.executable, "-c", hold, str(folder / "lock")], stdout=subprocess.PIPE)
+    trainer = _fake_trainer(folder, "pass")
     try:
-        assert trainer.stdout.readline().strip() == b"1"
-        (folder / "current.json").write_text(json.dumps({"id": "x", "pid": trainer.pid}))
-        (folder / "state.json").write_text(json.dumps({"id": "x", "pid": trainer.pid, "key": _key().record()}))
         killer = threading.Timer(1.0, trainer.kill)
         killer.start()
         t0 = time.monotonic()
         assert speculation.claim(tmp_path, _key(), {"steps": 5}, 30.0) is None
         assert 0.9 < time.monotonic() - t0 < 5.0
-        assert json.loads((folder / "claim.json").read_text())["key"] == _key().record()  # it had claimed
+        assert not (folder / "claim.json").exists()  # the claim was made, and taken
     finally:
         trainer.kill()
         trainer.wait()
