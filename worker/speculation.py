@@ -50,6 +50,7 @@ from soma_edge.checkpoint import atomic_write
 from soma_edge.corpus import SEPARATOR
 from soma_edge.errors import CheckpointError, SomaError
 from soma_edge.logs import role_logger
+from soma_edge.pids import pid_alive
 from worker import probe, task
 from worker.cache import Cache
 from worker.trainer import TrainReport
@@ -142,16 +143,6 @@ def _current(folder: Path) -> dict[str, Any]:
     return c if isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("pid"), int) else {}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def stop(root: Path) -> None:
     """Stop this cache's trainer, if one runs (before its next step, or as soon as it has started)."""
     folder = root / FOLDER
@@ -168,7 +159,7 @@ def _ready(folder: Path) -> dict[str, Any] | None:
         state = _read_json(folder / "state.json")
         if isinstance(state, dict) and state.get("id") == want["id"]:
             return state if _held(folder) else None
-        if not _alive(want["pid"]) or _current(folder) != want:
+        if not pid_alive(want["pid"]) or _current(folder) != want:
             return None
         time.sleep(POLL)
     return None
@@ -193,7 +184,7 @@ def claim(root: Path, key: Key, t: protocol.Task, budget: float) -> dict[str, An
             if res is None:
                 stop(root)
             return res
-        if not _held(folder) or not _alive(state["pid"]):
+        if not _held(folder) or not pid_alive(state["pid"]):
             log.warning("expert %d: the speculating trainer stopped before its result; training here", key.expert)
             return None
         time.sleep(POLL)
@@ -271,7 +262,7 @@ class Trainer:
 
     def _gone(self) -> bool:
         """Told to stop (another trainer is wanted, or none), or the SuperExec of our ClientApp is gone."""
-        return _current(self.folder).get("id") != self.id or not _alive(self.watch)
+        return _current(self.folder).get("id") != self.id or not pid_alive(self.watch)
 
     def _interrupt(self) -> bool:
         return self._gone() or (self.claimed is None and (self.folder / "claim.json").exists())
