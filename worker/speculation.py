@@ -130,6 +130,11 @@ def _held(folder: Path) -> bool:
         return False
 
 
+def running(root: Path) -> bool:
+    """Does a trainer run for this cache folder?"""
+    return _held(root / FOLDER)
+
+
 def _read_json(path: Path) -> Any | None:
     try:
         return json.loads(path.read_text())

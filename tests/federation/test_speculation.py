@@ -24,7 +24,7 @@ NODES = ["a", "b", "c", "d"]  # one expert each: the trainer runs nodes of one e
 def _no_trainer_left(root: Path, within: float = 20.0) -> bool:
     until = time.monotonic() + within
     while time.monotonic() < until:
-        if not any(speculation._held(root / n / speculation.FOLDER) for n in NODES):
+        if not any(speculation.running(root / n) for n in NODES):
             return True
         time.sleep(0.1)
     return False
