@@ -144,8 +144,8 @@ def join_cmd(
     no_speculate: bool = typer.Option(
         False,
         "--no-speculate",
-        help="Do not go on training an expert while its reply goes up and the next request comes down "
-        "(what a round that asks for other work then discards is idle compute).",
+        help="Do not train an expert on while its reply is in flight (the next request takes those steps "
+        "when it asks for the same expert from the version just sent).",
     ),
     parallel: int = typer.Option(
         0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."
