@@ -2,7 +2,9 @@
 takes heartbeat advice.
 
 The SuperNode starts a fresh process for every message, so all state between rounds lives in the disk
-cache (`worker.cache`): shards by hash, weights by version hash, the throughput probe. Settings come
+cache (`worker.cache`): shards by hash, weights by version hash, the throughput probe. The one process
+that outlives a message is the speculating trainer (`worker.speculation`), which trains on while a reply
+is in flight and hands the next round back when it is the one the trainer ran. Settings come
 from the SuperNode's `--node-config` (name, cache, device, threads, spin), which `soma-worker join` sets.
 
 With SOMA_BLOCK_TORCH=1 in the environment (`soma-worker join` always sets it) torch is made
