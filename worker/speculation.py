@@ -47,10 +47,12 @@ import numpy as np
 from soma_edge import codec, protocol
 from soma_edge import config as config_mod
 from soma_edge.checkpoint import atomic_write
+from soma_edge.config import Config
 from soma_edge.corpus import SEPARATOR
 from soma_edge.errors import CheckpointError, SomaError
 from soma_edge.logs import role_logger
 from soma_edge.pids import pid_alive
+from soma_edge.spsa import State
 from worker import probe, task
 from worker.cache import Cache
 from worker.trainer import TrainReport
@@ -253,9 +255,11 @@ class Trainer:
     """Trains one expert round after round, each from the version it last sent, until a round is not
     claimed or it is told to stop."""
 
-    def __init__(self, folder: Path, spec: dict[str, Any], cache: Cache, state, data: np.ndarray, evaluator) -> None:
-        self.folder, self.cache, self.state, self.data, self.evaluator = folder, cache, state, data, evaluator
-        self.cfg = config_mod.from_dict(spec["config"])
+    def __init__(
+        self, folder: Path, spec: dict[str, Any], cfg: Config, cache: Cache, state: State, data: np.ndarray, evaluator
+    ) -> None:
+        self.folder, self.cfg, self.cache, self.state, self.data = folder, cfg, cache, state, data
+        self.evaluator = evaluator
         self.key = Key(**{**spec["key"], "shards": tuple(spec["key"]["shards"])})
         self.task: dict[str, Any] = spec["task"]
         self.budget, self.watch, self.id = float(spec["budget"]), int(spec["watch"]), str(spec["id"])
@@ -359,7 +363,7 @@ def _start(folder: Path, spec: dict[str, Any]) -> Trainer | None:
     device, threads, spin, parallel = s["device"], int(s["threads"]), bool(s["spin"]), int(s["parallel"])
     caps = probe.capabilities(cfg, cache, device, threads, spin, parallel, float(s["probe_seconds"]))
     evaluator = probe.make_evaluator(cfg, device, threads, spin, parallel, probe.chosen(caps))
-    return Trainer(folder, spec, cache, state, data, evaluator)
+    return Trainer(folder, spec, cfg, cache, state, data, evaluator)
 
 
 def _lock(folder: Path):
