@@ -86,6 +86,10 @@ class Key:
     def record(self) -> dict[str, Any]:
         return {**asdict(self), "shards": list(self.shards)}
 
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> "Key":
+        return cls(**{**rec, "shards": tuple(rec["shards"])})
+
 
 def brings_base(t: protocol.Task) -> bool:
     """Does task t bring its own base (weights, optimizer state, a downstream log)? No trainer ran from it."""
@@ -260,7 +264,7 @@ class Trainer:
     ) -> None:
         self.folder, self.cfg, self.cache, self.state, self.data = folder, cfg, cache, state, data
         self.evaluator = evaluator
-        self.key = Key(**{**spec["key"], "shards": tuple(spec["key"]["shards"])})
+        self.key = Key.from_record(spec["key"])
         self.task: dict[str, Any] = spec["task"]
         self.budget, self.watch, self.id = float(spec["budget"]), int(spec["watch"]), str(spec["id"])
         self.claimed: dict[str, Any] | None = None
