@@ -1,11 +1,12 @@
 """The population evaluator: one ORT call gives a step's clean forward and its 2K perturbed losses on one
 minibatch (the graph: soma_edge.population_graph), where runtime.LossEvaluator takes 2K + 1 calls.
 
-Also the bridge between the host's noise and the graph's noise inputs: `noise_feeds` cuts K flat
-directions (the Stepper's z over the flat vector) into the graph's per-tensor inputs, `factor_feeds` lays
-out K rank-1 directions' factors (spsa.rank1_factors), and `direction` materializes member j's dense z
-from them (the looped reference, and what an update sums). `for_config` builds the evaluator a run's
-config trains with (runtime.evaluator_for), and `PopulationEvaluator.members` is what the Stepper calls.
+Also the bridge between the host's noise and the graph's noise inputs: dense Rademacher directions cross as
+their keyed bits (`graph_noise`), `noise_feeds` cuts K flat directions (the Stepper's z over the flat vector)
+into the graph's per-tensor inputs, `factor_feeds` lays out K rank-1 directions' factors
+(spsa.rank1_factors), and `direction` materializes member j's dense z from them (the looped reference, and
+what an update sums). `for_config` builds the evaluator a run's config trains with (runtime.evaluator_for),
+and `PopulationEvaluator.members` is what the Stepper calls.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, ModelConfig, SPSAConfig
 from soma_edge.config import Noise as SPSANoise
 from soma_edge.params import Layout, layout
-from soma_edge.population_graph import Noise, NoiseInput, build_population, core_shape, noise_inputs
+from soma_edge.population_graph import Noise, NoiseInput, build_population, core_shape, noise_inputs, perturbed_size
 from soma_edge.runtime import make_session
 from soma_edge.spsa import Probes, Rank1
 
@@ -87,23 +88,34 @@ class PopulationEvaluator:
         """The graph's noise inputs for the Stepper's directions: cut from their flat z, or their factors."""
         if probes.factors is not None:
             return factor_feeds(self.layout, self.perturbed, probes.factors)
-        return noise_feeds(self.layout, self.perturbed, self.noise, probes.z)
+        if self.noise in (Noise.BITS, Noise.SPARSE_BITS):
+            if probes.bits is None or (probes.keep is None) != (self.noise is Noise.BITS):
+                raise ValueError(f"{self.noise.value} noise takes Rademacher probes' keyed bits (masks: when sparse)")
+            return {"bits": probes.bits} | ({} if probes.keep is None else {"keep": probes.keep})
+        return noise_feeds(
+            self.layout, self.perturbed, self.noise, probes.dense(perturbed_size(self.model, self.perturbed))
+        )
 
 
-_GRAPH_NOISE = {SPSANoise.RADEMACHER: Noise.SIGNS, SPSANoise.GAUSSIAN: Noise.GAUSSIAN, SPSANoise.RANK1: Noise.RANK1}
+def graph_noise(cfg: SPSAConfig) -> Noise:
+    """The form spsa.noise crosses to a population graph in: Rademacher as its keyed bits (sparse: with each
+    probe's packed mask), Gaussian as float32, rank-1 as its factors."""
+    if cfg.noise == SPSANoise.RADEMACHER:
+        return Noise.BITS if cfg.density >= 1 else Noise.SPARSE_BITS
+    return {SPSANoise.GAUSSIAN: Noise.GAUSSIAN, SPSANoise.RANK1: Noise.RANK1}[SPSANoise(cfg.noise)]
 
 
 def for_config(cfg: Config, device: str, threads: int, spin: bool) -> PopulationEvaluator:
     """The population evaluator of a run's expert: K = spsa.directions, the tensors the Stepper perturbs
-    (the body; everything with decoder = "spsa"), spsa.noise's form (sparse Rademacher crosses as signs
-    with zeros), the delta rule's decoder gradient when the decoder learns by it."""
+    (the body; everything with decoder = "spsa"), spsa.noise's form (`graph_noise`), the delta rule's
+    decoder gradient when the decoder learns by it."""
     lay = layout(cfg.model)
     perturbed = lay.names if cfg.spsa.decoder == "spsa" else [n for n in lay.names if n not in lay.decoder]
     return PopulationEvaluator(
         cfg.model,
         cfg.spsa.directions,
         perturbed,
-        _GRAPH_NOISE[SPSANoise(cfg.spsa.noise)],
+        graph_noise(cfg.spsa),
         cfg.data.seq_len,
         decoder_grad=cfg.spsa.decoder == "delta",
         device=device,
@@ -117,8 +129,8 @@ def noise_feeds(lay: Layout, perturbed: Sequence[str], noise: Noise | str, z: np
     layout offsets: the Stepper's body): int8 signs for SIGNS (z in {-1, 0, +1}, exactly), float32 for
     GAUSSIAN. Rank-1 noise is drawn as its factors, not cut from a flat z."""
     noise = Noise(noise)
-    if noise is Noise.RANK1:
-        raise ValueError("rank-1 noise crosses as its factors a and b, not as a flat direction")
+    if noise in (Noise.RANK1, Noise.BITS, Noise.SPARSE_BITS):
+        raise ValueError(f"{noise.value} noise crosses as drawn (factors, or keyed bits), not cut from a flat z")
     out = {}
     for name in perturbed:
         i = lay.names.index(name)
@@ -147,10 +159,16 @@ def factor_feeds(
     return {k: np.stack(v).astype(np.int8) for k, v in out.items()}
 
 
-def direction(lay: Layout, noise: dict[str, np.ndarray], j: int) -> np.ndarray:
+def direction(lay: Layout, noise: dict[str, np.ndarray], j: int, body: int | None = None) -> np.ndarray:
     """Direction j of a population's noise inputs as a dense float32 vector over the whole layout (zero on
-    tensors not perturbed): z, or a b^T reshaped to the tensor's shape."""
+    tensors not perturbed): z, or a b^T reshaped to the tensor's shape, or `bits` expanded over the first
+    `body` weights (the perturbed ones; bits say only how many bytes)."""
     z = np.zeros(lay.size, dtype=np.float32)
+    if "bits" in noise:
+        if body is None:
+            raise ValueError("bits noise needs the perturbed length `body`")
+        z[:body] = Probes(None, bits=noise["bits"], keep=noise.get("keep")).direction(j, body)
+        return z
     for name, shape, off in zip(lay.names, lay.shapes, lay.offsets):
         size = int(np.prod(shape))
         if f"z.{name}" in noise:

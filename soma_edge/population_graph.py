@@ -11,10 +11,18 @@ whole batch while members each have their own. It computes what graph.py's ONNX 
 x W^T + h R^T + Wb + Rb in the order i, o, f, c, c' = f c + i tanh(c~), h = o tanh(c'), zero initial states;
 the soma kind's LayerNormalization, exact-erf GELU MLP, residuals, final LN and tied head h E^T as graph.py.
 
-Each perturbed tensor's noise crosses in one of three forms (`Noise`), K members' worth per input:
-- SIGNS: `z.<name>` int8 [K, *shape] in {-1, 0, +1}, the host's keyed Rademacher (or sparse) noise at one
-  byte a weight, cast to float on the device. Member weights are formed as (z eps) + w and w - (z eps),
-  the Stepper's float32 arithmetic, so each member's weights equal the host's probe bit for bit.
+Each perturbed tensor's noise crosses in one of four forms (`Noise`), K members' worth per input:
+- BITS: one input `bits` uint8 [K, spsa.bits_bytes(n)] for all n perturbed weights (which lead the layout,
+  as the Stepper's body): the keyed Philox stream's raw bytes (spsa.noise_bits), one bit a weight. The
+  device expands them as the host does (spsa.expand_bits): a Gather of each byte's row of a [256, 8] table
+  of ±1.0, so z is the host's bit for bit. The CUDA EP has no BitShift or Bitwise kernels; a table lookup
+  needs none, and 1/8 of SIGNS' bytes cross. Dense Rademacher probes take this form.
+- SPARSE_BITS: BITS and `keep` uint8 [K, ceil(n / 8)], each probe's mask packed (np.packbits), expanded
+  through a table of 1.0 / 0.0 and multiplied in: z = sign * keep, the host's sparse z bit for bit (-0.0
+  included). 2 bits a weight cross where SIGNS takes 8. Sparse Rademacher probes (the default) take this.
+- SIGNS: `z.<name>` int8 [K, *shape] in {-1, 0, +1}, the host's keyed (sparse) Rademacher noise at one
+  byte a weight, cast to float on the device. Member weights are formed as (z eps) + w and w - (z eps), the
+  Stepper's float32 arithmetic, so each member's weights equal the host's probe bit for bit.
 - GAUSSIAN: `z.<name>` float32 [K, *shape], formed the same way.
 - RANK1: a matrix (its shape without size-1 dims is (m, n)) takes `a.<name>` int8 [K, m] and `b.<name>`
   int8 [K, n], z = a b^T. Its members share the base MatMul (all P*B rows through W) and each adds its
@@ -38,11 +46,14 @@ from onnx import TensorProto, helper, numpy_helper
 from soma_edge.config import ModelConfig
 from soma_edge.graph import LN_EPS, OPSET
 from soma_edge.params import VOCAB, layout
+from soma_edge.spsa import bits_bytes, keep_table, sign_table
 
 
 class Noise(str, enum.Enum):
     """How a population's perturbations cross to the graph (the module docstring)."""
 
+    BITS = "bits"
+    SPARSE_BITS = "sparse_bits"
     SIGNS = "signs"
     GAUSSIAN = "gaussian"
     RANK1 = "rank1"
@@ -70,9 +81,23 @@ def is_matrix(shape: Sequence[int]) -> bool:
     return len([s for s in shape if s != 1]) == 2 and len(core_shape(shape)) == 2
 
 
+def perturbed_size(m: ModelConfig, perturbed: Sequence[str]) -> int:
+    """Weights in the tensors `perturbed`, which must lead the layout (the Stepper's body): BITS covers
+    them as one run of bits from offset 0."""
+    lay = layout(m)
+    lead = lay.names[: len(perturbed)]
+    if sorted(lead) != sorted(perturbed):
+        raise ValueError(f"bits noise needs the perturbed tensors to lead the layout: {list(perturbed)}")
+    return sum(int(np.prod(lay.shapes[i])) for i in range(len(perturbed)))
+
+
 def noise_inputs(m: ModelConfig, k: int, perturbed: Sequence[str], noise: Noise | str) -> list[NoiseInput]:
     """The noise inputs a population graph of `k` directions takes, in graph order."""
     noise, lay = Noise(noise), layout(m)
+    if noise in (Noise.BITS, Noise.SPARSE_BITS):
+        n = perturbed_size(m, perturbed)
+        out = [NoiseInput("bits", np.uint8, (k, bits_bytes(n)))]
+        return out + ([NoiseInput("keep", np.uint8, (k, (n + 7) // 8))] if noise is Noise.SPARSE_BITS else [])
     out = []
     for name in perturbed:
         shape = lay.shapes[lay.names.index(name)]
@@ -142,8 +167,43 @@ def _interleave(g: _Graph, plus: str, minus: str, core: tuple[int, ...], first: 
     return g.op("Concat", first, g.op("Reshape", pair, g.i64([2 * g.k, *core])), axis=0)
 
 
-def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None) -> _Weight:
-    """The graph's view of weight input `name`: shared (noise None), full-rank members, or rank-1."""
+def _expand(g: _Graph, packed: str, table: np.ndarray, n: int, lead: Sequence[int]) -> str:
+    """`packed` uint8 [*lead, bytes] -> float32 [*lead, n]: each byte's row of `table` [256, 8] (Gather; its
+    indices int32), rows joined in order, cut to n."""
+    rows = g.op("Gather", g.const(table), g.op("Cast", packed, to=TensorProto.INT32), axis=0)
+    flat = g.op("Reshape", rows, g.i64([*lead, -1]))
+    return g.op("Slice", flat, g.i64([0]), g.i64([n]), g.i64([-1]))
+
+
+def expand_bits(g: _Graph, bits: str, keep: str | None, n: int, lead: Sequence[int]) -> str:
+    """`bits` uint8 [*lead, bits_bytes(n)] (and a sparse probe's packed mask `keep`) -> z float32 [*lead, n],
+    as the host's spsa.expand_bits (times its mask: 1.0 or 0.0, exact)."""
+    z = _expand(g, bits, sign_table(), n, lead)
+    return z if keep is None else g.op("Mul", z, _expand(g, keep, keep_table(), n, lead))
+
+
+def bits_slice(g: _Graph, signs: str, offset: int, shape: Sequence[int], lead: Sequence[int]) -> str:
+    """One tensor's z from expanded signs [*lead, n]: its layout range along the last axis, shaped
+    [*lead, *shape]."""
+    size = int(np.prod(shape))
+    part = g.op("Slice", signs, g.i64([offset]), g.i64([offset + size]), g.i64([-1]))
+    return g.op("Reshape", part, g.i64([*lead, *shape]))
+
+
+def _bits_z(g: _Graph, m: ModelConfig, perturbed: Sequence[str], noise: Noise) -> dict[str, str]:
+    """Each perturbed tensor's z float32 [K, *shape], expanded on the device from the `bits` input."""
+    lay = layout(m)
+    keep = "keep" if noise is Noise.SPARSE_BITS else None
+    signs = expand_bits(g, "bits", keep, perturbed_size(m, perturbed), [g.k])
+    return {
+        n: bits_slice(g, signs, lay.offsets[lay.names.index(n)], lay.shapes[lay.names.index(n)], [g.k])
+        for n in perturbed
+    }
+
+
+def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None, z: str | None = None) -> _Weight:
+    """The graph's view of weight input `name`: shared (noise None), full-rank members, or rank-1. `z`: the
+    tensor's float z [K, *shape] where BITS made it (else its own noise input is cast)."""
     core = core_shape(shape)
     base = name if core == shape else g.op("Reshape", name, g.i64(list(core)))
     if noise is None:
@@ -154,7 +214,8 @@ def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None) -
         a_p = _interleave(g, ea, g.op("Neg", ea), core[:1], g.f32(np.zeros((1, core[0]))))
         b_p = _interleave(g, b, b, core[1:], g.f32(np.zeros((1, core[1]))))
         return _Weight(base, a=a_p, b=b_p)
-    z = f"z.{name}" if noise is Noise.GAUSSIAN else g.op("Cast", f"z.{name}", to=TensorProto.FLOAT)
+    if z is None:
+        z = f"z.{name}" if noise is Noise.GAUSSIAN else g.op("Cast", f"z.{name}", to=TensorProto.FLOAT)
     # (z eps) + w and w - (z eps): the Stepper's probe arithmetic, so the members' weights are the host's bits
     ez = g.op("Mul", g.op("Reshape", z, g.i64([g.k, *core])), "eps")
     plus, minus = g.op("Add", base, ez), g.op("Sub", base, ez)
@@ -289,8 +350,9 @@ def build_population(
     if k < 1 or seq_len < 1 or not perturbed or unknown or len(set(perturbed)) != len(perturbed):
         raise ValueError(f"need k >= 1, seq_len >= 1 and distinct layout tensors to perturb (unknown: {unknown})")
     g = _Graph(k)
+    zs = _bits_z(g, m, perturbed, noise) if noise in (Noise.BITS, Noise.SPARSE_BITS) else {}
     weights = {
-        n: _weight(g, n, s, noise if n in perturbed else None) for n, s in zip(lay.names, lay.shapes)
+        n: _weight(g, n, s, noise if n in perturbed else None, zs.get(n)) for n, s in zip(lay.names, lay.shapes)
     }  # in layout order, so the graph's nodes do not depend on the order of `perturbed`
     g.op("Transpose", "x", perm=[1, 0], out="x_tb")  # time-major rows, as graph.py's
     g.op("Transpose", "y", perm=[1, 0], out="y_tb")

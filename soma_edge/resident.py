@@ -1,8 +1,8 @@
 """An expert resident on its device: weights, optimizer state and the batch stay there as OrtValues, bound
 to the population session (soma_edge.population) and the update session (soma_edge.update_graph) through
-IOBinding. Per step, only the host's keyed noise (int8 signs, or rank-1 factors) and the minibatch go in,
-and the 2K + 1 losses come back; the delta rule's decoder gradient goes from one graph to the other without
-leaving the device. The host computes each direction's scalar g_j = (L+ - L-) / 2 eps in float64, as the
+IOBinding. Per step, only the host's keyed noise (Rademacher bits and masks, or rank-1 factors) and the
+minibatch go in, and the 2K + 1 losses come back; the delta rule's decoder gradient goes from one graph to
+the other without leaving the device. The host computes each direction's scalar g_j = (L+ - L-) / 2 eps in float64, as the
 Stepper does, so the update log and its replay are unchanged.
 
 The update graph reproduces the numpy update bit for bit only where the device's kernels round as numpy

@@ -48,15 +48,47 @@ _SIGNS = np.where(
 
 def noise(seed: int, expert: int, step: int, k: int, n: int, kind: str = "rademacher") -> np.ndarray:
     """Direction z for (seed, expert, step, k): float32[n], Rademacher ±1 or standard Gaussian."""
-    bitgen = np.random.Philox(key=_philox_key(seed, expert, step, k))
     if kind == "rademacher":
-        # One random bit per weight, expanded a byte at a time through a table of ±1.0 bit patterns:
-        # ~12x faster than unpackbits + arithmetic, which matters at 8M params x 2K evaluations.
-        raw = np.frombuffer(bitgen.random_raw((n + 63) // 64).tobytes(), dtype=np.uint8)
-        return np.take(_SIGNS, raw, axis=0).reshape(-1)[:n].view(np.float32)
+        return expand_bits(noise_bits(seed, expert, step, k, n), n)
     if kind == "gaussian":
+        bitgen = np.random.Philox(key=_philox_key(seed, expert, step, k))
         return np.random.Generator(bitgen).standard_normal(n, dtype=np.float32)
     raise ValueError(f"unknown noise kind {kind!r}")
+
+
+def noise_bits(seed: int, expert: int, step: int, k: int, n: int) -> np.ndarray:
+    """The Rademacher direction (seed, expert, step, k) over n weights as the keyed Philox stream's raw bytes:
+    uint8[bits_bytes(n)], one bit a weight, most significant first (`expand_bits` gives `noise`'s z). What
+    crosses to a device, which expands it there (soma_edge.population_graph): 1/32 of z's bytes."""
+    bitgen = np.random.Philox(key=_philox_key(seed, expert, step, k))
+    return np.frombuffer(bitgen.random_raw(bits_bytes(n) // 8).tobytes(), dtype=np.uint8)
+
+
+def bits_bytes(n: int) -> int:
+    """Bytes of a Rademacher direction over n weights: whole 64-bit Philox words (the stream's unit)."""
+    return (n + 63) // 64 * 8
+
+
+def expand_bits(raw: np.ndarray, n: int) -> np.ndarray:
+    """float32[n] ±1 from `noise_bits`' bytes: each byte through a table of ±1.0 bit patterns, ~12x faster
+    than unpackbits + arithmetic, which matters at 8M params x 2K evaluations."""
+    return np.take(_SIGNS, raw, axis=0).reshape(-1)[:n].view(np.float32)
+
+
+def sign_table() -> np.ndarray:
+    """float32[256, 8]: row b is the ±1 signs of byte b's bits, most significant first (expand_bits' table)."""
+    return _SIGNS.view(np.float32)
+
+
+def keep_table() -> np.ndarray:
+    """float32[256, 8]: row b is byte b's bits as 1.0 / 0.0, most significant first (np.packbits' order): how
+    a device expands a sparse probe's packed mask."""
+    return np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32)
+
+
+def expand_keep(packed: np.ndarray, n: int) -> np.ndarray:
+    """bool[n] from a mask packed by np.packbits."""
+    return np.unpackbits(packed, count=n).astype(bool)
 
 
 @dataclass(frozen=True)
@@ -318,10 +350,30 @@ def plateau(cfg: SPSAConfig, opt: OptState, val: float, step: int) -> bool:
 @dataclass
 class Probes:
     """One minibatch's K directions, for an evaluator that takes them all at once: z float32[K, body] as
-    the Stepper draws them (full rank), or, with rank-1 probes, each direction's `rank1_factors` (z None)."""
+    the Stepper draws them (full rank), or, with rank-1 probes, each direction's `rank1_factors`, or, for
+    dense Rademacher probes, their `noise_bits` uint8[K, bits_bytes(body)] (z None for both)."""
 
     z: np.ndarray | None
     factors: list[list[Rank1 | np.ndarray]] | None = None
+    bits: np.ndarray | None = None
+    keep: np.ndarray | None = None  # sparse probes: uint8[K, ceil(body / 8)], each one's mask, np.packbits'd
+
+    def direction(self, i: int, body: int) -> np.ndarray:
+        """Direction i's z float32[body] from its bits (and mask): the Stepper's `_z`, bit for bit."""
+        if self.bits is None:
+            raise ValueError("these directions carry no keyed bits")
+        z = expand_bits(self.bits[i], body)
+        if self.keep is not None:
+            z *= expand_keep(self.keep[i], body)  # exact: multiplies by 1.0 or 0.0, as _z
+        return z
+
+    def dense(self, body: int) -> np.ndarray:
+        """z float32[K, body], expanded from the bits where the directions came as bits."""
+        if self.z is not None:
+            return self.z
+        if self.bits is None:
+            raise ValueError("rank-1 directions have no dense z here: they cross as their factors")
+        return np.stack([self.direction(i, body) for i in range(len(self.bits))])
 
 
 MembersFn = Callable[[np.ndarray, Probes, float], "Population"]
@@ -457,11 +509,15 @@ class Stepper:
             return rank1_probe(self.seed, self.expert, step, j, body_shapes(self.shapes, n))
         z = noise(self.seed, self.expert, step, j, n, self.cfg.noise)
         if self.cfg.density < 1:
-            keep = probe_mask(self.seed, self.expert, step, j, n, self.cfg.density)
-            if self.dense is not None:
-                keep |= self.dense[:n]
-            z *= keep  # exact: multiplies by 1.0 or 0.0
+            z *= self._keep(step, j, n)  # exact: multiplies by 1.0 or 0.0
         return z
+
+    def _keep(self, step: int, j: int, n: int) -> np.ndarray:
+        """The sparse probe's mask: its keyed draws, and the weights it always touches."""
+        keep = probe_mask(self.seed, self.expert, step, j, n, self.cfg.density)
+        if self.dense is not None:
+            keep |= self.dense[:n]
+        return keep
 
     def _probe(self, n: int) -> np.ndarray:
         buf = getattr(self._buffers, "probe", None)
@@ -554,16 +610,30 @@ class Stepper:
                 lp, lm = float(out.lp[i]), float(out.lm[i])
                 grads[j] = (lp - lm) / (2.0 * eps)
                 probe_losses += lp + lm
-                _accumulate(acc, grads[j], self._z(t, j, body) if probes.z is None else probes.z[i])
+                _accumulate(acc, grads[j], self._drawn(probes, i, t, j, body))
             cleans.append((out.loss, out.decoder_grad if delta else None))
         return _Sums(acc, grads, probe_losses, cleans)
 
+    def _drawn(self, probes: Probes, i: int, t: int, j: int, body: int) -> np.ndarray:
+        """Direction j's z (probes' i-th) for the update: taken from the probes where they carry it."""
+        if probes.z is not None:
+            return probes.z[i]
+        if probes.bits is not None:
+            return probes.direction(i, body)
+        return self._z(t, j, body)
+
     def probes(self, t: int, js: range, body: int) -> Probes:
-        """Directions `js` of step t over the first `body` weights, as a population call takes them: their
-        dense z stacked, or for rank-1 probes their factors."""
+        """Directions `js` of step t over the first `body` weights, as a population call takes them: for
+        Rademacher probes their keyed bits (and, sparse, their masks packed: a device expands both), for
+        rank-1 probes their factors, for Gaussian ones their dense z stacked."""
         if self.cfg.noise == "rank1":
             shapes = body_shapes(self.shapes, body)
             return Probes(None, [rank1_factors(self.seed, self.expert, t, j, shapes) for j in js])
+        if self.cfg.noise == "rademacher":
+            bits = np.stack([noise_bits(self.seed, self.expert, t, j, body) for j in js])
+            if self.cfg.density >= 1:
+                return Probes(None, bits=bits)
+            return Probes(None, bits=bits, keep=np.stack([np.packbits(self._keep(t, j, body)) for j in js]))
         return Probes(np.stack([self._z(t, j, body) for j in js]))
 
     def replay(

@@ -6,7 +6,8 @@ One step, over the perturbed tensors (the Stepper's body) and, with `decoder`, t
 - acc = 0, then acc = acc + g_j z_j for j = 0 .. k-1 in index order (spsa._accumulate), one Mul and one Add
   per direction and tensor. z_j comes from the population graph's own noise inputs (population_graph.
   noise_inputs, with k = K*A directions: for A = 1 the very arrays a population call took), expanded
-  exactly: int8 signs by Cast, rank-1 a_j b_j^T by a Mul of the two cast factors (every entry ±1);
+  exactly: keyed bits (and masks) through their tables, once per direction for every tensor, int8 signs by
+  Cast, rank-1 a_j b_j^T by a Mul of the two cast factors (every entry ±1);
 - u = acc / float32(K*A); u = u + wd*w (coupled weight decay, when > 0);
 - Adam (bias-corrected; spsa._adam's order: m*b1 + (1-b1)*u, v*b2 + (1-b2)*(u*u), m/bc1, v/bc2,
   m_hat / (sqrt(v_hat) + adam_eps)) or, for sgd, heavy-ball momentum buf*mu + u when mu > 0;
@@ -38,7 +39,17 @@ from soma_edge import spsa
 from soma_edge.config import ModelConfig, SPSAConfig
 from soma_edge.graph import OPSET
 from soma_edge.params import Layout, layout
-from soma_edge.population_graph import Noise, NoiseInput, _Graph, core_shape, is_matrix, noise_inputs
+from soma_edge.population_graph import (
+    Noise,
+    NoiseInput,
+    _Graph,
+    bits_slice,
+    core_shape,
+    expand_bits,
+    is_matrix,
+    noise_inputs,
+    perturbed_size,
+)
 
 
 def supported(cfg: SPSAConfig) -> str | None:
@@ -146,13 +157,37 @@ def _adam(g: _Graph, cfg: SPSAConfig, name: str, grad: str) -> str:
     return g.op("Div", m_hat, g.op("Add", g.op("Sqrt", v_hat), g.f32(np.float32(cfg.adam_eps))))
 
 
-def _body_update(g: _Graph, cfg: SPSAConfig, name: str, shape: tuple[int, ...], noise: Noise, k: int) -> None:
-    """new.w.<name> (and its optimizer state) from the k directions' g_j z_j, as spsa._apply's body step."""
-    acc = g.once("ConstantOfShape", g.i64(list(shape)), value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
-    for j in range(k):  # acc = 0 + g_0 z_0, + g_1 z_1, ...: index order; 0 + x is numpy's first sum too (-0 -> +0)
-        acc = g.op(
-            "Add", acc, g.op("Mul", g.once("Gather", "g", g.i64(j), axis=0), _direction(g, name, shape, noise, j))
-        )
+def _sums(g: _Graph, model: ModelConfig, perturbed: Sequence[str], noise: Noise, k: int) -> dict[str, str]:
+    """Each perturbed tensor's acc = 0 + g_0 z_0 + g_1 z_1 + ... in index order (spsa._accumulate; 0 + x is
+    numpy's first sum too: -0 -> +0). Directions outermost, so that BITS expands direction j once for all
+    tensors and the device holds one expanded direction at a time."""
+    lay = layout(model)
+    names = [n for n in lay.names if n in perturbed]  # layout order, whatever the order of `perturbed`
+    shapes = {n: tuple(lay.shapes[lay.names.index(n)]) for n in names}
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    acc = {n: g.once("ConstantOfShape", g.i64(list(shapes[n])), value=zero) for n in names}
+    bits = noise in (Noise.BITS, Noise.SPARSE_BITS)
+    for j in range(k):
+        gj = g.op("Gather", "g", g.i64(j), axis=0)
+        signs = _bits_direction(g, model, names, noise, j) if bits else ""
+        for n in names:
+            if bits:
+                z = bits_slice(g, signs, lay.offsets[lay.names.index(n)], shapes[n], [])
+            else:
+                z = _direction(g, n, shapes[n], noise, j)
+            acc[n] = g.op("Add", acc[n], g.op("Mul", gj, z))
+    return acc
+
+
+def _bits_direction(g: _Graph, model: ModelConfig, names: Sequence[str], noise: Noise, j: int) -> str:
+    """Direction j's z over all perturbed weights, float32 [n], expanded from its keyed bits (and mask)."""
+    pick = g.i64(j)
+    keep = g.op("Gather", "keep", pick, axis=0) if noise is Noise.SPARSE_BITS else None
+    return expand_bits(g, g.op("Gather", "bits", pick, axis=0), keep, perturbed_size(model, names), [])
+
+
+def _body_update(g: _Graph, cfg: SPSAConfig, name: str, acc: str, k: int) -> None:
+    """new.w.<name> (and its optimizer state) from the k directions' sum acc, as spsa._apply's body step."""
     u = g.op("Div", acc, g.f32(np.float32(k)))
     if cfg.weight_decay > 0:
         u = g.op("Add", u, g.op("Mul", g.f32(np.float32(cfg.weight_decay)), f"w.{name}"))
@@ -184,9 +219,8 @@ def build_update(
     inputs = update_inputs(model, cfg, k, perturbed, noise, decoder)
     lay = layout(model)
     g = _Graph(k)
-    for name, shape in zip(lay.names, lay.shapes):  # layout order, whatever the order of `perturbed`
-        if name in perturbed:
-            _body_update(g, cfg, name, tuple(shape), noise, k)
+    for name, acc in _sums(g, model, perturbed, noise, k).items():
+        _body_update(g, cfg, name, acc, k)
     if decoder:
         for name in lay.decoder:
             _decoder_update(g, cfg, name)

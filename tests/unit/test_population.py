@@ -1,6 +1,7 @@
 """The population graph (soma_edge.population_graph) and evaluator (soma_edge.population), on the CPU EP:
 one call's 2K + 1 losses equal 2K + 1 looped LossEvaluator calls on w, w + eps z_j and w - eps z_j (z
-materialized in numpy) to δ, for both kinds, K = 1 to 4, sparse signs, Gaussian and rank-1 noise; the clean
+materialized in numpy) to δ, for both kinds, K = 1 to 4, dense signs as keyed bits, sparse signs, Gaussian and
+rank-1 noise; the clean
 member's decoder gradients equal the "train" graph's; and the graph runs whole on CUDA, with no Loop, Scan
 or LSTM node."""
 
@@ -11,7 +12,7 @@ from soma_edge import cuda_ops, params, spsa
 from soma_edge.config import ModelConfig
 from soma_edge.numerics import DELTA
 from soma_edge.population import PopulationEvaluator, direction, noise_feeds
-from soma_edge.population_graph import Noise, build_population, noise_inputs
+from soma_edge.population_graph import Noise, build_population, noise_inputs, perturbed_size
 from soma_edge.runtime import LossEvaluator
 
 KINDS = [ModelConfig(embed=8, hidden=16, layers=2), ModelConfig(kind="soma", embed=16, hidden=16, layers=2)]
@@ -38,12 +39,23 @@ def _body(m: ModelConfig) -> tuple[str, ...]:
 
 
 def _noise(m: ModelConfig, k: int, perturbed, noise: Noise) -> dict[str, np.ndarray]:
-    """K directions as the graph's inputs: the host's keyed noise (sparse Rademacher, density 1/2, or
-    Gaussian) cut from the flat vector, or rank-1 factors of random signs."""
+    """K directions as the graph's inputs: the host's keyed noise (dense Rademacher as its bits, sparse
+    Rademacher, density 1/2, or Gaussian cut from the flat vector), or rank-1 factors of random signs."""
     lay = params.layout(m)
     if noise is Noise.RANK1:
         rng = np.random.default_rng(k)
         return {i.name: rng.choice(np.array([-1, 1], np.int8), i.shape) for i in noise_inputs(m, k, perturbed, noise)}
+    if noise in (Noise.BITS, Noise.SPARSE_BITS):
+        n = perturbed_size(m, perturbed)
+        feeds = {"bits": np.stack([spsa.noise_bits(SEED, EXPERT, STEP, j, n) for j in range(k)])}
+        masks = [spsa.probe_mask(SEED, EXPERT, STEP, j, n, 0.5) for j in range(k)]
+        if noise is Noise.SPARSE_BITS:
+            feeds["keep"] = np.stack([np.packbits(mask) for mask in masks])
+        for j in range(k):  # the bits stand for the host's z over the perturbed tensors, zero past them
+            z = spsa.noise(SEED, EXPERT, STEP, j, n) * (masks[j] if noise is Noise.SPARSE_BITS else 1)
+            want = np.concatenate([z, np.zeros(lay.size - n, np.float32)])
+            assert np.array_equal(direction(lay, feeds, j, n).view(np.uint32), want.view(np.uint32))  # -0.0 too
+        return feeds
     kind = "gaussian" if noise is Noise.GAUSSIAN else "rademacher"
     z = np.stack([spsa.noise(SEED, EXPERT, STEP, j, lay.size, kind) for j in range(k)])
     if noise is Noise.SIGNS:
@@ -63,6 +75,8 @@ def _check_population(expert, k: int, perturbed, noise: Noise) -> None:
     feeds = _noise(m, k, perturbed, noise)
     if noise is Noise.SIGNS:  # sparse: some weights of every probe untouched
         assert all((f == 0).any() and (f != 0).any() for f in feeds.values())
+    if noise is Noise.SPARSE_BITS:
+        assert all((direction(lay, feeds, j, perturbed_size(m, perturbed)) == 0).any() for j in range(k))
     pop = PopulationEvaluator(m, k, perturbed, noise, T, decoder_grad=True, device="cpu", threads=1)
     got = pop.evaluate(w, feeds, EPS, x, y)
 
@@ -72,7 +86,7 @@ def _check_population(expert, k: int, perturbed, noise: Noise) -> None:
     np.testing.assert_allclose(got.decoder_grad, grad, rtol=0, atol=1e-6)
     assert got.lp.shape == got.lm.shape == (k,)
     for j in range(k):
-        z = direction(lay, feeds, j)
+        z = direction(lay, feeds, j, perturbed_size(m, perturbed))
         lp, lm = ref.loss(w + np.float32(EPS) * z, x, y), ref.loss(w - np.float32(EPS) * z, x, y)
         assert abs(got.lp[j] - lp) <= DELTA * lp, (j, got.lp[j], lp)
         assert abs(got.lm[j] - lm) <= DELTA * lm, (j, got.lm[j], lm)

@@ -77,12 +77,8 @@ def test_population_steps_pass_the_audit_and_replay_bit_for_bit(kind, noise, dec
                 inner = o.members
 
                 def members(w, probes, eps, inner=inner, t=state.step):
-                    feeds = (
-                        population.noise_feeds(lay, ev.population.perturbed, ev.population.noise, probes.z)
-                        if probes.factors is None
-                        else population.factor_feeds(lay, ev.population.perturbed, probes.factors)
-                    )
-                    fed.append((t, np.stack([population.direction(lay, feeds, i) for i in range(K)])))
+                    feeds = ev.population.noise_of(probes)  # bits, int8 signs, floats or factors
+                    fed.append((t, np.stack([population.direction(lay, feeds, i, body) for i in range(K)])))
                     return inner(w, probes, eps)
 
                 o.members = members

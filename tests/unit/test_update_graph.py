@@ -11,7 +11,7 @@ import pytest
 
 from soma_edge import params, spsa
 from soma_edge.config import ModelConfig, Noise, SPSAConfig
-from soma_edge.population import factor_feeds, noise_feeds
+from soma_edge.population import factor_feeds, graph_noise, noise_feeds
 from soma_edge.population_graph import Noise as GraphNoise
 from soma_edge.runtime import make_session
 from soma_edge.update_graph import build_update, run_update, supported, update_feeds, update_inputs, write_back
@@ -30,7 +30,6 @@ CONFIGS = {
     "rank1": dataclasses.replace(BASE, noise=Noise.RANK1, density=1.0),
     "accumulate": dataclasses.replace(BASE, directions=2, accumulate=3, weight_decay=0.01),
 }
-GRAPH_NOISE = {Noise.RADEMACHER: GraphNoise.SIGNS, Noise.GAUSSIAN: GraphNoise.GAUSSIAN, Noise.RANK1: GraphNoise.RANK1}
 
 
 def _noise(stepper: spsa.Stepper, lay: params.Layout, perturbed, t: int, body: int, k: int) -> dict[str, np.ndarray]:
@@ -38,7 +37,9 @@ def _noise(stepper: spsa.Stepper, lay: params.Layout, perturbed, t: int, body: i
     probes = stepper.probes(t, range(k), body)
     if probes.factors is not None:
         return factor_feeds(lay, perturbed, probes.factors)
-    return noise_feeds(lay, perturbed, GRAPH_NOISE[stepper.cfg.noise], probes.z)
+    if probes.bits is not None:  # Rademacher: the keyed bits (and sparse masks), expanded by the graph
+        return {"bits": probes.bits} | ({} if probes.keep is None else {"keep": probes.keep})
+    return noise_feeds(lay, perturbed, graph_noise(stepper.cfg), probes.z)
 
 
 def _grads(rng: np.random.Generator, k: int, t: int) -> np.ndarray:
@@ -78,7 +79,7 @@ def test_update_graph_equals_numpy_bit_for_bit(model, name):
     stepper = spsa.Stepper(cfg, seed=SEED, expert=EXPERT, body=lay.body, dense=lay.dense(), shapes=lay.shapes)
     body, delta = stepper.split(lay.size)
     perturbed = [n for n, o in zip(lay.names, lay.offsets) if o < body]
-    graph = build_update(model, cfg, k, perturbed, GRAPH_NOISE[cfg.noise], delta)
+    graph = build_update(model, cfg, k, perturbed, graph_noise(cfg), delta)
     session = make_session(graph, "cpu", threads=1)
     w = params.init(model, 1)
     w[::97] = 0.0  # zero weights: where a signed zero would show
