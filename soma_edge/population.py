@@ -59,6 +59,8 @@ class PopulationEvaluator:
         self.inputs: list[NoiseInput] = noise_inputs(self.model, self.k, self.perturbed, self.noise)
         self.outputs = ["losses"] + ([f"grad.{n}" for n in self.layout.decoder] if self.decoder_grad else [])
         self.update: Any = None  # the update graph's session (soma_edge.resident), made on first use
+        self.captured: Any = None  # the captured steps' buffers and sessions (soma_edge.capture), likewise
+        self.capture_refused = False  # the device refused capture once: later rounds run uncaptured
 
     def _check(self, noise: dict[str, np.ndarray]) -> None:
         if set(noise) != {i.name for i in self.inputs}:

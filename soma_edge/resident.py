@@ -2,8 +2,9 @@
 to the population session (soma_edge.population) and the update session (soma_edge.update_graph) through
 IOBinding. Per step, only the host's keyed noise (Rademacher bits and masks, or rank-1 factors) and the
 minibatch go in, and the 2K + 1 losses come back; the delta rule's decoder gradient goes from one graph to
-the other without leaving the device. The host computes each direction's scalar g_j = (L+ - L-) / 2 eps in float64, as the
-Stepper does, so the update log and its replay are unchanged.
+the other without leaving the device. The host computes each direction's scalar g_j = (L+ - L-) / 2 eps
+in float64, as the Stepper does, so the update log and its replay are unchanged. On CUDA the two calls of
+a step run as captured CUDA graphs where they qualify (soma_edge.capture).
 
 The update graph reproduces the numpy update bit for bit only where the device's kernels round as numpy
 does (CPU EP: tested). `verified` runs one update on the device against spsa's numpy update, once per
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from soma_edge import capture as capture_mod
 from soma_edge import update_graph
 from soma_edge.config import Config
 from soma_edge.devices import CUDA
@@ -46,7 +48,9 @@ class Resident:
     optimizer state back into that State. Bit-identical to the Stepper's population path on a device that
     `verified` passes."""
 
-    def __init__(self, cfg: Config, expert: int, population: PopulationEvaluator, state: State) -> None:
+    def __init__(
+        self, cfg: Config, expert: int, population: PopulationEvaluator, state: State, capture: bool | None = None
+    ) -> None:
         self.cfg, self.population, self.state = cfg, population, state
         self.stepper = make_stepper(cfg, expert)
         self.lay = population.layout
@@ -66,18 +70,41 @@ class Resident:
         self.ort = load_ort()
         self.where = _ort_device(population)
         self.values = self._resident(state)  # `w.<name>`, `m.<name>`, ...: what stays on the device
+        # CUDA graph capture (soma_edge.capture): by default wherever the device is CUDA; on the CPU EP
+        # its fixed-address calls run uncaptured (how the tests check them).
+        wanted = self.where[0] == "cuda" if capture is None else capture
+        self.capture = wanted and capture_mod.qualifies(self) and not population.capture_refused
+        self.captured: capture_mod.Captured | None = None  # made at the first step, which knows the batch
 
-    def _resident(self, state: State) -> dict[str, Any]:
+    def _host(self, state: State) -> dict[str, np.ndarray]:
+        """The state's arrays that stay on the device, by the update graph's input names."""
         feeds = update_graph.update_feeds(self.cfg.model, self.cfg.spsa, state, np.zeros(1), {})
         names = [f"w.{n}" for n in self.lay.names]
         names += [i.name for i in self.inputs if i.name.split(".", 1)[0] in ("m", "v", "mom")]
-        return {n: self._upload(feeds[n]) for n in names}
+        return {n: feeds[n] for n in names}
+
+    def _resident(self, state: State) -> dict[str, Any]:
+        return {n: self._upload(a) for n, a in self._host(state).items()}
+
+    def _start_capture(self, batch: tuple[int, ...]) -> None:
+        """The population evaluator's fixed buffers and captured sessions (made once, kept on it), loaded
+        with this expert's state."""
+        c = self.population.captured
+        if c is None or c.batch != tuple(batch):
+            c = self.population.captured = capture_mod.Captured(self, batch)
+        self.values = c.load(self._host(self.state))
+        self.captured = c
 
     def _upload(self, a: np.ndarray):
         return self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), *self.where)
 
-    def _evaluate(self, noise: dict[str, Any], eps: float, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list]:
-        """One population call on the resident weights: the losses (host) and the decoder gradients (device)."""
+    def _evaluate(self, host: dict[str, np.ndarray], eps: float, x: np.ndarray, y: np.ndarray) -> tuple:
+        """One population call on the resident weights: the losses (host), the decoder gradients (device),
+        and the noise as the update takes it (host, and device where uploaded)."""
+        if self.captured is not None:
+            losses, grads = self.captured.evaluate(host, eps, x, y)
+            return losses, grads, (host, None)
+        noise = {n: self._upload(v) for n, v in host.items()}
         io = self.population.session.io_binding()
         for name in self.lay.names:
             io.bind_ortvalue_input(name, self.values[f"w.{name}"])
@@ -91,11 +118,28 @@ class Resident:
             io.bind_output(name, *self.where)
         self.population.session.run_with_iobinding(io)
         losses, *grads = io.get_outputs()
-        return losses.numpy(), grads
+        return losses.numpy(), grads, (host, noise)
 
     def step(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], decoder_grad: bool = False) -> StepResult:
         """One update from `accumulate` minibatches (x, y): the Stepper's population step, on the device
         (`decoder_grad`: also bring the delta rule's mean decoder gradient back, as StepResult has it)."""
+        if self.capture and self.captured is None:
+            self._start_capture(batches[0][0].shape)
+        if self.captured is None:
+            return self._step(batches, decoder_grad)
+        t = self.state.step
+        try:
+            return self._step(batches, decoder_grad)
+        except Exception as e:  # ORT's own errors have no common class
+            if self.state.step != t:  # the update ran: the state moved on, so this is no capture failure
+                raise
+            # Capture is a speed-up only: where the device refuses it, the same calls run uncaptured.
+            log.warning("CUDA graph capture failed (%s): steps run uncaptured", " ".join(str(e).split())[:200])
+            self.values, self.captured, self.capture = dict(self.captured.values), None, False
+            self.population.captured, self.population.capture_refused = None, True  # said once, not per round
+            return self._step(batches, decoder_grad)
+
+    def _step(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], decoder_grad: bool) -> StepResult:
         cfg, t = self.cfg.spsa, self.state.step
         if len(batches) != cfg.accumulate:
             raise ValueError(f"spsa.accumulate = {cfg.accumulate} needs that many minibatches, got {len(batches)}")
@@ -105,21 +149,30 @@ class Resident:
         probe_losses, cleans, noises, decoder_grads = 0.0, [], [], []
         for a, (x, y) in enumerate(batches):
             host = self.population.noise_of(self.stepper.probes(t, range(a * K, (a + 1) * K), self.body))
-            on_device = {n: self._upload(v) for n, v in host.items()}
-            noises.append((host, on_device))
-            losses, dec = self._evaluate(on_device, eps, x, y)
+            losses, dec, noise = self._evaluate(host, eps, x, y)
+            noises.append(noise)
             for i in range(K):  # the Stepper's float64 arithmetic and order
                 lp, lm = float(losses[1 + 2 * i]), float(losses[2 + 2 * i])
                 grads[a * K + i] = (lp - lm) / (2.0 * eps)
                 probe_losses += lp + lm
             cleans.append(float(losses[0]))
             decoder_grads.append(dec)
-        self.values = self._apply(self.values, self.state, grads, noises, decoder_grads)
+        self.values = self._update(grads, noises, decoder_grads)
         loss = sum(cleans) / len(cleans) if self.delta else probe_losses / (2 * len(grads))
         dec_mean = None
         if decoder_grad and self.delta:
             dec_mean = mean_decoder_grad([np.concatenate([g.numpy().reshape(-1) for g in d]) for d in decoder_grads])
         return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec_mean)
+
+    def _update(self, grads: np.ndarray, noises: list[tuple], decoder: list) -> dict[str, Any]:
+        """The step's update of the resident state: captured, or `_apply`."""
+        if self.captured is None:
+            return self._apply(self.values, self.state, grads, noises, decoder)
+        cfg, state = self.cfg.spsa, self.state
+        host = update_graph.scalars(cfg, state.step, state.opt.adam_t, state.opt.lr_scale)
+        values = self.captured.update({**host, "g": grads.astype(np.float32)})
+        update_graph.advance(cfg, state, self.delta)
+        return values
 
     def _apply(
         self, values: dict[str, Any], state: State, grads: np.ndarray, noises: list[tuple[dict, dict]], decoder: list

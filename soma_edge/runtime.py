@@ -237,14 +237,21 @@ def session_options(threads: int = 0, spin: bool = True, strict: bool = False, l
     return so
 
 
-def make_session(model: onnx.ModelProto | bytes, device: str = "auto", threads: int = 0, spin: bool = True):
-    """An InferenceSession on `device`: the named EP alone or a DeviceError that says why, in one line."""
+def make_session(
+    model: onnx.ModelProto | bytes, device: str = "auto", threads: int = 0, spin: bool = True, cuda_graph: bool = False
+):
+    """An InferenceSession on `device`: the named EP alone or a DeviceError that says why, in one line.
+    `cuda_graph`: on CUDA, the EP's enable_cuda_graph (every run then must bind fixed device buffers:
+    soma_edge.capture); elsewhere it changes nothing."""
     ort = load_ort()
     p = plan(device)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     so = session_options(threads, spin, p.strict)
+    providers = p.providers
+    if cuda_graph:
+        providers = [(n, {**o, "enable_cuda_graph": "1"}) if n == CUDA else (n, o) for n, o in _named(providers)]
     try:
-        sess = ort.InferenceSession(data, sess_options=so, providers=p.providers, enable_fallback=0)
+        sess = ort.InferenceSession(data, sess_options=so, providers=providers, enable_fallback=0)
     except Exception as e:  # ORT raises plain RuntimeError/Fail for a provider that cannot start
         if p.strict and CPU_FALLBACK_REFUSED in str(e):
             raise DeviceError(f"device {device!r}: {_refusal(data, p)}") from None
@@ -254,6 +261,11 @@ def make_session(model: onnx.ModelProto | bytes, device: str = "auto", threads: 
     elif sess.get_providers()[0] != p.first:
         _say_cpu(f"{p.first} did not start (`soma-worker doctor` says why)")
     return sess
+
+
+def _named(providers: list[Any]) -> list[tuple[str, dict]]:
+    """Providers as (name, options) pairs, whichever form each was given in."""
+    return [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in providers]
 
 
 def _refusal(data: bytes, p: Plan) -> str:

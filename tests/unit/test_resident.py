@@ -41,16 +41,19 @@ def _bits(a):
     return None if a is None else a.view(np.uint32).tolist()
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["calls", "fixed-buffers"])
 @pytest.mark.parametrize("setting", list(SPSA))
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_resident_steps_equal_the_population_steps_bit_for_bit(kind, setting):
+def test_resident_steps_equal_the_population_steps_bit_for_bit(kind, setting, capture):
+    """Also with the fixed-address calls that CUDA graph capture needs (soma_edge.capture: A/B weight sets,
+    buffers refilled in place; uncaptured on the CPU EP), where the step qualifies."""
     cfg = _config(kind, SPSA[setting])
     evaluator = evaluator_for(cfg, threads=1)
     assert evaluator.population is not None
     host = spsa.State(params.init(cfg.model, 3))
     on_device = spsa.State(host.weights.copy())
     stepper = steps.stepper(cfg, 0)
-    runner = resident.Resident(cfg, 0, evaluator.population, on_device)
+    runner = resident.Resident(cfg, 0, evaluator.population, on_device, capture=capture)
     assert runner.verified()
     try:
         for t in range(STEPS):
@@ -61,6 +64,7 @@ def test_resident_steps_equal_the_population_steps_bit_for_bit(kind, setting):
             assert _bits(got.decoder_grad) == _bits(want.decoder_grad)
     finally:
         stepper.close()
+    assert (runner.captured is not None) == (capture and cfg.spsa.accumulate == 1)
     runner.download()
     assert _bits(on_device.weights) == _bits(host.weights)
     assert not np.array_equal(host.weights, params.init(cfg.model, 3))  # it did train
@@ -108,3 +112,69 @@ def test_the_worker_trains_resident_when_it_evaluates_by_population(monkeypatch)
         on_host.opt.adam_v
     )
     assert all(np.array_equal(a, b) for a, b in zip(rep.grads, again.grads)) and rep.loss == again.loss
+
+
+def _run(cfg, population, state: spsa.State, start: int, n: int, capture: bool) -> None:
+    runner = resident.Resident(cfg, 0, population, state, capture=capture)
+    for t in range(start, start + n):
+        runner.step(_batches(cfg, t))
+    runner.download()
+
+
+def test_captured_buffers_serve_the_next_round_and_a_refusal_falls_back(monkeypatch, caplog):
+    """The fixed buffers outlive a round (a captured graph keeps their addresses): a second round's state
+    is loaded into them, and its steps equal plain calls bit for bit. A device that refuses capture (here
+    the second round's first captured call raises) costs one warning line; the step runs uncaptured."""
+    cfg = _config("soma", {})
+    plain, fixed = evaluator_for(cfg, threads=1), evaluator_for(cfg, threads=1)
+    want, got = spsa.State(params.init(cfg.model, 5)), spsa.State(params.init(cfg.model, 5))
+    _run(cfg, plain.population, want, 0, 3, capture=False)
+    _run(cfg, fixed.population, got, 0, 3, capture=True)
+    kept = fixed.population.captured
+    assert kept is not None and _bits(got.weights) == _bits(want.weights)
+    _run(cfg, plain.population, want, 3, 3, capture=False)
+    _run(cfg, fixed.population, got, 3, 3, capture=True)
+    assert fixed.population.captured is kept and _bits(got.weights) == _bits(want.weights)
+    assert _bits(got.opt.adam_m) == _bits(want.opt.adam_m) and got.step == want.step == 6
+
+    def refused(*args):
+        raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(kept, "evaluate", refused)
+    with caplog.at_level("WARNING", logger="soma.resident"):
+        _run(cfg, plain.population, want, 6, 2, capture=False)
+        _run(cfg, fixed.population, got, 6, 2, capture=True)
+    assert _bits(got.weights) == _bits(want.weights) and got.step == 8
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "capture failed" in said[0] and fixed.population.captured is None
+    _run(cfg, fixed.population, got, 8, 1, capture=True)  # the next round does not try again
+    assert fixed.population.captured is None and len(caplog.records) == 1
+
+
+def test_capture_asks_the_cuda_ep_for_cuda_graphs_and_nothing_else(monkeypatch):
+    """make_session(cuda_graph=True) adds enable_cuda_graph to the CUDA EP's options (the Plan's, use_tf32
+    kept) and leaves other providers as they are."""
+    from soma_edge import runtime
+
+    seen = {}
+
+    class Session:
+        def __init__(self, data, sess_options, providers, enable_fallback):
+            seen["providers"] = providers
+
+        def get_providers(self):
+            return [p if isinstance(p, str) else p[0] for p in seen["providers"]]
+
+    cuda = runtime.Plan([(runtime.CUDA, runtime.cuda_options(1))], strict=True)
+    monkeypatch.setattr(runtime, "plan", lambda device: cuda)
+    monkeypatch.setattr(runtime.load_ort(), "InferenceSession", Session)
+    graph = resident.update_graph.build_update(
+        _config("lstm", {}).model, _config("lstm", {}).spsa, 3, ["embed"], "bits", False
+    )
+    runtime.make_session(graph, "cuda:1", cuda_graph=True)
+    assert seen["providers"] == [(runtime.CUDA, {"device_id": 1, "use_tf32": 0, "enable_cuda_graph": "1"})]
+    runtime.make_session(graph, "cuda:1")
+    assert seen["providers"] == [(runtime.CUDA, {"device_id": 1, "use_tf32": 0})]
+    monkeypatch.setattr(runtime, "plan", lambda device: runtime.Plan([runtime.CPU], strict=False))
+    runtime.make_session(graph, "cpu", cuda_graph=True)
+    assert seen["providers"] == [(runtime.CPU, {})]
