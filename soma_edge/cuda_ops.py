@@ -10,9 +10,10 @@ as stored at commit 001d12d2623fd411ce0f83d05abb5e82304a3389 of github.com/micro
 version of the file that could be read here; the v1.31.1 tag itself could not be checked out, so this commit
 is not proven to be the tag (bench/gpu_check.py checks the real placement on a GPU).
 
-The table is TRIMMED to the ai.onnx ops soma-edge's graphs use or could plausibly use (the expert and
-router graphs, the int8 bundle graphs, and common neighbours such as Gemm, Relu, Where); an op missing here
-may still have a CUDA kernel, and a new op in a graph must be added from the doc before the check passes.
+The table is TRIMMED to the ai.onnx ops soma-edge's graphs use or could plausibly use (the expert, router,
+population and update graphs, the int8 bundle graphs, and common neighbours such as Gemm, Relu, Where); an
+op missing here may still have a CUDA kernel, and a new op in a graph must be added from the doc before the
+check passes.
 Each listed op keeps every row the doc gives it. The type lists are the doc's, named once (`_STD` ...) where
 many rows share one. com.microsoft: the one op of that domain in soma-edge's graphs, DynamicQuantizeLSTM
 (the int8 bundle graphs), has no CUDA kernel (nor have DynamicQuantizeMatMul and MatMulIntegerToFloat, the
@@ -21,6 +22,9 @@ other dynamic-quantization ops), so no com.microsoft row is listed and every nod
 What this says about soma-edge's graphs (tests/unit/test_cuda_ops.py checks each claim):
 - every node of the expert graphs (graph.build, kinds lstm and soma, modes loss, train, logprobs and
   stream, weights as inputs or initializers) has a CUDA kernel;
+- so has every node of the population graph (population_graph.build_population) and of the update graph
+  the worker runs on the device (update_graph.build_update, every update rule update_graph.supported
+  accepts, both kinds, every noise form, with and without the delta-rule decoder);
 - the router featurizer (graph.router_features) does not, by design: its uint64 hashing uses BitShift and
   BitwiseOr, and it uses Unique; it runs on the CPU;
 - the int8 graphs that export/bundle.py quantizes (--quantize int8) do not run whole on CUDA either:
@@ -211,6 +215,9 @@ CUDA_KERNELS: tuple[CudaKernel, ...] = (
     CudaKernel("", "Concat", 13, None, (("T", _STD),)),
     CudaKernel("", "Concat", 11, 12, (("T", _STD),)),
     CudaKernel("", "Concat", 4, 10, (("T", _STD),)),
+    # Its shape input is read on the host (the kernel's InputMemoryType CPU); the update graph feeds it an
+    # initializer, so nothing computed on the device crosses over. Its output is on the device.
+    CudaKernel("", "ConstantOfShape", 9, None, (("T1", _t("int64")), ("T2", _STD))),
     CudaKernel(
         "",
         "DequantizeLinear",

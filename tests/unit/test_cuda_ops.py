@@ -1,5 +1,6 @@
-"""The static CUDA-op check (soma_edge.cuda_ops): every expert graph has a CUDA kernel for every node, on the
-CPU alone, against the table of ONNX Runtime 1.31.1's CUDA EP kernels.
+"""The static CUDA-op check (soma_edge.cuda_ops): every expert graph, and the update graph a GPU worker runs
+(the population graph's check is in test_population.py), has a CUDA kernel for every node, on the CPU alone,
+against the table of ONNX Runtime 1.31.1's CUDA EP kernels.
 
 What does not run whole on CUDA, and is asserted so that the claim stays true:
 - the router featurizer (graph.router_features) runs on the CPU by design: its uint64 hashing uses BitShift
@@ -20,8 +21,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from export import bundle
-from soma_edge import cuda_ops, graph, params, router
-from soma_edge.config import ModelConfig
+from soma_edge import cuda_ops, graph, params, router, update_graph
+from soma_edge.config import UPDATES, ModelConfig, SPSAConfig
+from soma_edge.population_graph import Noise
 from tests.helpers.export_run import domains, make_run
 from tests.helpers.old_loss import with_softmax_cross_entropy
 
@@ -46,6 +48,35 @@ def test_every_expert_graph_runs_whole_on_cuda(m, mode, weights):
     w = None if weights == "inputs" else np.random.default_rng(0).standard_normal(params.count(m)).astype(np.float32)
     model = graph.build(m, mode, w)
     assert cuda_ops.nodes_without_cuda_kernel(model) == []
+
+
+# Every update rule the update graph takes (update_graph.supported), with and without heavy-ball momentum.
+UPDATE_RULES = [
+    (u, mu) for u in UPDATES for mu in (0.0, 0.9) if update_graph.supported(SPSAConfig(update=u, momentum=mu)) is None
+]
+
+
+@pytest.mark.parametrize("m", KINDS, ids=_id)
+@pytest.mark.parametrize("rule", UPDATE_RULES, ids=lambda r: f"{r[0]}-mu{r[1]}")
+def test_the_update_graph_runs_whole_on_cuda(m, rule):
+    """The update the worker runs on the device (soma_edge.resident builds it as below), for every noise
+    form, the delta-rule decoder or a perturbed one, accumulated minibatches and weight decay."""
+    lay = params.layout(m)
+    body = [n for n in lay.names if n not in lay.decoder]
+    for noise in Noise:
+        for decoder, perturbed in (("delta", body), ("spsa", lay.names)):
+            cfg = SPSAConfig(
+                update=rule[0], momentum=rule[1], weight_decay=0.1, decoder=decoder, directions=2, accumulate=2
+            )
+            k = cfg.directions * cfg.accumulate
+            model = update_graph.build_update(m, cfg, k, perturbed, noise, decoder == "delta")
+            assert cuda_ops.nodes_without_cuda_kernel(model) == [], (noise, decoder)
+            assert "ConstantOfShape" in {n.op_type for n in model.graph.node}  # the accumulator's zeros
+
+
+def test_the_update_rules_cover_every_supported_one():
+    assert {u for u, _ in UPDATE_RULES} == {u for u in UPDATES if u != "rms"}
+    assert update_graph.supported(SPSAConfig(update="rms")) is not None  # the host update, not a graph
 
 
 @pytest.mark.parametrize("m", KINDS, ids=_id)
