@@ -2,11 +2,15 @@
 to the CPU, saying so once; no onnxruntime means one line naming the package; `soma-worker doctor`.
 
 They run on boxes without a GPU: with onnxruntime-gpu lacking its CUDA libraries (the dev venv) and with the
-CPU wheel (CI). Each test that needs one of the two builds skips on the other, and those that need a box
-without a GPU skip on one that has one."""
+CPU wheel (CI). What a CUDA plan asks ONNX Runtime for is checked on either, by faking the providers list and
+the library check (`cuda_build`) and recording the session's arguments instead of making it. Each test that
+needs a real one of the two builds skips on the other, and those that need a box without a GPU skip on one
+that has one."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -45,9 +49,14 @@ def deploy(tmp_path_factory) -> tuple[Path, Path]:
     return base / "deploy", data
 
 
-def _cli(module: str, *args: str, block_ort: bool = False) -> subprocess.CompletedProcess:
-    """A soma-edge CLI in a fresh process, so that every byte ONNX Runtime writes itself is captured too."""
-    pre = "import sys; sys.modules['onnxruntime'] = None; " if block_ort else ""
+BLOCK_ORT = "import sys; sys.modules['onnxruntime'] = None; "  # as if no onnxruntime were installed
+# A build that lists the CUDA EP (onnxruntime-gpu), on this CPU wheel: only the list is faked.
+FAKE_CUDA_BUILD = f"import onnxruntime; onnxruntime.get_available_providers = lambda: [{CUDA!r}, {CPU!r}]; "
+
+
+def _cli(module: str, *args: str, pre: str = "") -> subprocess.CompletedProcess:
+    """A soma-edge CLI in a fresh process, so that every byte ONNX Runtime writes itself is captured too;
+    `pre` runs first (BLOCK_ORT, FAKE_CUDA_BUILD)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "COLUMNS": "160"}
     return subprocess.run(
@@ -93,7 +102,7 @@ def test_cuda_without_cuda_is_one_error_line(command, deploy):
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_no_onnxruntime_says_which_to_install(command, deploy):
     module, *args = _commands(deploy, "auto")[command]
-    line = _one_error_line(_cli(module, *args, block_ort=True))
+    line = _one_error_line(_cli(module, *args, pre=BLOCK_ORT))
     assert "onnxruntime is not installed" in line and "soma-edge[cpu]" in line and "soma-edge[cuda]" in line
 
 
@@ -106,15 +115,94 @@ def test_load_ort_without_the_package(monkeypatch):
 
 
 @no_gpu
-def test_auto_runs_on_the_cpu_and_says_so_once(deploy):
-    """Several sessions (one per expert) in one process: one plain line, and the eval runs on the CPU."""
+@pytest.mark.parametrize("box", ["cpu wheel", "cuda ep listed"])
+def test_auto_runs_on_the_cpu_and_says_so_once(deploy, box):
+    """Several sessions (one per expert) in one process: the eval runs on the CPU and says so in exactly one
+    plain line. runtime.py's promise: `auto` falls back to the CPU saying why, once per process, at INFO
+    where no GPU is there (a WARNING only where one is, unusable). A box without a GPU says it whatever the
+    build: the plain CPU wheel, or one whose providers list the CUDA EP."""
     d, data = deploy
-    r = _cli("export.cli", "eval", str(d), "--data", str(data), "--device", "auto", "--top-k", "2", "--json")
+    args = ("eval", str(d), "--data", str(data), "--device", "auto", "--top-k", "2", "--json")
+    r = _cli("export.cli", *args, pre=FAKE_CUDA_BUILD if box == "cuda ep listed" else "")
     assert r.returncode == 0, r.stdout + r.stderr
     said = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(said) <= 1 and all("runs on the CPU" in line and "\x1b" not in line for line in said), r.stderr
-    assert runtime.plan("auto").providers == [CPU]
-    assert runtime.LossEvaluator(TINY, "auto").providers == [CPU]
+    assert len(said) == 1, r.stderr
+    assert said[0].endswith("soma_edge.runtime INFO device auto runs on the CPU: no NVIDIA GPU found"), said
+    assert "\x1b" not in said[0] and json.loads(r.stdout)["n_experts"] == 2
+    if box == "cpu wheel":
+        assert runtime.plan("auto").providers == [CPU]
+        assert runtime.LossEvaluator(TINY, "auto").providers == [CPU]
+
+
+@pytest.fixture
+def fresh_auto():
+    """`auto`'s plan and its one line are cached per process: start from empty caches, and leave them so."""
+    runtime._auto.cache_clear()
+    runtime._say_cpu.cache_clear()
+    yield
+    runtime._auto.cache_clear()
+    runtime._say_cpu.cache_clear()
+
+
+@pytest.fixture
+def cuda_build(monkeypatch, fresh_auto):
+    """This CPU wheel as a CUDA build whose CUDA and cuDNN libraries load: the providers list and the library
+    check (runtime.cuda_libraries) are faked; no CUDA session can be made."""
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+    monkeypatch.setattr(runtime, "cuda_libraries", lambda: runtime.CudaLibraries(None, None))
+
+
+def _record_sessions(monkeypatch) -> list[dict]:
+    """What runtime.make_session passes to InferenceSession, recorded instead of making a session."""
+    made: list[dict] = []
+
+    class Recorded:
+        def __init__(self, data, sess_options, providers, enable_fallback):
+            made.append({"sess_options": sess_options, "providers": providers, "enable_fallback": enable_fallback})
+            self.names = [p[0] if isinstance(p, tuple) else p for p in providers]
+
+        def get_providers(self):
+            return self.names
+
+    monkeypatch.setattr(ort, "InferenceSession", Recorded)
+    return made
+
+
+def test_a_cuda_session_lists_only_cuda_without_tf32_and_no_cpu_fallback(monkeypatch, cuda_build):
+    made = _record_sessions(monkeypatch)
+    for device, gpu in (("cuda", 0), ("cuda:1", 1)):
+        p = runtime.plan(device)
+        assert p.providers == [(CUDA, {"device_id": gpu, "use_tf32": 0})] and p.strict
+        runtime.make_session(build(TINY, "loss"), device)
+        kw = made.pop()
+        assert kw["providers"] == [(CUDA, {"device_id": gpu, "use_tf32": 0})]
+        assert kw["enable_fallback"] == 0  # ORT's Python-side retry on the CPU stays off
+        assert kw["sess_options"].get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
+    # auto on a box with a GPU: CUDA first, the CPU EP behind it for a node CUDA lacks, TF32 still off
+    monkeypatch.setattr(runtime, "_nvidia_present", lambda: True)
+    p = runtime.plan("auto")
+    assert p.providers == [(CUDA, {"device_id": 0, "use_tf32": 0}), CPU] and not p.strict and p.why_cpu is None
+    runtime.make_session(build(TINY, "loss"), "auto")
+    (kw,) = made
+    assert kw["providers"] == p.providers and kw["enable_fallback"] == 0
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        kw["sess_options"].get_session_config_entry("session.disable_cpu_ep_fallback")
+
+
+@pytest.mark.parametrize("box", ["cpu wheel", "cuda libraries missing"])
+def test_auto_on_a_gpu_box_that_cannot_use_it_warns_once(monkeypatch, caplog, fresh_auto, box):
+    """A GPU is there but `auto` runs on the CPU: one WARNING naming what to install, however many sessions."""
+    monkeypatch.setattr(runtime, "_nvidia_present", lambda: True)
+    if box == "cuda libraries missing":
+        monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+        missing = runtime.CudaLibraries("libcublasLt.so.13: cannot open shared object file", None)
+        monkeypatch.setattr(runtime, "cuda_libraries", lambda: missing)
+    with caplog.at_level(logging.INFO, logger="soma_edge.runtime"):
+        for _ in range(3):
+            runtime.make_session(build(TINY, "loss"), "auto")
+    (said,) = [r for r in caplog.records if r.name == "soma_edge.runtime"]
+    assert said.levelno == logging.WARNING and "device auto runs on the CPU" in said.getMessage()
+    assert runtime.INSTALL_CUDA in said.getMessage()
 
 
 @gpu_build
