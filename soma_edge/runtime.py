@@ -7,7 +7,8 @@ What a device name (soma_edge.devices) asks ONNX Runtime for:
   on every call. Before the session, the CUDA and cuDNN libraries are loaded as onnxruntime documents
   (`onnxruntime.preload_dlls()`: the nvidia-* wheels of `soma-edge[cuda]`), and one that does not load is
   named. TF32 is off (`use_tf32 = 0`, and NVIDIA_TF32_OVERRIDE=0 for cuDNN's LSTM, which ignores the
-  provider option): its rounding error would compete with SPSA's epsilon.
+  provider option; set whenever a plan lists CUDA, over any inherited value): its rounding error would
+  compete with SPSA's epsilon.
 - any other EP named in full (`openvino`, `DnnlExecutionProvider`, ...): that EP alone, under the same rule.
   Whoever names an accelerator expects the graph to run there, or to hear why it cannot; running part of it
   on the CPU is the silent fallback this module exists to refuse.
@@ -117,11 +118,23 @@ class CudaLibraries:
         return None
 
 
+TF32_OVERRIDE = "NVIDIA_TF32_OVERRIDE"
+
+
+def tf32_off() -> None:
+    """TF32 off in every NVIDIA library of this process: cuDNN's LSTM ignores the provider's use_tf32, and
+    its TF32 rounding (a 10-bit mantissa) would compete with SPSA's epsilon.
+
+    Set, not setdefault: NVIDIA's libraries turn TF32 off only for the value "0", so an inherited
+    NVIDIA_TF32_OVERRIDE=1 (or any other value) would leave it on where the provider option cannot reach."""
+    os.environ[TF32_OVERRIDE] = "0"
+
+
 @functools.cache
 def cuda_libraries() -> CudaLibraries:
     """Load the CUDA and cuDNN libraries the CUDA EP needs, from the nvidia-* wheels or the system, and say
     which does not load: dlopen of the EP's own library names its first missing dependency."""
-    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # before any CUDA library reads it (cuDNN's LSTM does)
+    tf32_off()  # before any CUDA library is loaded and reads it
     ort = load_ort()
     preload = getattr(ort, "preload_dlls", None)
     if preload is not None:
@@ -158,9 +171,13 @@ class Plan:
     why_cpu: str | None = None
 
     @property
+    def names(self) -> list[str]:
+        """The providers' names, without their options."""
+        return [p[0] if isinstance(p, tuple) else p for p in self.providers]
+
+    @property
     def first(self) -> str:
-        p = self.providers[0]
-        return p[0] if isinstance(p, tuple) else p
+        return self.names[0]
 
 
 def cuda_options(device_id: int) -> dict[str, Any]:
@@ -189,7 +206,17 @@ def _say_cpu(why: str) -> None:
 
 def plan(device: str) -> Plan:
     """The providers a session on `device` asks for. A named EP must be in this build, and CUDA's libraries
-    must load (DeviceError otherwise); `auto` resolves against this box."""
+    must load (DeviceError otherwise); `auto` resolves against this box. Where the plan lists the CUDA EP,
+    TF32 is turned off (`tf32_off`) before its session is made."""
+    p = _resolve(device)
+    if CUDA in p.names:
+        # Each time, not only when cuda_libraries() first runs (it is cached): no CUDA session of this
+        # process starts with another value, whatever the environment held or was given since.
+        tf32_off()
+    return p
+
+
+def _resolve(device: str) -> Plan:
     d = devices.parse(device)
     ort = load_ort()  # first: whatever the device, a missing onnxruntime is what to say
     if d.auto:

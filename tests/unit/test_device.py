@@ -189,6 +189,19 @@ def test_a_cuda_session_lists_only_cuda_without_tf32_and_no_cpu_fallback(monkeyp
         kw["sess_options"].get_session_config_entry("session.disable_cpu_ep_fallback")
 
 
+def test_a_cuda_plan_turns_an_inherited_tf32_override_off(monkeypatch, cuda_build):
+    """NVIDIA's libraries turn TF32 off only for "0": an inherited "1" must not survive a CUDA plan."""
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "1")
+    runtime.plan("cpu")
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "1"  # nothing on CUDA: the environment is left alone
+    runtime.plan("cuda:0")
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "1")
+    monkeypatch.setattr(runtime, "_nvidia_present", lambda: True)
+    runtime.plan("auto")  # CUDA with the CPU EP behind it
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+
+
 @pytest.mark.parametrize("box", ["cpu wheel", "cuda libraries missing"])
 def test_auto_on_a_gpu_box_that_cannot_use_it_warns_once(monkeypatch, caplog, fresh_auto, box):
     """A GPU is there but `auto` runs on the CPU: one WARNING naming what to install, however many sessions."""
@@ -227,7 +240,7 @@ def test_missing_cuda_library_is_named():
 
 
 def test_tf32_override_is_set_before_cuda_loads(monkeypatch):
-    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "1")  # inherited: overridden, not kept
     runtime.cuda_libraries.cache_clear()
     runtime.cuda_libraries()
     assert os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
