@@ -184,12 +184,17 @@ def cuda_options(device_id: int) -> dict[str, Any]:
     return {"device_id": device_id, "use_tf32": 0}
 
 
+def no_cuda_ep() -> str:
+    """Why `auto` cannot use the GPU of a box whose onnxruntime is the CPU build, and what to install."""
+    return f"this onnxruntime ({ort_package()}) has no CUDA EP: {INSTALL_CUDA} in a fresh environment to use the GPU"
+
+
 @functools.cache
 def _auto() -> Plan:
     if not _nvidia_present():
         why = "no NVIDIA GPU found"
     elif CUDA not in load_ort().get_available_providers():
-        why = f"this onnxruntime ({ort_package()}) has no CUDA EP: {INSTALL_CUDA} to use the GPU"
+        why = no_cuda_ep()
     else:
         why = cuda_libraries().error
     if why is not None:

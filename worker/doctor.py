@@ -1,30 +1,38 @@
 """`soma-worker doctor`: the first command on a new box. What runs here, what is missing, and what to install.
 
 It prints, one line each: the onnxruntime build and its execution providers; the GPUs, their driver and
-memory; whether the CUDA and cuDNN libraries load; the device the worker would run on; the EP each expert
-graph's nodes really run on (ORT's own placement report), and whether each has a kernel on the CUDA EP
-(a static check against its kernel list, soma_edge.cuda_ops); and steps/s for the demo expert. On a CPU box one
-line says that it runs on the CPU, and it exits 0. A named device that cannot run here ends the report with
-a DeviceError (the CLI's one `error:` line, exit 2).
+memory; whether the CUDA and cuDNN libraries load; the device the worker would run on; for each graph a
+worker runs for the demo expert (`expert_graphs`: the loop evaluator's loss, the delta rule's clean forward
+`train`, the population evaluator's `population`, and the `update` that keeps the expert on its device), the
+EP its nodes really run on (ORT's own placement report) and whether each node has a kernel on the CUDA EP
+(a static check against its kernel list, soma_edge.cuda_ops); and steps/s for the demo expert, measured as
+worker/probe.py measures a worker. On a CPU box one line says that it runs on the CPU, and it exits 0.
+Whatever stops the GPU from being used is said once, with what to install. A named device that cannot run
+here ends the report with a DeviceError (the CLI's one `error:` line, exit 2).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable
 
 from soma_edge import cuda_ops, devices, params, runtime
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, ModelConfig, evals_per_step
 from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
-from soma_edge.spsa import State
-from worker.trainer import train
+from worker import probe
+
+if TYPE_CHECKING:
+    import onnx
+
+    from soma_edge.population_graph import Noise as GraphNoise
 
 # examples/demo.toml's expert (`make demo`), everything else the default recipe; a test keeps them equal.
 DEMO_MODEL = ModelConfig(embed=32, hidden=128, layers=1)
-GRAPHS = ("loss", "train")  # what a worker builds: the SPSA loss, and the delta rule's clean forward
+GRAPHS = ("loss", "train", "population", "update")  # what `expert_graphs` reports, in its order
+# The population graph is unrolled over the window's bytes, the same ops at each; ORT places a few-byte
+# unroll the same way in a fraction of the time (~1.5 s for the demo's 128 bytes), and its line says so.
+PLACE_BYTES = 4
 STEP_SECONDS = 2.0
 
 
@@ -48,12 +56,12 @@ def report(device: str = "auto", seconds: float = STEP_SECONDS, say: Callable[[s
             f"{' '.join(runtime.ORT_PACKAGES)}, then {runtime.INSTALL_CPU} or {runtime.INSTALL_CUDA}"
         )
     _gpus(found, say)
-    _cuda(ort, found, say)
+    said = _cuda(ort, found, say)
     # The runtime says once that `auto` runs on the CPU; here the report's own line says it.
     level = runtime.log.level
     runtime.log.setLevel(logging.ERROR)
     try:
-        _device(device, seconds, say)
+        _device(device, seconds, said, say)
     finally:
         runtime.log.setLevel(level)
 
@@ -66,36 +74,81 @@ def _gpus(found: list[devices.Gpu], say: Callable[[str], None]) -> None:
         say(f"gpu {i}: {g.name}, driver {g.driver}, {mem}")
 
 
-def _cuda(ort, found: list[devices.Gpu], say: Callable[[str], None]) -> None:
+def _cuda(ort, found: list[devices.Gpu], say: Callable[[str], None]) -> str | None:
+    """The `cuda:` line. Returns what it named as keeping a GPU unused (with what to install), if anything."""
     if CUDA not in ort.get_available_providers():
-        hint = f": {runtime.INSTALL_CUDA} in a fresh environment to use the GPU" if found else ""
-        say(f"cuda: not used, this onnxruntime has no CUDA EP{hint}")
-        return
+        if not found:
+            say("cuda: not used, this onnxruntime has no CUDA EP")
+            return None
+        why = runtime.no_cuda_ep()
+        say(f"cuda: not used, {why}")
+        return why
     why = runtime.cuda_libraries().error
     say(f"cuda: {why}" if why else "cuda: the CUDA and cuDNN 9 libraries load")
+    return why
 
 
-def _device(device: str, seconds: float, say: Callable[[str], None]) -> None:
+def _device(device: str, seconds: float, said: str | None, say: Callable[[str], None]) -> None:
     plan = runtime.plan(device)  # DeviceError for a named device that cannot run here
     if plan.why_cpu is not None:
-        say(f"device {device}: runs on the CPU ({plan.why_cpu})")
+        # Said once: where the cuda line already gave the reason and what to install, point to it.
+        why = "the cuda line says why" if plan.why_cpu == said else plan.why_cpu
+        say(f"device {device}: runs on the CPU ({why})")
     else:
         say(f"device {device}: {plan.first}" + (", the CPU EP behind it" if len(plan.providers) > 1 else ""))
-    for mode in GRAPHS:
-        say(f"graph {mode}: {_placed(mode, plan)}")
     cfg = demo_config(device)
-    rate, evaluator = _steps_per_s(cfg, seconds)
+    for name, (what, graph) in expert_graphs(cfg).items():
+        say(f"graph {name}: {what}; " + (graph if isinstance(graph, str) else _placed(graph, plan)))
+    evaluator = runtime.evaluator_for(cfg)
+    rate = probe.measure(evaluator, cfg, seconds) / evals_per_step(cfg.spsa)  # evaluations/s -> steps/s
     say(
-        f"demo expert ({params.count(cfg.model)} params, batch {cfg.data.batch} x {cfg.data.seq_len} bytes): "
-        f"{rate:.1f} steps/s on {evaluator.providers[0]}"
+        f"demo expert ({params.count(cfg.model)} params, batch {cfg.data.batch} x {cfg.data.seq_len} bytes, "
+        f"{runtime.evaluator_kind(evaluator).value} evaluator): {rate:.1f} steps/s on {evaluator.providers[0]}"
     )
 
 
-def _placed(mode: str, plan: runtime.Plan) -> str:
-    from soma_edge.graph import build  # graph imports onnx (heavy): only where a graph is built
+def population_args(cfg: Config) -> tuple[int, list[str], GraphNoise]:
+    """K, the perturbed tensors and the noise form of the population evaluator that population.for_config
+    makes for `cfg`, without its session (a test keeps the two equal)."""
+    from soma_edge.population import graph_noise  # imports onnx (heavy): only where graphs are built
 
+    lay = params.layout(cfg.model)
+    perturbed = lay.names if cfg.spsa.decoder == "spsa" else [n for n in lay.names if n not in lay.decoder]
+    return cfg.spsa.directions, perturbed, graph_noise(cfg.spsa)
+
+
+def expert_graphs(cfg: Config) -> dict[str, tuple[str, onnx.ModelProto | str]]:
+    """Each graph (GRAPHS) a worker on `cfg` runs for one expert: what runs it, and the graph, or why `cfg`
+    does not run it. The population graph is the PLACE_BYTES-byte unroll (see PLACE_BYTES)."""
+    from soma_edge import graph, update_graph  # import onnx (heavy): only where graphs are built
+    from soma_edge.population_graph import build_population
+
+    m, s, delta = cfg.model, cfg.spsa, cfg.spsa.decoder == "delta"
+    k, perturbed, noise = population_args(cfg)
+    short = min(PLACE_BYTES, cfg.data.seq_len)
+    why_host = update_graph.supported(s)
+    return {
+        "loss": ("the loop evaluator's probes, and val losses", graph.build(m, "loss")),
+        "train": (
+            "the loop evaluator's clean forward (delta rule)",
+            graph.build(m, "train") if delta else f"not run: spsa.decoder = {s.decoder!r}",
+        ),
+        "population": (
+            f"the population evaluator (clean forward and 2K probes), placed unrolled over {short} of its "
+            f"{cfg.data.seq_len} bytes, the same ops each",
+            build_population(m, k, perturbed, noise, delta, short),
+        ),
+        "update": (
+            "the population evaluator's update, the expert kept on the device",
+            update_graph.build_update(m, s, k * s.accumulate, perturbed, noise, delta)
+            if why_host is None
+            else f"not run: {why_host}",
+        ),
+    }
+
+
+def _placed(model: onnx.ModelProto, plan: runtime.Plan) -> str:
     providers = plan.providers if CPU in plan.providers else plan.providers + [CPU]
-    model = build(DEMO_MODEL, mode)
     placed = runtime.placement(model, providers)
     if not placed:
         return "ONNX Runtime cannot place it (see the error below)"
@@ -109,20 +162,10 @@ def _placed(mode: str, plan: runtime.Plan) -> str:
     return "; ".join(parts + [_cuda_kernels(model)])
 
 
-def _cuda_kernels(model) -> str:
+def _cuda_kernels(model: onnx.ModelProto) -> str:
     """What the static check against the CUDA EP's kernel list says, on any box: a CPU box can tell a GPU
     worker's graph would not run whole before anyone installs CUDA."""
     missing = cuda_ops.nodes_without_cuda_kernel(model)
     if not missing:
         return f"every node has a CUDA kernel in onnxruntime-gpu {cuda_ops.ORT_VERSION}"
     return "no CUDA kernel for " + ", ".join(f"{n.op} ({n.reason})" for n in missing)
-
-
-def _steps_per_s(cfg: Config, seconds: float) -> tuple[float, runtime.LossEvaluator]:
-    """SPSA steps/s of the worker's evaluator on a random byte stream (the rate does not depend on the bytes)."""
-    evaluator = runtime.evaluator_for(cfg)
-    data = np.random.default_rng(0).integers(0, 256, size=1 << 16, dtype=np.uint8)
-    state = State(params.init(cfg.model, cfg.seed))
-    train(state, data, cfg, evaluator, steps=1)  # warm-up: the first run allocates
-    rep = train(state, data, cfg, evaluator, seconds=seconds)
-    return rep.steps_per_s, evaluator

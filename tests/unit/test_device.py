@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -21,12 +22,13 @@ import onnxruntime as ort
 import pytest
 
 from export import bundle
-from soma_edge import config, devices, runtime
+from soma_edge import config, cuda_ops, devices, runtime
 from soma_edge.cli import run as run_cli
 from soma_edge.config import ModelConfig
 from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
 from soma_edge.graph import build
+from soma_edge.population import for_config
 from tests.helpers.export_run import domains, make_run
 from worker import doctor
 from worker.cli import app as worker_app
@@ -286,20 +288,98 @@ def test_placement_report_names_the_ops_on_the_cpu():
     assert list(real) == [CPU] and real[CPU].count > 0
 
 
-@no_gpu
-def test_doctor_on_a_cpu_box(capsys):
-    rc = run_cli(worker_app, ["doctor", "--seconds", "0.3"], prog="soma-worker")
+DOCTOR_LINES = ["onnxruntime:", "gpu", "cuda:", "device auto:", *[f"graph {g}:" for g in doctor.GRAPHS], "demo expert"]
+
+
+def _doctor(capsys, *args: str) -> list[str]:
+    """`soma-worker doctor` in this process: its lines, after checking it exits 0 and says nothing else."""
+    rc = run_cli(worker_app, ["doctor", "--seconds", "0.05", *args], prog="soma-worker")
     out, err = capsys.readouterr()
     assert rc == 0, out + err
-    lines = out.splitlines()
-    assert sum("runs on the CPU" in line for line in lines) == 1, out
-    assert any(line.startswith("onnxruntime: onnxruntime") and CPU in line for line in lines), out
-    assert any(line.startswith("gpu: none") for line in lines), out
-    for mode in doctor.GRAPHS:
-        assert any(line.startswith(f"graph {mode}: ") and f"nodes on {CPU}" in line for line in lines), out
-    (rate,) = [line for line in lines if "steps/s" in line]
-    assert float(rate.split(": ")[1].split()[0]) > 0 and rate.endswith(CPU), rate
     assert "runs on the CPU" not in err and "\x1b" not in out + err
+    lines = out.splitlines()
+    assert [next(p for p in DOCTOR_LINES if line.startswith(p)) for line in lines] == DOCTOR_LINES, out
+    return lines
+
+
+@no_gpu
+def test_doctor_on_a_cpu_box(capsys):
+    """One line each, in order: build and EPs, GPUs, CUDA, the device (the one "runs on the CPU" line), every
+    graph a worker runs with its placement and its CUDA-kernel check, steps/s."""
+    build_line, gpu, cuda, device, *graphs, rate = _doctor(capsys)
+    assert build_line.startswith(f"onnxruntime: {runtime.ort_package()}; execution providers: ") and CPU in build_line
+    assert gpu == "gpu: none found (no nvidia-smi answer, no /proc/driver/nvidia)"
+    if GPU_BUILD:  # onnxruntime-gpu without its libraries or a driver: it names what is missing
+        assert cuda.startswith("cuda: ") and ("soma-edge[cuda]" in cuda or "NVIDIA driver" in cuda), cuda
+    else:
+        assert cuda == "cuda: not used, this onnxruntime has no CUDA EP"
+    assert device == "device auto: runs on the CPU (no NVIDIA GPU found)"
+    for name, line in zip(doctor.GRAPHS, graphs):
+        assert line.startswith(f"graph {name}: ") and f"nodes on {CPU}" in line, line
+        assert CUDA not in line and line.endswith(
+            f"every node has a CUDA kernel in onnxruntime-gpu {cuda_ops.ORT_VERSION}"
+        )
+    assert "unrolled over 4 of its 128 bytes" in graphs[2]
+    m = re.fullmatch(rf"demo expert \(\d+ params, batch 16 x 128 bytes, loop evaluator\): (\S+) steps/s on {CPU}", rate)
+    assert m and float(m.group(1)) > 0, rate
+    assert sum("runs on the CPU" in line for line in (build_line, gpu, cuda, device, *graphs, rate)) == 1
+
+
+NVIDIA_SMI = "#!/bin/sh\necho 'NVIDIA H200, 580.65.06, 143771'\n"  # nvidia-smi's csv: name, driver, MiB
+
+
+@pytest.mark.parametrize("box", ["cuda libraries missing", "cpu wheel"])
+def test_doctor_on_a_gpu_box_says_once_what_to_install(capsys, monkeypatch, tmp_path, fresh_auto, box):
+    """A GPU (nvidia-smi faked) that `auto` cannot use: the cuda line says why and what to install, and no
+    other line repeats it; the report still runs on the CPU and exits 0."""
+    (tmp_path / "nvidia-smi").write_text(NVIDIA_SMI)
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(runtime, "_nvidia_present", lambda: True)
+    missing = "libcudart.so.13: cannot open shared object file: No such file or directory"
+    if box == "cuda libraries missing":
+        monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+        monkeypatch.setattr(runtime, "cuda_libraries", lambda: runtime.CudaLibraries(missing, None))
+    elif GPU_BUILD:
+        pytest.skip("needs the CPU wheel")
+    lines = _doctor(capsys)
+    assert lines[1] == "gpu 0: NVIDIA H200, driver 580.65.06, 140.4 GiB"
+    (install,) = [line for line in lines if "install" in line]
+    assert install == lines[2] and runtime.INSTALL_CUDA in install
+    if box == "cuda libraries missing":
+        assert (
+            install
+            == f"cuda: the CUDA libraries do not load ({missing}): {runtime.INSTALL_CUDA} brings CUDA 13 and cuDNN 9"
+        )
+    else:
+        assert install.startswith("cuda: not used, this onnxruntime (") and "in a fresh environment" in install
+    assert lines[3] == "device auto: runs on the CPU (the cuda line says why)"
+
+
+@pytest.mark.parametrize(
+    "noise, density", [(n, d) for n in config.Noise for d in (0.5, 1.0) if n != config.Noise.RANK1 or d == 1]
+)  # rank-1 probes are dense only
+@pytest.mark.parametrize("decoder", config.DECODERS)
+def test_doctor_builds_the_population_graph_the_worker_builds(noise, density, decoder):
+    """Doctor's population and update graphs take the arguments population.for_config gives the worker's."""
+    cfg = config.Config(
+        model=TINY,
+        data=config.DataConfig(batch=2, seq_len=4),
+        spsa=config.SPSAConfig(directions=2, noise=noise, decoder=decoder, density=density),
+    )
+    made = for_config(cfg, "cpu", 1, False)
+    k, perturbed, graph_noise = doctor.population_args(cfg)
+    assert (k, tuple(perturbed), graph_noise) == (made.k, made.perturbed, made.noise)
+    graphs = doctor.expert_graphs(cfg)
+    assert list(graphs) == list(doctor.GRAPHS)
+    assert isinstance(graphs["train"][1], str) == (decoder != "delta")
+
+
+def test_doctor_says_which_graphs_a_config_does_not_run():
+    cfg = config.Config(model=TINY, spsa=config.SPSAConfig(update="rms", decoder="frozen"))
+    graphs = doctor.expert_graphs(cfg)
+    assert graphs["train"][1] == "not run: spsa.decoder = 'frozen'"
+    assert graphs["update"][1].startswith("not run: spsa.update = 'rms'")
 
 
 def test_doctor_measures_the_demo_expert():

@@ -25,6 +25,7 @@ HEAVY = {
     "cryptography",
     "soma_edge.graph",
     "soma_edge.population",
+    "soma_edge.population_graph",
     "soma_edge.update_graph",
     "soma_edge.resident",
 }
