@@ -37,6 +37,7 @@ from soma_edge.errors import CheckpointError, ConfigError, SomaError
 from soma_edge.protocol import weights_sha256
 from soma_edge.router import Router
 from soma_edge.rundir import ExpertRecord, RunDir, RunState
+from soma_edge.runtime import load_ort
 
 FORMAT = "soma-edge-deploy"
 FORMAT_VERSION = 1
@@ -346,6 +347,10 @@ def _check_write(out: Path, quantize: str | None, force: bool, version: str) -> 
         raise BundleError(f"--version must be one of {', '.join(VERSIONS)}, got {version!r}")
     if quantize is not None and quantize not in QUANTIZE:
         raise BundleError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if quantize == "int8":
+        # The quantizer is onnxruntime's: without it, the DeviceError that names what to install (the other
+        # commands' one line), before anything is read or written.
+        load_ort()
     if out.exists() and not force:
         raise BundleError(f"{out}: already exists; pass --force to replace it")
     if out.exists() and not (out / MANIFEST).is_file():

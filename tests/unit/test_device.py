@@ -85,6 +85,8 @@ def _commands(deploy: tuple[Path, Path], device: str) -> dict[str, tuple[str, ..
         "join": ("worker.cli", "join", "--coordinator", "127.0.0.1:9", "--patience", "1", "--device", device),
         "eval": ("export.cli", "eval", d, "--data", data, "--device", device),
         "generate": ("export.cli", "generate", d, "--prompt", "To be", "--bytes", "4", "--device", device),
+        # onnxruntime's quantizer, not a device: what is missing is said the same way
+        "quantize": ("export.cli", "onnx", str(deploy[0].parent / "run"), "--out", d + "-int8", "--quantize", "int8"),
         # the local workers' device is checked before the run is prepared or any process starts
         "start": ("coordinator.cli", "start", "--run", str(deploy[0].parent / "start"), "--local-workers", "1")
         + ("--corpus", str(deploy[0].parent / "no-corpus"), "--device", device),
@@ -101,11 +103,13 @@ def test_cuda_without_cuda_is_one_error_line(command, deploy):
     assert "cuda:0" in line
 
 
-@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("command", ["train", "eval", "quantize"])
 def test_no_onnxruntime_says_which_to_install(command, deploy):
     module, *args = _commands(deploy, "auto")[command]
     line = _one_error_line(_cli(module, *args, pre=BLOCK_ORT))
     assert "onnxruntime is not installed" in line and "soma-edge[cpu]" in line and "soma-edge[cuda]" in line
+    if command == "quantize":
+        assert not Path(args[args.index("--out") + 1]).exists()  # said before anything is written
 
 
 def test_load_ort_without_the_package(monkeypatch):
