@@ -22,7 +22,7 @@ from soma_edge.procs import flower_env, free_port
 from soma_edge.protocol import weights_sha256
 from soma_edge.runtime import evaluator_for, mean_loss
 from soma_edge.spsa import OptState, State, plateau
-from worker import doctor, join
+from worker import doctor, join, probe
 from worker.trainer import train as train_loop
 
 app = make_app("soma-edge worker: forward-only SPSA training of LSTM experts on ONNX Runtime.")
@@ -72,6 +72,8 @@ def train_cmd(
     xt, yt = corpus.eval_windows(test_data, cfg.data.seq_len, eval_windows)
     xv, yv = corpus.eval_windows(corpus.to_stream(splits["val"]), cfg.data.seq_len, eval_windows)
     evaluator = evaluator_for(cfg)
+    if runtime.measures_auto(cfg.spsa.evaluator, evaluator.providers):  # as a joined worker chooses (worker/probe)
+        evaluator, _ = probe.fastest(cfg, cfg.device, cfg.threads, True)
     before = mean_loss(evaluator, state.weights, xt, yt)
     t0, done, evals = time.perf_counter(), 0, 0
     while done < steps:
@@ -97,6 +99,7 @@ def train_cmd(
         "steps_per_s": round(done / seconds, 3),
         "forward_evals_per_s": round(evals / seconds, 1),
         "providers": evaluator.providers,
+        "evaluator": runtime.evaluator_kind(evaluator).value,
         "lr_scale": state.opt.lr_scale,
         "test_nats_per_byte_before": before,
         "test_nats_per_byte_after": after,

@@ -54,6 +54,23 @@ def make_evaluator(
     return evaluator_for(cfg, device, threads, spin, parallel, evaluator)
 
 
+def fastest(
+    cfg: Config, device: str, threads: int, spin: bool, parallel: int = 0, seconds: float = PROBE_SECONDS
+) -> tuple[LossEvaluator, dict[Evaluator, float]]:
+    """The evaluator this worker trains `cfg` with, and the evals/s measured: the config's choice, or, with
+    spsa.evaluator = "auto" on an accelerator, whichever of the loop and the population measured faster
+    (a tie goes to the population)."""
+    evaluator = make_evaluator(cfg, device, threads, spin, parallel)
+    rates = {evaluator_kind(evaluator): measure(evaluator, cfg, seconds)}
+    if measures_auto(cfg.spsa.evaluator, evaluator.providers):
+        kind = Evaluator.LOOP if evaluator_kind(evaluator) is Evaluator.POPULATION else Evaluator.POPULATION
+        other = make_evaluator(cfg, device, threads, spin, parallel, kind)
+        rates[kind] = measure(other, cfg, seconds)
+        if (rates[kind], kind is Evaluator.POPULATION) > (rates[evaluator_kind(evaluator)], kind is Evaluator.LOOP):
+            evaluator = other
+    return evaluator, rates
+
+
 def chosen(caps: dict[str, Any]) -> Evaluator | None:
     """The evaluator a capability record says this worker trains with (None: the config's own choice)."""
     try:
@@ -99,12 +116,8 @@ def capabilities(
     if isinstance(hit, dict) and isinstance(hit.get("evals_per_s"), (int, float)) and chosen(hit) is not None:
         return {**hit, "probe_cached": True}
     t0 = time.perf_counter()
-    evaluator = make_evaluator(cfg, device, threads, spin, parallel)
-    rates = {evaluator_kind(evaluator): measure(evaluator, cfg, seconds)}
-    if measures_auto(cfg.spsa.evaluator, evaluator.providers):
-        other = Evaluator.LOOP if evaluator_kind(evaluator) is Evaluator.POPULATION else Evaluator.POPULATION
-        rates[other] = measure(make_evaluator(cfg, device, threads, spin, parallel, other), cfg, seconds)
-    best = max(rates, key=lambda e: (rates[e], e is Evaluator.POPULATION))
+    evaluator, rates = fastest(cfg, device, threads, spin, parallel, seconds)
+    best = evaluator_kind(evaluator)
     on_cuda = evaluator.providers[0] == devices.CUDA
     out = {
         "evals_per_s": rates[best],

@@ -100,6 +100,9 @@ def test_auto_on_an_accelerator_measures_both_once_and_trains_with_the_faster(tm
     data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
     report = train(spsa.State(params.init(CFG.model, 0)), data, CFG, evaluator, steps=1)
     assert report.evaluator is faster
+    timed.clear()  # `soma-worker train` chooses the same way, without a cache (probe.fastest)
+    evaluator, measured = probe.fastest(CFG, "cpu", 1, False, 1, seconds=0.05)
+    assert evaluator_kind(evaluator) is faster and measured == rates and len(timed) == 2
 
 
 def test_a_cached_probe_without_an_evaluator_is_measured_again(tmp_path, monkeypatch):
