@@ -6,8 +6,11 @@
 
 1. libraries: onnxruntime-gpu with its CUDA EP, an NVIDIA driver, the CUDA and cuDNN libraries. Each one
    missing is named in one line (what to install beside it), and the check exits 2 before anything runs.
-2. placement: every expert graph (kinds lstm and soma; modes loss, train, logprobs and stream) opens on a
-   CUDA-only session with CPU fallback disabled, and ORT's own placement report puts no node on the CPU.
+2. placement: every graph a worker opens on its device (kinds lstm and soma: soma_edge.graph's modes loss,
+   train, logprobs and stream; the population graph in each noise form, full-rank signs, gaussian and
+   rank-1; the update graph soma_edge.resident builds beside it, in each form) opens on a CUDA-only
+   session with CPU fallback disabled, and ORT's own placement report puts no node on the CPU; a graph
+   that fails is named with the EP its nodes landed on and their op types.
 3. numerics: the loss of the CPU EP and of the device agree to within soma_edge.numerics.DELTA (relative),
    for both kinds, at several weights and batches; the decoder gradients' largest difference is reported.
 4. a log round: the device trains the demo expert for --steps SPSA steps with federation.reply = "log", and
@@ -74,7 +77,7 @@ from bench.spsa_throughput import (
 )
 from coordinator import replay
 from soma_edge import devices, params, protocol, runtime, steps
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, ModelConfig, SPSAConfig
 from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
 from soma_edge.graph import MODES, build
@@ -119,23 +122,48 @@ def missing_libraries(device: str) -> list[str]:
     return out
 
 
-def placement_check(device: str) -> Check:
-    """Every expert graph opens strict on `device`, and ORT places none of its nodes on another EP."""
-    plan = runtime.plan(device)
-    off = []
+PLACEMENT_K, PLACEMENT_T = 2, 2  # the ops do not depend on K or T (T = 2: a step that reads the last one)
+
+
+def expert_graphs():
+    """(label, graph) for every graph a worker opens on its device, both kinds: soma_edge.graph's modes; the
+    population graph in each noise form, its decoder gradient on and the body perturbed, as
+    soma_edge.population.for_config builds it for the delta rule; and the update graph soma_edge.resident
+    builds beside it (the default Adam update, k = spsa.directions * spsa.accumulate)."""
+    from soma_edge.population_graph import build_population  # imports onnx (heavy), as graph does
+    from soma_edge.update_graph import build_update  # as above
+
     for kind, m in KINDS.items():
         for mode in MODES:
-            model = build(m, mode)
-            try:
-                runtime.make_session(model, device, threads=1)
-            except DeviceError as e:
-                off.append(f"{kind}/{mode}: {e}")
-                continue
-            placed = runtime.placement(model, plan.providers + ([] if CPU in plan.providers else [CPU]))
-            elsewhere = {ep: p for ep, p in placed.items() if ep != plan.first}
-            if elsewhere or not placed:
-                off.append(f"{kind}/{mode}: {elsewhere or 'no placement report'}")
-    n = len(KINDS) * len(MODES)
+            yield f"{kind}/{mode}", build(m, mode)
+        lay = params.layout(m)
+        body = [n for n in lay.names if n not in lay.decoder]
+        for noise in Noise:
+            spsa = SPSAConfig(directions=PLACEMENT_K)
+            if noise is Noise.RANK1:
+                spsa.noise, spsa.density = "rank1", 1.0
+            yield f"{kind}/population {noise.value}", build_population(m, PLACEMENT_K, body, noise, True, PLACEMENT_T)
+            yield f"{kind}/update {noise.value}", build_update(m, spsa, PLACEMENT_K, body, noise, True)
+
+
+def placement_check(device: str) -> Check:
+    """Every expert graph (expert_graphs) opens strict on `device`, and ORT places none of its nodes on
+    another EP; a graph that does not is named with the EP and the op types its nodes landed on."""
+    plan = runtime.plan(device)
+    off, n = [], 0
+    for label, model in expert_graphs():
+        n += 1
+        try:
+            runtime.make_session(model, device, threads=1)
+        except DeviceError as e:
+            off.append(f"{label}: {e}")
+            continue
+        placed = runtime.placement(model, plan.providers + ([] if CPU in plan.providers else [CPU]))
+        if not placed:
+            off.append(f"{label}: no placement report")
+        for ep, p in placed.items():
+            if ep != plan.first:
+                off.append(f"{label}: {p.count} node(s) on {ep} ({', '.join(p.ops) or 'ops not listed'})")
     detail = f"{n} graphs, every node on {plan.first}" if not off else "; ".join(off)
     return Check("placement", not off, detail, {"graphs": n, "off_device": off})
 

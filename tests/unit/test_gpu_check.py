@@ -14,7 +14,8 @@ import pytest
 from bench import gpu_check
 from bench.common import ROOT
 from bench.spsa_throughput import SIZES, BoundPopulation, population_setup
-from soma_edge import devices, params
+from soma_edge import devices, params, runtime
+from soma_edge.devices import CPU, CUDA
 from soma_edge.population_graph import Noise
 
 TINY = ["--sizes", "124K", "--batches", "2", "--ks", "1,2", "--seconds", "0.01", "--seq-len", "8"]
@@ -36,6 +37,7 @@ def test_cpu_dry_run_passes_every_check_and_writes_markdown_and_json(tmp_path, c
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     names = ["placement", "numerics", "log round", "update bits"]
     assert record["ok"] and [c["name"] for c in record["checks"]] == names
+    assert record["checks"][0]["figures"]["graphs"] == 20  # 2 kinds x (4 modes + 3 population + 3 update)
     log_round = record["checks"][2]
     assert log_round["figures"]["steps"] == 12 and len(log_round["figures"]["audited"]) == 4
     update = record["checks"][3]["figures"]  # the CPU EP's update graph gives the host's bits
@@ -160,3 +162,30 @@ def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
             assert r["evals_per_s"] > 0 and r["memory"] > 0 and r["vs_loop"] > 0, r
     assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
     assert "| population+cuda_graph |" in md
+
+
+def test_a_node_off_the_device_fails_the_placement_check_and_the_run(tmp_path, monkeypatch):
+    """The device taken for CUDA (no session opened: there is no GPU here) and ORT's placement report faked
+    so that one node of the lstm kind's rank-1 update graph lands on the CPU: the check fails naming the
+    graph, the EP and the node's op, and the script exits 1."""
+    monkeypatch.setattr(runtime, "plan", lambda device: runtime.Plan([(CUDA, {})], strict=True))
+    monkeypatch.setattr(runtime, "make_session", lambda *a, **k: None)
+    seen = []
+
+    def placement(model, providers, threads=1):
+        assert providers[-1] == CPU  # taken with CPU fallback allowed, so that every node lands somewhere
+        seen.append(model.graph.name)
+        doc = model.graph.doc_string
+        if model.graph.name == "soma_expert_update" and "'lstm'" in doc and "'rank1'" in doc:
+            return {CUDA: runtime.Placed(40, []), CPU: runtime.Placed(1, ["Mul"])}
+        return {CUDA: runtime.Placed(50, [])}
+
+    monkeypatch.setattr(runtime, "placement", placement)
+    for name in ("numerics_check", "log_round_check", "update_check"):  # not what this test is about
+        monkeypatch.setattr(gpu_check, name, lambda *a, name=name: gpu_check.Check(name, True, "not run here"))
+    assert gpu_check.main(["--device", "cpu", "--no-throughput", "--out", str(tmp_path)]) == 1
+    check = json.loads((tmp_path / "gpu_check.json").read_text())["checks"][0]
+    off = "lstm/update rank1: 1 node(s) on CPUExecutionProvider (Mul)"
+    assert not check["ok"] and check["figures"]["off_device"] == [off] and check["figures"]["graphs"] == 20
+    assert seen.count("soma_expert_population") == 6 and seen.count("soma_expert_update") == 6
+    assert f"| placement | FAIL | {off} |" in (tmp_path / "gpu_check.md").read_text()
