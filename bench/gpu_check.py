@@ -234,7 +234,7 @@ def update_check(device: str, data: np.ndarray, seconds: float = 2.0) -> Check:
         for name, spsa in UPDATE_SETTINGS.items():
             cfg = Config(model=m, device=device)
             # The update graph does not depend on T; a short population graph opens in a fraction of the time.
-            cfg.spsa.evaluator, cfg.data.seq_len = "population", 16
+            cfg.spsa.evaluator, cfg.data.seq_len = "population", 2
             for key, value in spsa.items():
                 setattr(cfg.spsa, key, value)
             ev = runtime.evaluator_for(cfg, device)
