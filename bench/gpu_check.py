@@ -35,10 +35,11 @@
    memory: MiB nvidia-smi reports after the row less before its session was made (ORT's arena keeps its
    peak), torch's peak allocated for torch rows, n/a off CUDA. Full-rank cells whose host noise, [K, body]
    float32, passes HOST_NOISE (1 GiB: L at K = 64, 1.9 GB and seconds a step to draw) are skipped: the draw
-   would be the step, not the call the row times. Cells that would start more than --budget seconds after
-   the script started are rows noted "skipped: time", so one run stays within its time on a lent GPU
-   (about 4 minutes for the table on an H100/H200-class GPU by estimate, checks 1-5 about one more); a
-   cell that fails (out of memory, say) is a row noted "failed: ...".
+   would be the step, not the call the row times. A cell whose estimated time (--seconds plus two calls at
+   the rate last measured at its size: `estimate`) would end more than --budget seconds after the script
+   started is a row noted "skipped: time", so one run stays within its time on a lent GPU (about 4 minutes
+   for the table on an H100/H200-class GPU by estimate, checks 1-5 about one more); a cell that fails (out
+   of memory, say) is a row noted "failed: ...".
 
 Results go to OUT/gpu_check.md and OUT/gpu_check.json (the table as "throughput": rows of name, params, B,
 K, evaluator, evals_per_s, vs_loop, vs_torch, memory, note; and "throughput_notes"). Exit 0 when every
@@ -338,12 +339,47 @@ def gpu_memory_mib(device: str) -> int | None:
         return None
 
 
+# Where a row with no measured row of its own evaluator at its size takes the price of a call from.
+_BASIS = {Evaluator.CUDA_GRAPH: Evaluator.POPULATION}
+
+
+def estimate(t: Table, row: Row) -> float:
+    """Seconds a cell would take: --seconds of measuring plus two of its calls (the warm-up, and the last
+    one, which starts before the time is up and ends after it). A call is priced per member-row (B
+    sequences through one member) at the latest row measured of its evaluator at its size, else of its
+    basis (_BASIS), else of any evaluator there, else at the latest size measured scaled by parameters; a
+    first cell at --seconds alone."""
+    done = [r for r in t.rows if r.evals_per_s and r.B and r.evaluator is not Evaluator.TORCH]
+    for pick in (
+        lambda r: r.name == row.name and r.evaluator is row.evaluator,
+        lambda r: r.name == row.name and r.evaluator is _BASIS.get(row.evaluator),
+        lambda r: r.name == row.name,
+        lambda r: True,
+    ):
+        got = [r for r in done if pick(r)]
+        if got:
+            per_row = row.params / (got[-1].evals_per_s * got[-1].B * got[-1].params)
+            return t.seconds + 2 * per_row * _members(row) * (row.B or 1)
+    return t.seconds
+
+
+def _members(row: Row) -> int:
+    return 1 if row.K is None else 2 * row.K + 1
+
+
+def _fits(t: Table, row: Row) -> str:
+    """No note when the cell's estimate ends before the deadline, else the note that skips it."""
+    left, need = t.deadline - time.perf_counter(), estimate(t, row)
+    return "" if need <= left else f"skipped: time (needs ~{need:.1f} s, {max(left, 0.0):.1f} s left)"
+
+
 def _cell(t: Table, row: Row, device: str, base: int | None, measure) -> None:
-    """Measure one row (unless past the deadline), its memory as the device's use now less `base`, the use
-    before its session was made: ORT's arena keeps what a session's runs needed at most."""
+    """Measure one row (unless its estimate would overrun the deadline), its memory as the device's use now
+    less `base`, the use before its session was made: ORT's arena keeps what a session's runs needed at most."""
     t.rows.append(row)
-    if time.perf_counter() > t.deadline:
-        row.note = "skipped: time"
+    row.note = _fits(t, row)
+    if row.note:
+        say(f"  {row.name} B={row.B} K={row.K or '-'} {row.evaluator.value}: {row.note}")
         return
     try:
         row.evals_per_s = measure()
@@ -365,7 +401,7 @@ def _torch_rows(t: Table, device: str) -> None:
     cmd = [sys.executable, "-m", "bench.torch_eager", "--device", device, "--sizes", ",".join(t.sizes)]
     cmd += ["--batches", ",".join(map(str, t.batches)), "--seq-len", str(t.seq_len), "--seconds", str(t.seconds)]
     left = t.deadline - time.perf_counter()
-    if left <= 0:  # no process to start: its rows, as every cell past the deadline
+    if left < t.seconds:  # no cell of it would fit: no process to start
         for name in t.sizes:
             n = params.count(SIZES[name])
             _skip(t, [Row(name, n, b, None, Evaluator.TORCH) for b in t.batches], "skipped: time")
@@ -398,9 +434,10 @@ def _skip(t: Table, rows: list[Row], note: str) -> None:
 
 def _open(t: Table, rows: list[Row], device: str, make):
     """(make(), the device's memory use before it) for a session that `rows` measure; None, with the rows
-    noted skipped, past the deadline or when it cannot be made."""
-    if time.perf_counter() > t.deadline:
-        _skip(t, rows, "skipped: time")
+    noted skipped, when its first cell would not fit before the deadline or it cannot be made."""
+    late = _fits(t, rows[0])
+    if late:
+        _skip(t, rows, late)
         return None
     base = gpu_memory_mib(device)
     try:
@@ -490,8 +527,8 @@ def _ratios(rows: list[Row]) -> None:
 
 def throughput(device: str, t: Table) -> Table:
     """The table: torch eager first (the reference of every row), then per size the loop, and per K the
-    population, rank-1 and (CUDA) the population under CUDA graph capture. Cells past the deadline are
-    rows noted "skipped: time"."""
+    population, rank-1 and (CUDA) the population under CUDA graph capture. A cell whose estimate would end
+    past the deadline is a row noted "skipped: time"."""
     _torch_rows(t, device)
     warm = runtime.LossEvaluator(DEMO_MODEL, device, parallel=1)  # the device's context before any baseline
     warm.loss(params.init(DEMO_MODEL, 0), _ids(1, 8), _ids(1, 8))
@@ -506,6 +543,11 @@ def throughput(device: str, t: Table) -> Table:
             f"skipped: host noise: full-rank at K x body x 4 bytes > {HOST_NOISE >> 20} MiB: the host's draw of "
             "[K, body] float32 signs per step (seconds a step at 8M and K = 64) would be the step, not the call "
             "the row times"
+        )
+    if any(r.note.startswith("skipped: time") for r in t.rows):
+        t.notes.append(
+            "skipped: time: the cell would end after --budget by its estimate (--seconds, plus two calls at "
+            "the rate last measured at its size)"
         )
     if ort_device(device)[0] != "cuda":
         t.notes.append(f"population+cuda_graph: not measured (CUDA only; device {device})")
@@ -580,7 +622,12 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="measuring time per throughput cell (and per arm of the update check)",
     )
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds from the start after which cells are skipped")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=450.0,
+        help="seconds from the start by which every cell must end, by its estimate",
+    )
     ap.add_argument("--sizes", default="124K,S,L", help=f"throughput sizes, of {','.join(SIZES)}")
     ap.add_argument("--batches", default="16,64", help="throughput batch sizes B")
     ap.add_argument("--ks", default="1,8,64", help="throughput directions per step K")

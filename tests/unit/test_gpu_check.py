@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from bench import gpu_check
 from bench.common import ROOT
+from bench.gpu_check import Evaluator, Row
 from bench.spsa_throughput import SIZES, BoundPopulation, population_setup
 from soma_edge import devices, params, runtime
 from soma_edge.devices import CPU, CUDA
@@ -93,11 +95,37 @@ def test_cpu_dry_run_of_the_throughput_table(tmp_path):
     assert "| 124K | 124,160 | 2 | 2 | rank1 |" in md and "## Throughput" in md
 
 
-def test_past_the_budget_every_cell_is_skipped_and_full_rank_over_the_noise_cap_too(tmp_path, monkeypatch):
-    record, _ = _table(tmp_path, "--budget", "0")
+def test_a_tiny_budget_skips_every_cell_that_would_overrun_it(tmp_path):
+    """Each cell's estimate is at least --seconds: with 1 s a cell and a 0.5 s budget none starts (cells
+    that started before the deadline used to run past it), and the table says why."""
+    record, md = _table(tmp_path, "--budget", "0.5", "--seconds", "1")
     assert record["throughput"] and all(
-        r["evals_per_s"] is None and r["note"] == "skipped: time" for r in record["throughput"]
+        r["evals_per_s"] is None and r["note"].startswith("skipped: time") for r in record["throughput"]
     )
+    assert any(n.startswith("skipped: time: the cell would end after --budget") for n in record["throughput_notes"])
+
+
+def test_a_cell_is_skipped_when_the_rate_measured_before_it_says_it_would_overrun():
+    n = params.count(SIZES["124K"])
+    t = gpu_check.Table(["124K"], [2], [8], 8, 1.0, deadline=time.perf_counter() + 2.0)
+    first = Row("124K", n, 2, None, Evaluator.LOOP)
+    assert gpu_check.estimate(t, first) == 1.0  # nothing measured yet: --seconds alone
+    gpu_check._cell(t, first, "cpu", None, lambda: 10.0)  # 10 calls/s of B = 2: 0.05 s a member-row
+    assert gpu_check.estimate(t, Row("124K", n, 2, None, Evaluator.LOOP_RESIDENT)) == pytest.approx(1.2)
+    slow = Row("124K", n, 2, 8, Evaluator.POPULATION)  # 17 members x 2 rows x 0.05 s a call
+    assert gpu_check.estimate(t, slow) == pytest.approx(1.0 + 2 * 1.7)
+
+    def never() -> float:
+        raise AssertionError("a cell past the deadline by its estimate must not start")
+
+    gpu_check._cell(t, slow, "cpu", None, never)
+    assert slow.evals_per_s is None and slow.note.startswith("skipped: time (needs ~4.4 s, ")
+    graph = Row("124K", n, 2, 8, Evaluator.CUDA_GRAPH)  # priced at its basis, the population, measured now
+    t.rows.append(Row("124K", n, 2, 8, Evaluator.POPULATION, evals_per_s=340.0))
+    assert gpu_check.estimate(t, graph) == pytest.approx(1.0 + 2 * 17 / 340.0)
+
+
+def test_full_rank_over_the_noise_cap_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "HOST_NOISE", 0)  # every full-rank cell's noise is over the cap
     record, _ = _table(tmp_path, "--ks", "1")
     by = {r["evaluator"]: r for r in record["throughput"]}
