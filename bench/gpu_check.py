@@ -34,12 +34,13 @@
    Each row has its ratio to loop_resident and to torch eager at the same size and B, and its device
    memory: MiB nvidia-smi reports after the row less before its session was made (ORT's arena keeps its
    peak), torch's peak allocated for torch rows, n/a off CUDA. Full-rank cells whose host noise, [K, body]
-   float32, passes HOST_NOISE (1 GiB: L at K = 64, 1.9 GB and seconds a step to draw) are skipped: the draw
-   would be the step, not the call the row times. A cell whose estimated time (--seconds plus two calls at
-   the rate last measured at its size: `estimate`) would end more than --budget seconds after the script
-   started is a row noted "skipped: time", so one run stays within its time on a lent GPU (about 4 minutes
-   for the table on an H100/H200-class GPU by estimate, checks 1-5 about one more); a cell that fails (out
-   of memory, say) is a row noted "failed: ...".
+   float32, passes HOST_NOISE (1 GiB: L at K = 64, 1.9 GB and seconds a step to draw) are left out as one
+   row that says why and what would lift it: the draw would be the step, not the call the row times. A
+   cell whose estimated time (--seconds plus two calls at the rate last measured at its size: `estimate`)
+   would end more than --budget seconds after the script started is a row noted "skipped: time", so one
+   run stays within its time on a lent GPU (about 4 minutes for the table on an H100/H200-class GPU by
+   estimate, checks 1-5 about one more); a cell that fails (out of memory, say) is a row noted
+   "failed: ...".
 
 Results go to OUT/gpu_check.md and OUT/gpu_check.json (the table as "throughput": rows of name, params, B,
 K, evaluator, evals_per_s, vs_loop, vs_torch, memory, note; and "throughput_notes"). Exit 0 when every
@@ -302,7 +303,7 @@ class Row:
 
     name: str
     params: int
-    B: int
+    B: int | None  # None: one line that stands for every B (full-rank over the host-noise cap)
     K: int | None  # None: a row whose rate does not depend on K (the loop, torch)
     evaluator: Evaluator
     evals_per_s: float | None = None
@@ -464,17 +465,30 @@ def _too_big(m: ModelConfig, k: int) -> bool:
     return k * params.layout(m).body * 4 > HOST_NOISE
 
 
+def _host_noise_row(name: str, m: ModelConfig, k: int) -> Row:
+    """The one line that stands for every full-rank row the host-noise cap leaves out at this size and K."""
+    body = params.layout(m).body
+    note = (
+        f"skipped: host noise: full-rank at K = {k} draws [K, body] float32 on the host each step, "
+        f"{k * body * 4 / (1 << 30):.2f} GiB > {HOST_NOISE / (1 << 30):g} GiB: the draw, seconds a step, would be "
+        "what the row times (population and population+cuda_graph: every B). Lifted by a "
+        f"host draw under the cap (K <= {HOST_NOISE // (body * 4)} at this size), or once full-rank signs are "
+        "drawn and cross without a [K, body] float32 array (packed bits expanded on the device)"
+    )
+    return Row(name, params.count(m), None, k, Evaluator.POPULATION, note=note)
+
+
 def _population_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray, k: int) -> None:
     """Full-rank and rank-1 at K, one session each for every B; then (CUDA) full-rank under CUDA graph
     capture, a session per B (a captured graph has fixed shapes)."""
     n = params.count(m)
     for ev, noise in ((Evaluator.POPULATION, Noise.SIGNS), (Evaluator.RANK1, Noise.RANK1)):
+        if noise is Noise.SIGNS and _too_big(m, k):
+            t.rows.append(_host_noise_row(name, m, k))
+            continue
         rows = [Row(name, n, b, k, ev) for b in t.batches]
         graph = noise is Noise.SIGNS and ort_device(device)[0] == "cuda"
         graph_rows = [Row(name, n, b, k, Evaluator.CUDA_GRAPH) for b in t.batches] if graph else []
-        if noise is Noise.SIGNS and _too_big(m, k):
-            _skip(t, rows + graph_rows, "skipped: host noise")
-            continue
         feeds = _session_rows(t, rows, m, device, w, noise)
         for row in graph_rows:
             if feeds is None:  # the population's session was not made: skipped for time, or failed
@@ -538,12 +552,6 @@ def throughput(device: str, t: Table) -> Table:
         _loop_rows(t, name, m, device, w)
         for k in t.ks:
             _population_rows(t, name, m, device, w, k)
-    if any(r.note == "skipped: host noise" for r in t.rows):
-        t.notes.append(
-            f"skipped: host noise: full-rank at K x body x 4 bytes > {HOST_NOISE >> 20} MiB: the host's draw of "
-            "[K, body] float32 signs per step (seconds a step at 8M and K = 64) would be the step, not the call "
-            "the row times"
-        )
     if any(r.note.startswith("skipped: time") for r in t.rows):
         t.notes.append(
             "skipped: time: the cell would end after --budget by its estimate (--seconds, plus two calls at "
@@ -574,7 +582,7 @@ def throughput_md(t: Table) -> str:
             [
                 r.name,
                 f"{r.params:,}",
-                str(r.B),
+                "-" if r.B is None else str(r.B),
                 "-" if r.K is None else str(r.K),
                 r.evaluator.value,
                 _fmt(r.evals_per_s, ".1f"),

@@ -63,6 +63,11 @@ def test_a_log_the_device_did_not_compute_is_refused(tmp_path, monkeypatch):
     assert not check.ok and check.detail.startswith("refused: ")
 
 
+def _no_torch(monkeypatch) -> None:
+    """Leave the torch subprocess out (2 s of importing torch) where a test is about the ORT rows' layout."""
+    monkeypatch.setattr(gpu_check, "_torch_rows", lambda t, device: t.notes.append("torch eager: left out here"))
+
+
 def _table(tmp_path, *extra: str) -> tuple[dict, str]:
     assert gpu_check.main(["--device", "cpu", "--only-throughput", *TINY, *extra, "--out", str(tmp_path)]) == 0
     return json.loads((tmp_path / "gpu_check.json").read_text()), (tmp_path / "gpu_check.md").read_text()
@@ -125,13 +130,18 @@ def test_a_cell_is_skipped_when_the_rate_measured_before_it_says_it_would_overru
     assert gpu_check.estimate(t, graph) == pytest.approx(1.0 + 2 * 17 / 340.0)
 
 
-def test_full_rank_over_the_noise_cap_is_skipped(tmp_path, monkeypatch):
+def test_full_rank_over_the_host_noise_cap_is_one_line_saying_why_and_what_lifts_it(tmp_path, monkeypatch):
+    _no_torch(monkeypatch)
     monkeypatch.setattr(gpu_check, "HOST_NOISE", 0)  # every full-rank cell's noise is over the cap
-    record, _ = _table(tmp_path, "--ks", "1")
-    by = {r["evaluator"]: r for r in record["throughput"]}
-    assert by["population"]["note"] == "skipped: host noise" and by["population"]["evals_per_s"] is None
-    assert by["rank1"]["evals_per_s"] > 0
-    assert any(n.startswith("skipped: host noise") for n in record["throughput_notes"])
+    record, md = _table(tmp_path, "--ks", "1", "--batches", "2,3")
+    full = [r for r in record["throughput"] if r["evaluator"].startswith("population")]
+    assert len(full) == 1 and full[0]["B"] is None and full[0]["K"] == 1 and full[0]["evals_per_s"] is None
+    note = full[0]["note"]
+    assert note.startswith("skipped: host noise: full-rank at K = 1 draws [K, body] float32") and "Lifted by" in note
+    assert "population+cuda_graph" in note and "every B" in note
+    assert [r["B"] for r in record["throughput"] if r["evaluator"] == "rank1"] == [2, 3]
+    assert all(r["evals_per_s"] > 0 for r in record["throughput"] if r["evaluator"] == "rank1")
+    assert "| 124K | 124,160 | - | 1 | population |" in md
 
 
 @pytest.mark.parametrize("noise", [Noise.SIGNS, Noise.RANK1])
@@ -169,6 +179,7 @@ def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
     CUDA gets a population+cuda_graph row per B after each full-rank session (the bound session, here without
     graph capture), skipped as full-rank is where it is over the noise cap, and device memory on every ORT
     row."""
+    _no_torch(monkeypatch)
     used = iter(range(1000, 100000, 7))
     monkeypatch.setattr(gpu_check, "ort_device", lambda device: ("cuda", 0))
     monkeypatch.setattr(gpu_check, "gpu_memory_mib", lambda device: next(used))
@@ -181,11 +192,11 @@ def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
     k1 = [(e, 1, b) for e in ("population", "rank1") for b in (2, 3)]
     k1.insert(2, ("population+cuda_graph", 1, 2))
     k1.insert(3, ("population+cuda_graph", 1, 3))
-    k2 = [(e, 2, b) for e in ("population", "population+cuda_graph", "rank1") for b in (2, 3)]
+    k2 = [("population", 2, None), ("rank1", 2, 2), ("rank1", 2, 3)]
     assert got == loops + k1 + k2
     for r in record["throughput"]:
-        if r["evaluator"].startswith("population") and r["K"] == 2:
-            assert r["note"] == "skipped: host noise" and r["evals_per_s"] is None
+        if r["evaluator"] == "population" and r["K"] == 2:  # one line for every full-rank row at K = 2
+            assert r["note"].startswith("skipped: host noise") and r["evals_per_s"] is None
         elif r["evaluator"] != "torch_eager":
             assert r["evals_per_s"] > 0 and r["memory"] > 0 and r["vs_loop"] > 0, r
     assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
