@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from bench import gpu_check
+from bench import gpu_check, gpu_targets
 from bench.common import ROOT
 from bench.gpu_check import Evaluator, Row
 from bench.spsa_throughput import SIZES, BoundPopulation, population_setup
@@ -77,7 +77,8 @@ def test_cpu_dry_run_of_the_throughput_table(tmp_path):
     record, md = _table(tmp_path)
     assert record["checks"] == []  # --only-throughput: checks 2-4 did not run
     rows = {(r["evaluator"], r["K"]): r for r in record["throughput"]}
-    ort_rows = [("loop", None), ("loop_resident", None)] + [(e, k) for k in (1, 2) for e in ("population", "rank1")]
+    per_k = ("population", "population_resident", "rank1", "rank1_resident", "clean_forward")
+    ort_rows = [("loop", None), ("loop_resident", None)] + [(e, k) for k in (1, 2) for e in per_k]
     torch_ok = ("torch_eager", None) in rows
     try:
         import torch  # noqa: F401  (the dev venv has it: then its row must be there)
@@ -96,8 +97,20 @@ def test_cpu_dry_run_of_the_throughput_table(tmp_path):
             assert r["vs_torch"] == pytest.approx(
                 r["evals_per_s"] / rows[("torch_eager", None)]["evals_per_s"], rel=1e-2
             )
+        if r["K"] is not None and r["evaluator"] != "clean_forward":  # time per call over the clean forward's
+            clean = rows[("clean_forward", r["K"])]["evals_per_s"]
+            assert r["vs_clean"] == pytest.approx(clean / r["evals_per_s"], rel=1e-2)
+        assert (r["host_share"] is not None) == (r["evaluator"] in ("population_resident", "rank1_resident"))
+        if r["host_share"] is not None:
+            assert 0 <= r["host_share"] < 1
     assert "population+cuda_graph: not measured (CUDA only; device cpu)" in record["throughput_notes"]
     assert "| 124K | 124,160 | 2 | 2 | rank1 |" in md and "## Throughput" in md
+    # the GPU targets' verdicts, computed on the CPU EP and labelled so; K = 8 and 64 were not in --ks
+    targets = record["targets"]
+    assert [t["verdict"] for t in targets[:2]] == ["not measured"] * 2 and all(t["cpu"] for t in targets)
+    assert {t["verdict"] for t in targets[2:]} <= {"PASS", "FAIL"}
+    assert set(targets[2]["figures"]) == {"124K K=1", "124K K=2"} and len(targets[3]["figures"]) == 4
+    assert "## GPU targets" in md and md.count("(not measured; not the GPU target)") == 2
 
 
 def test_a_tiny_budget_skips_every_cell_that_would_overrun_it(tmp_path):
@@ -108,6 +121,7 @@ def test_a_tiny_budget_skips_every_cell_that_would_overrun_it(tmp_path):
         r["evals_per_s"] is None and r["note"].startswith("skipped: time") for r in record["throughput"]
     )
     assert any(n.startswith("skipped: time: the cell would end after --budget") for n in record["throughput_notes"])
+    assert all(t["verdict"] == "not measured" for t in record["targets"])
 
 
 def test_a_cell_is_skipped_when_the_rate_measured_before_it_says_it_would_overrun():
@@ -125,9 +139,9 @@ def test_a_cell_is_skipped_when_the_rate_measured_before_it_says_it_would_overru
 
     gpu_check._cell(t, slow, "cpu", None, never)
     assert slow.evals_per_s is None and slow.note.startswith("skipped: time (needs ~4.4 s, ")
-    graph = Row("124K", n, 2, 8, Evaluator.CUDA_GRAPH)  # priced at its basis, the population, measured now
+    resident = Row("124K", n, 2, 8, Evaluator.RESIDENT)  # priced at its basis, the population, measured now
     t.rows.append(Row("124K", n, 2, 8, Evaluator.POPULATION, evals_per_s=340.0))
-    assert gpu_check.estimate(t, graph) == pytest.approx(1.0 + 2 * 17 / 340.0)
+    assert gpu_check.estimate(t, resident) == pytest.approx(1.0 + 2 * 17 / 340.0)
 
 
 def test_full_rank_over_the_host_noise_cap_is_one_line_saying_why_and_what_lifts_it(tmp_path, monkeypatch):
@@ -138,9 +152,9 @@ def test_full_rank_over_the_host_noise_cap_is_one_line_saying_why_and_what_lifts
     assert len(full) == 1 and full[0]["B"] is None and full[0]["K"] == 1 and full[0]["evals_per_s"] is None
     note = full[0]["note"]
     assert note.startswith("skipped: host noise: full-rank at K = 1 draws [K, body] float32") and "Lifted by" in note
-    assert "population+cuda_graph" in note and "every B" in note
+    assert "population_resident" in note and "every B" in note
     assert [r["B"] for r in record["throughput"] if r["evaluator"] == "rank1"] == [2, 3]
-    assert all(r["evals_per_s"] > 0 for r in record["throughput"] if r["evaluator"] == "rank1")
+    assert all(r["evals_per_s"] > 0 for r in record["throughput"] if r["evaluator"].startswith("rank1"))
     assert "| 124K | 124,160 | - | 1 | population |" in md
 
 
@@ -189,16 +203,17 @@ def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
     record, md = _table(tmp_path, "--batches", "2,3")
     got = [(r["evaluator"], r["K"], r["B"]) for r in record["throughput"] if r["evaluator"] != "torch_eager"]
     loops = [(e, None, b) for b in (2, 3) for e in ("loop", "loop_resident")]
-    k1 = [(e, 1, b) for e in ("population", "rank1") for b in (2, 3)]
-    k1.insert(2, ("population+cuda_graph", 1, 2))
-    k1.insert(3, ("population+cuda_graph", 1, 3))
-    k2 = [("population", 2, None), ("rank1", 2, 2), ("rank1", 2, 3)]
+    k1 = [("population", 1, 2), ("population", 1, 3), ("population_resident", 1, 2)]
+    k1 += [("population+cuda_graph", 1, 2), ("population+cuda_graph", 1, 3)]
+    k1 += [("rank1", 1, 2), ("rank1", 1, 3), ("rank1_resident", 1, 2), ("clean_forward", 1, 2)]
+    k2 = [("population", 2, None), ("rank1", 2, 2), ("rank1", 2, 3), ("rank1_resident", 2, 2), ("clean_forward", 2, 2)]
     assert got == loops + k1 + k2
     for r in record["throughput"]:
         if r["evaluator"] == "population" and r["K"] == 2:  # one line for every full-rank row at K = 2
             assert r["note"].startswith("skipped: host noise") and r["evals_per_s"] is None
         elif r["evaluator"] != "torch_eager":
             assert r["evals_per_s"] > 0 and r["memory"] > 0 and r["vs_loop"] > 0, r
+    assert not any(t["cpu"] for t in record["targets"])  # taken for CUDA: the GPU targets, unlabelled
     assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
     assert "| population+cuda_graph |" in md
 
@@ -228,3 +243,66 @@ def test_a_node_off_the_device_fails_the_placement_check_and_the_run(tmp_path, m
     assert not check["ok"] and check["figures"]["off_device"] == [off] and check["figures"]["graphs"] == 20
     assert seen.count("soma_expert_population") == 6 and seen.count("soma_expert_update") == 6
     assert f"| placement | FAIL | {off} |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def _rows() -> list[Row]:
+    n = {name: params.count(m) for name, m in SIZES.items()}
+    return [
+        Row("124K", n["124K"], 16, 8, Evaluator.POPULATION, 600.0, vs_loop=4.0),
+        Row("124K", n["124K"], 16, 8, Evaluator.RESIDENT, 900.0, vs_loop=6.0, host_share=0.05),
+        Row("124K", n["124K"], 64, 8, Evaluator.POPULATION, 900.0, vs_loop=9.0),  # another B: not the target's
+        Row("S", n["S"], 16, 8, Evaluator.POPULATION, 99.0, vs_loop=5.5),
+        Row("L", n["L"], None, 8, Evaluator.POPULATION, note="skipped: host noise: over the cap"),
+        Row("124K", n["124K"], 16, 64, Evaluator.CUDA_GRAPH, 9000.0, vs_loop=16.0),
+        Row("S", n["S"], 16, 64, Evaluator.POPULATION, 990.0, vs_loop=14.9),
+        Row("124K", n["124K"], 16, 8, Evaluator.RANK1_RESIDENT, 800.0, vs_clean=1.4, host_share=0.08),
+        Row("S", n["S"], 16, 8, Evaluator.RANK1_RESIDENT, 80.0, vs_clean=1.6, host_share=0.25),
+    ]
+
+
+def test_the_gpu_targets_verdicts_are_pass_fail_or_not_measured():
+    """Per target: PASS when every figure measured meets it, FAIL when one misses, not measured when none
+    was; the speed target takes each size's best full-rank row at the targets' B and names it."""
+    speed8, speed64, rank1, host = gpu_targets.verdicts(_rows(), ["124K", "S", "L"], [8, 64], 16, cpu=False)
+    assert speed8.verdict == "PASS" and speed8.figures == {
+        "124K": {"vs_loop": 6.0, "row": "population_resident"},
+        "S": {"vs_loop": 5.5, "row": "population"},
+    }
+    assert "L not measured (skipped: host noise)" in speed8.detail
+    assert speed64.verdict == "FAIL" and "S 14.90x (population)" in speed64.detail
+    assert rank1.verdict == "FAIL" and rank1.figures["S K=8"] == {"vs_clean": 1.6, "runs_vs_clean": 1.2}
+    assert "124K K=64 not measured" in rank1.detail
+    assert host.verdict == "FAIL" and host.figures["S K=8 rank1_resident"] == 0.25
+    assert host.line().startswith("the device waits on the host <= 10% of a resident step, B = 16: **FAIL**")
+    only_fast = [r for r in _rows() if r.name == "124K"]
+    _, _, rank1, host = gpu_targets.verdicts(only_fast, ["124K"], [8], 16, cpu=True)
+    assert (rank1.verdict, host.verdict) == ("PASS", "PASS")
+    assert "**CPU EP (PASS; not the GPU target)**" in host.line()
+    none = gpu_targets.verdicts([], ["124K"], [1], 16, cpu=True)
+    assert [v.verdict for v in none] == ["not measured"] * 4
+
+
+def test_timed_runs_times_each_run_call_and_leaves_the_session_as_it_was():
+    class Session:
+        def run_with_iobinding(self, io):
+            time.sleep(0.01)
+            return io
+
+    s = Session()
+    with gpu_targets.timed_runs(s) as spent:
+        assert s.run_with_iobinding("io") == "io"
+    assert len(spent) == 1 and spent[0] >= 0.01 and "run_with_iobinding" not in vars(s)
+
+
+def test_the_host_share_of_a_resident_step_grows_with_the_hosts_work(monkeypatch):
+    """Resident.step timed as a worker runs it: the same step with 20 ms more host work (its noise) has most
+    of its wall time outside ORT's run calls."""
+    m, x = SIZES["124K"], np.random.default_rng(0).integers(0, 256, (2, 8)).astype(np.int64)
+    pop, _ = population_setup(m, 1, Noise.SIGNS, 8)
+    cfg, w = gpu_targets.resident_config(m, 1, Noise.SIGNS, x, "cpu"), params.init(m, 0)
+    quick = gpu_targets.resident_timing(pop, cfg, w, x, 0.1)
+    real = pop.noise_of
+    monkeypatch.setattr(pop, "noise_of", lambda probes: time.sleep(0.02) or real(probes))
+    slow = gpu_targets.resident_timing(pop, cfg, w, x, 0.1)
+    assert 0 <= quick.host_share < slow.host_share and slow.host_share > 0.5
+    assert slow.steps_per_s < quick.steps_per_s
