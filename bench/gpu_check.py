@@ -6,8 +6,11 @@
 
 1. libraries: onnxruntime-gpu with its CUDA EP, an NVIDIA driver, the CUDA and cuDNN libraries. Each one
    missing is named in one line (what to install beside it), and the check exits 2 before anything runs.
-2. placement: every expert graph (kinds lstm and soma; modes loss, train, logprobs and stream) opens on a
-   CUDA-only session with CPU fallback disabled, and ORT's own placement report puts no node on the CPU.
+2. placement: every graph a worker opens on its device (kinds lstm and soma: soma_edge.graph's modes loss,
+   train, logprobs and stream; the population graph in each noise form, full-rank signs, gaussian and
+   rank-1; the update graph soma_edge.resident builds beside it, in each form) opens on a CUDA-only
+   session with CPU fallback disabled, and ORT's own placement report puts no node on the CPU; a graph
+   that fails is named with the EP its nodes landed on and their op types.
 3. numerics: the loss of the CPU EP and of the device agree to within soma_edge.numerics.DELTA (relative),
    for both kinds, at several weights and batches; the decoder gradients' largest difference is reported.
 4. a log round: the device trains the demo expert for --steps SPSA steps with federation.reply = "log", and
@@ -18,30 +21,43 @@
    device, for both kinds and each noise form, so that the worker keeps the expert resident there (else it
    keeps the host update and uploads the weights every step), and the demo expert's population steps/s
    both ways: what the host update and the upload cost.
-6. throughput (a table, no verdict): forward evaluations per second at the sizes of bench/spsa_throughput.py
-   (124K, the demo expert; S ~0.9M; L ~7.9M), each B and K, about --seconds a cell, of
+6. throughput (a table; its GPU targets' verdicts do not change the exit status): forward evaluations per
+   second at the sizes of bench/spsa_throughput.py (124K, the demo expert; S ~0.9M; L ~7.9M), each B and K,
+   about --seconds a cell, of
    - loop: one ORT call per evaluation, the weights fed from the host (runtime.LossEvaluator, the trainer's);
    - loop_resident: the same session with its inputs bound on the device once (IOBinding), the loop's best
      case, and the baseline of the GPU targets ("vs loop" below);
    - population and rank1: one call per step of 2K + 1 members, weights and noise fed from the host;
+   - population_resident and rank1_resident (at the targets' B, 16): soma_edge.resident.Resident.step, the
+     worker's training path on a device (weights and moments resident, noise drawn on the host and
+     uploaded, the update graph on the device), with its host share: the part of a step's wall time
+     outside ORT's run calls;
    - population+cuda_graph (CUDA only): full-rank with every input and output at a fixed device address
      and the CUDA EP's enable_cuda_graph, a session per B;
+   - clean_forward (at the targets' B): the loss graph (the ONNX LSTM op) on one batch of P*B sequences,
+     P = 2K + 1, its inputs bound on the device: the unit of the rank-1 target ("vs clean" below);
    - torch_eager: the torch reference, in a subprocess (bench/torch_eager.py) since torch's CUDA libraries
      may differ from ORT's; without torch, or without CUDA in it, one line says so and there is no row.
-   Each row has its ratio to loop_resident and to torch eager at the same size and B, and its device
-   memory: MiB nvidia-smi reports after the row less before its session was made (ORT's arena keeps its
-   peak), torch's peak allocated for torch rows, n/a off CUDA. Full-rank cells whose host noise, [K, body]
-   float32, passes HOST_NOISE (1 GiB: L at K = 64, 1.9 GB and seconds a step to draw) are skipped: the draw
-   would be the step, not the call the row times. Cells that would start more than --budget seconds after
-   the script started are rows noted "skipped: time", so one run stays within its time on a lent GPU
-   (about 4 minutes for the table on an H100/H200-class GPU by estimate, checks 1-5 about one more); a
-   cell that fails (out of memory, say) is a row noted "failed: ...".
+   Each row has its ratio to loop_resident and to torch eager at the same size and B, its time per call or
+   step over the clean forward's of the same P*B rows, and its device memory: MiB nvidia-smi reports after
+   the row less before its session was made (ORT's arena keeps its peak), torch's peak allocated for torch
+   rows, n/a off CUDA. Full-rank cells whose host noise, [K, body] float32, passes HOST_NOISE (1 GiB: L at
+   K = 64, 1.9 GB and seconds a step to draw) are left out as one row that says why and what would lift
+   it: the draw would be the step, not the call the row times. A cell whose estimated time (--seconds plus
+   two calls at the rate last measured at its size: `estimate`) would end more than --budget seconds after
+   the script started is a row noted "skipped: time", so one run stays within its time on a lent GPU
+   (about 5 minutes for the table on an H100/H200-class GPU by estimate, checks 1-5 about one more); a
+   cell that fails (out of memory, say) is a row noted "failed: ...". Then the GPU targets' verdicts,
+   PASS, FAIL or not measured, from the rows (bench/gpu_targets.py): the population >= 5x loop_resident at
+   K = 8 and >= 15x at K = 64, B = 16; a rank-1 step <= 1.5x one clean forward of its P*B rows; the device
+   waiting on the host <= 10% of a resident step. On the CPU EP they are labelled as the CPU's.
 
 Results go to OUT/gpu_check.md and OUT/gpu_check.json (the table as "throughput": rows of name, params, B,
-K, evaluator, evals_per_s, vs_loop, vs_torch, memory, note; and "throughput_notes"). Exit 0 when every
-check passes, 1 when one fails, 2 when a library is missing. `--device cpu` runs checks 2-6 with the CPU
-EP standing in for the GPU: the test suite runs it so, to keep this script working on boxes without one
-(its figures then say nothing about a GPU).
+K, evaluator, evals_per_s, vs_loop, vs_torch, vs_clean, host_share, memory, note; "throughput_notes"; and
+"targets": target, verdict, detail, cpu, figures). Exit 0 when every check passes, 1 when one fails, 2
+when a library is missing. `--device cpu` runs checks 2-6 with the CPU EP standing in for the GPU: the
+test suite runs it so, to keep this script working on boxes without one (its figures then say nothing
+about a GPU).
 """
 
 from __future__ import annotations
@@ -60,6 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import gpu_targets
 from bench.common import ROOT, machine, md_head, md_row, say
 from bench.spsa_throughput import (
     SIZES,
@@ -74,7 +91,7 @@ from bench.spsa_throughput import (
 )
 from coordinator import replay
 from soma_edge import devices, params, protocol, runtime, steps
-from soma_edge.config import Config, ModelConfig
+from soma_edge.config import Config, ModelConfig, SPSAConfig
 from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
 from soma_edge.graph import MODES, build
@@ -119,23 +136,48 @@ def missing_libraries(device: str) -> list[str]:
     return out
 
 
-def placement_check(device: str) -> Check:
-    """Every expert graph opens strict on `device`, and ORT places none of its nodes on another EP."""
-    plan = runtime.plan(device)
-    off = []
+PLACEMENT_K, PLACEMENT_T = 2, 2  # the ops do not depend on K or T (T = 2: a step that reads the last one)
+
+
+def expert_graphs():
+    """(label, graph) for every graph a worker opens on its device, both kinds: soma_edge.graph's modes; the
+    population graph in each noise form, its decoder gradient on and the body perturbed, as
+    soma_edge.population.for_config builds it for the delta rule; and the update graph soma_edge.resident
+    builds beside it (the default Adam update, k = spsa.directions * spsa.accumulate)."""
+    from soma_edge.population_graph import build_population  # imports onnx (heavy), as graph does
+    from soma_edge.update_graph import build_update  # as above
+
     for kind, m in KINDS.items():
         for mode in MODES:
-            model = build(m, mode)
-            try:
-                runtime.make_session(model, device, threads=1)
-            except DeviceError as e:
-                off.append(f"{kind}/{mode}: {e}")
-                continue
-            placed = runtime.placement(model, plan.providers + ([] if CPU in plan.providers else [CPU]))
-            elsewhere = {ep: p for ep, p in placed.items() if ep != plan.first}
-            if elsewhere or not placed:
-                off.append(f"{kind}/{mode}: {elsewhere or 'no placement report'}")
-    n = len(KINDS) * len(MODES)
+            yield f"{kind}/{mode}", build(m, mode)
+        lay = params.layout(m)
+        body = [n for n in lay.names if n not in lay.decoder]
+        for noise in Noise:
+            spsa = SPSAConfig(directions=PLACEMENT_K)
+            if noise is Noise.RANK1:
+                spsa.noise, spsa.density = "rank1", 1.0
+            yield f"{kind}/population {noise.value}", build_population(m, PLACEMENT_K, body, noise, True, PLACEMENT_T)
+            yield f"{kind}/update {noise.value}", build_update(m, spsa, PLACEMENT_K, body, noise, True)
+
+
+def placement_check(device: str) -> Check:
+    """Every expert graph (expert_graphs) opens strict on `device`, and ORT places none of its nodes on
+    another EP; a graph that does not is named with the EP and the op types its nodes landed on."""
+    plan = runtime.plan(device)
+    off, n = [], 0
+    for label, model in expert_graphs():
+        n += 1
+        try:
+            runtime.make_session(model, device, threads=1)
+        except DeviceError as e:
+            off.append(f"{label}: {e}")
+            continue
+        placed = runtime.placement(model, plan.providers + ([] if CPU in plan.providers else [CPU]))
+        if not placed:
+            off.append(f"{label}: no placement report")
+        for ep, p in placed.items():
+            if ep != plan.first:
+                off.append(f"{label}: {p.count} node(s) on {ep} ({', '.join(p.ops) or 'ops not listed'})")
     detail = f"{n} graphs, every node on {plan.first}" if not off else "; ".join(off)
     return Check("placement", not off, detail, {"graphs": n, "off_device": off})
 
@@ -206,7 +248,7 @@ def update_check(device: str, data: np.ndarray, seconds: float = 2.0) -> Check:
         for name, spsa in UPDATE_SETTINGS.items():
             cfg = Config(model=m, device=device)
             # The update graph does not depend on T; a short population graph opens in a fraction of the time.
-            cfg.spsa.evaluator, cfg.data.seq_len = "population", 16
+            cfg.spsa.evaluator, cfg.data.seq_len = "population", 2
             for key, value in spsa.items():
                 setattr(cfg.spsa, key, value)
             ev = runtime.evaluator_for(cfg, device)
@@ -251,7 +293,7 @@ def corpus_bytes(limit: int = 1 << 21) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
 
 
-# --- 5. throughput -------------------------------------------------------------------------------------
+# --- 6. throughput -------------------------------------------------------------------------------------
 
 
 class Evaluator(str, enum.Enum):
@@ -260,32 +302,40 @@ class Evaluator(str, enum.Enum):
     LOOP = "loop"  # one ORT call per evaluation, the weights fed from the host (the trainer's loop)
     LOOP_RESIDENT = "loop_resident"  # the same, its inputs bound on the device once: the loop's best case
     POPULATION = "population"  # one call per step (2K + 1 members), full-rank signs fed from the host
-    RANK1 = "rank1"  # the same with rank-1 probes
+    RESIDENT = "population_resident"  # full-rank: Resident.step, the worker's training path on a device
     CUDA_GRAPH = "population+cuda_graph"  # full-rank, every input at a fixed device address, replayed
+    RANK1 = "rank1"  # the population with rank-1 probes
+    RANK1_RESIDENT = "rank1_resident"  # Resident.step with rank-1 probes
+    CLEAN = "clean_forward"  # the loss graph on one batch of P*B sequences, bound: the rank-1 target's unit
     TORCH = "torch_eager"  # the torch reference expert, one forward per evaluation, in a subprocess
 
 
 @dataclass
 class Row:
-    """One cell: `evals_per_s` forward evaluations per second (None when not measured, `note` says why);
-    `vs_loop` against loop_resident at the same size and B, `vs_torch` against torch eager; `memory` in MiB
-    (module docstring), None where not measurable."""
+    """One cell of the throughput table: `evals_per_s` forward evaluations per second (a population call,
+    a resident step and a clean forward of P*B rows each count P = 2K + 1), None when skipped or failed
+    (`note` says which); `vs_loop` its ratio to loop_resident, `vs_torch` to torch eager; `vs_clean` its
+    time per call or step over the clean forward's of the same P*B rows; `host_share` (resident rows) the
+    share of a step outside ORT's run calls; `memory` in MiB (module docstring); None where not measured."""
 
     name: str
     params: int
-    B: int
+    B: int | None  # None: one line that stands for every B (full-rank over the host-noise cap)
     K: int | None  # None: a row whose rate does not depend on K (the loop, torch)
     evaluator: Evaluator
     evals_per_s: float | None = None
     vs_loop: float | None = None
     vs_torch: float | None = None
+    vs_clean: float | None = None
+    host_share: float | None = None
     memory: int | None = None
     note: str = ""
 
 
 @dataclass
 class Table:
-    """What the throughput table measures, and until when (a time.perf_counter() deadline)."""
+    """What the throughput table measures, and until when (a time.perf_counter() deadline); `verdicts`, the
+    GPU targets' (bench.gpu_targets), once it has measured."""
 
     sizes: list[str]
     batches: list[int]
@@ -295,6 +345,12 @@ class Table:
     deadline: float
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    verdicts: list[gpu_targets.Verdict] = field(default_factory=list)
+
+    @property
+    def target_b(self) -> int:
+        """The B of the targets' rows (resident steps, clean forwards): theirs, else the first measured."""
+        return gpu_targets.TARGET_B if gpu_targets.TARGET_B in self.batches else self.batches[0]
 
 
 def gpu_memory_mib(device: str) -> int | None:
@@ -310,12 +366,52 @@ def gpu_memory_mib(device: str) -> int | None:
         return None
 
 
+# Where a row with no measured row of its own evaluator at its size takes the price of a call from.
+_BASIS = {
+    Evaluator.CLEAN: Evaluator.LOOP_RESIDENT,
+    Evaluator.RESIDENT: Evaluator.POPULATION,
+    Evaluator.RANK1_RESIDENT: Evaluator.RANK1,
+    Evaluator.CUDA_GRAPH: Evaluator.POPULATION,
+}
+
+
+def estimate(t: Table, row: Row) -> float:
+    """Seconds a cell would take: --seconds of measuring plus two of its calls (the warm-up, and the last
+    one, which starts before the time is up and ends after it). A call is priced per member-row (B
+    sequences through one member) at the latest row measured of its evaluator at its size, else of its
+    basis (_BASIS), else of any evaluator there, else at the latest size measured scaled by parameters; a
+    first cell at --seconds alone."""
+    done = [r for r in t.rows if r.evals_per_s and r.B and r.evaluator is not Evaluator.TORCH]
+    for pick in (
+        lambda r: r.name == row.name and r.evaluator is row.evaluator,
+        lambda r: r.name == row.name and r.evaluator is _BASIS.get(row.evaluator),
+        lambda r: r.name == row.name,
+        lambda r: True,
+    ):
+        got = [r for r in done if pick(r)]
+        if got:
+            per_row = row.params / (got[-1].evals_per_s * got[-1].B * got[-1].params)
+            return t.seconds + 2 * per_row * _members(row) * (row.B or 1)
+    return t.seconds
+
+
+def _members(row: Row) -> int:
+    return 1 if row.K is None else 2 * row.K + 1
+
+
+def _fits(t: Table, row: Row) -> str:
+    """No note when the cell's estimate ends before the deadline, else the note that skips it."""
+    left, need = t.deadline - time.perf_counter(), estimate(t, row)
+    return "" if need <= left else f"skipped: time (needs ~{need:.1f} s, {max(left, 0.0):.1f} s left)"
+
+
 def _cell(t: Table, row: Row, device: str, base: int | None, measure) -> None:
-    """Measure one row (unless past the deadline), its memory as the device's use now less `base`, the use
-    before its session was made: ORT's arena keeps what a session's runs needed at most."""
+    """Measure one row (unless its estimate would overrun the deadline), its memory as the device's use now
+    less `base`, the use before its session was made: ORT's arena keeps what a session's runs needed at most."""
     t.rows.append(row)
-    if time.perf_counter() > t.deadline:
-        row.note = "skipped: time"
+    row.note = _fits(t, row)
+    if row.note:
+        say(f"  {row.name} B={row.B} K={row.K or '-'} {row.evaluator.value}: {row.note}")
         return
     try:
         row.evals_per_s = measure()
@@ -337,7 +433,7 @@ def _torch_rows(t: Table, device: str) -> None:
     cmd = [sys.executable, "-m", "bench.torch_eager", "--device", device, "--sizes", ",".join(t.sizes)]
     cmd += ["--batches", ",".join(map(str, t.batches)), "--seq-len", str(t.seq_len), "--seconds", str(t.seconds)]
     left = t.deadline - time.perf_counter()
-    if left <= 0:  # no process to start: its rows, as every cell past the deadline
+    if left < t.seconds:  # no cell of it would fit: no process to start
         for name in t.sizes:
             n = params.count(SIZES[name])
             _skip(t, [Row(name, n, b, None, Evaluator.TORCH) for b in t.batches], "skipped: time")
@@ -370,9 +466,10 @@ def _skip(t: Table, rows: list[Row], note: str) -> None:
 
 def _open(t: Table, rows: list[Row], device: str, make):
     """(make(), the device's memory use before it) for a session that `rows` measure; None, with the rows
-    noted skipped, past the deadline or when it cannot be made."""
-    if time.perf_counter() > t.deadline:
-        _skip(t, rows, "skipped: time")
+    noted skipped, when its first cell would not fit before the deadline or it cannot be made."""
+    late = _fits(t, rows[0])
+    if late:
+        _skip(t, rows, late)
         return None
     base = gpu_memory_mib(device)
     try:
@@ -382,16 +479,18 @@ def _open(t: Table, rows: list[Row], device: str, make):
         return None
 
 
-def _loop_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray) -> None:
+def _loop_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray):
+    """The loop's rows at every B; (its session, the memory before it) for the clean forwards, or None."""
     evs = (Evaluator.LOOP, Evaluator.LOOP_RESIDENT)
     rows = [Row(name, params.count(m), b, None, e) for b in t.batches for e in evs]
     opened = _open(t, rows, device, lambda: runtime.LossEvaluator(m, device, parallel=1))
     if opened is None:
-        return
+        return None
     ev, base = opened
     for row in rows:
         fn = loop_rate if row.evaluator is Evaluator.LOOP else resident_loop_rate
         _cell(t, row, device, base, functools.partial(fn, ev, w, _ids(row.B, t.seq_len), t.seconds))
+    return opened
 
 
 def _too_big(m: ModelConfig, k: int) -> bool:
@@ -399,28 +498,51 @@ def _too_big(m: ModelConfig, k: int) -> bool:
     return k * params.layout(m).body * 4 > HOST_NOISE
 
 
-def _population_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray, k: int) -> None:
-    """Full-rank and rank-1 at K, one session each for every B; then (CUDA) full-rank under CUDA graph
-    capture, a session per B (a captured graph has fixed shapes)."""
+def _host_noise_row(name: str, m: ModelConfig, k: int) -> Row:
+    """The one line that stands for every full-rank row the host-noise cap leaves out at this size and K."""
+    body = params.layout(m).body
+    note = (
+        f"skipped: host noise: full-rank at K = {k} draws [K, body] float32 on the host each step, "
+        f"{k * body * 4 / (1 << 30):.2f} GiB > {HOST_NOISE / (1 << 30):g} GiB: the draw, seconds a step, would be "
+        "what the row times (population, population_resident, population+cuda_graph: every B). Lifted by a "
+        f"host draw under the cap (K <= {HOST_NOISE // (body * 4)} at this size), or once full-rank signs are "
+        "drawn and cross without a [K, body] float32 array (packed bits expanded on the device)"
+    )
+    return Row(name, params.count(m), None, k, Evaluator.POPULATION, note=note)
+
+
+def _population_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray, k: int, loss) -> None:
+    """Full-rank, then rank-1, at K: one session each for every B, then its resident training step at the
+    targets' B (same session); (CUDA) full-rank under CUDA graph capture, a session per B (a captured graph
+    has fixed shapes); last the clean forward of the targets' P*B rows on the loop's session `loss`."""
     n = params.count(m)
-    for ev, noise in ((Evaluator.POPULATION, Noise.SIGNS), (Evaluator.RANK1, Noise.RANK1)):
-        rows = [Row(name, n, b, k, ev) for b in t.batches]
-        graph = noise is Noise.SIGNS and ort_device(device)[0] == "cuda"
-        graph_rows = [Row(name, n, b, k, Evaluator.CUDA_GRAPH) for b in t.batches] if graph else []
+    for ev, noise, res in (
+        (Evaluator.POPULATION, Noise.SIGNS, Evaluator.RESIDENT),
+        (Evaluator.RANK1, Noise.RANK1, Evaluator.RANK1_RESIDENT),
+    ):
         if noise is Noise.SIGNS and _too_big(m, k):
-            _skip(t, rows + graph_rows, "skipped: host noise")
+            t.rows.append(_host_noise_row(name, m, k))
             continue
-        feeds = _session_rows(t, rows, m, device, w, noise)
-        for row in graph_rows:
-            if feeds is None:  # the population's session was not made: skipped for time, or failed
-                _skip(t, [row], rows[0].note)
-            else:
-                _cuda_graph_cell(t, row, m, device, w, feeds)
+        rows = [Row(name, n, b, k, ev) for b in t.batches]
+        feeds = _session_rows(t, rows, Row(name, n, t.target_b, k, res), m, device, w, noise)
+        if noise is Noise.SIGNS and ort_device(device)[0] == "cuda":
+            for row in [Row(name, n, b, k, Evaluator.CUDA_GRAPH) for b in t.batches]:
+                if feeds is None:  # the population's session was not made: skipped for time, or failed
+                    _skip(t, [row], rows[0].note)
+                else:
+                    _cuda_graph_cell(t, row, m, device, w, feeds)
+    clean = Row(name, n, t.target_b, k, Evaluator.CLEAN)
+    if loss is None:  # the loop's session was not made: as its rows, skipped for time, or failed
+        _skip(t, [clean], next(r.note for r in t.rows if (r.name, r.evaluator) == (name, Evaluator.LOOP_RESIDENT)))
+        return
+    p, x = 2 * k + 1, _ids((2 * k + 1) * t.target_b, t.seq_len)
+    _cell(t, clean, device, loss[1], lambda: p * resident_loop_rate(loss[0], w, x, t.seconds))
 
 
-def _session_rows(t: Table, rows: list[Row], m: ModelConfig, device: str, w: np.ndarray, noise: Noise):
-    """One population session's rows (B is free in its graph); the noise it drew, None when it made none."""
-    opened = _open(t, rows, device, lambda: population_setup(m, rows[0].K, noise, t.seq_len, device))
+def _session_rows(t: Table, rows: list[Row], res: Row, m: ModelConfig, device: str, w: np.ndarray, noise: Noise):
+    """One population session's rows (B is free in its graph), then `res`: Resident.step on that session,
+    as a worker trains (bench.gpu_targets); the noise the rows were fed, None when no session was made."""
+    opened = _open(t, rows + [res], device, lambda: population_setup(m, rows[0].K, noise, t.seq_len, device))
     if opened is None:
         return None
     (pop, feeds), base = opened
@@ -428,9 +550,19 @@ def _session_rows(t: Table, rows: list[Row], m: ModelConfig, device: str, w: np.
         _cell(
             t, row, device, base, functools.partial(population_rate, pop, feeds, w, _ids(row.B, t.seq_len), t.seconds)
         )
+    x = _ids(res.B, t.seq_len)
+    _cell(t, res, device, base, functools.partial(_resident_rate, pop, res, noise, m, device, w, x, t.seconds))
     del pop, opened
     gc.collect()  # the session's device memory goes before the next baseline
     return feeds
+
+
+def _resident_rate(pop, res: Row, noise: Noise, m: ModelConfig, device: str, w, x, seconds: float) -> float:
+    """Evaluations/s of Resident.step on `pop` (bench.gpu_targets), its host share written into `res`."""
+    cfg = gpu_targets.resident_config(m, res.K, noise, x, device)
+    got = gpu_targets.resident_timing(pop, cfg, w, x, seconds)
+    res.host_share = round(got.host_share, 4)
+    return _members(res) * got.steps_per_s
 
 
 def _cuda_graph_cell(t: Table, row: Row, m: ModelConfig, device: str, w: np.ndarray, feeds: dict) -> None:
@@ -452,37 +584,45 @@ def _ids(batch: int, seq_len: int) -> np.ndarray:
 
 def _ratios(rows: list[Row]) -> None:
     by = {(r.name, r.B, r.evaluator): r.evals_per_s for r in rows if r.K is None}
+    clean = {(r.name, r.B, r.K): r.evals_per_s for r in rows if r.evaluator is Evaluator.CLEAN}
     for r in rows:
         if r.evals_per_s is None:
             continue
         loop, torch_r = by.get((r.name, r.B, Evaluator.LOOP_RESIDENT)), by.get((r.name, r.B, Evaluator.TORCH))
         r.vs_loop = round(r.evals_per_s / loop, 3) if loop else None
         r.vs_torch = round(r.evals_per_s / torch_r, 3) if torch_r else None
+        c = clean.get((r.name, r.B, r.K))
+        if c and r.evaluator is not Evaluator.CLEAN:  # both count P evaluations a call: time over time
+            r.vs_clean = round(c / r.evals_per_s, 3)
 
 
 def throughput(device: str, t: Table) -> Table:
     """The table: torch eager first (the reference of every row), then per size the loop, and per K the
-    population, rank-1 and (CUDA) the population under CUDA graph capture. Cells past the deadline are
-    rows noted "skipped: time"."""
+    population and rank-1 (each with its resident step), (CUDA) the population under CUDA graph capture
+    and the clean forward of P*B rows; then the GPU targets' verdicts. A cell whose estimate would end past
+    the deadline is a row noted "skipped: time"."""
     _torch_rows(t, device)
     warm = runtime.LossEvaluator(DEMO_MODEL, device, parallel=1)  # the device's context before any baseline
     warm.loss(params.init(DEMO_MODEL, 0), _ids(1, 8), _ids(1, 8))
     for name in t.sizes:
         m = SIZES[name]
         w = params.init(m, 0)
-        _loop_rows(t, name, m, device, w)
+        loss = _loop_rows(t, name, m, device, w)
         for k in t.ks:
-            _population_rows(t, name, m, device, w, k)
-    if any(r.note == "skipped: host noise" for r in t.rows):
+            _population_rows(t, name, m, device, w, k, loss)
+        del loss
+        gc.collect()
+    if any(r.note.startswith("skipped: time") for r in t.rows):
         t.notes.append(
-            f"skipped: host noise: full-rank at K x body x 4 bytes > {HOST_NOISE >> 20} MiB: the host's draw of "
-            "[K, body] float32 signs per step (seconds a step at 8M and K = 64) would be the step, not the call "
-            "the row times"
+            "skipped: time: the cell would end after --budget by its estimate (--seconds, plus two calls at "
+            "the rate last measured at its size)"
         )
     if ort_device(device)[0] != "cuda":
         t.notes.append(f"population+cuda_graph: not measured (CUDA only; device {device})")
     _ratios(t.rows)
     t.rows.sort(key=lambda r: t.sizes.index(r.name))  # torch's rows, measured first, beside their size's
+    cpu = ort_device(device)[0] != "cuda"
+    t.verdicts = gpu_targets.verdicts(t.rows, t.sizes, t.ks, t.target_b, cpu)
     return t
 
 
@@ -492,24 +632,29 @@ def _fmt(v: float | None, spec: str, unit: str = "") -> str:
 
 def throughput_md(t: Table) -> str:
     head = (
-        f"## Throughput\n\nForward evaluations per second (a population call of K directions is 2K + 1), "
-        f"T = {t.seq_len}, about {t.seconds:g} s a cell. vs loop: against loop_resident (the loop with its inputs "
-        "bound on the device once, the GPU targets' baseline) at the same size and B. memory: MiB the device "
-        "used after the row less before its session (nvidia-smi; ORT's arena keeps its peak), torch's peak "
-        "allocated for torch rows, n/a off CUDA.\n\n"
+        f"## Throughput\n\nForward evaluations per second (a population call, a resident step and a clean "
+        f"forward of P*B rows each count P = 2K + 1), T = {t.seq_len}, about {t.seconds:g} s a cell. vs loop: "
+        "against loop_resident (the loop with its inputs bound on the device once, the GPU targets' baseline) "
+        "at the same size and B. vs clean: time per call or step over that of one clean forward of the same "
+        "P*B rows (clean_forward). host: the share of a resident step outside ORT's run calls. memory: MiB "
+        "the device used after the row less before its session (nvidia-smi; ORT's arena keeps its peak), "
+        "torch's peak allocated for torch rows, n/a off CUDA.\n\n"
     )
-    cols = ["size", "params", "B", "K", "evaluator", "evals/s", "vs loop", "vs torch", "memory MiB", "note"]
+    cols = ["size", "params", "B", "K", "evaluator", "evals/s", "vs loop", "vs torch", "vs clean", "host"]
+    cols += ["memory MiB", "note"]
     rows = [
         md_row(
             [
                 r.name,
                 f"{r.params:,}",
-                str(r.B),
+                "-" if r.B is None else str(r.B),
                 "-" if r.K is None else str(r.K),
                 r.evaluator.value,
                 _fmt(r.evals_per_s, ".1f"),
                 _fmt(r.vs_loop, ".2f", "x"),
                 _fmt(r.vs_torch, ".2f", "x"),
+                _fmt(r.vs_clean, ".2f", "x"),
+                _fmt(None if r.host_share is None else 100 * r.host_share, ".0f", "%"),
                 "n/a" if r.memory is None else str(r.memory),
                 r.note,
             ]
@@ -517,7 +662,20 @@ def throughput_md(t: Table) -> str:
         for r in t.rows
     ]
     notes = "".join(f"\n- {n}" for n in t.notes)
-    return head + md_head(cols) + "\n" + "\n".join(rows) + "\n" + (notes + "\n" if notes else "")
+    return head + md_head(cols) + "\n" + "\n".join(rows) + "\n" + (notes + "\n" if notes else "") + targets_md(t)
+
+
+def targets_md(t: Table) -> str:
+    """The GPU targets' verdict lines (bench.gpu_targets), said to be the CPU EP's where it stood in."""
+    if not t.verdicts:
+        return ""
+    cpu = any(v.cpu for v in t.verdicts)
+    head = "\n## GPU targets\n\n" + (
+        "Measured on the CPU EP standing in for the GPU: the verdicts are the CPU's, not the GPU targets'.\n\n"
+        if cpu
+        else ""
+    )
+    return head + "".join(f"- {v.line()}\n" for v in t.verdicts)
 
 
 def write(out: Path, device: str, checks: list[Check], table: Table | None) -> None:
@@ -534,6 +692,7 @@ def write(out: Path, device: str, checks: list[Check], table: Table | None) -> N
     if table is not None:
         record["throughput"] = [asdict(r) for r in table.rows]
         record["throughput_notes"] = table.notes
+        record["targets"] = [asdict(v) for v in table.verdicts]
     (out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=float) + "\n")
 
 
@@ -552,7 +711,12 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="measuring time per throughput cell (and per arm of the update check)",
     )
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds from the start after which cells are skipped")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=450.0,
+        help="seconds from the start by which every cell must end, by its estimate",
+    )
     ap.add_argument("--sizes", default="124K,S,L", help=f"throughput sizes, of {','.join(SIZES)}")
     ap.add_argument("--batches", default="16,64", help="throughput batch sizes B")
     ap.add_argument("--ks", default="1,8,64", help="throughput directions per step K")
@@ -590,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         table = throughput(a.device, Table(sizes, batches, ks, a.seq_len, a.seconds, start + a.budget))
         say(f"throughput: {len(table.rows)} rows ({time.perf_counter() - start:.0f} s since the start)")
+        for v in table.verdicts:
+            say(f"target: {v.line()}")
     write(a.out, a.device, checks, table)
     print((a.out / "gpu_check.md").read_text(), end="")
     return 0 if all(c.ok for c in checks) else 1

@@ -9,11 +9,15 @@ is 2K + 1 evaluations (the clean forward with its decoder gradient, then w ± ep
 default `decoder = "delta"` setting), where the loop makes 2K + 1 LossEvaluator calls. Noise is drawn
 before the clock starts, for the loop and the population alike.
 
-`chosen` is the evaluator `spsa.evaluator = "auto"` would pick on this CPU: the loop (at the trainer's
-concurrency plan), unless the full-rank population measured faster here. Rank-1 is the user's choice
-(`spsa.noise`), never auto's, so it is reported beside full-rank but never chosen. With `--json` the last
-stdout line is one object {"sizes": [{"name", "params", "chosen", "chosen_vs_torch", ...}, ...]}. torch is
-optional: without it the torch row and every ratio to it are left out, with a note.
+`chosen` is the evaluator the trainer runs with `spsa.evaluator = "auto"` on the device measured (this CPU):
+`runtime.choose_evaluator`'s fixed choice, the loop, whatever the rates say; on an accelerator, where auto
+measures both (`runtime.measures_auto`), the faster of the two as worker/probe.py keeps it. Whether the
+full-rank population beat the loop here is said apart, on the line under each size's rows. Rank-1 is the
+user's choice (`spsa.noise`), never auto's, so it is reported beside full-rank but never chosen. With
+`--json` the last stdout line is one object {"sizes": [{"name", "params", "chosen", "chosen_vs_torch"},
+...]}, and the line before it {"measured": [{"name", "population_vs_loop", "population_beats_loop",
+"rank1_vs_population", "evals_per_s"}, ...]} with the figures behind it. torch is optional: without it the
+torch row and every ratio to it are left out, with a note.
 """
 
 from __future__ import annotations
@@ -30,11 +34,21 @@ import numpy as np
 
 from bench.common import forward_flops
 from soma_edge import devices, params, spsa
-from soma_edge.config import ModelConfig, SPSAConfig
+from soma_edge.config import Evaluator, ModelConfig, SPSAConfig
 from soma_edge.devices import CUDA
 from soma_edge.population import PopulationEvaluator, noise_feeds
 from soma_edge.population_graph import Noise, build_population, noise_inputs
-from soma_edge.runtime import LossEvaluator, cpu_count, cuda_options, load_ort, plan, plan_concurrency, session_options
+from soma_edge.runtime import (
+    LossEvaluator,
+    choose_evaluator,
+    cpu_count,
+    cuda_options,
+    load_ort,
+    measures_auto,
+    plan,
+    plan_concurrency,
+    session_options,
+)
 from soma_edge.spsa import State, Stepper
 from worker.doctor import DEMO_MODEL
 
@@ -57,14 +71,23 @@ class Shape:
 
 @dataclass
 class SizeResult:
-    """One size's verdict, one entry of --json's "sizes": `chosen` is auto's CPU evaluator and its ratio to
-    torch eager (None without torch); `evals_per_s` every row measured, by evaluator name."""
+    """One size's verdict, one entry of --json's last line: `chosen`, what auto trains with on the device
+    measured (`chosen_evaluator`), and its ratio to torch eager (None without torch)."""
 
     name: str
     params: int
     chosen: str
     chosen_vs_torch: float | None
+
+
+@dataclass
+class Measured:
+    """One size's figures behind its verdict, one entry of --json's "measured" line: every row measured, by
+    evaluator name, and whether the full-rank population beat the loop at the trainer's plan."""
+
+    name: str
     population_vs_loop: float
+    population_beats_loop: bool
     rank1_vs_population: float
     evals_per_s: dict[str, float]
 
@@ -106,9 +129,9 @@ def loop_rate(ev: LossEvaluator, w: np.ndarray, x: np.ndarray, seconds: float) -
     return rate(lambda: ev.loss(w, x, x), seconds)
 
 
-def loop_rates(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> dict[str, float]:
+def loop_rates(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> tuple[dict[str, float], list[str]]:
     """The looped LSTM-op loss graph, one LossEvaluator call per evaluation: all cores on one call, and
-    (with 2+ cores) two calls side by side on half the cores each."""
+    (with 2+ cores) two calls side by side on half the cores each; and the providers its sessions got."""
     cores = cpu_count()
     seq = LossEvaluator(m, "cpu", threads=cores, parallel=1)
     out = {f"{LOOP}_1x{cores}thr": loop_rate(seq, w, x, seconds)}
@@ -124,7 +147,7 @@ def loop_rates(m: ModelConfig, w: np.ndarray, x: np.ndarray, seconds: float) -> 
 
         out[f"{LOOP}_2x{half}thr"] = 2 * rate(pair, seconds)
         pool.shutdown()
-    return out
+    return out, seq.providers
 
 
 def body_tensors(m: ModelConfig) -> tuple[str, ...]:
@@ -272,17 +295,29 @@ def loop_row() -> str:
     return f"{LOOP}_{parallel}x{threads}thr"
 
 
-def verdict(name: str, m: ModelConfig, rates: dict[str, float]) -> SizeResult:
-    loop, pop = rates[loop_row()], rates[POPULATION]
-    chosen = POPULATION if pop > loop else LOOP
+def chosen_evaluator(providers: list[str], rates: dict[str, float]) -> str:
+    """What `spsa.evaluator = "auto"` trains with on a session whose providers are `providers`: where auto
+    measures (an accelerator), the faster of the loop and the full-rank population, a tie to the population,
+    as worker/probe.py keeps it; elsewhere runtime.choose_evaluator's fixed choice (the CPU EP: the loop)."""
+    if measures_auto(Evaluator.AUTO, providers):
+        return POPULATION if rates[POPULATION] >= rates[loop_row()] else LOOP
+    return choose_evaluator(Evaluator.AUTO, providers).value
+
+
+def verdict(name: str, m: ModelConfig, rates: dict[str, float], providers: list[str]) -> SizeResult:
+    chosen = chosen_evaluator(providers, rates)
     torch_r = rates.get(TORCH)
-    chosen_rate = pop if chosen == POPULATION else loop
-    return SizeResult(
+    chosen_rate = rates[POPULATION] if chosen == POPULATION else rates[loop_row()]
+    vs_torch = None if torch_r is None else round(chosen_rate / torch_r, 3)
+    return SizeResult(name=name, params=params.count(m), chosen=chosen, chosen_vs_torch=vs_torch)
+
+
+def measured(name: str, rates: dict[str, float]) -> Measured:
+    loop, pop = rates[loop_row()], rates[POPULATION]
+    return Measured(
         name=name,
-        params=params.count(m),
-        chosen=chosen,
-        chosen_vs_torch=None if torch_r is None else round(chosen_rate / torch_r, 3),
         population_vs_loop=round(pop / loop, 3),
+        population_beats_loop=pop > loop,
         rank1_vs_population=round(rates[RANK1] / pop, 3),
         evals_per_s={k: round(v, 2) for k, v in rates.items()},
     )
@@ -298,6 +333,16 @@ def print_rows(name: str, m: ModelConfig, rates: dict[str, float], shape: Shape,
             f"{name:>4} {params.count(m):>9,} {ev:>14} {r:>9.1f} {g:>8.1f} {100 * g / peak:>6.0f}% "
             f"{r / loop:>7.2f}x {vs_torch}"
         )
+
+
+def print_verdict(r: SizeResult, f: Measured, providers: list[str]) -> None:
+    vs = "-" if r.chosen_vs_torch is None else f"{r.chosen_vs_torch:.2f}x"
+    beat = "beat" if f.population_beats_loop else "did not beat"
+    print(
+        f"{r.name:>4} chosen (spsa.evaluator = auto on {providers[0]}): {r.chosen}, {vs} torch eager; "
+        f"the population {beat} the loop here ({f.population_vs_loop:.2f}x)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -327,20 +372,20 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    results, overheads = [], []
+    results, figures, overheads = [], [], []
     for name in args.sizes.split(","):
         m = SIZES[name]
         w = params.init(m, 0)
         x = np.random.default_rng(0).integers(0, 256, (shape.batch, shape.seq_len)).astype(np.int64)
         rates = {TORCH: _torch_rate(m, w, x, args.seconds)} if torch_ok else {}
-        rates.update(loop_rates(m, w, x, args.seconds))
+        loops, providers = loop_rates(m, w, x, args.seconds)
+        rates.update(loops)
         for ev, noise in ((POPULATION, Noise.SIGNS), (RANK1, Noise.RANK1)):
             rates[ev] = population_rate(*population_setup(m, shape.k, noise, shape.seq_len), w, x, args.seconds)
         print_rows(name, m, rates, shape, peak)
-        results.append(verdict(name, m, rates))
-        r = results[-1]
-        vs = "-" if r.chosen_vs_torch is None else f"{r.chosen_vs_torch:.2f}x"
-        print(f"{name:>4} chosen (auto on this CPU): {r.chosen}, {vs} torch eager", flush=True)
+        results.append(verdict(name, m, rates, providers))
+        figures.append(measured(name, rates))
+        print_verdict(results[-1], figures[-1], providers)
         if not args.no_overhead:
             for noise in ("rademacher", "gaussian"):
                 step, parallel = spsa_step_time(m, w, x, shape.k, noise, args.seconds)
@@ -351,6 +396,7 @@ def main() -> None:
         for name, noise, parallel, step, fwd in overheads:
             print(f"{name:>4} {noise:>10} {parallel:>11} {step:>8.3f} {fwd:>9.3f} {100 * (step - fwd) / step:>7.1f}%")
     if args.json:
+        print(json.dumps({"measured": [asdict(f) for f in figures]}))
         print(json.dumps({"sizes": [asdict(r) for r in results]}))
 
 

@@ -8,8 +8,9 @@ and must not be loaded into the process that runs ORT (this process never import
 one JSON line, {"torch", "device", "onnxruntime_loaded", "skipped", "rows": [{"name", "batch",
 "evals_per_s", "memory", "note"}]}: `skipped` says in one line why nothing ran (torch missing, or without
 CUDA for a cuda device), with no rows; `memory` is torch's peak allocated device memory in MiB (null on the
-CPU); a cell past --budget seconds has a null rate and the note "skipped: time". TF32 is off, as in ORT's
-CUDA sessions (soma_edge.runtime), so both sides round alike.
+CPU); a cell whose estimate (--seconds and two calls at the rate last measured at its size) would end past
+--budget seconds has a null rate and the note "skipped: time". TF32 is off, as in ORT's CUDA sessions
+(soma_edge.runtime), so both sides round alike.
 
 bench/spsa_throughput.py imports `torch_rate` in-process: on the CPU there are no CUDA libraries to clash.
 """
@@ -68,7 +69,8 @@ def why_not(device: str) -> str | None:
 def measure(
     device: str, sizes: dict[str, ModelConfig], batches: list[int], seq_len: int, seconds: float, budget: float
 ):
-    """One row per (size, batch), in that order; cells started after `budget` seconds are skipped."""
+    """One row per (size, batch), in that order; a cell whose estimate would end after `budget` seconds is
+    skipped."""
     import torch  # optional (the bench extra): why_not has checked it is here
 
     if device != "cpu":
@@ -77,16 +79,19 @@ def measure(
     deadline, rows = time.perf_counter() + budget, []
     for name, m in sizes.items():
         w = params.init(m, 0)
+        per_row = 0.0  # seconds a sequence takes through this size, as last measured: a call's price
         for b in batches:
             row = {"name": name, "batch": b, "evals_per_s": None, "memory": None, "note": ""}
             rows.append(row)
-            if time.perf_counter() > deadline:
+            # The cell's estimate: its measuring time, a warm-up call and the last call's overrun.
+            if time.perf_counter() + seconds + 2 * per_row * b > deadline:
                 row["note"] = "skipped: time"
                 continue
             x = np.random.default_rng(0).integers(0, 256, (b, seq_len)).astype(np.int64)
             if device != "cpu":
                 torch.cuda.reset_peak_memory_stats(device)
             row["evals_per_s"] = torch_rate(m, w, x, seconds, device)
+            per_row = 1.0 / (row["evals_per_s"] * b)
             if device != "cpu":
                 row["memory"] = round(torch.cuda.max_memory_allocated(device) / (1 << 20))
                 torch.cuda.empty_cache()
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="16,64", help="comma-separated batch sizes")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--seconds", type=float, default=2.0, help="measuring time per cell")
-    ap.add_argument("--budget", type=float, default=600.0, help="seconds after which cells are skipped")
+    ap.add_argument("--budget", type=float, default=600.0, help="seconds by which every cell must end, by estimate")
     a = ap.parse_args(argv)
     out = {"torch": None, "device": a.device, "skipped": why_not(a.device), "rows": []}
     if out["skipped"] is None:

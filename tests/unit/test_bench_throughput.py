@@ -1,6 +1,8 @@
 """bench/spsa_throughput.py runs end to end at a tiny shape: its table has the loop, population and rank-1
-rows per size, its --json last line names auto's CPU evaluator per size with its ratio to torch eager, it
-runs without torch (no torch row, a null ratio), and the population rows are fed the keyed noise."""
+rows per size, its --json last line names, per size and in four keys, the evaluator auto trains with on the
+CPU (the loop, whatever the rates) with its ratio to torch eager, the line before it the figures and whether
+the population beat the loop; it runs without torch (no torch row, a null ratio); on an accelerator `chosen`
+is the faster evaluator, as the worker's probe keeps it; and the population rows are fed the keyed noise."""
 
 import json
 import subprocess
@@ -10,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.spsa_throughput import SIZES, loop_row, population_feeds
+from bench.spsa_throughput import SIZES, chosen_evaluator, loop_row, population_feeds
 from soma_edge import params, spsa
+from soma_edge.devices import CPU, CUDA
 from soma_edge.population import direction
 from soma_edge.population_graph import Noise
 
@@ -30,25 +33,39 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 def _check(stdout: str, sizes: list[str], torch: bool) -> list[dict]:
     lines = stdout.strip().splitlines()
-    out = json.loads(lines[-1])
-    assert [s["name"] for s in out["sizes"]] == sizes
-    for s in out["sizes"]:
+    out, figures = json.loads(lines[-1]), json.loads(lines[-2])["measured"]
+    assert list(out) == ["sizes"] and [s["name"] for s in out["sizes"]] == sizes
+    assert [f["name"] for f in figures] == sizes
+    for s, f in zip(out["sizes"], figures):
+        assert list(s) == ["name", "params", "chosen", "chosen_vs_torch"]  # exactly these four keys
         assert s["params"] == params.count(SIZES[s["name"]])
-        rates = s["evals_per_s"]
+        rates = f["evals_per_s"]
         assert rates["population"] > 0 and rates["rank1"] > 0
-        # auto's CPU choice: the loop at the trainer's concurrency plan, unless the full-rank population
-        # measured faster (rank-1 is never auto's choice)
+        # what the trainer runs: auto on the CPU EP is the loop at the trainer's concurrency plan, always
         loop = rates[loop_row()]
-        assert s["chosen"] == ("population" if rates["population"] > loop else "loop")
-        assert s["population_vs_loop"] == pytest.approx(rates["population"] / loop, rel=1e-2)
+        assert s["chosen"] == "loop"
+        assert f["population_beats_loop"] == (rates["population"] > loop)
+        assert f["population_vs_loop"] == pytest.approx(rates["population"] / loop, rel=1e-2)
+        beat = "beat" if f["population_beats_loop"] else "did not beat"
+        assert any(ln.startswith(f"{s['name']:>4} chosen") and f"the population {beat} the loop" in ln for ln in lines)
         table = [ln for ln in lines if ln.split()[:1] == [s["name"]] and len(ln.split()) == 8]
         assert {ln.split()[2] for ln in table} == set(rates), table
         if torch:
-            chosen = rates["population"] if s["chosen"] == "population" else loop
-            assert s["chosen_vs_torch"] == pytest.approx(chosen / rates["torch_eager"], rel=1e-2)
+            assert s["chosen_vs_torch"] == pytest.approx(loop / rates["torch_eager"], rel=1e-2)
         else:
             assert s["chosen_vs_torch"] is None and "torch_eager" not in rates
     return out["sizes"]
+
+
+def test_chosen_is_what_auto_trains_with_on_the_device_measured():
+    """The CPU EP: runtime.choose_evaluator's fixed loop, even where the population measured faster; an
+    accelerator, where auto measures: the faster, a tie to the population (worker/probe.py's rule)."""
+    loop = loop_row()
+    fast_pop, fast_loop = {loop: 1.0, "population": 2.0}, {loop: 2.0, "population": 1.0}
+    assert chosen_evaluator([CPU], fast_pop) == "loop"
+    assert chosen_evaluator([CUDA, CPU], fast_pop) == "population"
+    assert chosen_evaluator([CUDA, CPU], fast_loop) == "loop"
+    assert chosen_evaluator([CUDA, CPU], {loop: 1.0, "population": 1.0}) == "population"
 
 
 def test_throughput_bench_tiny_json():
