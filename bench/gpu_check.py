@@ -41,9 +41,10 @@
    Each row has its ratio to loop_resident and to torch eager at the same size and B, its time per call or
    step over the clean forward's of the same P*B rows, and its device memory: MiB nvidia-smi reports after
    the row less before its session was made (ORT's arena keeps its peak), torch's peak allocated for torch
-   rows, n/a off CUDA. Full-rank cells whose host noise, [K, body] float32, passes HOST_NOISE (1 GiB: L at
-   K = 64, 1.9 GB and seconds a step to draw) are left out as one row that says why and what would lift
-   it: the draw would be the step, not the call the row times. A cell whose estimated time (--seconds plus
+   rows, n/a off CUDA. Full-rank noise crosses as the keyed bits the trainer sends (K x body / 8 bytes:
+   63 MB at L, K = 64); cells whose bits would pass HOST_NOISE (1 GiB, none of the sizes here) are left
+   out as one row that says why and what would lift it: the draw would be the step, not the call the row
+   times. A cell whose estimated time (--seconds plus
    two calls at the rate last measured at its size: `estimate`) would end more than --budget seconds after
    the script started is a row noted "skipped: time", so one run stays within its time on a lent GPU
    (about 5 minutes for the table on an H100/H200-class GPU by estimate, checks 1-5 about one more); a
@@ -90,12 +91,13 @@ from bench.spsa_throughput import (
     resident_loop_rate,
 )
 from coordinator import replay
-from soma_edge import devices, params, protocol, runtime, steps
+from soma_edge import devices, params, protocol, runtime, spsa, steps
 from soma_edge.config import Config, ModelConfig, SPSAConfig
 from soma_edge.devices import CPU, CUDA
 from soma_edge.errors import DeviceError
 from soma_edge.graph import MODES, build
 from soma_edge.numerics import DELTA
+from soma_edge.population import graph_noise
 from soma_edge.population_graph import Noise
 from soma_edge.spsa import State, record_log
 from worker.doctor import DEMO_MODEL
@@ -103,7 +105,14 @@ from worker.trainer import train
 
 KINDS = {"lstm": DEMO_MODEL, "soma": ModelConfig(kind="soma", embed=64, hidden=64, layers=2)}
 SAMPLES = 3  # weights and batches per kind in the numerics check
-HOST_NOISE = 1 << 30  # full-rank throughput cells whose [K, body] float32 host noise is larger are skipped
+# spsa settings whose noise crosses in each form a worker uses: dense and sparse Rademacher bits, Gaussian, rank-1
+PROBE_SETTINGS = (
+    {"density": 1.0},
+    {"density": 0.5},
+    {"noise": "gaussian", "density": 1.0},
+    {"noise": "rank1", "density": 1.0},
+)
+HOST_NOISE = 1 << 30  # full-rank throughput cells whose keyed bits (K x body / 8 bytes) are larger are skipped
 
 
 @dataclass
@@ -152,12 +161,11 @@ def expert_graphs():
             yield f"{kind}/{mode}", build(m, mode)
         lay = params.layout(m)
         body = [n for n in lay.names if n not in lay.decoder]
-        for noise in Noise:
-            spsa = SPSAConfig(directions=PLACEMENT_K)
-            if noise is Noise.RANK1:
-                spsa.noise, spsa.density = "rank1", 1.0
+        for probes in PROBE_SETTINGS:  # each form a worker's noise crosses in (population.graph_noise)
+            setting = SPSAConfig(directions=PLACEMENT_K, **probes)
+            noise = graph_noise(setting)
             yield f"{kind}/population {noise.value}", build_population(m, PLACEMENT_K, body, noise, True, PLACEMENT_T)
-            yield f"{kind}/update {noise.value}", build_update(m, spsa, PLACEMENT_K, body, noise, True)
+            yield f"{kind}/update {noise.value}", build_update(m, setting, PLACEMENT_K, body, noise, True)
 
 
 def placement_check(device: str) -> Check:
@@ -239,17 +247,18 @@ def update_check(device: str, data: np.ndarray, seconds: float = 2.0) -> Check:
     """Whether the update graph gives the host's bits on `device` (soma_edge.resident.Resident.verified),
     for both kinds and each noise form; where it does, the worker keeps the expert resident there, else it
     keeps the host update and feeds the weights every step. Then what that costs: the demo expert's
-    population steps/s, resident and with the host update, for `seconds` each. No verdict (either way the
-    weights are right): the detail says which happened."""
+    population steps/s, resident and with the host update, for `seconds` each. No verdict on that (either
+    way the weights are right): the detail says which happened. Last, CUDA graph capture (`capture_arm`):
+    it fails the check if captured steps give other bits than plain resident calls."""
     from soma_edge import resident, update_graph
 
     same = {}
     for kind, m in KINDS.items():
-        for name, spsa in UPDATE_SETTINGS.items():
+        for name, setting in UPDATE_SETTINGS.items():
             cfg = Config(model=m, device=device)
             # The update graph does not depend on T; a short population graph opens in a fraction of the time.
             cfg.spsa.evaluator, cfg.data.seq_len = "population", 2
-            for key, value in spsa.items():
+            for key, value in setting.items():
                 setattr(cfg.spsa, key, value)
             ev = runtime.evaluator_for(cfg, device)
             same[f"{kind}, {name}"] = resident.Resident(cfg, 0, ev.population, State(params.init(m, 0))).verified()
@@ -279,7 +288,47 @@ def update_check(device: str, data: np.ndarray, seconds: float = 2.0) -> Check:
         + f"; demo expert, population steps/s: resident {rates['resident']:.1f}, host update "
         f"{rates['host update']:.1f} (the host update and the weights' upload cost {1000 * cost:.2f} ms a step)"
     )
-    return Check("update bits", True, detail, {"same_bits": same, "steps_per_s": rates, "host_cost_s": cost})
+    capture = capture_arm(device, data, seconds) if on_device else {"ran": False, "same_bits": True}
+    if capture["ran"]:
+        detail += f"; {capture['line']}"
+    figures = {"same_bits": same, "steps_per_s": rates, "host_cost_s": cost, "capture": capture}
+    return Check("update bits", capture["same_bits"], detail, figures)
+
+
+def capture_arm(device: str, data: np.ndarray, seconds: float, n_steps: int = 12) -> dict:
+    """CUDA graph capture of resident steps (soma_edge.capture), demo expert: `n_steps` steps captured and
+    `n_steps` plain from the same state must give the same bits; then each one's steps/s for `seconds`. On
+    the CPU EP the fixed-address calls run uncaptured (what is measured is their bookkeeping)."""
+    from soma_edge import resident
+
+    cfg = Config(model=DEMO_MODEL, device=device)
+    cfg.spsa.evaluator = "population"
+    out: dict = {"ran": True}
+    weights, rates = {}, {}
+    for arm, capture in (("captured", True), ("plain", False)):
+        ev = runtime.evaluator_for(cfg, device)  # its own sessions: capture keeps buffers on the evaluator
+        state = State(params.init(cfg.model, cfg.seed))
+        runner = resident.Resident(cfg, 0, ev.population, state, capture=capture)
+        for t in range(n_steps):
+            runner.step(steps.batches(data, cfg, 0, t))
+        out[f"{arm}_active"] = runner.captured is not None
+        weights[arm] = runner.download().weights.copy()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or n == 0:
+            runner.step(steps.batches(data, cfg, 0, n_steps + n))
+            n += 1
+        rates[arm] = n / (time.perf_counter() - t0)
+    out["same_bits"] = bool(np.array_equal(weights["captured"].view(np.uint32), weights["plain"].view(np.uint32)))
+    out["steps_per_s"] = rates
+    how = "captured" if device.startswith("cuda") and out["captured_active"] else "fixed buffers, uncaptured"
+    if not out["captured_active"]:
+        how = "capture refused, ran uncaptured"
+    out["line"] = (
+        f"CUDA graph capture ({how}): {'same bits' if out['same_bits'] else 'bits DIFFER'} as plain resident "
+        f"calls after {n_steps} steps; steps/s {rates['captured']:.1f} vs {rates['plain']:.1f} plain "
+        f"({rates['captured'] / rates['plain']:.2f}x)"
+    )
+    return out
 
 
 def corpus_bytes(limit: int = 1 << 21) -> np.ndarray:
@@ -301,7 +350,7 @@ class Evaluator(str, enum.Enum):
 
     LOOP = "loop"  # one ORT call per evaluation, the weights fed from the host (the trainer's loop)
     LOOP_RESIDENT = "loop_resident"  # the same, its inputs bound on the device once: the loop's best case
-    POPULATION = "population"  # one call per step (2K + 1 members), full-rank signs fed from the host
+    POPULATION = "population"  # one call per step (2K + 1 members), full-rank keyed bits fed from the host
     RESIDENT = "population_resident"  # full-rank: Resident.step, the worker's training path on a device
     CUDA_GRAPH = "population+cuda_graph"  # full-rank, every input at a fixed device address, replayed
     RANK1 = "rank1"  # the population with rank-1 probes
@@ -494,19 +543,18 @@ def _loop_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.ndarray):
 
 
 def _too_big(m: ModelConfig, k: int) -> bool:
-    """Full-rank noise the host cannot draw in step with the device: [K, body] float32 over HOST_NOISE."""
-    return k * params.layout(m).body * 4 > HOST_NOISE
+    """Full-rank noise the host cannot draw in step with the device: K directions' keyed bits over HOST_NOISE."""
+    return k * spsa.bits_bytes(params.layout(m).body) > HOST_NOISE
 
 
 def _host_noise_row(name: str, m: ModelConfig, k: int) -> Row:
     """The one line that stands for every full-rank row the host-noise cap leaves out at this size and K."""
-    body = params.layout(m).body
+    each = spsa.bits_bytes(params.layout(m).body)
     note = (
-        f"skipped: host noise: full-rank at K = {k} draws [K, body] float32 on the host each step, "
-        f"{k * body * 4 / (1 << 30):.2f} GiB > {HOST_NOISE / (1 << 30):g} GiB: the draw, seconds a step, would be "
-        "what the row times (population, population_resident, population+cuda_graph: every B). Lifted by a "
-        f"host draw under the cap (K <= {HOST_NOISE // (body * 4)} at this size), or once full-rank signs are "
-        "drawn and cross without a [K, body] float32 array (packed bits expanded on the device)"
+        f"skipped: host noise: full-rank at K = {k} draws K directions' keyed bits on the host each step, "
+        f"{k * each / (1 << 30):.2f} GiB > {HOST_NOISE / (1 << 30):g} GiB: the draw would be what the row times "
+        "(population, population_resident, population+cuda_graph: every B). Lifted by a host draw under the "
+        f"cap (K <= {HOST_NOISE // each} at this size)"
     )
     return Row(name, params.count(m), None, k, Evaluator.POPULATION, note=note)
 
@@ -517,15 +565,15 @@ def _population_rows(t: Table, name: str, m: ModelConfig, device: str, w: np.nda
     has fixed shapes); last the clean forward of the targets' P*B rows on the loop's session `loss`."""
     n = params.count(m)
     for ev, noise, res in (
-        (Evaluator.POPULATION, Noise.SIGNS, Evaluator.RESIDENT),
+        (Evaluator.POPULATION, Noise.BITS, Evaluator.RESIDENT),
         (Evaluator.RANK1, Noise.RANK1, Evaluator.RANK1_RESIDENT),
     ):
-        if noise is Noise.SIGNS and _too_big(m, k):
+        if noise is Noise.BITS and _too_big(m, k):
             t.rows.append(_host_noise_row(name, m, k))
             continue
         rows = [Row(name, n, b, k, ev) for b in t.batches]
         feeds = _session_rows(t, rows, Row(name, n, t.target_b, k, res), m, device, w, noise)
-        if noise is Noise.SIGNS and ort_device(device)[0] == "cuda":
+        if noise is Noise.BITS and ort_device(device)[0] == "cuda":
             for row in [Row(name, n, b, k, Evaluator.CUDA_GRAPH) for b in t.batches]:
                 if feeds is None:  # the population's session was not made: skipped for time, or failed
                     _skip(t, [row], rows[0].note)
@@ -570,7 +618,7 @@ def _cuda_graph_cell(t: Table, row: Row, m: ModelConfig, device: str, w: np.ndar
     held = []  # the session, alive until _cell has read the memory it holds
 
     def measure() -> float:
-        held.append(BoundPopulation(m, row.K, Noise.SIGNS, t.seq_len, row.B, device, cuda_graph=True))
+        held.append(BoundPopulation(m, row.K, Noise.BITS, t.seq_len, row.B, device, cuda_graph=True))
         return bound_rate(held[0], feeds, w, x, t.seconds)
 
     _cell(t, row, device, base, measure)

@@ -90,11 +90,14 @@ def timed_runs(*sessions: Any) -> Iterator[list[float]]:
 
 
 def resident_config(m: ModelConfig, k: int, noise: Noise, x: np.ndarray, device: str) -> Config:
-    """The config of a worker training `m` with the population at K = k on batches shaped like x: the
-    defaults (sparse Rademacher probes, Adam, the delta-rule decoder) or, for rank-1, spsa.noise = rank1."""
+    """The config of a worker training `m` with the population at K = k on batches shaped like x, whose
+    noise crosses in the form `noise`: the defaults (sparse Rademacher probes, Adam, the delta-rule decoder)
+    but dense Rademacher probes for BITS (the full-rank rows' form) and spsa.noise = rank1 for RANK1."""
     cfg = Config(model=m, device=device)
     cfg.spsa.evaluator, cfg.spsa.directions = "population", k
     cfg.data.batch, cfg.data.seq_len = x.shape
+    if noise is Noise.BITS:
+        cfg.spsa.density = 1.0
     if noise is Noise.RANK1:
         cfg.spsa.noise, cfg.spsa.density = "rank1", 1.0
     return cfg
@@ -106,8 +109,13 @@ def resident_timing(population, cfg: Config, w: np.ndarray, x: np.ndarray, secon
     from soma_edge import resident  # imports onnx (heavy), as population does
 
     runner = resident.Resident(cfg, 0, population, State(w.copy()))
-    with timed_runs(population.session, runner.update) as inside:
-        runner.step([(x, x)])  # the first runs allocate
+    runner.step([(x, x)])  # the first runs allocate (and, on CUDA, make the captured sessions)
+    captured = runner.captured
+    sessions = (
+        (population.session, runner.update) if captured is None else (captured.population, captured.update_session)
+    )
+    with timed_runs(*sessions) as inside:
+        runner.step([(x, x)])  # a captured graph records on its first runs
         inside.clear()
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds or n == 0:

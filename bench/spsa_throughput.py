@@ -157,9 +157,12 @@ def body_tensors(m: ModelConfig) -> tuple[str, ...]:
 
 
 def population_feeds(m: ModelConfig, k: int, noise: Noise) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
-    """The body's tensors and K keyed directions over them as the graph's int8 inputs: full-rank Rademacher
-    signs cut from the Stepper's flat z, or the rank-1 factors spsa.rank1_factors draws."""
+    """The body's tensors and K keyed directions over them as the graph's inputs: full-rank Rademacher as
+    its keyed bits (BITS, what the trainer feeds) or as int8 signs cut from the Stepper's flat z (SIGNS),
+    or the rank-1 factors spsa.rank1_factors draws."""
     lay, body = params.layout(m), body_tensors(m)
+    if noise is Noise.BITS:
+        return body, {"bits": np.stack([spsa.noise_bits(0, 0, 0, j, lay.body) for j in range(k)])}
     if noise is Noise.SIGNS:
         z = np.stack([spsa.noise(0, 0, 0, j, lay.body) for j in range(k)])
         return body, noise_feeds(lay, body, noise, z)
@@ -380,7 +383,7 @@ def main() -> None:
         rates = {TORCH: _torch_rate(m, w, x, args.seconds)} if torch_ok else {}
         loops, providers = loop_rates(m, w, x, args.seconds)
         rates.update(loops)
-        for ev, noise in ((POPULATION, Noise.SIGNS), (RANK1, Noise.RANK1)):
+        for ev, noise in ((POPULATION, Noise.BITS), (RANK1, Noise.RANK1)):
             rates[ev] = population_rate(*population_setup(m, shape.k, noise, shape.seq_len), w, x, args.seconds)
         print_rows(name, m, rates, shape, peak)
         results.append(verdict(name, m, rates, providers))

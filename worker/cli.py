@@ -71,9 +71,7 @@ def train_cmd(
     train_data, test_data = corpus.to_stream(splits["train"]), corpus.to_stream(splits["test"])
     xt, yt = corpus.eval_windows(test_data, cfg.data.seq_len, eval_windows)
     xv, yv = corpus.eval_windows(corpus.to_stream(splits["val"]), cfg.data.seq_len, eval_windows)
-    evaluator = evaluator_for(cfg)
-    if runtime.measures_auto(cfg.spsa.evaluator, evaluator.providers):  # as a joined worker chooses (worker/probe)
-        evaluator, _ = probe.fastest(cfg, cfg.device, cfg.threads, True)
+    evaluator = _evaluator(cfg)
     before = mean_loss(evaluator, state.weights, xt, yt)
     t0, done, evals = time.perf_counter(), 0, 0
     while done < steps:
@@ -111,6 +109,15 @@ def train_cmd(
     else:
         for k, v in summary.items():
             print(f"{k:>28}: {v}")
+
+
+def _evaluator(cfg):
+    """The config's evaluator; with spsa.evaluator = auto on an accelerator, the faster of the loop and the
+    population as measured here, as a joined worker's probe chooses (worker/probe.py)."""
+    evaluator = evaluator_for(cfg)
+    if runtime.measures_auto(cfg.spsa.evaluator, evaluator.providers):
+        evaluator, _ = probe.fastest(cfg, cfg.device, cfg.threads, True)
+    return evaluator
 
 
 def _resume(path: Path, cfg: config_mod.Config) -> State:

@@ -80,14 +80,14 @@ def test_throughput_bench_without_torch():
     _check(r.stdout, ["124K"], torch=False)
 
 
-@pytest.mark.parametrize("noise", [Noise.SIGNS, Noise.RANK1])
+@pytest.mark.parametrize("noise", [Noise.BITS, Noise.SIGNS, Noise.RANK1])
 def test_population_rows_get_the_keyed_noise(noise):
     m = SIZES["124K"]
     lay = params.layout(m)
     body, feeds = population_feeds(m, 2, noise)
     shapes = [lay.shapes[lay.names.index(n)] for n in body]
     for j in range(2):
-        want = spsa.noise(0, 0, 0, j, lay.body) if noise is Noise.SIGNS else spsa.rank1_probe(0, 0, 0, j, shapes)
-        z = direction(lay, feeds, j)
+        want = spsa.noise(0, 0, 0, j, lay.body) if noise is not Noise.RANK1 else spsa.rank1_probe(0, 0, 0, j, shapes)
+        z = direction(lay, feeds, j, lay.body)
         np.testing.assert_array_equal(z[: lay.body], want)
         assert not z[lay.body :].any()  # the decoder is not perturbed: it learns by the delta rule

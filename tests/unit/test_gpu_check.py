@@ -16,7 +16,7 @@ from bench import gpu_check, gpu_targets
 from bench.common import ROOT
 from bench.gpu_check import Evaluator, Row
 from bench.spsa_throughput import SIZES, BoundPopulation, population_setup
-from soma_edge import devices, params, runtime
+from soma_edge import devices, params, runtime, spsa
 from soma_edge.devices import CPU, CUDA
 from soma_edge.population_graph import Noise
 
@@ -39,12 +39,14 @@ def test_cpu_dry_run_passes_every_check_and_writes_markdown_and_json(tmp_path, c
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     names = ["placement", "numerics", "log round", "update bits"]
     assert record["ok"] and [c["name"] for c in record["checks"]] == names
-    assert record["checks"][0]["figures"]["graphs"] == 20  # 2 kinds x (4 modes + 3 population + 3 update)
+    assert record["checks"][0]["figures"]["graphs"] == 24  # 2 kinds x (4 modes + 4 population + 4 update)
     log_round = record["checks"][2]
     assert log_round["figures"]["steps"] == 12 and len(log_round["figures"]["audited"]) == 4
     update = record["checks"][3]["figures"]  # the CPU EP's update graph gives the host's bits
     assert len(update["same_bits"]) == 6 and all(update["same_bits"].values())
     assert all(r > 0 for r in update["steps_per_s"].values())
+    capture = update["capture"]  # the fixed-address calls of CUDA graph capture, uncaptured on the CPU EP
+    assert capture["ran"] and capture["same_bits"] and capture["captured_active"]
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| log round | pass |" in md and md in capsys.readouterr().out
 
@@ -151,14 +153,17 @@ def test_full_rank_over_the_host_noise_cap_is_one_line_saying_why_and_what_lifts
     full = [r for r in record["throughput"] if r["evaluator"].startswith("population")]
     assert len(full) == 1 and full[0]["B"] is None and full[0]["K"] == 1 and full[0]["evals_per_s"] is None
     note = full[0]["note"]
-    assert note.startswith("skipped: host noise: full-rank at K = 1 draws [K, body] float32") and "Lifted by" in note
+    assert (
+        note.startswith("skipped: host noise: full-rank at K = 1 draws K directions' keyed bits")
+        and "Lifted by" in note
+    )
     assert "population_resident" in note and "every B" in note
     assert [r["B"] for r in record["throughput"] if r["evaluator"] == "rank1"] == [2, 3]
     assert all(r["evals_per_s"] > 0 for r in record["throughput"] if r["evaluator"].startswith("rank1"))
     assert "| 124K | 124,160 | - | 1 | population |" in md
 
 
-@pytest.mark.parametrize("noise", [Noise.SIGNS, Noise.RANK1])
+@pytest.mark.parametrize("noise", [Noise.BITS, Noise.RANK1])
 def test_the_bound_population_computes_the_population_evaluators_losses(noise):
     """The fixed-address (IOBinding) session the CUDA graph row replays: same losses, every input copied in
     afresh each step (a second step at other weights gives that step's losses, not the first's)."""
@@ -199,7 +204,7 @@ def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "gpu_memory_mib", lambda device: next(used))
     monkeypatch.setattr(gpu_check, "BoundPopulation", lambda *a, cuda_graph: BoundPopulation(*a, cuda_graph=False))
     body = params.layout(SIZES["124K"]).body
-    monkeypatch.setattr(gpu_check, "HOST_NOISE", 2 * body * 4 - 1)  # [K, body] float32: K = 1 under, K = 2 over
+    monkeypatch.setattr(gpu_check, "HOST_NOISE", 2 * spsa.bits_bytes(body) - 1)  # keyed bits: K = 1 under, K = 2 over
     record, md = _table(tmp_path, "--batches", "2,3")
     got = [(r["evaluator"], r["K"], r["B"]) for r in record["throughput"] if r["evaluator"] != "torch_eager"]
     loops = [(e, None, b) for b in (2, 3) for e in ("loop", "loop_resident")]
@@ -240,8 +245,8 @@ def test_a_node_off_the_device_fails_the_placement_check_and_the_run(tmp_path, m
     assert gpu_check.main(["--device", "cpu", "--no-throughput", "--out", str(tmp_path)]) == 1
     check = json.loads((tmp_path / "gpu_check.json").read_text())["checks"][0]
     off = "lstm/update rank1: 1 node(s) on CPUExecutionProvider (Mul)"
-    assert not check["ok"] and check["figures"]["off_device"] == [off] and check["figures"]["graphs"] == 20
-    assert seen.count("soma_expert_population") == 6 and seen.count("soma_expert_update") == 6
+    assert not check["ok"] and check["figures"]["off_device"] == [off] and check["figures"]["graphs"] == 24
+    assert seen.count("soma_expert_population") == 8 and seen.count("soma_expert_update") == 8
     assert f"| placement | FAIL | {off} |" in (tmp_path / "gpu_check.md").read_text()
 
 
