@@ -91,3 +91,14 @@ def test_population_rows_get_the_keyed_noise(noise):
         z = direction(lay, feeds, j, lay.body)
         np.testing.assert_array_equal(z[: lay.body], want)
         assert not z[lay.body :].any()  # the decoder is not perturbed: it learns by the delta rule
+
+
+def test_host_noise_prints_both_forms_and_the_bits_cross_in_fewer_bytes(capsys):
+    from bench import host_noise
+
+    assert host_noise.main(["--sizes", "124K", "--k", "2", "--repeats", "1"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 124K")]
+    mib = {(r[2].strip(), r[3].strip()): float(r[5]) for r in rows}
+    assert set(mib) == {(d, f) for d in ("1", "0.5") for f in ("int8 signs", "keyed bits")}
+    assert mib["1", "keyed bits"] * 8 == pytest.approx(mib["1", "int8 signs"], rel=0.05)  # a bit a weight, not a byte
+    assert mib["0.5", "keyed bits"] * 4 == pytest.approx(mib["0.5", "int8 signs"], rel=0.05)  # and a mask bit
