@@ -123,26 +123,30 @@ class Resident:
     def step(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], decoder_grad: bool = False) -> StepResult:
         """One update from `accumulate` minibatches (x, y): the Stepper's population step, on the device
         (`decoder_grad`: also bring the delta rule's mean decoder gradient back, as StepResult has it)."""
-        if self.capture and self.captured is None:
-            self._start_capture(batches[0][0].shape)
-        if self.captured is None:
+        if len(batches) != self.cfg.spsa.accumulate:
+            raise ValueError(
+                f"spsa.accumulate = {self.cfg.spsa.accumulate} needs that many minibatches, got {len(batches)}"
+            )
+        if not self.capture:
             return self._step(batches, decoder_grad)
         t = self.state.step
         try:
+            if self.captured is None:
+                self._start_capture(batches[0][0].shape)
             return self._step(batches, decoder_grad)
         except Exception as e:  # ORT's own errors have no common class
             if self.state.step != t:  # the update ran: the state moved on, so this is no capture failure
                 raise
             # Capture is a speed-up only: where the device refuses it, the same calls run uncaptured.
             log.warning("CUDA graph capture failed (%s): steps run uncaptured", " ".join(str(e).split())[:200])
-            self.values, self.captured, self.capture = dict(self.captured.values), None, False
+            if self.captured is not None:  # the weights are in its buffers, on the side the step read
+                self.values = dict(self.captured.values)
+            self.captured, self.capture = None, False
             self.population.captured, self.population.capture_refused = None, True  # said once, not per round
             return self._step(batches, decoder_grad)
 
     def _step(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], decoder_grad: bool) -> StepResult:
         cfg, t = self.cfg.spsa, self.state.step
-        if len(batches) != cfg.accumulate:
-            raise ValueError(f"spsa.accumulate = {cfg.accumulate} needs that many minibatches, got {len(batches)}")
         lr, eps = schedule(cfg, t, self.state.opt.lr_scale)
         K = cfg.directions
         grads = np.empty(K * len(batches), dtype=np.float64)

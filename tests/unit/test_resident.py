@@ -178,3 +178,21 @@ def test_capture_asks_the_cuda_ep_for_cuda_graphs_and_nothing_else(monkeypatch):
     monkeypatch.setattr(runtime, "plan", lambda device: runtime.Plan([runtime.CPU], strict=False))
     runtime.make_session(graph, "cpu", cuda_graph=True)
     assert seen["providers"] == [(runtime.CPU, {})]
+
+
+def test_capture_whose_sessions_cannot_be_made_falls_back_at_once(monkeypatch, caplog):
+    """A device that refuses the captured sessions themselves (enable_cuda_graph at session creation) costs
+    the same one warning line, and the round trains uncaptured from its first step."""
+    cfg = _config("lstm", {})
+    plain, fixed = evaluator_for(cfg, threads=1), evaluator_for(cfg, threads=1)
+
+    def refused(*args):
+        raise RuntimeError("this session cannot use the CUDA Graph feature")
+
+    monkeypatch.setattr(resident.capture_mod, "Captured", refused)
+    want, got = spsa.State(params.init(cfg.model, 4)), spsa.State(params.init(cfg.model, 4))
+    with caplog.at_level("WARNING", logger="soma.resident"):
+        _run(cfg, plain.population, want, 0, 3, capture=False)
+        _run(cfg, fixed.population, got, 0, 3, capture=True)
+    assert _bits(got.weights) == _bits(want.weights) and got.step == want.step == 3
+    assert len(caplog.records) == 1 and fixed.population.capture_refused
