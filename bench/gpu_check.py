@@ -42,7 +42,7 @@
    step over the clean forward's of the same P*B rows, and its device memory: MiB nvidia-smi reports after
    the row less before its session was made (ORT's arena keeps its peak), torch's peak allocated for torch
    rows, n/a off CUDA. Full-rank noise crosses as the keyed bits the trainer sends (K x body / 8 bytes:
-   63 MB at L, K = 64); cells whose bits would pass HOST_NOISE (1 GiB, none of the sizes here) are left
+   61 MB at L, K = 64); cells whose bits would pass HOST_NOISE (1 GiB, none of the sizes here) are left
    out as one row that says why and what would lift it: the draw would be the step, not the call the row
    times. A cell whose estimated time (--seconds plus
    two calls at the rate last measured at its size: `estimate`) would end more than --budget seconds after

@@ -105,18 +105,17 @@ def resident_config(m: ModelConfig, k: int, noise: Noise, x: np.ndarray, device:
 
 def resident_timing(population, cfg: Config, w: np.ndarray, x: np.ndarray, seconds: float) -> StepTiming:
     """soma_edge.resident.Resident.step on `population` (a PopulationEvaluator of cfg's shape, K and noise
-    form) from the weights w, for about `seconds` after one warm-up step, every step on the batch (x, x)."""
+    form) from the weights w, for about `seconds` after two warm-up steps, every step on the batch (x, x)."""
     from soma_edge import resident  # imports onnx (heavy), as population does
 
     runner = resident.Resident(cfg, 0, population, State(w.copy()))
-    runner.step([(x, x)])  # the first runs allocate (and, on CUDA, make the captured sessions)
-    captured = runner.captured
+    for _ in range(2):  # the first runs allocate; on CUDA they make the sessions and capture both A/B graphs
+        runner.step([(x, x)])
+    captured = runner.captured  # None where the device refused capture: the plain sessions run
     sessions = (
         (population.session, runner.update) if captured is None else (captured.population, captured.update_session)
     )
     with timed_runs(*sessions) as inside:
-        runner.step([(x, x)])  # a captured graph records on its first runs
-        inside.clear()
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds or n == 0:
             runner.step([(x, x)])

@@ -8,9 +8,9 @@ it recorded, so every input and output must stay in the same device buffer from 
 - the batch, eps, the noise and the update's scalars are copied into their buffers before each call
   (OrtValue.update_inplace), and the losses are read from theirs;
 - an update's outputs are the next step's inputs, so the weights and optimizer state live in two sets,
-  A and B: even steps read A and write B, odd steps read B and write A, each its own captured graph
-  (RunOptions "gpu_graph_id" 1 and 2). A tensor the update does not write (a frozen decoder) is one
-  buffer in both sets.
+  A and B: a round's first step reads A and writes B, the next reads B and writes A, and so on, each
+  direction its own captured graph (RunOptions "gpu_graph_id" 1 and 2). A tensor the update does not
+  write (a frozen decoder) is one buffer in both sets.
 
 Only one-minibatch steps (spsa.accumulate = 1) qualify: several minibatches would need a noise buffer each
 and a joined copy for the update. On the CPU EP the same fixed-address calls run without capture, which is
@@ -54,13 +54,12 @@ class Captured:
         update = update_graph.build_update(r.cfg.model, r.cfg.spsa, k, pop.perturbed, pop.noise, r.delta)
         # One thread, no spinning, as the resident's own update session (soma_edge.resident says why).
         self.update_session = make_session(update, pop.device, 1, False, cuda_graph=True)
-        self.buffers: dict[str, Any] = {n: self._empty(self.batch, np.int64) for n in ("x", "y")}
-        self.buffers["eps"] = self._empty((), np.float32)
-        for i in pop.inputs:  # the noise, which both calls of a step read
-            self.buffers[i.name] = self._empty(i.shape, i.dtype)
-        for i in r.inputs:
-            if i.name in _SCALARS:
-                self.buffers[i.name] = self._empty(i.shape, np.float32)
+        refilled = {n: (np.int64, self.batch) for n in ("x", "y")}
+        refilled["eps"] = (np.float32, ())
+        refilled.update({i.name: (i.dtype, tuple(i.shape)) for i in pop.inputs})  # the noise both calls read
+        refilled.update({i.name: (np.float32, tuple(i.shape)) for i in r.inputs if i.name in _SCALARS})
+        self.kinds = {n: (np.dtype(t), tuple(shape)) for n, (t, shape) in refilled.items()}  # what each refill takes
+        self.buffers: dict[str, Any] = {n: self._empty(shape, t) for n, (t, shape) in self.kinds.items()}
         shapes = dict(zip(pop.layout.names, pop.layout.shapes))
         self.outputs = {"losses": self._empty((2 * pop.k + 1,), np.float32)}
         self.outputs.update({n: self._empty(shapes[n[len("grad.") :]], np.float32) for n in pop.outputs[1:]})
@@ -117,11 +116,19 @@ class Captured:
             io.bind_ortvalue_output(f"new.{name}", target[name])
         return io
 
+    def _refill(self, name: str, value: np.ndarray) -> None:
+        """Copy `value` into its fixed buffer. update_inplace checks only the element count and copies the
+        buffer's bytes, so the dtype and shape are checked here."""
+        dtype, shape = self.kinds[name]
+        if value.dtype != dtype or tuple(value.shape) != shape:
+            raise ValueError(f"{name}: {value.dtype}{list(value.shape)}, the fixed buffer is {dtype}{list(shape)}")
+        self.buffers[name].update_inplace(np.ascontiguousarray(value))
+
     def evaluate(self, noise: dict[str, np.ndarray], eps: float, x: np.ndarray, y: np.ndarray) -> tuple:
         """The step's population call: its losses (host) and the decoder gradients (their fixed buffers)."""
         feeds = {**noise, "x": x, "y": y, "eps": np.array(eps, dtype=np.float32)}
         for name, value in feeds.items():
-            self.buffers[name].update_inplace(np.ascontiguousarray(value))
+            self._refill(name, value)
         self.population.run_with_iobinding(self.population_io[self.side], self.runs[self.side])
         return self.outputs["losses"].numpy(), [v for n, v in self.outputs.items() if n != "losses"]
 
@@ -130,7 +137,7 @@ class Captured:
         returns the side that now holds the weights."""
         for name, value in scalars.items():
             if name in self.buffers:
-                self.buffers[name].update_inplace(np.ascontiguousarray(value, dtype=np.float32))
+                self._refill(name, np.asarray(value, dtype=np.float32))
         self.update_session.run_with_iobinding(self.update_io[self.side], self.runs[self.side])
         self.side = 1 - self.side
         return self.values

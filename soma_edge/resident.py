@@ -138,12 +138,12 @@ class Resident:
             if self.state.step != t:  # the update ran: the state moved on, so this is no capture failure
                 raise
             # Capture is a speed-up only: where the device refuses it, the same calls run uncaptured.
-            log.warning("CUDA graph capture failed (%s): steps run uncaptured", " ".join(str(e).split())[:200])
+            log.warning("CUDA graph capture failed (%s): retrying the step uncaptured", " ".join(str(e).split())[:200])
             if self.captured is not None:  # the weights are in its buffers, on the side the step read
                 self.values = dict(self.captured.values)
             self.captured, self.capture = None, False
             self.population.captured, self.population.capture_refused = None, True  # said once, not per round
-            return self._step(batches, decoder_grad)
+            return self._step(batches, decoder_grad)  # an error that is not capture's comes back from here
 
     def _step(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], decoder_grad: bool) -> StepResult:
         cfg, t = self.cfg.spsa, self.state.step

@@ -116,7 +116,7 @@ def _evaluator(cfg):
     population as measured here, as a joined worker's probe chooses (worker/probe.py)."""
     evaluator = evaluator_for(cfg)
     if runtime.measures_auto(cfg.spsa.evaluator, evaluator.providers):
-        evaluator, _ = probe.fastest(cfg, cfg.device, cfg.threads, True)
+        evaluator, _ = probe.fastest(cfg, cfg.device, cfg.threads, True, cfg.parallel)
     return evaluator
 
 

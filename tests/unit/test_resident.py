@@ -196,3 +196,17 @@ def test_capture_whose_sessions_cannot_be_made_falls_back_at_once(monkeypatch, c
         _run(cfg, fixed.population, got, 0, 3, capture=True)
     assert _bits(got.weights) == _bits(want.weights) and got.step == want.step == 3
     assert len(caplog.records) == 1 and fixed.population.capture_refused
+
+
+def test_a_fixed_buffer_takes_only_its_dtype_and_shape():
+    """update_inplace checks only the element count: a batch of another dtype would be copied as bytes into
+    the int64 buffer. The refill refuses it, naming the buffer."""
+    cfg = _config("lstm", {})
+    ev = evaluator_for(cfg, threads=1)
+    runner = resident.Resident(cfg, 0, ev.population, spsa.State(params.init(cfg.model, 3)), capture=True)
+    runner.step(_batches(cfg, 0))
+    x, y = _batches(cfg, 1)[0]
+    with pytest.raises(ValueError, match=r"x: int32\[2, 12\], the fixed buffer is int64\[2, 12\]"):
+        runner.captured.evaluate(
+            ev.population.noise_of(runner.stepper.probes(1, range(3), runner.body)), 1e-3, x.astype(np.int32), y
+        )
