@@ -28,9 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from soma_edge import checkpoint, corpus, protocol
+from soma_edge import checkpoint, protocol
 from soma_edge.rundir import RunDir
-from soma_edge.runtime import LossEvaluator, mean_loss
 from tests.helpers.board import events
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import (
@@ -43,6 +42,7 @@ from tests.helpers.federation import (
     secure_federation,
     secure_join,
     start_coordinator,
+    val_loss,
     wait_until,
 )
 
@@ -92,18 +92,6 @@ def _sent(*logs: Path) -> dict[tuple[int, int], str]:
     return out
 
 
-def _val_loss(rd: RunDir, expert: int, version: int) -> float:
-    cfg = rd.load_config()
-    body = checkpoint.load(rd.root / f"experts/{expert}/v{version}.msgpack", "expert")
-    prep = rd.read_prepare()
-    data = b"".join(rd.shard(h) for h in prep.shards(expert, "val"))
-    if len(data) < 2000:
-        data = corpus.SEPARATOR.join(rd.shard(h) for e in range(4) for h in prep.shards(e, "val"))
-    x, y = corpus.eval_windows(np.frombuffer(data, dtype=np.uint8), cfg.data.seq_len, 64)
-    ev = LossEvaluator(cfg.model, "cpu", 1)
-    return mean_loss(ev, protocol.decode_weights(body["weights"]), x, y)
-
-
 def _kill_worker(run: Path, name: str) -> None:
     """SIGKILL the local worker `name` of this run as a crash would: its `join` and its SuperNode (which runs
     in a session of its own), with their process groups. Both are found by the worker's unique cache path."""
@@ -139,7 +127,7 @@ def test_federation_trains_and_checkpoints_what_workers_sent(fed):
             on_disk = protocol.weights_sha256(body["weights"])
             assert on_disk == body["sha256"] == sent[(e, v)], (e, v)
         assert x.sha256 == sent[(e, 2)]
-        before, after = _val_loss(rd, e, 0), _val_loss(rd, e, 2)
+        before, after = val_loss(rd, e, 0), val_loss(rd, e, 2)
         assert after < before - 0.2, (e, before, after)
     lines = metric_lines(rd, "expert")
     assert len(lines) == 8 and all(m["accepted"] for m in lines)

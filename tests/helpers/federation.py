@@ -14,8 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from soma_edge import checkpoint, corpus, protocol
 from soma_edge.pids import pid_alive
 from soma_edge.rundir import RunDir
+from soma_edge.runtime import LossEvaluator, mean_loss
 from tests.helpers.corpus import write_stdlib_corpus
 
 START_TIMEOUT = 240
@@ -75,6 +79,21 @@ def wait_until(cond, timeout: float, what: str, fed=None) -> None:
 def log_tails(fed, chars: int = 1500) -> str:
     logs = [fed["root"] / "start.log", *sorted((fed["run"] / "logs").glob("*.log"))]
     return "".join(f"\n--- {p.name} (end) ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs if p.exists())
+
+
+def val_loss(rd: RunDir, expert: int, version: int) -> float:
+    """Expert `expert`'s val loss at `version`, recomputed here from its checkpoint on its val shards (all
+    experts' where its own are too small to measure)."""
+    cfg = rd.load_config()
+    body = checkpoint.load(rd.root / f"experts/{expert}/v{version}.msgpack", "expert")
+    prep = rd.read_prepare()
+    data = b"".join(rd.shard(h) for h in prep.shards(expert, "val"))
+    if len(data) < 2000:
+        experts = range(cfg.federation.experts)
+        data = corpus.SEPARATOR.join(rd.shard(h) for e in experts for h in prep.shards(e, "val"))
+    x, y = corpus.eval_windows(np.frombuffer(data, dtype=np.uint8), cfg.data.seq_len, 64)
+    ev = LossEvaluator(cfg.model, "cpu", 1)
+    return mean_loss(ev, protocol.decode_weights(body["weights"]), x, y)
 
 
 def metric_lines(rd: RunDir, kind: str) -> list[dict]:
