@@ -30,8 +30,6 @@ from soma_edge.runtime import make_session
 if TYPE_CHECKING:
     from soma_edge.resident import Resident
 
-_SCALARS = ("g", "lr", "decoder_lr", "bc1", "bc2")  # the update's per-step host inputs
-
 
 def qualifies(resident: Resident) -> bool:
     """Whether a resident expert's steps can run at fixed addresses (the module docstring)."""
@@ -57,7 +55,7 @@ class Captured:
         refilled = {n: (np.int64, self.batch) for n in ("x", "y")}
         refilled["eps"] = (np.float32, ())
         refilled.update({i.name: (i.dtype, tuple(i.shape)) for i in pop.inputs})  # the noise both calls read
-        refilled.update({i.name: (np.float32, tuple(i.shape)) for i in r.inputs if i.name in _SCALARS})
+        refilled.update({i.name: (np.float32, tuple(i.shape)) for i in r.inputs if i.name in update_graph.STEP_INPUTS})
         self.kinds = {n: (np.dtype(t), tuple(shape)) for n, (t, shape) in refilled.items()}  # what each refill takes
         self.buffers: dict[str, Any] = {n: self._empty(shape, t) for n, (t, shape) in self.kinds.items()}
         shapes = dict(zip(pop.layout.names, pop.layout.shapes))

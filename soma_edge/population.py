@@ -111,12 +111,10 @@ def for_config(cfg: Config, device: str, threads: int, spin: bool) -> Population
     """The population evaluator of a run's expert: K = spsa.directions, the tensors the Stepper perturbs
     (the body; everything with decoder = "spsa"), spsa.noise's form (`graph_noise`), the delta rule's
     decoder gradient when the decoder learns by it."""
-    lay = layout(cfg.model)
-    perturbed = lay.names if cfg.spsa.decoder == "spsa" else [n for n in lay.names if n not in lay.decoder]
     return PopulationEvaluator(
         cfg.model,
         cfg.spsa.directions,
-        perturbed,
+        perturbed_tensors(cfg),
         graph_noise(cfg.spsa),
         cfg.data.seq_len,
         decoder_grad=cfg.spsa.decoder == "delta",
@@ -124,6 +122,12 @@ def for_config(cfg: Config, device: str, threads: int, spin: bool) -> Population
         threads=threads,
         spin=spin,
     )
+
+
+def perturbed_tensors(cfg: Config) -> list[str]:
+    """The tensors SPSA perturbs under `cfg`: the body, and the decoder too where decoder = "spsa"."""
+    lay = layout(cfg.model)
+    return list(lay.names) if cfg.spsa.decoder == "spsa" else [n for n in lay.names if n not in lay.decoder]
 
 
 def noise_feeds(lay: Layout, perturbed: Sequence[str], noise: Noise | str, z: np.ndarray) -> dict[str, np.ndarray]:

@@ -247,6 +247,9 @@ def build_update(
 # --- host side -----------------------------------------------------------------------------------------
 
 
+STEP_INPUTS = ("g", "lr", "decoder_lr", "bc1", "bc2")  # what the host feeds each step: the g_j and `scalars`
+
+
 def scalars(cfg: SPSAConfig, step: int, adam_t: int, lr_scale: float) -> dict[str, np.ndarray]:
     """The step's float32 scalar inputs, computed as spsa._apply computes them for a state at `step` whose
     Adam moments are behind `adam_t` updates: lr, decoder_lr, bc1 = float32(1 - beta1**t), bc2 (t = adam_t+1)."""

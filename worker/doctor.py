@@ -110,11 +110,9 @@ def _device(device: str, seconds: float, said: str | None, say: Callable[[str], 
 def population_args(cfg: Config) -> tuple[int, list[str], GraphNoise]:
     """K, the perturbed tensors and the noise form of the population evaluator that population.for_config
     makes for `cfg`, without its session (a test keeps the two equal)."""
-    from soma_edge.population import graph_noise  # imports onnx (heavy): only where graphs are built
+    from soma_edge.population import graph_noise, perturbed_tensors  # imports onnx (heavy): only where graphs are built
 
-    lay = params.layout(cfg.model)
-    perturbed = lay.names if cfg.spsa.decoder == "spsa" else [n for n in lay.names if n not in lay.decoder]
-    return cfg.spsa.directions, perturbed, graph_noise(cfg.spsa)
+    return cfg.spsa.directions, perturbed_tensors(cfg), graph_noise(cfg.spsa)
 
 
 def expert_graphs(cfg: Config) -> dict[str, tuple[str, onnx.ModelProto | str]]:
