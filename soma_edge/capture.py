@@ -52,11 +52,12 @@ class Captured:
         update = update_graph.build_update(r.cfg.model, r.cfg.spsa, k, pop.perturbed, pop.noise, r.delta)
         # One thread, no spinning, as the resident's own update session (soma_edge.resident says why).
         self.update_session = make_session(update, pop.device, 1, False, cuda_graph=True)
-        refilled = {n: (np.int64, self.batch) for n in ("x", "y")}
-        refilled["eps"] = (np.float32, ())
-        refilled.update({i.name: (i.dtype, tuple(i.shape)) for i in pop.inputs})  # the noise both calls read
-        refilled.update({i.name: (np.float32, tuple(i.shape)) for i in r.inputs if i.name in update_graph.STEP_INPUTS})
-        self.kinds = {n: (np.dtype(t), tuple(shape)) for n, (t, shape) in refilled.items()}  # what each refill takes
+        # What each refill takes: the batch, eps, the noise both calls read, the update's per-step inputs.
+        self.kinds = {n: (np.dtype(np.int64), self.batch) for n in ("x", "y")}
+        self.kinds["eps"] = (np.dtype(np.float32), ())
+        self.kinds.update({i.name: (np.dtype(i.dtype), tuple(i.shape)) for i in pop.inputs})
+        steps = [i for i in r.inputs if i.name in update_graph.STEP_INPUTS]
+        self.kinds.update({i.name: (np.dtype(np.float32), tuple(i.shape)) for i in steps})
         self.buffers: dict[str, Any] = {n: self._empty(shape, t) for n, (t, shape) in self.kinds.items()}
         shapes = dict(zip(pop.layout.names, pop.layout.shapes))
         self.outputs = {"losses": self._empty((2 * pop.k + 1,), np.float32)}

@@ -1,12 +1,12 @@
 """The population evaluator: one ORT call gives a step's clean forward and its 2K perturbed losses on one
 minibatch (the graph: soma_edge.population_graph), where runtime.LossEvaluator takes 2K + 1 calls.
 
-Also the bridge between the host's noise and the graph's noise inputs: dense Rademacher directions cross as
-their keyed bits (`graph_noise`), `noise_feeds` cuts K flat directions (the Stepper's z over the flat vector)
-into the graph's per-tensor inputs, `factor_feeds` lays out K rank-1 directions' factors
-(spsa.rank1_factors), and `direction` materializes member j's dense z from them (the looped reference, and
-what an update sums). `for_config` builds the evaluator a run's config trains with (runtime.evaluator_for),
-and `PopulationEvaluator.members` is what the Stepper calls.
+Also the bridge between the host's noise and the graph's noise inputs: Rademacher directions cross as their
+keyed bits, sparse ones with their packed masks (`graph_noise`); `noise_feeds` cuts K flat directions (the
+Stepper's z over the flat vector) into the graph's per-tensor inputs, `factor_feeds` lays out K rank-1
+directions' factors (spsa.rank1_factors), and `direction` materializes member j's dense z from them (the
+looped reference, and what an update sums). `for_config` builds the evaluator a run's config trains with
+(runtime.evaluator_for), and `PopulationEvaluator.members` is what the Stepper calls.
 """
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ class PopulationEvaluator:
         return self.evaluate(flat, self.noise_of(probes), eps, x, y)
 
     def noise_of(self, probes: Probes) -> dict[str, np.ndarray]:
-        """The graph's noise inputs for the Stepper's directions: cut from their flat z, or their factors."""
+        """The graph's noise inputs for the Stepper's directions: their keyed bits (and masks), their factors,
+        or cut from their flat z."""
         if probes.factors is not None:
             return factor_feeds(self.layout, self.perturbed, probes.factors)
-        if self.noise in (Noise.BITS, Noise.SPARSE_BITS):
+        if self.noise.keyed:
             if probes.bits is None or (probes.keep is None) != (self.noise is Noise.BITS):
                 raise ValueError(f"{self.noise.value} noise takes Rademacher probes' keyed bits (masks: when sparse)")
             return {"bits": probes.bits} | ({} if probes.keep is None else {"keep": probes.keep})
@@ -135,7 +136,7 @@ def noise_feeds(lay: Layout, perturbed: Sequence[str], noise: Noise | str, z: np
     layout offsets: the Stepper's body): int8 signs for SIGNS (z in {-1, 0, +1}, exactly), float32 for
     GAUSSIAN. Rank-1 noise is drawn as its factors, not cut from a flat z."""
     noise = Noise(noise)
-    if noise in (Noise.RANK1, Noise.BITS, Noise.SPARSE_BITS):
+    if noise is Noise.RANK1 or noise.keyed:
         raise ValueError(f"{noise.value} noise crosses as drawn (factors, or keyed bits), not cut from a flat z")
     out = {}
     for name in perturbed:

@@ -58,6 +58,11 @@ class Noise(str, enum.Enum):
     GAUSSIAN = "gaussian"
     RANK1 = "rank1"
 
+    @property
+    def keyed(self) -> bool:
+        """Whether the noise crosses as keyed bits (BITS, SPARSE_BITS) that the graph expands."""
+        return self in (Noise.BITS, Noise.SPARSE_BITS)
+
 
 @dataclass(frozen=True)
 class NoiseInput:
@@ -94,7 +99,7 @@ def perturbed_size(m: ModelConfig, perturbed: Sequence[str]) -> int:
 def noise_inputs(m: ModelConfig, k: int, perturbed: Sequence[str], noise: Noise | str) -> list[NoiseInput]:
     """The noise inputs a population graph of `k` directions takes, in graph order."""
     noise, lay = Noise(noise), layout(m)
-    if noise in (Noise.BITS, Noise.SPARSE_BITS):
+    if noise.keyed:
         n = perturbed_size(m, perturbed)
         out = [NoiseInput("bits", np.uint8, (k, bits_bytes(n)))]
         return out + ([NoiseInput("keep", np.uint8, (k, (n + 7) // 8))] if noise is Noise.SPARSE_BITS else [])
@@ -350,7 +355,7 @@ def build_population(
     if k < 1 or seq_len < 1 or not perturbed or unknown or len(set(perturbed)) != len(perturbed):
         raise ValueError(f"need k >= 1, seq_len >= 1 and distinct layout tensors to perturb (unknown: {unknown})")
     g = _Graph(k)
-    zs = _bits_z(g, m, perturbed, noise) if noise in (Noise.BITS, Noise.SPARSE_BITS) else {}
+    zs = _bits_z(g, m, perturbed, noise) if noise.keyed else {}
     weights = {
         n: _weight(g, n, s, noise if n in perturbed else None, zs.get(n)) for n, s in zip(lay.names, lay.shapes)
     }  # in layout order, so the graph's nodes do not depend on the order of `perturbed`

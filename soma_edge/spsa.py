@@ -350,8 +350,9 @@ def plateau(cfg: SPSAConfig, opt: OptState, val: float, step: int) -> bool:
 @dataclass
 class Probes:
     """One minibatch's K directions, for an evaluator that takes them all at once: z float32[K, body] as
-    the Stepper draws them (full rank), or, with rank-1 probes, each direction's `rank1_factors`, or, for
-    dense Rademacher probes, their `noise_bits` uint8[K, bits_bytes(body)] (z None for both)."""
+    the Stepper draws them (Gaussian), or, with rank-1 probes, each direction's `rank1_factors`, or, for
+    Rademacher probes, their `noise_bits` uint8[K, bits_bytes(body)] and, sparse, their packed masks `keep`
+    (z None for both)."""
 
     z: np.ndarray | None
     factors: list[list[Rank1 | np.ndarray]] | None = None

@@ -166,12 +166,11 @@ def _sums(g: _Graph, model: ModelConfig, perturbed: Sequence[str], noise: Noise,
     shapes = {n: tuple(lay.shapes[lay.names.index(n)]) for n in names}
     zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
     acc = {n: g.once("ConstantOfShape", g.i64(list(shapes[n])), value=zero) for n in names}
-    bits = noise in (Noise.BITS, Noise.SPARSE_BITS)
     for j in range(k):
         gj = g.op("Gather", "g", g.i64(j), axis=0)
-        signs = _bits_direction(g, model, names, noise, j) if bits else ""
+        signs = _bits_direction(g, model, names, noise, j) if noise.keyed else ""
         for n in names:
-            if bits:
+            if noise.keyed:
                 z = bits_slice(g, signs, lay.offsets[lay.names.index(n)], shapes[n], [])
             else:
                 z = _direction(g, n, shapes[n], noise, j)
