@@ -48,7 +48,8 @@ _CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")
 @dataclass(frozen=True)
 class Device:
     """A parsed device: `provider` None means auto (CUDA where a GPU is, else CPU); `cuda_id` is set for
-    `cuda[:i]` (a provider named in full runs with its own default options)."""
+    `cuda[:i]` and for CUDAExecutionProvider named in full, which is `cuda:0` (any other provider named in
+    full runs with its own default options)."""
 
     provider: str | None
     cuda_id: int | None = None
@@ -71,7 +72,8 @@ def parse(device: str) -> Device:
         return Device(CUDA, int(m.group(1) or 0))
     for name in EXECUTION_PROVIDERS:
         if low in (name.lower(), name.lower().removesuffix("executionprovider")):
-            return Device(name)
+            # The CUDA EP by its full name is `cuda:0`: the same options (use_tf32 = 0) and library checks.
+            return Device(name, 0 if name == CUDA else None)
     raise ConfigError(
         f"unknown execution provider {device!r} (use auto, cpu, cuda, cuda:N, or one of: "
         f"{', '.join(EXECUTION_PROVIDERS)})"

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from soma_edge import capture as capture_mod
-from soma_edge import update_graph
+from soma_edge import devices, update_graph
 from soma_edge.config import Config
 from soma_edge.devices import CUDA
 from soma_edge.population import PopulationEvaluator
@@ -36,8 +36,7 @@ _VERIFIED: dict[tuple, bool] = {}  # (device, ORT provider, graph) -> whether it
 def _ort_device(evaluator: PopulationEvaluator) -> tuple[str, int]:
     """Where the population session keeps its tensors, as OrtValue names it."""
     if evaluator.providers[0] == CUDA:
-        _, _, index = evaluator.device.partition(":")
-        return "cuda", int(index or 0)
+        return "cuda", devices.parse(evaluator.device).cuda_id or 0
     return "cpu", 0
 
 

@@ -31,6 +31,7 @@ import io
 import logging
 import os
 import re
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -143,7 +144,14 @@ def cuda_libraries() -> CudaLibraries:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with contextlib.suppress(Exception):
-                preload()
+                preload()  # the nvidia/ wheels beside the onnxruntime package (a plain `pip install`)
+            # onnxruntime installed elsewhere (`pip install --target DIR`, a PYTHONPATH entry) finds no
+            # nvidia/ beside it: load the CUDA and cuDNN wheels from where this Python sees them (torch's),
+            # the first folder of each (two copies of one library in a process would each keep their state).
+            if not (Path(ort.__file__).parent.parent / "nvidia").is_dir():
+                for folder, cuda in nvidia_library_folders():
+                    with contextlib.suppress(Exception):
+                        preload(cuda=cuda, cudnn=not cuda, directory=str(folder))
     capi = Path(ort.__file__).parent / "capi"
     names = (
         ("onnxruntime_providers_cuda.dll", "cudnn64_9.dll")
@@ -151,6 +159,23 @@ def cuda_libraries() -> CudaLibraries:
         else ("libonnxruntime_providers_cuda.so", "libcudnn.so.9")
     )
     return CudaLibraries(_load(str(capi / names[0])), _load(names[1]))
+
+
+CUDA_MAJOR = 13  # onnxruntime-gpu 1.31.1 is built for CUDA 13.0 (its build_and_package_info.cuda_version)
+
+
+def nvidia_library_folders(paths: list[str] | None = None) -> list[tuple[Path, bool]]:
+    """(folder, True for CUDA / False for cuDNN): the first CUDA 13 and the first cuDNN library folder of
+    NVIDIA's wheels on `paths` (default sys.path), CUDA's first: `nvidia/cu13/lib` and `nvidia/cudnn/lib`,
+    the layout of the CUDA 13 wheels that onnxruntime-gpu's extras and torch's CUDA 13 builds install."""
+    out: dict[bool, Path] = {}
+    for entry in sys.path if paths is None else paths:
+        root = Path(entry or ".") / "nvidia"
+        for sub, cuda in ((f"cu{CUDA_MAJOR}", True), ("cudnn", False)):
+            folder = root / sub / "lib"
+            if cuda not in out and folder.is_dir():
+                out[cuda] = folder
+    return [(folder, cuda) for cuda, folder in sorted(out.items(), reverse=True)]
 
 
 def _load(path: str) -> str | None:
@@ -283,7 +308,9 @@ def make_session(
     if cuda_graph:
         providers = [(n, {**o, "enable_cuda_graph": "1"}) if n == CUDA else (n, o) for n, o in _named(providers)]
     try:
-        sess = ort.InferenceSession(data, sess_options=so, providers=providers, enable_fallback=0)
+        with warnings.catch_warnings():  # ORT warns of a provider it lacks; the error below says it in one line
+            warnings.simplefilter("ignore")
+            sess = ort.InferenceSession(data, sess_options=so, providers=providers, enable_fallback=0)
     except Exception as e:  # ORT raises plain RuntimeError/Fail for a provider that cannot start
         if p.strict and CPU_FALLBACK_REFUSED in str(e):
             raise DeviceError(f"device {device!r}: {_refusal(data, p)}") from None
@@ -291,6 +318,11 @@ def make_session(
     if p.why_cpu is not None:
         _say_cpu(p.why_cpu)
     elif sess.get_providers()[0] != p.first:
+        if p.strict:  # a named device never runs on another: refused here too, whatever ORT let through
+            raise DeviceError(
+                f"device {device!r}: ONNX Runtime made the session on {sess.get_providers()[0]}, not {p.first} "
+                "(`soma-worker doctor` says why)"
+            )
         _say_cpu(f"{p.first} did not start (`soma-worker doctor` says why)")
     return sess
 
@@ -332,7 +364,8 @@ def placement(model: onnx.ModelProto | bytes, providers: list[Any], threads: int
         saved = os.dup(2)
         os.dup2(f.fileno(), 2)
         try:
-            with contextlib.suppress(Exception):  # a graph no provider can run has no placement to report
+            with contextlib.suppress(Exception), warnings.catch_warnings():  # no placement to report
+                warnings.simplefilter("ignore")
                 ort.InferenceSession(data, sess_options=so, providers=providers, enable_fallback=0)
         finally:
             os.dup2(saved, 2)

@@ -224,6 +224,65 @@ def test_auto_on_a_gpu_box_that_cannot_use_it_warns_once(monkeypatch, caplog, fr
     assert runtime.INSTALL_CUDA in said.getMessage()
 
 
+def test_the_cuda_ep_named_in_full_is_cuda_0(monkeypatch, cuda_build):
+    """`--device CUDAExecutionProvider` gets exactly what `cuda:0` gets: the options and the library check."""
+    assert devices.parse("CUDAExecutionProvider") == devices.parse("cuda:0") == devices.parse("cuda")
+    assert devices.parse("cudaexecutionprovider").cuda_id == 0
+    assert runtime.plan("CUDAExecutionProvider") == runtime.plan("cuda:0")
+    missing = runtime.CudaLibraries("libcublasLt.so.13: cannot open shared object file", None)
+    monkeypatch.setattr(runtime, "cuda_libraries", lambda: missing)
+    for device in ("CUDAExecutionProvider", "cuda:0"):
+        with pytest.raises(DeviceError, match=r"libcublasLt\.so\.13"):
+            runtime.plan(device)
+
+
+@pytest.mark.parametrize("strict_honoured", [True, False])
+def test_a_named_device_that_cannot_start_raises_the_real_sessions_error_in_one_line(
+    monkeypatch, capfd, cuda_build, strict_honoured
+):
+    """The real InferenceSession of this CPU wheel, asked for the CUDA EP (the build and its libraries faked
+    as present): one DeviceError line, nothing else on the terminal, and never a session on the CPU, even
+    where ORT would make one (the CPU-fallback refusal left out of the session's options)."""
+    if not strict_honoured:
+        real = runtime.session_options
+        monkeypatch.setattr(runtime, "session_options", lambda threads, spin, strict: real(threads, spin, False))
+    capfd.readouterr()
+    with pytest.raises(DeviceError) as e:
+        runtime.make_session(build(TINY, "loss"), "cuda:0")
+    said = str(e.value)
+    assert "\n" not in said and said.startswith("device 'cuda:0': ")
+    if strict_honoured:  # ORT's own refusal, read back as which EP did not start
+        assert "CUDAExecutionProvider did not start" in said
+    else:  # ORT made a CPU session: refused all the same
+        assert "made the session on CPUExecutionProvider, not CUDAExecutionProvider" in said
+    out, err = capfd.readouterr()
+    assert out == err == ""
+
+
+def test_cuda_libraries_load_from_torchs_wheels_when_onnxruntime_is_installed_elsewhere(monkeypatch, tmp_path):
+    """onnxruntime-gpu installed with `pip install --target DIR` has no nvidia/ beside it, where its own
+    preload_dlls() looks: the CUDA 13 and cuDNN folders on sys.path (torch's wheels) are loaded from."""
+    for site in ("a", "b"):
+        for sub in ("cu13", "cudnn"):
+            (tmp_path / site / "nvidia" / sub / "lib").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "b"))
+    monkeypatch.syspath_prepend(str(tmp_path / "a"))
+    first = tmp_path / "a" / "nvidia"
+    assert runtime.nvidia_library_folders() == [(first / "cu13" / "lib", True), (first / "cudnn" / "lib", False)]
+    calls = []
+    monkeypatch.setattr(ort, "preload_dlls", lambda **k: calls.append(k), raising=False)
+    runtime.cuda_libraries.cache_clear()
+    try:
+        runtime.cuda_libraries()
+    finally:
+        runtime.cuda_libraries.cache_clear()
+    assert calls[0] == {}  # ORT's own search first, then each folder
+    assert calls[1:] == [
+        {"cuda": True, "cudnn": False, "directory": str(first / "cu13" / "lib")},
+        {"cuda": False, "cudnn": True, "directory": str(first / "cudnn" / "lib")},
+    ]
+
+
 @gpu_build
 @no_gpu
 def test_cuda_session_lists_only_cuda_and_refuses_the_cpu(monkeypatch):
