@@ -417,7 +417,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("receive", help="check the chunks of one upload and stage them (the GPU box)")
     p.add_argument("--kit", type=Path, default=KIT, help="where the upload put the chunks")
     p.add_argument("--stage", type=Path, default=STAGE, help="where the chunks wait for the others")
-    p = sub.add_parser("finish", help="install the wheels and run bench.gpu_check (the GPU box); ARGS after --")
+    after = "arguments after -- go to python -m bench.gpu_check (without them: --device cuda:0)"
+    p = sub.add_parser("finish", help="install the wheels and run bench.gpu_check (the GPU box)", epilog=after)
     p.add_argument("--stage", type=Path, default=STAGE, help="where receive put the chunks")
     p.add_argument("--target", type=Path, default=TARGET, help="where the wheels are installed")
     p.add_argument("--no-check", action="store_true", help="stop after the install and the import check")
