@@ -189,9 +189,10 @@ class Memory:
 # --- prices ---------------------------------------------------------------------------------------------
 
 
-def graph_mib(model, batch: int) -> int:
-    """The priced memory of one session on `model` with its free batch dim "B" set to `batch` (module
-    docstring): ARENA x the peak of live tensors in the graph's order, plus inputs and constants."""
+def graph_mib(model, batch: int, seq_len: int) -> int:
+    """The priced memory of one session on `model` with its free dims "B" and "T" set to `batch` and
+    `seq_len` (module docstring): ARENA x the peak of live tensors in the graph's order, plus inputs and
+    constants."""
     import onnx  # heavy; the checks that price import it anyway
     from onnx import helper, shape_inference
 
@@ -199,8 +200,8 @@ def graph_mib(model, batch: int) -> int:
     m.CopyFrom(model)
     for value in m.graph.input:
         for d in value.type.tensor_type.shape.dim:
-            if d.dim_param == "B":
-                d.dim_value = batch
+            if d.dim_param in ("B", "T"):
+                d.dim_value = batch if d.dim_param == "B" else seq_len
     g = shape_inference.infer_shapes(m).graph
     size: dict[str, int] = {}
     for value in [*g.value_info, *g.input, *g.output]:

@@ -102,7 +102,7 @@ class Cells:
         `make` (timed: the next builds' price), measured by `measure`, and released. The row goes to the
         report whatever happens."""
         nodes = sum(len(g.graph.node) for g, _ in graphs)
-        row.price = sum(graph_mib(g, b) for g, b in graphs)
+        row.price = sum(graph_mib(g, b, self.seq_len) for g, b in graphs)
         need, left, free = self.estimate(row, nodes), self.clock.left() - MARGIN_S, self.memory.free_mib()
         if need > left:
             row.note = f"skipped: time (needs ~{need:.1f} s, {max(left, 0.0):.1f} s left)"

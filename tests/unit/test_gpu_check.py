@@ -1,10 +1,12 @@
-"""bench/gpu_check.py, the first script on an NVIDIA box: without CUDA it names what is missing and exits 2;
-with `--device cpu` standing in for the GPU, its placement, numerics and log-round checks run and pass, and
-its throughput table runs at a tiny shape (torch eager in a subprocess that never loads onnxruntime)."""
+"""bench/gpu_check.py, the first run on an NVIDIA box: without CUDA it names what is missing and exits 2; with
+`--device cpu` standing in for the GPU, its checks run and pass and its throughput cells run at a tiny shape;
+its deadline stops it, its cells are priced in time and memory, and what it measured survives a kill."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,15 +14,17 @@ import time
 import numpy as np
 import pytest
 
-from bench import gpu_check, gpu_targets
+from bench import gpu_budget, gpu_cells, gpu_check, gpu_checks, gpu_targets
 from bench.common import ROOT
-from bench.gpu_check import Evaluator, Row
-from bench.spsa_throughput import SIZES, BoundPopulation, population_setup
-from soma_edge import devices, params, runtime, spsa
+from bench.gpu_report import Evaluator, Report, Row
+from bench.spsa_throughput import SIZES, BoundPopulation, body_tensors, population_setup
+from soma_edge import devices, params, resident, runtime
 from soma_edge.devices import CPU, CUDA
-from soma_edge.population_graph import Noise
+from soma_edge.graph import build
+from soma_edge.population_graph import Noise, build_population
 
 TINY = ["--sizes", "124K", "--batches", "2", "--ks", "1,2", "--seconds", "0.01", "--seq-len", "8"]
+CHECKS = ["placement", "numerics", "log round", "update bits", "capture"]
 
 
 @pytest.mark.skipif(bool(devices.gpus()), reason="needs a box without an NVIDIA GPU")
@@ -37,37 +41,60 @@ def test_cpu_dry_run_passes_every_check_and_writes_markdown_and_json(tmp_path, c
     argv = ["--device", "cpu", "--steps", "12", "--audit-steps", "4", "--no-throughput", "--seconds", "0.2"]
     assert gpu_check.main([*argv, "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "gpu_check.json").read_text())
-    names = ["placement", "numerics", "log round", "update bits"]
-    assert record["ok"] and [c["name"] for c in record["checks"]] == names
+    assert record["ok"] and record["status"] == "complete" and [c["name"] for c in record["checks"]] == CHECKS
     assert record["checks"][0]["figures"]["graphs"] == 24  # 2 kinds x (4 modes + 4 population + 4 update)
     log_round = record["checks"][2]
     assert log_round["figures"]["steps"] == 12 and len(log_round["figures"]["audited"]) == 4
     update = record["checks"][3]["figures"]  # the CPU EP's update graph gives the host's bits
-    assert len(update["same_bits"]) == 6 and all(update["same_bits"].values())
-    assert all(r > 0 for r in update["steps_per_s"].values())
-    capture = update["capture"]  # the fixed-address calls of CUDA graph capture, uncaptured on the CPU EP
-    assert capture["ran"] and capture["same_bits"] and capture["captured_active"]
+    assert len(update["same_bits"]) == 6 and update["on_device"] and all(r > 0 for r in update["steps_per_s"].values())
+    capture = record["checks"][4]["figures"]  # CUDA graph capture's fixed-address calls, uncaptured on the CPU EP
+    assert capture["active"] and capture["replays"] and capture["same_bits"] and capture["loss_rel"] == 0.0
+    assert record["memory"]["peak_rss_mib"] > 0 and record["memory"]["peak_device_mib"] is None
     md = (tmp_path / "gpu_check.md").read_text()
-    assert "| log round | pass |" in md and md in capsys.readouterr().out
+    assert "| log round | pass |" in md and "| capture | pass |" in md and md in capsys.readouterr().out
 
 
-def test_a_log_the_device_did_not_compute_is_refused(tmp_path, monkeypatch):
+def test_a_log_the_device_did_not_compute_is_refused(monkeypatch):
     """The log round's verdict is the coordinator's: a scalar off by far more than δ allows fails it."""
-    real = gpu_check.record_log
+    real = gpu_checks.record_log
 
     def lying(*a, **k):
         log = real(*a, **k)
         log.grads[:] *= 3.0
         return log
 
-    monkeypatch.setattr(gpu_check, "record_log", lying)
-    check = gpu_check.log_round_check("cpu", gpu_check.corpus_bytes(1 << 18), 6, 6)
-    assert not check.ok and check.detail.startswith("refused: ")
+    monkeypatch.setattr(gpu_checks, "record_log", lying)
+    check = gpu_checks.log_round_check("cpu", gpu_checks.corpus_bytes(1 << 18), 6, 6, time.perf_counter() + 60)
+    assert not check.ok and not check.skipped and check.detail.startswith("refused: ")
 
 
-def _no_torch(monkeypatch) -> None:
-    """Leave the torch subprocess out (2 s of importing torch) where a test is about the ORT rows' layout."""
-    monkeypatch.setattr(gpu_check, "_torch_rows", lambda t, device: t.notes.append("torch eager: left out here"))
+@pytest.mark.parametrize("fault", ["losses", "weights"])
+def test_the_capture_check_fails_on_losses_off_by_more_than_delta_or_a_log_that_does_not_replay(monkeypatch, fault):
+    """The captured arm judged as the issue asks: its losses within δ of the plain arm's, and its update log
+    replayed on the host to its own weights bit for bit; whether both arms' bits match is only reported."""
+    data = gpu_checks.corpus_bytes(1 << 18)
+    real_step, real_download = resident.Resident.step, resident.Resident.download
+
+    def step(self, batches, decoder_grad=False):
+        out = real_step(self, batches, decoder_grad)
+        if fault == "losses" and self.capture:
+            out.loss *= 1 + 1e-4  # 100 δ
+        return out
+
+    def download(self):
+        state = real_download(self)
+        if fault == "weights" and self.capture:
+            state.weights.view(np.uint32)[0] ^= 1  # one last bit: no longer what its log replays to
+        return state
+
+    monkeypatch.setattr(resident.Resident, "step", step)
+    monkeypatch.setattr(resident.Resident, "download", download)
+    check = gpu_checks.capture_check("cpu", data, 0.05, time.perf_counter() + 60)
+    assert not check.ok and not check.skipped
+    if fault == "losses":
+        assert check.figures["loss_rel"] > 1e-6 and check.figures["replays"]
+    else:
+        assert check.figures["loss_rel"] == 0.0 and not check.figures["replays"] and not check.figures["same_bits"]
 
 
 def _table(tmp_path, *extra: str) -> tuple[dict, str]:
@@ -75,92 +102,125 @@ def _table(tmp_path, *extra: str) -> tuple[dict, str]:
     return json.loads((tmp_path / "gpu_check.json").read_text()), (tmp_path / "gpu_check.md").read_text()
 
 
+def _no_torch(monkeypatch) -> None:
+    """Leave the torch subprocess out (2 s of importing torch) where a test is about the ORT rows' layout."""
+    monkeypatch.setattr(gpu_cells, "torch_rows", lambda c, sizes, batches: c.report.notes.append("torch: left out"))
+
+
 def test_cpu_dry_run_of_the_throughput_table(tmp_path):
     record, md = _table(tmp_path)
-    assert record["checks"] == []  # --only-throughput: checks 2-4 did not run
-    rows = {(r["evaluator"], r["K"]): r for r in record["throughput"]}
-    per_k = ("population", "population_resident", "rank1", "rank1_resident", "clean_forward")
-    ort_rows = [("loop", None), ("loop_resident", None)] + [(e, k) for k in (1, 2) for e in per_k]
-    torch_ok = ("torch_eager", None) in rows
+    assert record["checks"] == [] and record["status"] == "complete"
+    rows = {(r["evaluator"], r["K"], r["density"], r["B"]): r for r in record["throughput"]}
+    targets = [("loop_resident", None, None, 2)]
+    for k in (1, 2):
+        targets += [("population_resident", k, 0.5, 2), ("population_resident", k, 1.0, 2)]
+        targets += [("rank1_resident", k, 1.0, 2), ("clean_forward", k, None, 2)]
+    rest = [("loop", None, None, 2)] + [(e, k, 1.0, 2) for k in (1, 2) for e in ("population", "rank1")]
+    got = [(r["evaluator"], r["K"], r["density"], r["B"]) for r in record["throughput"]]
+    torch_ok = ("torch_eager", None, None, 2) in rows
     try:
         import torch  # noqa: F401  (the dev venv has it: then its row must be there)
 
         assert torch_ok
     except ImportError:
         assert any(n.startswith("torch eager reference: torch is not installed") for n in record["throughput_notes"])
-    assert set(rows) == set(ort_rows) | ({("torch_eager", None)} if torch_ok else set())
-    loop = rows[("loop_resident", None)]["evals_per_s"]
-    for key in ort_rows:
+    assert got == targets + rest + ([("torch_eager", None, None, 2)] if torch_ok else [])  # the targets first
+    loop = rows[("loop_resident", None, None, 2)]["evals_per_s"]
+    for key in targets + rest:
         r = rows[key]
-        assert r["name"] == "124K" and r["params"] == params.count(SIZES["124K"]) and r["B"] == 2
-        assert r["evals_per_s"] > 0 and r["note"] == "" and r["memory"] is None  # no device memory on the CPU
+        assert r["name"] == "124K" and r["params"] == params.count(SIZES["124K"])
+        assert r["evals_per_s"] > 0 and r["note"] == "" and r["price"] > 0 and r["memory"] >= 0
         assert r["vs_loop"] == pytest.approx(r["evals_per_s"] / loop, rel=1e-2)
-        if torch_ok:
-            assert r["vs_torch"] == pytest.approx(
-                r["evals_per_s"] / rows[("torch_eager", None)]["evals_per_s"], rel=1e-2
-            )
         if r["K"] is not None and r["evaluator"] != "clean_forward":  # time per call over the clean forward's
-            clean = rows[("clean_forward", r["K"])]["evals_per_s"]
+            clean = rows[("clean_forward", r["K"], None, 2)]["evals_per_s"]
             assert r["vs_clean"] == pytest.approx(clean / r["evals_per_s"], rel=1e-2)
         assert (r["host_share"] is not None) == (r["evaluator"] in ("population_resident", "rank1_resident"))
-        if r["host_share"] is not None:
-            assert 0 <= r["host_share"] < 1
     assert "population+cuda_graph: not measured (CUDA only; device cpu)" in record["throughput_notes"]
-    assert "| 124K | 124,160 | 2 | 2 | rank1 |" in md and "## Throughput" in md
+    assert "| 124K | 124,160 | 2 | 2 | rank1_resident | 1 |" in md and "## Throughput" in md
     # the GPU targets' verdicts, computed on the CPU EP and labelled so; K = 8 and 64 were not in --ks
-    targets = record["targets"]
-    assert [t["verdict"] for t in targets[:2]] == ["not measured"] * 2 and all(t["cpu"] for t in targets)
-    assert {t["verdict"] for t in targets[2:]} <= {"PASS", "FAIL"}
-    assert set(targets[2]["figures"]) == {"124K K=1", "124K K=2"} and len(targets[3]["figures"]) == 4
-    assert "## GPU targets" in md and md.count("(not measured; not the GPU target)") == 2
+    verdicts = record["targets"]
+    assert [v["verdict"] for v in verdicts[:4]] == ["not measured"] * 4 and all(v["cpu"] for v in verdicts)
+    assert {v["verdict"] for v in verdicts[4:]} <= {"PASS", "FAIL"}
+    assert set(verdicts[5]["figures"]) == {"124K K=1 population_resident", "124K K=2 population_resident"}
+    assert len(verdicts[6]["figures"]) == 4  # density 1: full-rank and rank-1, each K
+    assert "## GPU targets" in md and md.count("(not measured; not the GPU target)") == 4
 
 
-def test_a_tiny_budget_skips_every_cell_that_would_overrun_it(tmp_path):
-    """Each cell's estimate is at least --seconds: with 1 s a cell and a 0.5 s budget none starts (cells
-    that started before the deadline used to run past it), and the table says why."""
-    record, md = _table(tmp_path, "--budget", "0.5", "--seconds", "1")
-    assert record["throughput"] and all(
-        r["evals_per_s"] is None and r["note"].startswith("skipped: time") for r in record["throughput"]
-    )
-    assert any(n.startswith("skipped: time: the cell would end after --budget") for n in record["throughput_notes"])
-    assert all(t["verdict"] == "not measured" for t in record["targets"])
-
-
-def test_a_cell_is_skipped_when_the_rate_measured_before_it_says_it_would_overrun():
-    n = params.count(SIZES["124K"])
-    t = gpu_check.Table(["124K"], [2], [8], 8, 1.0, deadline=time.perf_counter() + 2.0)
+def test_a_cell_priced_past_the_deadline_is_skipped_for_time_and_one_over_free_memory_for_memory(monkeypatch):
+    report = Report(ROOT / "runs" / "unused", "cpu", "ort", 10.0)
+    monkeypatch.setattr(report, "save", lambda: None)
+    memory = gpu_budget.Memory()
+    c = gpu_cells.Cells("cpu", report, gpu_budget.Clock(10.0), memory, 8, 1.0, 2, gpu_budget.Builds())
+    n, loss = params.count(SIZES["124K"]), build(SIZES["124K"], "loss")
     first = Row("124K", n, 2, None, Evaluator.LOOP)
-    assert gpu_check.estimate(t, first) == 1.0  # nothing measured yet: --seconds alone
-    gpu_check._cell(t, first, "cpu", None, lambda: 10.0)  # 10 calls/s of B = 2: 0.05 s a member-row
-    assert gpu_check.estimate(t, Row("124K", n, 2, None, Evaluator.LOOP_RESIDENT)) == pytest.approx(1.2)
-    slow = Row("124K", n, 2, 8, Evaluator.POPULATION)  # 17 members x 2 rows x 0.05 s a call
-    assert gpu_check.estimate(t, slow) == pytest.approx(1.0 + 2 * 1.7)
+    nodes = len(loss.graph.node)
+    assert c.estimate(first, nodes) == pytest.approx(1.0 + nodes * gpu_budget.FIRST_BUILD_S_PER_NODE)
+    c.run(first, [(loss, 2)], lambda: "session", lambda s: 10.0)  # 10 calls/s of B = 2: 0.05 s a member-row
+    assert first.evals_per_s == 10.0 and c.builds.measured
+    slow = Row("124K", n, 2, 8, Evaluator.POPULATION)  # 17 members x 2 rows x 0.05 s, warm-up and last call
 
-    def never() -> float:
-        raise AssertionError("a cell past the deadline by its estimate must not start")
+    def never(_) -> float:
+        raise AssertionError("a cell past the deadline by its price must not start")
 
-    gpu_check._cell(t, slow, "cpu", None, never)
+    assert c.estimate(slow, 0) == pytest.approx(1.0 + 2 * 1.7)
+    c.clock.end = time.perf_counter() + gpu_cells.MARGIN_S + 4.0  # 4 s left: the 4.4 s it needs do not fit
+    c.run(slow, [], lambda: None, never)
     assert slow.evals_per_s is None and slow.note.startswith("skipped: time (needs ~4.4 s, ")
-    resident = Row("124K", n, 2, 8, Evaluator.RESIDENT)  # priced at its basis, the population, measured now
-    t.rows.append(Row("124K", n, 2, 8, Evaluator.POPULATION, evals_per_s=340.0))
-    assert gpu_check.estimate(t, resident) == pytest.approx(1.0 + 2 * 17 / 340.0)
+    c.clock.end = time.perf_counter() + 100
+    monkeypatch.setattr(memory, "free_mib", lambda: 100)  # MiB: far less than the graph's price
+    big = Row("124K", n, 64, None, Evaluator.LOOP)
+    c.run(big, [(loss, 4096)], lambda: None, never)
+    assert big.note.startswith(f"skipped: memory (priced {big.price:,} MiB, 100 MiB free)") and big.price > 100
+    assert [r.note[:15] for r in report.rows] == ["", "skipped: time (", "skipped: memory"]
 
 
-def test_full_rank_over_the_host_noise_cap_is_one_line_saying_why_and_what_lifts_it(tmp_path, monkeypatch):
-    _no_torch(monkeypatch)
-    monkeypatch.setattr(gpu_check, "HOST_NOISE", 0)  # every full-rank cell's noise is over the cap
-    record, md = _table(tmp_path, "--ks", "1", "--batches", "2,3")
-    full = [r for r in record["throughput"] if r["evaluator"].startswith("population")]
-    assert len(full) == 1 and full[0]["B"] is None and full[0]["K"] == 1 and full[0]["evals_per_s"] is None
-    note = full[0]["note"]
+def test_a_graphs_memory_price_follows_its_tensors():
+    """Priced from the tensor shapes: a population graph's price grows with B and K, and at the size and
+    batch that ran a 24 GB box out of memory (L, B = 64, K = 64) it is far over that box's memory."""
+    m = SIZES["124K"]
+    small, wide = (build_population(m, k, body_tensors(m), Noise.BITS, True, 16) for k in (2, 8))
     assert (
-        note.startswith("skipped: host noise: full-rank at K = 1 draws K directions' keyed bits")
-        and "Lifted by" in note
+        gpu_budget.graph_mib(small, 16, 16) < gpu_budget.graph_mib(small, 64, 16) < gpu_budget.graph_mib(wide, 64, 16)
     )
-    assert "population_resident" in note and "every B" in note
-    assert [r["B"] for r in record["throughput"] if r["evaluator"] == "rank1"] == [2, 3]
-    assert all(r["evals_per_s"] > 0 for r in record["throughput"] if r["evaluator"].startswith("rank1"))
-    assert "| 124K | 124,160 | - | 1 | population |" in md
+    big = SIZES["L"]
+    graph = build_population(big, 64, body_tensors(big), Noise.BITS, True, 128)
+    assert gpu_budget.graph_mib(graph, 64, 128) > 40_000
+
+
+def test_the_deadline_stops_the_run_and_says_so(tmp_path):
+    """A deadline shorter than the checks: the watchdog ends the process on time, the check it stopped and
+    the ones after it are "skipped: time", and the exit status says a correctness check did not settle."""
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--deadline", "6", "--out", str(tmp_path)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    took = time.perf_counter() - t0
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert r.returncode == 3 and took < 6 + 15, (r.returncode, took, r.stderr[-2000:])  # 15 s: imports, slack
+    assert record["status"].startswith("stopped at the deadline (6 s)") or record["status"] == "complete"
+    assert [c["name"] for c in record["checks"]] == CHECKS
+    assert any(c["skipped"] == "time" for c in record["checks"]) and not record["ok"]
+    assert "error: " in r.stderr
+
+
+def test_what_was_measured_survives_a_kill(tmp_path):
+    """The report is rewritten after every check: a run killed mid-way leaves the checks it had settled."""
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--out", str(tmp_path), "--steps", "2"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, record = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and len(record.get("checks", [])) < 2:
+            time.sleep(0.1)
+            try:
+                record = json.loads((tmp_path / "gpu_check.json").read_text())
+            except (OSError, ValueError):  # not written yet (each write is whole: never half a file)
+                continue
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert record["status"] == "running" and [c["name"] for c in record["checks"]][:2] == CHECKS[:2]
+    assert all(c["ok"] for c in record["checks"])
+    assert "| placement | pass |" in (tmp_path / "gpu_check.md").read_text()
 
 
 @pytest.mark.parametrize("noise", [Noise.BITS, Noise.RANK1])
@@ -194,33 +254,23 @@ def test_torch_eager_runs_apart_from_onnxruntime_or_says_why_not():
 
 
 def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
-    """The CUDA-only paths, which first run on the one-shot GPU run, exercised on the CPU: a device taken for
-    CUDA gets a population+cuda_graph row per B after each full-rank session (the bound session, here without
-    graph capture), skipped as full-rank is where it is over the noise cap, and device memory on every ORT
-    row."""
+    """The CUDA-only cells, which first run on the one-shot GPU run, exercised on the CPU: taken for CUDA,
+    the table gets a population+cuda_graph row per K and B (the bound session, here without capture), the
+    resident cells are priced for capture's second pair of sessions, and the verdicts are the GPU's."""
     _no_torch(monkeypatch)
-    used = iter(range(1000, 100000, 7))
-    monkeypatch.setattr(gpu_check, "ort_device", lambda device: ("cuda", 0))
-    monkeypatch.setattr(gpu_check, "gpu_memory_mib", lambda device: next(used))
-    monkeypatch.setattr(gpu_check, "BoundPopulation", lambda *a, cuda_graph: BoundPopulation(*a, cuda_graph=False))
-    body = params.layout(SIZES["124K"]).body
-    monkeypatch.setattr(gpu_check, "HOST_NOISE", 2 * spsa.bits_bytes(body) - 1)  # keyed bits: K = 1 under, K = 2 over
-    record, md = _table(tmp_path, "--batches", "2,3")
-    got = [(r["evaluator"], r["K"], r["B"]) for r in record["throughput"] if r["evaluator"] != "torch_eager"]
-    loops = [(e, None, b) for b in (2, 3) for e in ("loop", "loop_resident")]
-    k1 = [("population", 1, 2), ("population", 1, 3), ("population_resident", 1, 2)]
-    k1 += [("population+cuda_graph", 1, 2), ("population+cuda_graph", 1, 3)]
-    k1 += [("rank1", 1, 2), ("rank1", 1, 3), ("rank1_resident", 1, 2), ("clean_forward", 1, 2)]
-    k2 = [("population", 2, None), ("rank1", 2, 2), ("rank1", 2, 3), ("rank1_resident", 2, 2), ("clean_forward", 2, 2)]
-    assert got == loops + k1 + k2
-    for r in record["throughput"]:
-        if r["evaluator"] == "population" and r["K"] == 2:  # one line for every full-rank row at K = 2
-            assert r["note"].startswith("skipped: host noise") and r["evals_per_s"] is None
-        elif r["evaluator"] != "torch_eager":
-            assert r["evals_per_s"] > 0 and r["memory"] > 0 and r["vs_loop"] > 0, r
-    assert not any(t["cpu"] for t in record["targets"])  # taken for CUDA: the GPU targets, unlabelled
+    monkeypatch.setattr(gpu_cells.Cells, "cuda", property(lambda self: True))
+    monkeypatch.setattr(gpu_cells, "BoundPopulation", lambda *a, cuda_graph: BoundPopulation(*a, cuda_graph=False))
+    record, md = _table(tmp_path)
+    graph_rows = [(r["K"], r["B"]) for r in record["throughput"] if r["evaluator"] == "population+cuda_graph"]
+    assert graph_rows == [(1, 2), (2, 2)]
+    assert all(r["evals_per_s"] > 0 for r in record["throughput"])
+    priced = {(r["evaluator"], r["K"], r["density"]): r["price"] for r in record["throughput"]}
+    one = gpu_budget.graph_mib(
+        build_population(SIZES["124K"], 1, body_tensors(SIZES["124K"]), Noise.BITS, True, 8), 2, 8
+    )
+    assert priced[("population_resident", 1, 1.0)] > 2 * one  # two population sessions and two update sessions
+    assert not any(v["cpu"] for v in record["targets"])
     assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
-    assert "| population+cuda_graph |" in md
 
 
 def test_a_node_off_the_device_fails_the_placement_check_and_the_run(tmp_path, monkeypatch):
@@ -240,8 +290,8 @@ def test_a_node_off_the_device_fails_the_placement_check_and_the_run(tmp_path, m
         return {CUDA: runtime.Placed(50, [])}
 
     monkeypatch.setattr(runtime, "placement", placement)
-    for name in ("numerics_check", "log_round_check", "update_check"):  # not what this test is about
-        monkeypatch.setattr(gpu_check, name, lambda *a, name=name: gpu_check.Check(name, True, "not run here"))
+    for name in ("numerics_check", "log_round_check", "update_check", "capture_check"):  # not this test's
+        monkeypatch.setattr(gpu_check, name, lambda *a, name=name: gpu_checks.Check(name, True, "not run here"))
     assert gpu_check.main(["--device", "cpu", "--no-throughput", "--out", str(tmp_path)]) == 1
     check = json.loads((tmp_path / "gpu_check.json").read_text())["checks"][0]
     off = "lstm/update rank1: 1 node(s) on CPUExecutionProvider (Mul)"
@@ -253,38 +303,43 @@ def test_a_node_off_the_device_fails_the_placement_check_and_the_run(tmp_path, m
 def _rows() -> list[Row]:
     n = {name: params.count(m) for name, m in SIZES.items()}
     return [
-        Row("124K", n["124K"], 16, 8, Evaluator.POPULATION, 600.0, vs_loop=4.0),
-        Row("124K", n["124K"], 16, 8, Evaluator.RESIDENT, 900.0, vs_loop=6.0, host_share=0.05),
-        Row("124K", n["124K"], 64, 8, Evaluator.POPULATION, 900.0, vs_loop=9.0),  # another B: not the target's
-        Row("S", n["S"], 16, 8, Evaluator.POPULATION, 99.0, vs_loop=5.5),
-        Row("L", n["L"], None, 8, Evaluator.POPULATION, note="skipped: host noise: over the cap"),
-        Row("124K", n["124K"], 16, 64, Evaluator.CUDA_GRAPH, 9000.0, vs_loop=16.0),
-        Row("S", n["S"], 16, 64, Evaluator.POPULATION, 990.0, vs_loop=14.9),
-        Row("124K", n["124K"], 16, 8, Evaluator.RANK1_RESIDENT, 800.0, vs_clean=1.4, host_share=0.08),
-        Row("S", n["S"], 16, 8, Evaluator.RANK1_RESIDENT, 80.0, vs_clean=1.6, host_share=0.25),
+        Row("124K", n["124K"], 16, 8, Evaluator.POPULATION, 1.0, 600.0, vs_loop=4.0),
+        Row("124K", n["124K"], 16, 8, Evaluator.RESIDENT, 1.0, 900.0, vs_loop=6.0, host_share=0.05),
+        Row("124K", n["124K"], 16, 8, Evaluator.RESIDENT, 0.5, 450.0, vs_loop=3.0, host_share=0.15),
+        Row("124K", n["124K"], 64, 8, Evaluator.POPULATION, 1.0, 900.0, vs_loop=9.0),  # another B: not the target's
+        Row("S", n["S"], 16, 8, Evaluator.POPULATION, 1.0, 99.0, vs_loop=5.5),
+        Row("L", n["L"], 16, 8, Evaluator.RESIDENT, 1.0, note="skipped: time (needs ~40 s, 3 s left)"),
+        Row("124K", n["124K"], 16, 64, Evaluator.CUDA_GRAPH, 1.0, 9000.0, vs_loop=16.0),
+        Row("S", n["S"], 16, 64, Evaluator.POPULATION, 1.0, 990.0, vs_loop=14.9),
+        Row("124K", n["124K"], 16, 8, Evaluator.RANK1_RESIDENT, 1.0, 800.0, vs_clean=1.4, host_share=0.08),
+        Row("S", n["S"], 16, 8, Evaluator.RANK1_RESIDENT, 1.0, 80.0, vs_clean=1.6, host_share=0.25),
     ]
 
 
-def test_the_gpu_targets_verdicts_are_pass_fail_or_not_measured():
+def test_the_gpu_targets_verdicts_are_pass_fail_or_not_measured_at_each_density():
     """Per target: PASS when every figure measured meets it, FAIL when one misses, not measured when none
-    was; the speed target takes each size's best full-rank row at the targets' B and names it."""
-    speed8, speed64, rank1, host = gpu_targets.verdicts(_rows(), ["124K", "S", "L"], [8, 64], 16, cpu=False)
+    was; speed and host wait at density 0.5 (as shipped) and 1.0 apart."""
+    got = gpu_targets.verdicts(_rows(), ["124K", "S", "L"], [8, 64], 16, cpu=False)
+    speed8_sparse, speed64_sparse, speed8, speed64, rank1, host_sparse, host = got
+    assert speed8_sparse.verdict == "FAIL" and speed8_sparse.figures == {
+        "124K": {"vs_loop": 3.0, "row": "population_resident"}
+    }
+    assert speed64_sparse.verdict == "not measured"
     assert speed8.verdict == "PASS" and speed8.figures == {
         "124K": {"vs_loop": 6.0, "row": "population_resident"},
         "S": {"vs_loop": 5.5, "row": "population"},
     }
-    assert "L not measured (skipped: host noise)" in speed8.detail
+    assert "L not measured (skipped: time)" in speed8.detail
     assert speed64.verdict == "FAIL" and "S 14.90x (population)" in speed64.detail
     assert rank1.verdict == "FAIL" and rank1.figures["S K=8"] == {"vs_clean": 1.6, "runs_vs_clean": 1.2}
     assert "124K K=64 not measured" in rank1.detail
+    assert host_sparse.verdict == "FAIL" and host_sparse.figures == {"124K K=8 population_resident": 0.15}
     assert host.verdict == "FAIL" and host.figures["S K=8 rank1_resident"] == 0.25
-    assert host.line().startswith("the device waits on the host <= 10% of a resident step, B = 16: **FAIL**")
-    only_fast = [r for r in _rows() if r.name == "124K"]
-    _, _, rank1, host = gpu_targets.verdicts(only_fast, ["124K"], [8], 16, cpu=True)
-    assert (rank1.verdict, host.verdict) == ("PASS", "PASS")
-    assert "**CPU EP (PASS; not the GPU target)**" in host.line()
+    assert "L K=8 population_resident not measured (skipped: time" in host.detail
+    assert host.line().startswith("the device waits on the host <= 10% of a resident step, B = 16, density 1: **FAIL**")
     none = gpu_targets.verdicts([], ["124K"], [1], 16, cpu=True)
-    assert [v.verdict for v in none] == ["not measured"] * 4
+    assert [v.verdict for v in none] == ["not measured"] * 7
+    assert "**CPU EP (not measured; not the GPU target)**" in none[0].line()
 
 
 def test_timed_runs_times_each_run_call_and_leaves_the_session_as_it_was():
