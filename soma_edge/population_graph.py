@@ -204,6 +204,12 @@ def entries(g: _Graph, x: str, axis: int, n: int) -> list[str]:
     return _reads(g, x, axis, range(n + 1), lambda part, i, _: g.op("Gather", part, g.i64(i), axis=axis))
 
 
+def pieces(g: _Graph, x: str, axis: int, sizes: Sequence[int]) -> list[str]:
+    """x cut along `axis` into consecutive Slices of `sizes`, read as a tree (`_reads`)."""
+    cuts = np.cumsum([0, *sizes]).tolist()
+    return _reads(g, x, axis, cuts, lambda part, a, b: g.op("Slice", part, g.i64([a]), g.i64([b]), g.i64([axis])))
+
+
 @dataclass(frozen=True)
 class _Weight:
     """One weight tensor as the members see it. `base` is the shared tensor in its core shape; `members`,
@@ -237,23 +243,20 @@ def expand_bits(g: _Graph, bits: str, keep: str | None, n: int, lead: Sequence[i
     return z if keep is None else g.op("Mul", z, _expand(g, keep, keep_table(), n, lead))
 
 
-def bits_slice(g: _Graph, signs: str, offset: int, shape: Sequence[int], lead: Sequence[int]) -> str:
-    """One tensor's z from expanded signs [*lead, n]: its layout range along the last axis, shaped
-    [*lead, *shape]."""
-    size = int(np.prod(shape))
-    part = g.op("Slice", signs, g.i64([offset]), g.i64([offset + size]), g.i64([-1]))
-    return g.op("Reshape", part, g.i64([*lead, *shape]))
+def bits_slices(g: _Graph, m: ModelConfig, signs: str, perturbed: Sequence[str], lead: Sequence[int]) -> dict[str, str]:
+    """Each perturbed tensor's z [*lead, *shape] from expanded signs [*lead, n]: its layout range along the
+    last axis (the perturbed tensors lead the layout, so the ranges follow one another from 0)."""
+    lay = layout(m)
+    shapes = {n: s for n, s in zip(lay.names, lay.shapes) if n in perturbed}  # layout order
+    parts = pieces(g, signs, -1, [int(np.prod(s)) for s in shapes.values()])
+    return {n: g.op("Reshape", part, g.i64([*lead, *s])) for (n, s), part in zip(shapes.items(), parts)}
 
 
 def _bits_z(g: _Graph, m: ModelConfig, perturbed: Sequence[str], noise: Noise) -> dict[str, str]:
     """Each perturbed tensor's z float32 [K, *shape], expanded on the device from the `bits` input."""
-    lay = layout(m)
     keep = "keep" if noise is Noise.SPARSE_BITS else None
     signs = expand_bits(g, "bits", keep, perturbed_size(m, perturbed), [g.k])
-    return {
-        n: bits_slice(g, signs, lay.offsets[lay.names.index(n)], lay.shapes[lay.names.index(n)], [g.k])
-        for n in perturbed
-    }
+    return bits_slices(g, m, signs, perturbed, [g.k])
 
 
 def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None, z: str | None = None) -> _Weight:

@@ -43,7 +43,7 @@ from soma_edge.population_graph import (
     Noise,
     NoiseInput,
     _Graph,
-    bits_slice,
+    bits_slices,
     core_shape,
     expand_bits,
     is_matrix,
@@ -168,13 +168,12 @@ def _sums(g: _Graph, model: ModelConfig, perturbed: Sequence[str], noise: Noise,
     acc = {n: g.once("ConstantOfShape", g.i64(list(shapes[n])), value=zero) for n in names}
     for j in range(k):
         gj = g.op("Gather", "g", g.i64(j), axis=0)
-        signs = _bits_direction(g, model, names, noise, j) if noise.keyed else ""
+        if noise.keyed:
+            zs = bits_slices(g, model, _bits_direction(g, model, names, noise, j), names, [])
+        else:
+            zs = {n: _direction(g, n, shapes[n], noise, j) for n in names}
         for n in names:
-            if noise.keyed:
-                z = bits_slice(g, signs, lay.offsets[lay.names.index(n)], shapes[n], [])
-            else:
-                z = _direction(g, n, shapes[n], noise, j)
-            acc[n] = g.op("Add", acc[n], g.op("Mul", gj, z))
+            acc[n] = g.op("Add", acc[n], g.op("Mul", gj, zs[n]))
     return acc
 
 
