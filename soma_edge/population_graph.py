@@ -10,6 +10,8 @@ the CUDA EP, refused by CUDA graph capture), and no ONNX `LSTM` op, whose weight
 whole batch while members each have their own. It computes what graph.py's ONNX `LSTM` computes: gates
 x W^T + h R^T + Wb + Rb in the order i, o, f, c, c' = f c + i tanh(c~), h = o tanh(c'), zero initial states;
 the soma kind's LayerNormalization, exact-erf GELU MLP, residuals, final LN and tied head h E^T as graph.py.
+Its T step reads and the join of its T outputs go as trees of at most MAX_FANIN (`entries`, `join`): a wider
+Concat or Split on the CUDA EP cannot be captured in a CUDA graph either.
 
 Each perturbed tensor's noise crosses in one of four forms (`Noise`), K members' worth per input:
 - BITS: one input `bits` uint8 [K, spsa.bits_bytes(n)] for all n perturbed weights (which lead the layout,
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -114,6 +116,15 @@ def noise_inputs(m: ModelConfig, k: int, perturbed: Sequence[str], noise: Noise 
     return out
 
 
+# ORT's CUDA Concat passes its table of input pointers to the kernel by value for up to 32 inputs; above
+# that it stages the table in pinned host memory and copies it asynchronously, which a CUDA graph does not
+# capture (soma_edge.capture captures the training steps), and a Split of more than 32 outputs stages its
+# table the same way. So no graph here joins more than MAX_FANIN tensors in one Concat, nor reads one tensor
+# in more than MAX_FANIN pieces: ORT's optimizer fuses Gathers or Slices that together read a whole tensor
+# into one Split of as many outputs (GatherSliceToSplitFusion). Longer lists go as trees (`join`, `_reads`).
+MAX_FANIN = 32
+
+
 class _Graph:
     """Nodes and constants under construction: `op` names each output; constants and repeated ops on
     weights (a transpose inside the unrolled loop) are made once."""
@@ -154,6 +165,51 @@ class _Graph:
         return self.const(np.asarray(value, dtype=np.float32))
 
 
+def _runs(n: int) -> list[range]:
+    """0 .. n-1 as at most MAX_FANIN consecutive runs, each of the same power of MAX_FANIN items (the last may
+    be shorter), the least power that allows it: single items up to MAX_FANIN, runs of 32 up to 32 * 32."""
+    size = 1
+    while size * MAX_FANIN < n:
+        size *= MAX_FANIN
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def join(g: _Graph, parts: Sequence[str], axis: int) -> str:
+    """Concat of `parts` along `axis` as a tree of Concats of at most MAX_FANIN inputs: the same bytes as one
+    Concat, since each Concat only copies."""
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) <= MAX_FANIN:
+        return g.op("Concat", *parts, axis=axis)
+    return join(g, [join(g, parts[r.start : r.stop], axis) for r in _runs(len(parts))], axis)
+
+
+def _reads(g: _Graph, x: str, axis: int, cuts: Sequence[int], read: Callable[[str, int, int], str]) -> list[str]:
+    """`read(part, start, stop)` of each range [cuts[i], cuts[i + 1]) of x along `axis`, positions relative to
+    `part`'s start: more than MAX_FANIN ranges are read from Slices of x holding at most MAX_FANIN runs of
+    them (`_runs`), each read the same way, so no tensor is read more than MAX_FANIN times."""
+    n = len(cuts) - 1
+    if n <= MAX_FANIN:
+        return [read(x, cuts[i], cuts[i + 1]) for i in range(n)]
+    out = []
+    for r in _runs(n):
+        start, stop = cuts[r.start], cuts[r.stop]
+        block = g.op("Slice", x, g.i64([start]), g.i64([stop]), g.i64([axis]))
+        out += _reads(g, block, axis, [c - start for c in cuts[r.start : r.stop + 1]], read)
+    return out
+
+
+def entries(g: _Graph, x: str, axis: int, n: int) -> list[str]:
+    """x's n entries along `axis`, each a Gather of its index (the axis dropped), read as a tree (`_reads`)."""
+    return _reads(g, x, axis, range(n + 1), lambda part, i, _: g.op("Gather", part, g.i64(i), axis=axis))
+
+
+def pieces(g: _Graph, x: str, axis: int, sizes: Sequence[int]) -> list[str]:
+    """x cut along `axis` into consecutive Slices of `sizes`, read as a tree (`_reads`)."""
+    cuts = np.cumsum([0, *sizes]).tolist()
+    return _reads(g, x, axis, cuts, lambda part, a, b: g.op("Slice", part, g.i64([a]), g.i64([b]), g.i64([axis])))
+
+
 @dataclass(frozen=True)
 class _Weight:
     """One weight tensor as the members see it. `base` is the shared tensor in its core shape; `members`,
@@ -187,23 +243,20 @@ def expand_bits(g: _Graph, bits: str, keep: str | None, n: int, lead: Sequence[i
     return z if keep is None else g.op("Mul", z, _expand(g, keep, keep_table(), n, lead))
 
 
-def bits_slice(g: _Graph, signs: str, offset: int, shape: Sequence[int], lead: Sequence[int]) -> str:
-    """One tensor's z from expanded signs [*lead, n]: its layout range along the last axis, shaped
-    [*lead, *shape]."""
-    size = int(np.prod(shape))
-    part = g.op("Slice", signs, g.i64([offset]), g.i64([offset + size]), g.i64([-1]))
-    return g.op("Reshape", part, g.i64([*lead, *shape]))
+def bits_slices(g: _Graph, m: ModelConfig, signs: str, perturbed: Sequence[str], lead: Sequence[int]) -> dict[str, str]:
+    """Each perturbed tensor's z [*lead, *shape] from expanded signs [*lead, n]: its layout range along the
+    last axis (the perturbed tensors lead the layout, so the ranges follow one another from 0)."""
+    lay = layout(m)
+    shapes = {n: s for n, s in zip(lay.names, lay.shapes) if n in perturbed}  # layout order
+    parts = pieces(g, signs, -1, [int(np.prod(s)) for s in shapes.values()])
+    return {n: g.op("Reshape", part, g.i64([*lead, *s])) for (n, s), part in zip(shapes.items(), parts)}
 
 
 def _bits_z(g: _Graph, m: ModelConfig, perturbed: Sequence[str], noise: Noise) -> dict[str, str]:
     """Each perturbed tensor's z float32 [K, *shape], expanded on the device from the `bits` input."""
-    lay = layout(m)
     keep = "keep" if noise is Noise.SPARSE_BITS else None
     signs = expand_bits(g, "bits", keep, perturbed_size(m, perturbed), [g.k])
-    return {
-        n: bits_slice(g, signs, lay.offsets[lay.names.index(n)], lay.shapes[lay.names.index(n)], [g.k])
-        for n in perturbed
-    }
+    return bits_slices(g, m, signs, perturbed, [g.k])
 
 
 def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None, z: str | None = None) -> _Weight:
@@ -278,8 +331,7 @@ def _lstm(g: _Graph, x: str, W: _Weight, R: _Weight, B: _Weight | None, hidden: 
     steps = g.op("Reshape", proj, g.i64([0, seq_len, -1, 4 * H]))  # [P, T, B, 4H]
     h = c = None
     hs = []
-    for t in range(seq_len):
-        gates = g.op("Gather", steps, g.i64(t), axis=1)  # [P, B, 4H]
+    for gates in entries(g, steps, 1, seq_len):  # step t's [P, B, 4H]
         if h is not None:  # the zero initial state adds nothing at t = 0
             gates = g.op("Add", gates, _linear(g, h, R, transposed=True))
         i, o, f, cand = (g.op("Slice", gates, g.i64([j * H]), g.i64([(j + 1) * H]), g.i64([-1])) for j in range(4))
@@ -288,7 +340,7 @@ def _lstm(g: _Graph, x: str, W: _Weight, R: _Weight, B: _Weight | None, hidden: 
         c = ic if c is None else g.op("Add", g.op("Mul", f, c), ic)
         h = g.op("Mul", o, g.op("Tanh", c))
         hs.append(h)
-    return g.op("Concat", *hs, axis=1) if len(hs) > 1 else hs[0]
+    return join(g, hs, axis=1)
 
 
 def _lstm_body(g: _Graph, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:

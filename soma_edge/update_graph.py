@@ -43,8 +43,9 @@ from soma_edge.population_graph import (
     Noise,
     NoiseInput,
     _Graph,
-    bits_slice,
+    bits_slices,
     core_shape,
+    entries,
     expand_bits,
     is_matrix,
     noise_inputs,
@@ -125,16 +126,16 @@ def update_outputs(inputs: Sequence[NoiseInput]) -> list[str]:
     return [f"new.{i.name}" for i in inputs if i.name.split(".", 1)[0] in ("w", "m", "v", "mom")]
 
 
-def _direction(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise, j: int) -> str:
+def _direction(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise, entry: dict[str, list[str]], j: int) -> str:
     """Direction j's float32 z over tensor `name` [*shape], exactly: int8 signs cast (±1, 0), Gaussian as fed,
-    or a rank-1 matrix's a_j b_j^T (a product of two ±1, so exact) in the tensor's C order."""
-    jj = g.i64(j)
+    or a rank-1 matrix's a_j b_j^T (a product of two ±1, so exact) in the tensor's C order. `entry`: each noise
+    input's k entries (`entries`)."""
     if noise is Noise.RANK1 and is_matrix(shape):
-        a = g.op("Cast", g.op("Gather", f"a.{name}", jj, axis=0), to=TensorProto.FLOAT)
-        b = g.op("Cast", g.op("Gather", f"b.{name}", jj, axis=0), to=TensorProto.FLOAT)
+        a = g.op("Cast", entry[f"a.{name}"][j], to=TensorProto.FLOAT)
+        b = g.op("Cast", entry[f"b.{name}"][j], to=TensorProto.FLOAT)
         outer = g.op("Mul", g.op("Unsqueeze", a, g.i64([1])), g.op("Unsqueeze", b, g.i64([0])))
         return outer if core_shape(shape) == shape else g.op("Reshape", outer, g.i64(list(shape)))
-    z = g.op("Gather", f"z.{name}", jj, axis=0)
+    z = entry[f"z.{name}"][j]
     return z if noise is Noise.GAUSSIAN else g.op("Cast", z, to=TensorProto.FLOAT)
 
 
@@ -160,29 +161,24 @@ def _adam(g: _Graph, cfg: SPSAConfig, name: str, grad: str) -> str:
 def _sums(g: _Graph, model: ModelConfig, perturbed: Sequence[str], noise: Noise, k: int) -> dict[str, str]:
     """Each perturbed tensor's acc = 0 + g_0 z_0 + g_1 z_1 + ... in index order (spsa._accumulate; 0 + x is
     numpy's first sum too: -0 -> +0). Directions outermost, so that BITS expands direction j once for all
-    tensors and the device holds one expanded direction at a time."""
+    tensors and the device holds one expanded direction at a time. The input g and the noise inputs are read
+    an entry per direction, as trees (`entries`: no tensor read in more than MAX_FANIN pieces)."""
     lay = layout(model)
     names = [n for n in lay.names if n in perturbed]  # layout order, whatever the order of `perturbed`
     shapes = {n: tuple(lay.shapes[lay.names.index(n)]) for n in names}
     zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
     acc = {n: g.once("ConstantOfShape", g.i64(list(shapes[n])), value=zero) for n in names}
-    for j in range(k):
-        gj = g.op("Gather", "g", g.i64(j), axis=0)
-        signs = _bits_direction(g, model, names, noise, j) if noise.keyed else ""
+    entry = {i.name: entries(g, i.name, 0, k) for i in noise_inputs(model, k, names, noise)}
+    for j, gj in enumerate(entries(g, "g", 0, k)):
+        if noise.keyed:
+            keep = entry["keep"][j] if noise is Noise.SPARSE_BITS else None
+            signs = expand_bits(g, entry["bits"][j], keep, perturbed_size(model, names), [])
+            zs = bits_slices(g, model, signs, names, [])
+        else:
+            zs = {n: _direction(g, n, shapes[n], noise, entry, j) for n in names}
         for n in names:
-            if noise.keyed:
-                z = bits_slice(g, signs, lay.offsets[lay.names.index(n)], shapes[n], [])
-            else:
-                z = _direction(g, n, shapes[n], noise, j)
-            acc[n] = g.op("Add", acc[n], g.op("Mul", gj, z))
+            acc[n] = g.op("Add", acc[n], g.op("Mul", gj, zs[n]))
     return acc
-
-
-def _bits_direction(g: _Graph, model: ModelConfig, names: Sequence[str], noise: Noise, j: int) -> str:
-    """Direction j's z over all perturbed weights, float32 [n], expanded from its keyed bits (and mask)."""
-    pick = g.i64(j)
-    keep = g.op("Gather", "keep", pick, axis=0) if noise is Noise.SPARSE_BITS else None
-    return expand_bits(g, g.op("Gather", "bits", pick, axis=0), keep, perturbed_size(model, names), [])
 
 
 def _body_update(g: _Graph, cfg: SPSAConfig, name: str, acc: str, k: int) -> None:
