@@ -8,9 +8,10 @@
   the device's peak used memory, sampled by a thread through NVML.
 - Prices: a graph's memory from its tensor shapes (`graph_mib`): ONNX shape inference at the cell's batch,
   then each tensor live from the node that makes it to its last reader, in the graph's order; the peak of
-  that, plus inputs and constants, times ARENA (ORT's arenas grow by powers of two and its order differs
-  from the graph's: measured 1.2-1.9x the shape peak on the CPU EP). A session's build time from the
-  seconds per node of the builds before it (`Builds`).
+  that, plus inputs and constants, times the arena factor of its device (ORT's arenas grow by powers of two
+  and its order differs from the graph's). Measured against that shape peak: 1.2-1.9x on the CPU EP, 3.4-4.1x
+  on the CUDA EP of an H200 (where a cell priced at 2x took 135 GiB and failed with an illegal memory access).
+  A session's build time from the seconds per node of the last build of the same graph (`Builds`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-ARENA = 2.0  # priced memory over the shape peak: ORT's arena and order (module docstring)
+ARENA_CPU, ARENA_CUDA = 2.0, 5.0  # priced memory over the shape peak, per device (module docstring)
 OVERHEAD_MIB = 256  # a session's own memory beside its tensors
 FREE_SHARE = 0.9  # of the free memory, what a cell may be priced at: the rest for what is not priced
 FIRST_BUILD_S_PER_NODE = 2e-3  # before any build was measured: generous (CPU: ~0.3 ms a node at T = 128)
@@ -135,7 +136,8 @@ class Memory:
     """Where a cell's tensors live: the host (CPU EP) or one GPU (its NVML handle), and the peaks seen."""
 
     nvml: Nvml | None = None
-    peak_device: int | None = None
+    peak_device: int | None = None  # the run's
+    cell_peak: int | None = None  # since the last cell_start (CUDA)
     _sampler: threading.Thread | None = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -161,23 +163,32 @@ class Memory:
         """The baseline of a cell's memory: its peak is measured from here."""
         if self.nvml is None:
             reset_peak_rss()
-        return self.used_mib()
+        base = self.used_mib()
+        self.cell_peak = base
+        return base
 
     def cell_used(self, base: int | None) -> int | None:
-        """What the cell took: its peak (resident memory on the CPU EP; on CUDA, the device's use now, as
-        ORT's arena keeps its peak until the session goes) less the baseline."""
-        now = peak_rss_mib() if self.nvml is None else self.used_mib()
+        """What the cell took: its peak less the baseline (resident memory on the CPU EP, VmHWM; on CUDA the
+        device's used memory, sampled while the cell ran and read once more now)."""
+        if self.nvml is None:
+            now = peak_rss_mib()
+        else:
+            self._seen(self.used_mib())
+            now = self.cell_peak
         return None if now is None or base is None else max(now - base, 0)
 
-    def sample(self, every: float = 0.2) -> None:
+    def _seen(self, used: int) -> None:
+        self.peak_device = max(self.peak_device or 0, used)
+        self.cell_peak = max(self.cell_peak or 0, used)
+
+    def sample(self, every: float = 0.05) -> None:
         """Keep `peak_device` up to date from a thread (CUDA only)."""
         if self.nvml is None:
             return
 
         def loop() -> None:
             while not self._stop.wait(every):
-                used = self.nvml.memory_mib()[0]
-                self.peak_device = max(self.peak_device or 0, used)
+                self._seen(self.nvml.memory_mib()[0])
 
         self._sampler = threading.Thread(target=loop, daemon=True)
         self._sampler.start()
@@ -189,9 +200,9 @@ class Memory:
 # --- prices ---------------------------------------------------------------------------------------------
 
 
-def graph_mib(model, batch: int, seq_len: int) -> int:
+def graph_mib(model, batch: int, seq_len: int, arena: float = ARENA_CPU) -> int:
     """The priced memory of one session on `model` with its free dims "B" and "T" set to `batch` and
-    `seq_len` (module docstring): ARENA x the peak of live tensors in the graph's order, plus inputs and
+    `seq_len` (module docstring): `arena` x the peak of live tensors in the graph's order, plus inputs and
     constants."""
     import onnx  # heavy; the checks that price import it anyway
     from onnx import helper, shape_inference
@@ -218,21 +229,28 @@ def graph_mib(model, batch: int, seq_len: int) -> int:
         live += sum(size.get(o, 0) for o in node.output)
         peak = max(peak, live)
         live -= sum(size.get(n, 0) for n in set(node.input) if last.get(n) == i and n not in kept)
-    return int(ARENA * (fixed + peak) / (1 << 20)) + OVERHEAD_MIB
+    return int(arena * (fixed + peak) / (1 << 20)) + OVERHEAD_MIB
 
 
 @dataclass
 class Builds:
-    """Seconds per node of the sessions built so far: the price of the next build."""
+    """Seconds per node of the last session built on each graph (by its name): the price of the next build
+    of that graph; a graph not built yet is priced at the slowest rate seen, or FIRST_BUILD_S_PER_NODE."""
 
-    per_node: float = FIRST_BUILD_S_PER_NODE
-    measured: bool = False
+    per_node: dict[str, float] = field(default_factory=dict)
 
-    def price(self, nodes: int) -> float:
-        return nodes * self.per_node
+    def price(self, graphs: list) -> float:
+        return sum(len(g.graph.node) * self._rate(g.graph.name) for g in graphs)
 
-    def record(self, nodes: int, seconds: float) -> None:
-        rate = seconds / max(nodes, 1)
-        # The slowest seen once measured: a build's cost per node varies with the graph's ops.
-        self.per_node = rate if not self.measured else max(self.per_node, rate)
-        self.measured = True
+    def _rate(self, name: str) -> float:
+        return self.per_node.get(name, max(self.per_node.values(), default=FIRST_BUILD_S_PER_NODE))
+
+    def record(self, graphs: list, seconds: float) -> None:
+        """A cell built `graphs` in `seconds` (together): each one's share by its node count."""
+        nodes = sum(len(g.graph.node) for g in graphs)
+        for g in graphs:
+            self.per_node[g.graph.name] = seconds / max(nodes, 1)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.per_node)

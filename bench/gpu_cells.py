@@ -6,8 +6,8 @@ targets' B: loop_resident (the baseline); then per K the resident training step 
 path on a device, CUDA graph capture included where it runs) at density 0.5 (as shipped, sparse probes) and
 1.0 (dense), rank-1 (dense), and the clean forward of P*B rows. The rest of the table (`table`) follows while
 time is left: the loop fed from the host at each B, loop_resident at the other B, the population fed from
-the host (dense keyed bits, and rank-1) at each B, (CUDA) the dense population under CUDA graph capture, and
-torch eager in a subprocess.
+the host (dense keyed bits, and rank-1) at each B, and (CUDA) the dense population under CUDA graph capture,
+after torch eager in a subprocess, the reference of every row's "vs torch".
 
 A cell whose price would end after the deadline is a row noted "skipped: time"; one priced over the free
 memory of its device, "skipped: memory"; one that fails (out of memory, an EP refusing), "failed: ...".
@@ -30,7 +30,7 @@ import numpy as np
 
 from bench import gpu_targets
 from bench.common import ROOT, say
-from bench.gpu_budget import Builds, Clock, Memory, graph_mib
+from bench.gpu_budget import ARENA_CPU, ARENA_CUDA, FREE_SHARE, Builds, Clock, Memory, graph_mib
 from bench.gpu_report import Evaluator, Report, Row
 from bench.spsa_throughput import (
     SIZES,
@@ -53,6 +53,8 @@ from soma_edge.update_graph import build_update
 DENSITY = {Noise.SPARSE_BITS: 0.5, Noise.BITS: 1.0, Noise.RANK1: 1.0}  # the probes each noise form stands for
 # Calls a cell makes outside its --seconds: warm-ups and the last call, which ends after the time is up.
 EXTRA_CALLS = {Evaluator.RESIDENT: 3, Evaluator.RANK1_RESIDENT: 3, Evaluator.CUDA_GRAPH: 4}
+# CUDA errors after which the process's CUDA context is lost: every later call fails alike.
+CUDA_STICKY = ("cudaErrorIllegalAddress", "cudaErrorLaunchFailure", "cudaErrorIllegalInstruction", "CUDA failure 700")
 MARGIN_S = 5.0  # kept before the deadline: a cell's price is an estimate, and the report is written last
 # Where a row with no measured row of its own evaluator at its size takes the price of a call from.
 _BASIS = {
@@ -75,12 +77,13 @@ class Cells:
     seconds: float
     target_b: int
     builds: Builds
+    broken: str = ""  # a CUDA error that leaves the device unusable to this process: no cell runs after it
 
     @property
     def cuda(self) -> bool:
         return devices.parse(self.device).cuda_id is not None
 
-    def estimate(self, row: Row, nodes: int) -> float:
+    def estimate(self, row: Row, graphs: list) -> float:
         """Seconds the cell would take (module docstring); a first cell at --seconds and its builds."""
         done = [r for r in self.report.rows if r.evals_per_s and r.evaluator is not Evaluator.TORCH]
         calls = 0.0
@@ -95,36 +98,45 @@ class Cells:
                 per_row = row.params / (got[-1].evals_per_s * got[-1].B * got[-1].params)
                 calls = EXTRA_CALLS.get(row.evaluator, 2) * per_row * _members(row) * row.B
                 break
-        return self.builds.price(nodes) + self.seconds + calls
+        return self.builds.price(graphs) + self.seconds + calls
 
     def run(self, row: Row, graphs: list[tuple[Any, int]], make: Callable[[], Any], measure: Callable[[Any], float]):
         """One cell: priced (time, and memory of `graphs`, each (model, batch)), then its sessions made by
         `make` (timed: the next builds' price), measured by `measure`, and released. The row goes to the
         report whatever happens."""
-        nodes = sum(len(g.graph.node) for g, _ in graphs)
-        row.price = sum(graph_mib(g, b, self.seq_len) for g, b in graphs)
-        need, left, free = self.estimate(row, nodes), self.clock.left() - MARGIN_S, self.memory.free_mib()
-        if need > left:
+        models = [g for g, _ in graphs]
+        arena = ARENA_CUDA if self.cuda else ARENA_CPU
+        row.price = sum(graph_mib(g, b, self.seq_len, arena) for g, b in graphs)
+        need, left, free = self.estimate(row, models), self.clock.left() - MARGIN_S, self.memory.free_mib()
+        if self.broken:
+            row.note = f"skipped: the device failed in an earlier cell ({self.broken})"
+        elif need > left:
             row.note = f"skipped: time (needs ~{need:.1f} s, {max(left, 0.0):.1f} s left)"
-        elif free is not None and row.price > 0.9 * free:
+        elif free is not None and row.price > FREE_SHARE * free:
             row.note = f"skipped: memory (priced {row.price:,} MiB, {free:,} MiB free)"
         else:
-            self.report.current = f"throughput {row.label()}"
-            base = self.memory.cell_start()
-            try:
-                t0 = time.perf_counter()
-                held = make()
-                self.builds.record(nodes, time.perf_counter() - t0)
-                row.evals_per_s = measure(held)
-            except Exception as e:  # one cell failing (out of memory, an EP refusing) must not lose the table
-                row.note = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
-            finally:
-                held = None  # the sessions go before the memory is read: what stays is the arena's peak
-                gc.collect()
-            row.memory = self.memory.cell_used(base)
+            self._measure(row, models, make, measure)
         got = row.note if row.evals_per_s is None else f"{row.evals_per_s:.1f} evals/s"
         say(f"  {row.label()}: {got}")
         self.report.add_row(row)
+
+    def _measure(self, row: Row, models: list, make: Callable[[], Any], measure: Callable[[Any], float]) -> None:
+        self.report.current = f"throughput {row.label()}"
+        base = self.memory.cell_start()
+        try:
+            t0 = time.perf_counter()
+            held = make()
+            self.builds.record(models, time.perf_counter() - t0)
+            row.evals_per_s = measure(held)
+        except Exception as e:  # one cell failing (out of memory, an EP refusing) must not lose the table
+            said = " ".join(str(e).split())
+            row.note = f"failed: {type(e).__name__}: {said[:200]}"
+            if any(sticky in said for sticky in CUDA_STICKY):  # the CUDA context is lost for the process
+                self.broken = next(s for s in CUDA_STICKY if s in said)
+        finally:
+            held = None  # the sessions go before the memory is read: what stays is the arena's peak
+            gc.collect()
+        row.memory = self.memory.cell_used(base)
 
 
 def _members(row: Row) -> int:
@@ -173,8 +185,9 @@ def resident_cell(c: Cells, name: str, w: np.ndarray, k: int, noise: Noise) -> N
     body = body_tensors(m)
     population = build_population(m, k, body, noise, True, c.seq_len)
     update = build_update(m, cfg.spsa, k, body, noise, True)
-    # On CUDA the resident step captures its calls in a second pair of sessions (soma_edge.capture).
-    graphs = [(population, b), (update, b)] * (2 if c.cuda else 1)
+    # On CUDA the resident step runs captured, in a second pair of sessions (soma_edge.capture): the first
+    # pair is made but never run, and ORT allocates a session's tensors when it runs.
+    graphs = [(population, b), (update, b)]
 
     def measure(pop) -> float:
         got = gpu_targets.resident_timing(pop, cfg, w, x, c.seconds)
@@ -214,6 +227,12 @@ def cuda_graph_cell(c: Cells, name: str, w: np.ndarray, k: int, b: int) -> None:
     c.run(row, [(graph, b)], make, lambda bp: bound_rate(bp, feeds, w, x, c.seconds))
 
 
+def warm_up(device: str) -> None:
+    """One loss on `device`: its CUDA context, cuBLAS and cuDNN load before any cell is timed or priced."""
+    m = SIZES["124K"]
+    _loss_evaluator(m, device).loss(params.init(m, 0), _ids(1, 8), _ids(1, 8))
+
+
 def targets(c: Cells, sizes: list[str], ks: list[int]) -> None:
     """The GPU targets' rows (module docstring), size by size, then their verdicts."""
     for name in sizes:
@@ -228,6 +247,7 @@ def targets(c: Cells, sizes: list[str], ks: list[int]) -> None:
 
 def table(c: Cells, sizes: list[str], ks: list[int], batches: list[int]) -> None:
     """The rest of the table while time is left (module docstring), then the ratios and verdicts."""
+    torch_rows(c, sizes, batches)  # the reference of every row's "vs torch": first
     for name in sizes:
         w = params.init(SIZES[name], 0)
         for b in batches:
@@ -240,7 +260,6 @@ def table(c: Cells, sizes: list[str], ks: list[int], batches: list[int]) -> None
                 population_cell(c, name, w, k, b, Noise.RANK1)
                 if c.cuda:
                     cuda_graph_cell(c, name, w, k, b)
-    torch_rows(c, sizes, batches)
     if not c.cuda:
         c.report.notes.append(f"population+cuda_graph: not measured (CUDA only; device {c.device})")
     settle(c, sizes, ks)
@@ -267,7 +286,10 @@ def torch_rows(c: Cells, sizes: list[str], batches: list[int]) -> None:
         r = subprocess.run(cmd + ["--budget", f"{left:.1f}"], capture_output=True, text=True, cwd=ROOT, timeout=left)
         got = json.loads(r.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError) as e:
-        c.report.notes.append(f"torch eager reference: skipped, its subprocess gave no result ({type(e).__name__})")
+        said = (
+            (r.stderr.strip().splitlines() or ["no output"])[-1] if not isinstance(e, subprocess.SubprocessError) else e
+        )
+        c.report.notes.append(f"torch eager reference: skipped, its subprocess gave no result ({said})")
         return
     if got["skipped"]:
         c.report.notes.append(f"{got['skipped']}: no torch row, no ratio to it")

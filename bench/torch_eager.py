@@ -76,6 +76,7 @@ def measure(
     if device != "cpu":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+        torch.cuda.init()  # the memory statistics below refuse a device before CUDA is initialized
     deadline, rows = time.perf_counter() + budget, []
     for name, m in sizes.items():
         w = params.init(m, 0)

@@ -124,7 +124,7 @@ def test_cpu_dry_run_of_the_throughput_table(tmp_path):
         assert torch_ok
     except ImportError:
         assert any(n.startswith("torch eager reference: torch is not installed") for n in record["throughput_notes"])
-    assert got == targets + rest + ([("torch_eager", None, None, 2)] if torch_ok else [])  # the targets first
+    assert got == targets + ([("torch_eager", None, None, 2)] if torch_ok else []) + rest  # the targets first
     loop = rows[("loop_resident", None, None, 2)]["evals_per_s"]
     for key in targets + rest:
         r = rows[key]
@@ -154,15 +154,17 @@ def test_a_cell_priced_past_the_deadline_is_skipped_for_time_and_one_over_free_m
     n, loss = params.count(SIZES["124K"]), build(SIZES["124K"], "loss")
     first = Row("124K", n, 2, None, Evaluator.LOOP)
     nodes = len(loss.graph.node)
-    assert c.estimate(first, nodes) == pytest.approx(1.0 + nodes * gpu_budget.FIRST_BUILD_S_PER_NODE)
+    assert c.estimate(first, [loss]) == pytest.approx(1.0 + nodes * gpu_budget.FIRST_BUILD_S_PER_NODE)
     c.run(first, [(loss, 2)], lambda: "session", lambda s: 10.0)  # 10 calls/s of B = 2: 0.05 s a member-row
     assert first.evals_per_s == 10.0 and c.builds.measured
+    # the loss graph's next build is priced at the last one's seconds per node (here a few microseconds)
+    assert c.builds.price([loss]) < nodes * gpu_budget.FIRST_BUILD_S_PER_NODE
     slow = Row("124K", n, 2, 8, Evaluator.POPULATION)  # 17 members x 2 rows x 0.05 s, warm-up and last call
 
     def never(_) -> float:
         raise AssertionError("a cell past the deadline by its price must not start")
 
-    assert c.estimate(slow, 0) == pytest.approx(1.0 + 2 * 1.7)
+    assert c.estimate(slow, []) == pytest.approx(1.0 + 2 * 1.7)
     c.clock.end = time.perf_counter() + gpu_cells.MARGIN_S + 4.0  # 4 s left: the 4.4 s it needs do not fit
     c.run(slow, [], lambda: None, never)
     assert slow.evals_per_s is None and slow.note.startswith("skipped: time (needs ~4.4 s, ")
@@ -256,7 +258,7 @@ def test_torch_eager_runs_apart_from_onnxruntime_or_says_why_not():
 def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
     """The CUDA-only cells, which first run on the one-shot GPU run, exercised on the CPU: taken for CUDA,
     the table gets a population+cuda_graph row per K and B (the bound session, here without capture), the
-    resident cells are priced for capture's second pair of sessions, and the verdicts are the GPU's."""
+    cells are priced at the CUDA EP's arena factor, and the verdicts are the GPU's."""
     _no_torch(monkeypatch)
     monkeypatch.setattr(gpu_cells.Cells, "cuda", property(lambda self: True))
     monkeypatch.setattr(gpu_cells, "BoundPopulation", lambda *a, cuda_graph: BoundPopulation(*a, cuda_graph=False))
@@ -265,10 +267,10 @@ def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
     assert graph_rows == [(1, 2), (2, 2)]
     assert all(r["evals_per_s"] > 0 for r in record["throughput"])
     priced = {(r["evaluator"], r["K"], r["density"]): r["price"] for r in record["throughput"]}
-    one = gpu_budget.graph_mib(
-        build_population(SIZES["124K"], 1, body_tensors(SIZES["124K"]), Noise.BITS, True, 8), 2, 8
-    )
-    assert priced[("population_resident", 1, 1.0)] > 2 * one  # two population sessions and two update sessions
+    m = SIZES["124K"]
+    graph = build_population(m, 1, body_tensors(m), Noise.BITS, True, 8)
+    on_cuda = gpu_budget.graph_mib(graph, 2, 8, gpu_budget.ARENA_CUDA)
+    assert on_cuda > gpu_budget.graph_mib(graph, 2, 8) and priced[("population", 1, 1.0)] == on_cuda
     assert not any(v["cpu"] for v in record["targets"])
     assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
 
@@ -366,3 +368,23 @@ def test_the_host_share_of_a_resident_step_grows_with_the_hosts_work(monkeypatch
     slow = gpu_targets.resident_timing(pop, cfg, w, x, 0.1)
     assert 0 <= quick.host_share < slow.host_share and slow.host_share > 0.5
     assert slow.steps_per_s < quick.steps_per_s
+
+
+def test_after_a_sticky_cuda_error_no_cell_runs(monkeypatch):
+    """An illegal memory access leaves the process's CUDA context unusable (every later call fails alike,
+    as on the H200 once a cell ran it out of memory): the cells after it are skipped, saying why."""
+    report = Report(ROOT / "runs" / "unused", "cpu", "ort", 10.0)
+    monkeypatch.setattr(report, "save", lambda: None)
+    c = gpu_cells.Cells("cpu", report, gpu_budget.Clock(60.0), gpu_budget.Memory(), 8, 0.1, 2, gpu_budget.Builds())
+    n, loss = params.count(SIZES["124K"]), build(SIZES["124K"], "loss")
+
+    def crash(_) -> float:
+        raise RuntimeError("CUDA error cudaErrorIllegalAddress:an illegal memory access was encountered")
+
+    c.run(Row("124K", n, 2, None, Evaluator.LOOP), [(loss, 2)], lambda: None, crash)
+    c.run(Row("124K", n, 2, None, Evaluator.LOOP_RESIDENT), [(loss, 2)], lambda: None, lambda _: 1.0)
+    first, second = report.rows
+    assert first.note.startswith("failed: RuntimeError: CUDA error cudaErrorIllegalAddress")
+    assert second.evals_per_s is None and second.note == (
+        "skipped: the device failed in an earlier cell (cudaErrorIllegalAddress)"
+    )
