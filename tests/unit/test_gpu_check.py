@@ -154,20 +154,21 @@ def test_a_cell_priced_past_the_deadline_is_skipped_for_time_and_one_over_free_m
     n, loss = params.count(SIZES["124K"]), build(SIZES["124K"], "loss")
     first = Row("124K", n, 2, None, Evaluator.LOOP)
     nodes = len(loss.graph.node)
-    assert c.estimate(first, [loss]) == pytest.approx(1.0 + nodes * gpu_budget.FIRST_BUILD_S_PER_NODE)
+    first_build = gpu_cells.SAFETY * nodes * gpu_budget.FIRST_BUILD_S_PER_NODE
+    assert c.estimate(first, [loss]) == pytest.approx(1.0 + first_build)
     c.run(first, [(loss, 2)], lambda: "session", lambda s: 10.0)  # 10 calls/s of B = 2: 0.05 s a member-row
     assert first.evals_per_s == 10.0 and c.builds.measured
     # the loss graph's next build is priced at the last one's seconds per node (here a few microseconds)
     assert c.builds.price([loss]) < nodes * gpu_budget.FIRST_BUILD_S_PER_NODE
-    slow = Row("124K", n, 2, 8, Evaluator.POPULATION)  # 17 members x 2 rows x 0.05 s, warm-up and last call
+    slow = Row("124K", n, 2, 8, Evaluator.POPULATION)  # 17 members x 2 rows x 0.05 s: warm-up and last call
 
     def never(_) -> float:
         raise AssertionError("a cell past the deadline by its price must not start")
 
-    assert c.estimate(slow, []) == pytest.approx(1.0 + 2 * 1.7)
-    c.clock.end = time.perf_counter() + gpu_cells.MARGIN_S + 4.0  # 4 s left: the 4.4 s it needs do not fit
+    assert c.estimate(slow, []) == pytest.approx(1.0 + gpu_cells.SAFETY * 2 * 1.7)  # 5.4 s
+    c.clock.end = time.perf_counter() + gpu_cells.MARGIN_S + 5.0  # 5 s left: the 5.4 s it needs do not fit
     c.run(slow, [], lambda: None, never)
-    assert slow.evals_per_s is None and slow.note.startswith("skipped: time (needs ~4.4 s, ")
+    assert slow.evals_per_s is None and slow.note.startswith("skipped: time (needs ~5.4 s, ")
     c.clock.end = time.perf_counter() + 100
     monkeypatch.setattr(memory, "free_mib", lambda: 100)  # MiB: far less than the graph's price
     big = Row("124K", n, 64, None, Evaluator.LOOP)
