@@ -124,7 +124,7 @@ class Cells:
         self.report.add_row(row)
 
     def _measure(self, row: Row, models: list, make: Callable[[], Any], measure: Callable[[Any], float]) -> None:
-        self.report.current = f"throughput {row.label()}"
+        self.report.current, self.report.running = f"throughput {row.label()}", row
         base = self.memory.cell_start()
         try:
             t0 = time.perf_counter()
@@ -140,6 +140,7 @@ class Cells:
             held = None  # the sessions go before the memory is read: what stays is the arena's peak
             gc.collect()
         row.memory = self.memory.cell_used(base)
+        self.report.running = None
 
 
 def _members(row: Row) -> int:

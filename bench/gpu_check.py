@@ -114,6 +114,9 @@ def at_deadline(report: Report, memory: Memory, pending: list[str]) -> int:
         done = {c.name for c in report.checks}
         for name in [n for n in pending if n not in done]:
             report.checks.append(Check(name, False, "stopped at the deadline before it settled", {}, "time"))
+        if report.running is not None:  # the cell measuring now: its row says so
+            report.running.note = "skipped: time (stopped at the deadline while it ran)"
+            report.rows.append(report.running)
         report.memory = memory.peaks()
         report.save()
         print(report.markdown(), end="", flush=True)

@@ -19,7 +19,7 @@ repository root each time:
 
        python3 -m bench.gpu_kit receive [--kit .gpukit] [--stage /tmp/soma-gpu-kit]
 
-   checks the chunks that came against the manifest and moves them to the stage, where the earlier ones
+   checks the chunks that came against the manifest and copies them to the stage, where the earlier ones
    wait (a carried file does not outlive the next upload), and prints which have arrived and which not.
 3. After the last receive:
 
@@ -236,8 +236,10 @@ def receive(kit: Path, stage: Path) -> str:
         why = damage(p, expected[p.name])
         if why:
             bad.append(why)
-        else:
-            shutil.move(p, stage / p.name)  # the stage outlives the upload; a damaged chunk never gets there
+        elif not (stage / p.name).is_file() or damage(stage / p.name, expected[p.name]):
+            # Copied, not moved: the kit stays whole where it was made (a rehearsal must not eat it). The stage
+            # outlives the upload; a damaged chunk never gets there.
+            shutil.copyfile(p, stage / p.name)
     if bad:
         raise KitError("; ".join(bad) + ": upload it again and run receive (the others were staged)")
     here = [c.name for c in m.chunks if (stage / c.name).is_file()]

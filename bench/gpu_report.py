@@ -94,6 +94,7 @@ class Report:
         self.memory: dict[str, int | None] = {"peak_rss_mib": None, "peak_device_mib": None}
         self.status = "running"
         self.current = ""  # what runs now: named by the watchdog if the deadline stops it
+        self.running: Row | None = None  # the throughput cell measuring now: a row the watchdog adds
         self.lock = threading.RLock()
 
     @property

@@ -389,3 +389,16 @@ def test_after_a_sticky_cuda_error_no_cell_runs(monkeypatch):
     assert second.evals_per_s is None and second.note == (
         "skipped: the device failed in an earlier cell (cudaErrorIllegalAddress)"
     )
+
+
+def test_the_watchdog_writes_the_cell_it_stopped_and_the_checks_it_never_ran(tmp_path):
+    report = Report(tmp_path, "cpu", "ort", 10.0)
+    report.add_check(gpu_checks.Check("placement", True, "fine"))
+    report.current = "throughput 124K B=2 K=- loop_resident"
+    report.running = Row("124K", params.count(SIZES["124K"]), 2, None, Evaluator.LOOP_RESIDENT)
+    assert gpu_check.at_deadline(report, gpu_budget.Memory(), ["placement", "numerics"]) == 3
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert record["status"] == "stopped at the deadline (10 s) during throughput 124K B=2 K=- loop_resident"
+    assert [(c["name"], c["skipped"]) for c in record["checks"]] == [("placement", ""), ("numerics", "time")]
+    (row,) = record["throughput"]
+    assert row["evals_per_s"] is None and row["note"] == "skipped: time (stopped at the deadline while it ran)"

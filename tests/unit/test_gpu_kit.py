@@ -97,7 +97,7 @@ def test_one_receive_per_upload_then_finish_installs_what_imports(kit, tmp_path)
         (line,) = r.stdout.splitlines()
         assert f"received {name}; {i} of {len(names)} in {stage}" in line
         assert ("missing: " + ", ".join(names[i:]) if i < len(names) else "all here") in line
-        assert not (box / name).exists() and (stage / name).is_file()  # moved to the stage
+        assert (box / name).is_file() and (stage / name).is_file()  # copied to the stage: the kit stays whole
     r = _cli("finish", "--stage", str(stage), "--target", str(target), "--no-check")
     # Here the CPU onnxruntime is the one that imports (no CUDA EP): the import check says so, and exits 1.
     assert f"installed gpukit_probe-0.1-py3-none-any.whl into {target}" in r.stdout, r.stderr
