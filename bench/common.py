@@ -18,12 +18,14 @@ from typing import Any, Callable
 import numpy as np
 
 from coordinator.prepare import prepare
-from soma_edge import corpus, mixture, params
 from soma_edge.config import Config, ModelConfig, evals_per_step
-from soma_edge.graph import build
-from soma_edge.rundir import RunDir
-from soma_edge.runtime import cpu_count, evaluator_for, make_session, mean_loss
-from soma_edge.spsa import State, plateau
+from soma_edge.corpus import documents, mixture
+from soma_edge.engine.evaluator import evaluator_for, mean_loss
+from soma_edge.engine.runtime import cpu_count, make_session
+from soma_edge.expert import params
+from soma_edge.expert.graph import build
+from soma_edge.rundir.layout import RunDir
+from soma_edge.spsa.optim import State, plateau
 from worker.trainer import train as spsa_train
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: child processes run from it
@@ -122,7 +124,7 @@ def prepared_run(d: Path, corpus_name: str, n: int, seed: int) -> RunDir:
 
 def shard_stream(rd: RunDir, expert: int, split: str) -> np.ndarray:
     data = [rd.shard(h) for h in rd.read_prepare().shards(expert, split)]
-    return np.frombuffer(corpus.SEPARATOR.join(data), dtype=np.uint8)
+    return np.frombuffer(documents.SEPARATOR.join(data), dtype=np.uint8)
 
 
 # --- routed-mixture scores ----------------------------------------------------------------------------
@@ -142,7 +144,7 @@ def mixture_loss(router, fns: dict[int, Callable], data: np.ndarray, seq: int) -
 
 @dataclass
 class ProtocolScores:
-    """One stream's held-out nats/byte under both protocols (soma_edge.mixture)."""
+    """One stream's held-out nats/byte under both protocols (soma_edge.corpus.mixture)."""
 
     stream: float  # the stream protocol, `mixture_loss`'s top-k, every byte after the first
     stream_bytes: int
@@ -249,9 +251,9 @@ def cluster_data(corpus_name: str, cluster: int, work: Path, seed: int = 0) -> D
     train, val, test = stream("train"), stream("val"), stream("test")
     return Data(
         train=train,
-        val=corpus.eval_windows(val, seq, VAL_WINDOWS),
-        test=corpus.eval_windows(test, seq, TEST_WINDOWS),
-        unigram=corpus.unigram_entropy(train, test),
+        val=documents.eval_windows(val, seq, VAL_WINDOWS),
+        test=documents.eval_windows(test, seq, TEST_WINDOWS),
+        unigram=documents.unigram_entropy(train, test),
     )
 
 

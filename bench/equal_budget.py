@@ -12,7 +12,7 @@ chosen to fit, as in bench/variance.py) and the same compute budget F in forward
   (`soma_edge.config.evals_per_step`); a backprop step costs 3x its forward pass.
 - SOMA with N experts: each expert gets F/N, i.e. `federation.max_steps` SPSA steps, and trains through
   the real federation (`soma-coord start` with an embedded SuperLink and local workers). Its score is the
-  routed top-2 mixture (soma_edge.mixture, the router fitted by `soma-coord prepare`).
+  routed top-2 mixture (soma_edge.corpus.mixture, the router fitted by `soma-coord prepare`).
 - Monolithic SPSA: the same path with N = 1 (one expert of M parameters, one local worker).
 - Adam: bench/torch_ref.py's TorchExpert of the monolithic shape, first-order: the backprop reference.
 Each arm's learning rate comes from a short sweep (a fraction of the arm's steps, one expert, scored on its
@@ -52,13 +52,16 @@ from bench.common import (
     say,
     shard_stream,
 )
-from soma_edge import corpus, params
-from soma_edge import router as router_mod
+from bench.equal_budget_backprop import adam_train, run_adam_arm, torch_eval_loss
 from soma_edge.config import Config, ModelConfig, evals_per_step
-from soma_edge.metrics import expert_lines, read_lines, round_lines
-from soma_edge.rundir import RunDir
-from soma_edge.runtime import cpu_count, evaluator_for, mean_loss
-from soma_edge.spsa import State
+from soma_edge.corpus import documents, sources
+from soma_edge.corpus import router as routing
+from soma_edge.engine.evaluator import evaluator_for, mean_loss
+from soma_edge.engine.runtime import cpu_count
+from soma_edge.expert import params
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import expert_lines, read_lines, round_lines
+from soma_edge.spsa.optim import State
 from worker.trainer import train as spsa_train
 
 SWEEP_VAL_WINDOWS = 64
@@ -67,7 +70,7 @@ Federate = Callable[[Path], None]  # runs the federation on a prepared, configur
 
 def default_corpus() -> str:
     """`debian` when its cache is complete (built by `soma-coord prepare debian` as root), else `default`."""
-    return "debian" if (corpus.cache_dir() / "debian" / "manifest.json").exists() else "default"
+    return "debian" if (sources.cache_dir() / "debian" / "manifest.json").exists() else "default"
 
 
 def base_config(m: ModelConfig, n: int, lr: float, steps: int, corpus_name: str, seed: int) -> Config:
@@ -84,8 +87,8 @@ def base_config(m: ModelConfig, n: int, lr: float, steps: int, corpus_name: str,
 
 
 def test_bytes(corpus_name: str, limit: int) -> np.ndarray:
-    docs = corpus.by_split(corpus.load_documents(corpus_name))["test"]
-    data = corpus.to_stream(docs)
+    docs = documents.by_split(sources.load_documents(corpus_name))["test"]
+    data = documents.to_stream(docs)
     return data[:limit] if limit else data
 
 
@@ -120,7 +123,7 @@ def sweep_spsa(
 ) -> dict[float, float]:
     """Val nats/byte of expert 0 after `steps` SPSA steps (cosine over them) at each lr."""
     train, val = shard_stream(rd, 0, "train"), sweep_val(rd)
-    x, y = corpus.eval_windows(val, Config().data.seq_len, SWEEP_VAL_WINDOWS)
+    x, y = documents.eval_windows(val, Config().data.seq_len, SWEEP_VAL_WINDOWS)
     ev = evaluator_for(base_config(m, n, lrs[0], steps, corpus_name, seed), "cpu")
     out = {}
     for lr in lrs:
@@ -136,79 +139,13 @@ def sweep_adam(
     rd: RunDir, m: ModelConfig, lrs: list[float], steps: int, batch: int, seq: int, seed: int
 ) -> dict[float, float]:
     train, val = shard_stream(rd, 0, "train"), sweep_val(rd)
-    x, y = corpus.eval_windows(val, seq, SWEEP_VAL_WINDOWS)
+    x, y = documents.eval_windows(val, seq, SWEEP_VAL_WINDOWS)
     out = {}
     for lr in lrs:
         model = adam_train(m, train, lr, steps, batch, seq, seed)
         out[lr] = torch_eval_loss(model, x, y)
         say(f"  sweep adam lr={lr:g}: val {out[lr]:.4f} nats/byte after {steps} steps")
     return out
-
-
-# --- the backprop reference ---------------------------------------------------------------------------
-
-
-def lr_at(step: int, total: int, lr: float, warmup: int, min_frac: float = 0.1) -> float:
-    """Warmup then cosine to lr * min_frac: the SPSA schedule (soma_edge.spsa.schedule), for Adam."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(total - warmup, 1))
-    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def adam_train(
-    m: ModelConfig,
-    data: np.ndarray,
-    lr: float,
-    steps: int,
-    batch: int,
-    seq: int,
-    seed: int,
-    on_step: Callable[[int, Any], None] | None = None,
-):
-    import torch  # optional (the bench extra): only the Adam arm needs it
-
-    from bench.torch_ref import TorchExpert  # torch, as above
-
-    torch.manual_seed(seed)
-    model = TorchExpert(m).load_flat(params.init(m, seed))  # the same initialization as the SPSA monolith
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    warmup = min(20, steps // 10)
-    for s in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(s, steps, lr, warmup)
-        x, y = corpus.sample_batch(data, batch, seq, corpus.batch_rng(seed, 0, s))
-        opt.zero_grad()
-        model(torch.from_numpy(x), torch.from_numpy(y)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if on_step:
-            on_step(s + 1, model)
-    return model
-
-
-def torch_eval_loss(model, x: np.ndarray, y: np.ndarray, batch: int = 64) -> float:
-    import torch  # optional (the bench extra): only the Adam arm needs it
-
-    total = 0.0
-    with torch.no_grad():
-        for i in range(0, len(x), batch):
-            total += (
-                float(model(torch.from_numpy(x[i : i + batch]), torch.from_numpy(y[i : i + batch])))
-                * x[i : i + batch].size
-            )
-    return total / x.size
-
-
-def torch_logprobs(model) -> Callable[[np.ndarray], np.ndarray]:
-    import torch  # optional (the bench extra): only the Adam arm needs it
-
-    def fn(x: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            h, _ = model.lstm(model.embed(torch.from_numpy(x)))
-            return torch.log_softmax(model.head(h), dim=-1).numpy()
-
-    return fn
 
 
 # --- arms --------------------------------------------------------------------------------------------
@@ -257,7 +194,7 @@ def run_spsa_arm(
     f1 = forward_flops(m, cfg.data.batch, seq)
     lines = read_lines(rd)
     rounds = sorted({x.round for x in round_lines(lines)})
-    router = router_mod.load(rd.router)
+    router = routing.load(rd.router)
     points, evals, compute = [], 0, 0.0
     versions = {e: 0 for e in range(n)}
     fns = {e: ort_logprobs(m, rd.load_expert(rd.expert_rel(e, 0))["weights"]) for e in range(n)}
@@ -297,71 +234,6 @@ def run_spsa_arm(
         "wall_seconds": wall,
         "compute_seconds": compute,
         "rounds": len(rounds),
-        "curve": points,
-    }
-
-
-def run_adam_arm(
-    prep: RunDir,
-    m: ModelConfig,
-    lr: float,
-    steps: int,
-    batch: int,
-    seq: int,
-    seed: int,
-    curve_data: np.ndarray,
-    test_data: np.ndarray,
-    points_n: int = 10,
-) -> dict[str, Any]:
-    router = router_mod.load(prep.router)  # one expert: the mixture is the model itself
-    train = shard_stream(prep, 0, "train")
-    f3 = 3 * forward_flops(m, batch, seq)
-    every = max(1, steps // points_n)
-    points, eval_s = [], 0.0
-    t_init = params.init(m, seed)
-    points.append(
-        {
-            "step": 0,
-            "forward_evals": 0,
-            "flops": 0.0,
-            "loss": mixture_loss(router, {0: ort_logprobs(m, t_init)}, curve_data, seq),
-        }
-    )
-
-    def on_step(s: int, model) -> None:
-        nonlocal eval_s
-        if s % every == 0 or s == steps:
-            t = time.perf_counter()
-            points.append(
-                {
-                    "step": s,
-                    "forward_evals": 3 * s,
-                    "flops": s * f3,
-                    "loss": mixture_loss(router, {0: torch_logprobs(model)}, curve_data, seq),
-                }
-            )
-            eval_s += time.perf_counter() - t
-
-    t0 = time.perf_counter()
-    model = adam_train(m, train, lr, steps, batch, seq, seed, on_step)
-    wall = time.perf_counter() - t0 - eval_s
-    return {
-        "arm": "adam",
-        "kind": "backprop-reference",
-        "experts": 1,
-        "shape": m.__dict__,
-        "params_per_expert": params.count(m),
-        "params_total": params.count(m),
-        "lr": lr,
-        "directions": None,
-        "steps_per_expert": [steps],
-        "forward_evals": 3 * steps,
-        "flops": steps * f3,
-        **protocol_scores(router, {0: torch_logprobs(model)}, test_data, seq).arm_fields(),
-        "top_k": 1,
-        "wall_seconds": wall,
-        "compute_seconds": wall,
-        "rounds": None,
         "curve": points,
     }
 
@@ -518,8 +390,8 @@ def main(argv: list[str] | None = None, federate: Federate = soma_coord_start) -
     preps = {n: prepared(work, corpus_name, n, args.seed) for n in [1, *ns]}
     test_data = test_bytes(corpus_name, args.test_bytes)
     curve_data = spread_sample(test_data, args.curve_bytes)
-    train_all = corpus.to_stream(corpus.by_split(corpus.load_documents(corpus_name))["train"])
-    unigram = corpus.unigram_entropy(train_all, test_data)
+    train_all = documents.to_stream(documents.by_split(sources.load_documents(corpus_name))["train"])
+    unigram = documents.unigram_entropy(train_all, test_data)
     say(
         f"corpus {corpus_name}: {test_data.size:,} test bytes (curve sample {curve_data.size:,}); unigram {unigram:.4f}"
     )

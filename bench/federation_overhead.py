@@ -31,10 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from soma_edge import codec, corpus, metrics, params, protocol, spsa, steps
+from soma_edge import codec
 from soma_edge.config import Config, ModelConfig
-from soma_edge.rundir import RunDir
-from soma_edge.runtime import evaluator_for
+from soma_edge.corpus import documents, sources
+from soma_edge.engine.evaluator import evaluator_for
+from soma_edge.expert import params, steps
+from soma_edge.rundir import metrics
+from soma_edge.rundir.layout import RunDir
+from soma_edge.spsa import log, optim
+from soma_edge.wire import protocol
 from worker.trainer import train
 
 
@@ -125,7 +130,7 @@ SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}  # (embed, hidde
 
 
 def log_bytes(seconds: float) -> list[dict]:
-    data = corpus.to_stream(corpus.by_split(corpus.default_documents())["train"])
+    data = documents.to_stream(documents.by_split(sources.default_documents())["train"])
     print(
         f"{'expert':>6} {'params':>9} {'decoder':>7} {'steps':>6} {'weights up B':>13} {'log up B':>10} "
         f"{'log body B':>10} {'log dec B':>10} {'ratio':>9} {'replay s':>8} {'bit-identical':>13}"
@@ -136,10 +141,10 @@ def log_bytes(seconds: float) -> list[dict]:
             cfg = Config(model=ModelConfig(embed=embed, hidden=hidden))
             cfg.spsa.decoder = decoder
             lay = params.layout(cfg.model)
-            start = spsa.State(params.init(cfg.model, cfg.seed))
-            state = spsa.State(start.weights.copy())
+            start = optim.State(params.init(cfg.model, cfg.seed))
+            state = optim.State(start.weights.copy())
             rep = train(state, data, cfg, evaluator_for(cfg, "cpu"), steps=None, seconds=seconds)
-            ulog = spsa.record_log(0, 1.0, rep.grads, state, steps.log_body(cfg))
+            ulog = log.record_log(0, 1.0, rep.grads, state, steps.log_body(cfg))
             common = {
                 "expert": 0,
                 "base_sha256": "0" * 64,

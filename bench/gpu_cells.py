@@ -32,8 +32,8 @@ from bench import gpu_targets
 from bench.common import ROOT, say
 from bench.gpu_budget import ARENA_CPU, ARENA_CUDA, FREE_SHARE, Builds, Clock, Memory, graph_mib
 from bench.gpu_report import Evaluator, Report, Row
+from bench.sizes import SIZES
 from bench.spsa_throughput import (
-    SIZES,
     BoundPopulation,
     body_tensors,
     bound_rate,
@@ -43,12 +43,14 @@ from bench.spsa_throughput import (
     population_setup,
     resident_loop_rate,
 )
-from soma_edge import devices, params, runtime
+from soma_edge import devices
 from soma_edge.config import ModelConfig
-from soma_edge.graph import build
-from soma_edge.population import PopulationEvaluator
-from soma_edge.population_graph import Noise, build_population
-from soma_edge.update_graph import build_update
+from soma_edge.engine import evaluator
+from soma_edge.engine.population import PopulationEvaluator
+from soma_edge.expert import params
+from soma_edge.expert.graph import build
+from soma_edge.expert.population_graph import Noise, build_population
+from soma_edge.expert.update_graph import build_update
 
 DENSITY = {Noise.SPARSE_BITS: 0.5, Noise.BITS: 1.0, Noise.RANK1: 1.0}  # the probes each noise form stands for
 # Calls a cell makes outside its --seconds: warm-ups and the last call, which ends after the time is up.
@@ -152,7 +154,7 @@ def _ids(batch: int, seq_len: int) -> np.ndarray:
 
 
 def _loss_evaluator(m: ModelConfig, device: str):
-    return runtime.LossEvaluator(m, device, parallel=1)
+    return evaluator.LossEvaluator(m, device, parallel=1)
 
 
 def loop_cell(c: Cells, name: str, w: np.ndarray, b: int, resident: bool) -> None:
@@ -189,7 +191,7 @@ def resident_cell(c: Cells, name: str, w: np.ndarray, k: int, noise: Noise) -> N
     body = body_tensors(m)
     population = build_population(m, k, body, noise, True, c.seq_len)
     update = build_update(m, cfg.spsa, k, body, noise, True)
-    # On CUDA the resident step runs captured, in a second pair of sessions (soma_edge.capture): the first
+    # On CUDA the resident step runs captured, in a second pair of sessions (soma_edge.engine.capture): the first
     # pair is made but never run, and ORT allocates a session's tensors when it runs.
     graphs = [(population, b), (update, b)]
 

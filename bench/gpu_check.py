@@ -48,8 +48,9 @@ from bench.gpu_checks import (
     update_check,
 )
 from bench.gpu_report import Check, Report
-from bench.spsa_throughput import SIZES, Shape
-from soma_edge import devices, runtime
+from bench.sizes import SIZES, Shape
+from soma_edge import devices
+from soma_edge.engine import runtime
 
 CHECKS = ("placement", "numerics", "log round", "update bits", "capture")
 THROUGHPUT_SHARE = 0.25  # of the deadline, kept from the checks for the throughput (unless --no-throughput)

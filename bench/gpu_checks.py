@@ -4,10 +4,10 @@ Check `skipped` for "time" (the run then exits non-zero) with what it had seen.
 
 1. libraries (`missing_libraries`): onnxruntime-gpu with its CUDA EP, an NVIDIA driver, the CUDA and cuDNN
    libraries; each one missing is named in one line.
-2. placement: every graph a worker opens on its device (kinds lstm and soma: soma_edge.graph's modes; the
+2. placement: every graph a worker opens on its device (kinds lstm and soma: soma_edge.expert.graph's modes; the
    population graph in each noise form; the update graph beside it, in each form) opens on a session of the
    device alone with CPU fallback disabled, and ORT's own placement report puts no node elsewhere.
-3. numerics: the loss of the CPU EP and of the device agree within soma_edge.numerics.DELTA (relative), for
+3. numerics: the loss of the CPU EP and of the device agree within soma_edge.engine.numerics.DELTA (relative), for
    both kinds, at several weights and batches; the decoder gradients' largest difference is reported.
 4. log round: the device trains the demo expert with federation.reply = "log"; the coordinator's own
    checks accept the log: the audit recomputes sampled steps on the CPU EP, and the replay of the log
@@ -32,16 +32,22 @@ import numpy as np
 
 from bench.gpu_report import Check
 from coordinator import replay
-from soma_edge import devices, params, protocol, resident, runtime, steps, update_graph
+from soma_edge import devices
 from soma_edge.config import Config, ModelConfig, SPSAConfig
 from soma_edge.devices import CPU, CUDA
+from soma_edge.engine import evaluator as evaluators
+from soma_edge.engine import resident, runtime
+from soma_edge.engine.numerics import DELTA
+from soma_edge.engine.population import graph_noise
 from soma_edge.errors import DeviceError
-from soma_edge.graph import MODES, build
-from soma_edge.numerics import DELTA
-from soma_edge.population import graph_noise
-from soma_edge.population_graph import build_population
-from soma_edge.spsa import State, StepResult, record_log
-from soma_edge.update_graph import build_update
+from soma_edge.expert import params, steps, update_graph
+from soma_edge.expert.graph import MODES, build
+from soma_edge.expert.population_graph import build_population
+from soma_edge.expert.update_graph import build_update
+from soma_edge.spsa.log import record_log
+from soma_edge.spsa.optim import State
+from soma_edge.spsa.stepper import StepResult
+from soma_edge.wire import protocol
 from worker.doctor import DEMO_MODEL
 from worker.trainer import train
 
@@ -80,9 +86,9 @@ def missing_libraries(device: str) -> list[str]:
 
 
 def expert_graphs():
-    """(label, graph) for every graph a worker opens on its device, both kinds: soma_edge.graph's modes; the
+    """(label, graph) for every graph a worker opens on its device, both kinds: soma_edge.expert.graph's modes; the
     population graph in each noise form, its decoder gradient on and the body perturbed, as
-    soma_edge.population.for_config builds it for the delta rule; and the update graph soma_edge.resident
+    soma_edge.engine.population.for_config builds it for the delta rule; and the update graph soma_edge.engine.resident
     builds beside it (the default Adam update, k = spsa.directions * spsa.accumulate)."""
     for kind, m in KINDS.items():
         for mode in MODES:
@@ -129,8 +135,8 @@ def numerics_check(device: str, data: np.ndarray, until: float) -> Check:
     worst_loss, worst_grad, done = 0.0, 0.0, 0
     for m in KINDS.values():
         cfg = Config(model=m)
-        cpu = runtime.LossEvaluator(m, "cpu", threads=1, parallel=1, decoder_grad=True)
-        dev = runtime.LossEvaluator(m, device, parallel=1, decoder_grad=True)
+        cpu = evaluators.LossEvaluator(m, "cpu", threads=1, parallel=1, decoder_grad=True)
+        dev = evaluators.LossEvaluator(m, device, parallel=1, decoder_grad=True)
         rng = np.random.default_rng(0)
         for i in range(SAMPLES):
             if time.perf_counter() > until:
@@ -165,14 +171,14 @@ def log_round_check(device: str, data: np.ndarray, n_steps: int, audit_steps: in
     cfg.federation.reply, cfg.federation.audit_steps = protocol.ReplyMode.LOG, audit_steps
     base = State(params.init(cfg.model, cfg.seed))
     state = State(base.weights.copy())
-    evaluator = runtime.evaluator_for(cfg)
+    evaluator = evaluators.evaluator_for(cfg)
     seconds = max((until - time.perf_counter()) / 2, 0.0)  # the rest for the audit on the CPU
     rep = train(state, data, cfg, evaluator, steps=n_steps, seconds=seconds)
     figures = {"steps": rep.steps, "steps_per_s": rep.steps_per_s, "train_loss": rep.loss}
     if rep.steps == 0:
         return Check("log round", False, "no step fitted in the time left", figures, "time")
     log = record_log(base.step, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg))
-    auditor = runtime.evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1)
+    auditor = evaluators.evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1)
     picks = replay.sample_steps(log.steps, audit_steps, cfg.seed, 0, 1)
     try:
         replay.audit(cfg, base, log, 0, data, auditor, picks)
@@ -188,7 +194,7 @@ def log_round_check(device: str, data: np.ndarray, n_steps: int, audit_steps: in
 
 
 def update_check(device: str, data: np.ndarray, seconds: float, until: float) -> Check:
-    """Whether the update graph gives the host's bits on `device` (soma_edge.resident.Resident.verified),
+    """Whether the update graph gives the host's bits on `device` (soma_edge.engine.resident.Resident.verified),
     for both kinds and each noise form; then the demo expert's population steps/s resident and with the
     host update, `seconds` each where time allows. No verdict (either way the weights are right)."""
     same = {}
@@ -201,7 +207,7 @@ def update_check(device: str, data: np.ndarray, seconds: float, until: float) ->
             cfg.spsa.evaluator, cfg.data.seq_len = "population", 2
             for key, value in setting.items():
                 setattr(cfg.spsa, key, value)
-            ev = runtime.evaluator_for(cfg, device)
+            ev = evaluators.evaluator_for(cfg, device)
             same[f"{kind}, {name}"] = resident.Resident(cfg, 0, ev.population, State(params.init(m, 0))).verified()
     on_device = all(same.values())
     detail = (
@@ -213,7 +219,7 @@ def update_check(device: str, data: np.ndarray, seconds: float, until: float) ->
     if until - time.perf_counter() > 4 * seconds:
         cfg = Config(model=DEMO_MODEL, device=device)
         cfg.spsa.evaluator = "population"
-        ev = runtime.evaluator_for(cfg, device)
+        ev = evaluators.evaluator_for(cfg, device)
         for where in ("resident", "host update"):
             state = State(params.init(cfg.model, cfg.seed))
             real = update_graph.supported
@@ -249,7 +255,7 @@ class CaptureArms:
 
 
 def capture_check(device: str, data: np.ndarray, seconds: float, until: float, on_device: bool = True) -> Check:
-    """Resident steps of the demo expert captured (soma_edge.capture) against the same steps plain (module
+    """Resident steps of the demo expert captured (soma_edge.engine.capture) against the same steps plain (module
     docstring, item 6). On the CPU EP the captured arm's fixed-address calls run uncaptured. Where the
     update graph's bits differ from the host's (`on_device` False) workers never train resident, so the
     replay is reported, not judged."""
@@ -281,7 +287,7 @@ def _capture_arms(device: str, data: np.ndarray, seconds: float, until: float, n
     for arm, capture in (("captured", True), ("plain", False)):
         if time.perf_counter() > until:
             return None
-        ev = runtime.evaluator_for(cfg, device)  # its own sessions: capture keeps buffers on the evaluator
+        ev = evaluators.evaluator_for(cfg, device)  # its own sessions: capture keeps buffers on the evaluator
         state = State(base.weights.copy())
         runner = resident.Resident(cfg, 0, ev.population, state, capture=capture)
         results[arm] = [runner.step(steps.batches(data, cfg, 0, t)) for t in range(n_steps)]

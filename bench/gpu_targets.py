@@ -5,8 +5,8 @@ what the table measures for them beyond its rates, and the verdicts it reads fro
   K = 8 and >= 15x at K = 64, B = 16: each size's best full-rank row (population, population_resident or
   population+cuda_graph, named in the line) against loop_resident at the same size and B;
 - rank-1 cost: a rank-1 step costs <= 1.5x one clean forward of the same P*B rows (P = 2K + 1): the
-  resident rank-1 training step (soma_edge.resident.Resident.step, the worker's path on a GPU) against the
-  loss graph (soma_edge.graph, the ONNX LSTM op) on one batch of P*B sequences, its inputs bound on the
+  resident rank-1 training step (soma_edge.engine.resident.Resident.step, the worker's path on a GPU) against the
+  loss graph (soma_edge.expert.graph, the ONNX LSTM op) on one batch of P*B sequences, its inputs bound on the
   device once; the share of that step spent in ORT's run calls is given beside it;
 - host wait: the GPU waits on the host for <= 10% of a step: for the resident step (full-rank and rank-1),
   the share of its wall time spent outside ORT's run calls (drawing the noise, uploading it and the batch,
@@ -31,8 +31,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from soma_edge.config import Config, ModelConfig
-from soma_edge.population_graph import Noise
-from soma_edge.spsa import State
+from soma_edge.expert.population_graph import Noise
+from soma_edge.spsa.optim import State
 
 SPEEDUPS = ((8, 5.0), (64, 15.0))  # (K, least ratio to loop_resident) of the speed target
 TARGET_B = 16  # the batch the targets are set at
@@ -106,9 +106,9 @@ def resident_config(m: ModelConfig, k: int, noise: Noise, x: np.ndarray, device:
 
 
 def resident_timing(population, cfg: Config, w: np.ndarray, x: np.ndarray, seconds: float) -> StepTiming:
-    """soma_edge.resident.Resident.step on `population` (a PopulationEvaluator of cfg's shape, K and noise
+    """soma_edge.engine.resident.Resident.step on `population` (a PopulationEvaluator of cfg's shape, K and noise
     form) from the weights w, for about `seconds` after two warm-up steps, every step on the batch (x, x)."""
-    from soma_edge import resident  # imports onnx (heavy), as population does
+    from soma_edge.engine import resident  # imports onnx (heavy), as population does
 
     runner = resident.Resident(cfg, 0, population, State(w.copy()))
     for _ in range(2):  # the first runs allocate; on CUDA they make the sessions and capture both A/B graphs

@@ -35,10 +35,11 @@ import numpy as np
 from bench.common import arm_config, expert_shape, machine, map_jobs, md_head, md_row, prepared, say, shard_stream
 from coordinator import guard
 from coordinator.evaluation import Evaluation
-from soma_edge import corpus, params
 from soma_edge.config import Config
-from soma_edge.runtime import evaluator_for, mean_loss
-from soma_edge.spsa import State, plateau, slower
+from soma_edge.corpus import documents
+from soma_edge.engine.evaluator import evaluator_for, mean_loss
+from soma_edge.expert import params
+from soma_edge.spsa.optim import State, plateau, slower
 from worker.trainer import train as spsa_train
 
 WORK = Path("/tmp/soma-bench")
@@ -76,7 +77,7 @@ def shape_config(shape: str, seed: int) -> Config:
 
 def true_val(rd, cluster: int, cfg: Config):
     """Every window of the cluster's val split: the loss the attacks are scaled against."""
-    return corpus.eval_windows(shard_stream(rd, cluster, "val"), cfg.data.seq_len, None)
+    return documents.eval_windows(shard_stream(rd, cluster, "val"), cfg.data.seq_len, None)
 
 
 def bisect_harm(score, make, target: float, iters: int = 14) -> np.ndarray:

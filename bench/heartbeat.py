@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, coordinator_cmd, platform_line, worker_cmd
-from soma_edge.procs import free_port
+from soma_edge.processes.launch import free_port
 from tests.helpers import netboxes
 
 CONFIG = """

@@ -17,10 +17,10 @@ import time
 import numpy as np
 
 from bench.common import machine
-from bench.spsa_throughput import SIZES
-from soma_edge import params
+from bench.sizes import SIZES
 from soma_edge.config import SPSAConfig
-from soma_edge.spsa import Stepper
+from soma_edge.expert import params
+from soma_edge.spsa.stepper import Stepper
 
 
 def int8_signs(stepper: Stepper, k: int, body: int) -> list[np.ndarray]:

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from bench.common import Data, arm_config, cluster_data, map_jobs, platform_line
-from soma_edge import params, steps
-from soma_edge.runtime import evaluator_for, mean_loss
-from soma_edge.spsa import State, code_decoder
+from soma_edge.engine.evaluator import evaluator_for, mean_loss
+from soma_edge.expert import params, steps
+from soma_edge.spsa.log import code_decoder
+from soma_edge.spsa.optim import State
 from worker.trainer import train
 
 ARMS = ("float32", "int8")

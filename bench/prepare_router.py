@@ -35,8 +35,8 @@ import numpy as np
 
 from bench.common import ROOT, md_head, md_row
 from coordinator.prepare import purity
-from soma_edge import corpus
-from soma_edge import router as router_mod
+from soma_edge.corpus import kmeans, sources
+from soma_edge.corpus import router as routing
 
 
 def _machine() -> str:
@@ -128,7 +128,7 @@ def main() -> int:
             )
         )
 
-        router = router_mod.load(out / "router.msgpack")
+        router = routing.load(out / "router.msgpack")
         tests = [(c["expert"], (out / "shards" / f"{c['shards']['test']}.bin").read_bytes()) for c in s["clusters"]]
         print(
             f"\n## routing held-out text (test split, {sum(len(t) for _, t in tests) / 1e6:.2f} MB), "
@@ -155,7 +155,7 @@ def main() -> int:
 
 def _write_four(path: Path, per_domain: int = 400_000) -> tuple[Path, list]:
     """The 4-domain JSONL, and up to 20 documents per domain that are not in it."""
-    docs, outside = corpus.default_documents(), []
+    docs, outside = sources.default_documents(), []
     with open(path, "w") as f:
         for domain in ("shakespeare", "milton", "python", "pydoc"):
             got, ordered = 0, sorted((d for d in docs if d.domain == domain), key=lambda d: d.sha256)
@@ -168,7 +168,7 @@ def _write_four(path: Path, per_domain: int = 400_000) -> tuple[Path, list]:
     return path, outside
 
 
-def _agreement(router: router_mod.Router, pairs: list[tuple[bytes, int]], window: int) -> float:
+def _agreement(router: routing.Router, pairs: list[tuple[bytes, int]], window: int) -> float:
     """Top-1 routing agreement: window i (routed on window i-1) goes to its text's expert."""
     hit = n = 0
     for text, expert in pairs:
@@ -179,7 +179,7 @@ def _agreement(router: router_mod.Router, pairs: list[tuple[bytes, int]], window
     return hit / n
 
 
-def _pairs(router: router_mod.Router, docs: list, labels: np.ndarray, outside: list | None) -> list:
+def _pairs(router: routing.Router, docs: list, labels: np.ndarray, outside: list | None) -> list:
     if outside is None:  # test documents, to the expert of their cluster
         return [(d.text, int(router.cluster_expert[k])) for d, k in zip(docs, labels.tolist()) if d.split == "test"]
     majority = {}
@@ -190,18 +190,18 @@ def _pairs(router: router_mod.Router, docs: list, labels: np.ndarray, outside: l
 
 
 def ablate(corpus_spec: str, experts: int, seed: int, outside: list | None) -> None:
-    docs = corpus.load_documents(corpus_spec)
+    docs = sources.load_documents(corpus_spec)
     texts, train = [d.text for d in docs], [i for i, d in enumerate(docs) if d.split == "train"]
     sizes = np.array([len(t) for t in texts], dtype=float)
     where = "test documents" if outside is None else f"{len(outside)} documents outside the sample"
     print(f"\n## ablations ({experts} experts, seed {seed}; top-1 routing agreement on {where})\n")
     print(md_head(["cap", "routing centroids", "purity", "max/mean", "128-byte windows", "512-byte windows", "fit s"]))
-    shipped = router_mod.SLACK
+    shipped = kmeans.SLACK
     try:
         for slack in (1.0, 1.1, 1.25):
-            router_mod.SLACK = slack
+            kmeans.SLACK = slack
             t0 = time.perf_counter()
-            router, labels = router_mod.fit(texts, experts, seed=seed, fit_on=train)
+            router, labels = routing.fit(texts, experts, seed=seed, fit_on=train)
             secs = time.perf_counter() - t0
             per, pairs = np.bincount(labels, weights=sizes), _pairs(router, docs, labels, outside)
             pur = purity([d.domain for d in docs], labels, sizes)
@@ -236,7 +236,7 @@ def ablate(corpus_spec: str, experts: int, seed: int, outside: list | None) -> N
                     )
                 )
     finally:
-        router_mod.SLACK = shipped
+        kmeans.SLACK = shipped
 
 
 if __name__ == "__main__":

@@ -70,8 +70,8 @@ from bench.common import (
     say,
 )
 from bench.recipe_seed import run_seed_table, seed_table
-from soma_edge import steps
 from soma_edge.config import Config
+from soma_edge.expert import steps
 
 BPTT_FOR = "default"  # the arm the BPTT reference shares its config, initial weights and batches with
 BPTT_LRS = (3e-3, 1e-2, 3e-2)  # Adam lrs the reference sweeps (1e-2 was its one lr before the sweep)

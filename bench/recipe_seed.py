@@ -4,7 +4,7 @@ Each arm trains one expert per cluster of the demo's split from the same budget 
 expert. A seeded arm first trains the seed (expert id N, on every cluster's train split) for `share` of
 all the arm's passes; each expert then starts from the seed's weights with fresh optimizer state and
 takes the steps `soma_edge.config.expert_steps` leaves it, exactly what `federation.seed_steps` does in a
-run. The mixture is scored on every cluster's test split under both protocols (soma_edge.mixture).
+run. The mixture is scored on every cluster's test split under both protocols (soma_edge.corpus.mixture).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from bench.common import (
     say,
     shard_stream,
 )
-from soma_edge import params
-from soma_edge import seed as seed_mod
 from soma_edge.config import Config, ModelConfig, evals_per_step, expert_config, expert_steps
-from soma_edge.router import load as load_router
-from soma_edge.spsa import State
+from soma_edge.corpus.router import load as load_router
+from soma_edge.expert import params
+from soma_edge.rundir import seed as seed_mod
+from soma_edge.spsa.optim import State
 
 # (name, model overrides on the shipped default, seed decoder or None for no seed run)
 SEED_ARMS: list[tuple[str, dict[str, Any], str | None]] = [

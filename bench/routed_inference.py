@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.routed_inference [--bytes 65536] [--threads 1] [--experts 1,4,16,64] [--top-k 1,2,4]
 
-Three tables, all measured in one run through the real deploy path (soma_edge.router fitted on the default
+Three tables, all measured in one run through the real deploy path (soma_edge.corpus.router fitted on the default
 corpus, `soma-export onnx` bundles, export.infer sessions):
 1. fixed per-expert size: bytes/s of scoring held-out text with top-k routing, against all N experts (dense);
 2. fixed total parameter count (the preprint's setting: more, smaller experts), the same grid;
@@ -28,9 +28,11 @@ import onnxruntime
 
 from export import bundle
 from export.infer import Deployment, generate
-from soma_edge import checkpoint, corpus, params, router
+from soma_edge import checkpoint
 from soma_edge.config import Config, DataConfig, ModelConfig
-from soma_edge.runtime import cpu_count, make_session
+from soma_edge.corpus import documents, router, sources
+from soma_edge.engine.runtime import cpu_count, make_session
+from soma_edge.expert import params
 
 SEQ_LEN = 128
 PER_EXPERT = ModelConfig(embed=32, hidden=128, layers=1)  # 124K params
@@ -75,7 +77,7 @@ def write_run(root: Path, m: ModelConfig, r: router.Router) -> None:
     checkpoint.save(root / "state.msgpack", {"round": 0, "experts": experts}, "run_state")
 
 
-def heldout(docs: list[corpus.Document], n_bytes: int) -> np.ndarray:
+def heldout(docs: list[documents.Document], n_bytes: int) -> np.ndarray:
     """n_bytes of test text in 4 KiB pieces from documents spread over the split (so routing moves)."""
     piece = 4096
     picks = np.linspace(0, len(docs) - 1, max(1, n_bytes // piece)).astype(int)
@@ -201,7 +203,7 @@ def main() -> int:
         f"onnxruntime {onnxruntime.__version__}, numpy {np.__version__}"
     )
     t_start = time.perf_counter()
-    docs = corpus.by_split(corpus.default_documents())
+    docs = documents.by_split(sources.default_documents())
     train = [d.text for d in docs["train"]]
     data = heldout(docs["test"], args.bytes)
     routers = {n: router.fit(train, n, seed=0)[0] for n in ns}

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, coordinator_cmd, platform_line, worker_cmd
-from soma_edge import metrics
-from soma_edge.metrics import RoundLine
-from soma_edge.procs import free_port
-from soma_edge.rundir import RunDir
+from soma_edge.processes.launch import free_port
+from soma_edge.rundir import metrics
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import RoundLine
 from tests.helpers import netboxes
 
 SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}

@@ -26,47 +26,26 @@ import argparse
 import json
 import os
 import platform
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from bench.common import forward_flops
-from soma_edge import devices, params, spsa
+from bench.sizes import SIZES, Shape, rate
+from soma_edge import devices
 from soma_edge.config import Evaluator, ModelConfig, SPSAConfig
 from soma_edge.devices import CUDA
-from soma_edge.population import PopulationEvaluator, noise_feeds
-from soma_edge.population_graph import Noise, build_population, noise_inputs
-from soma_edge.runtime import (
-    LossEvaluator,
-    choose_evaluator,
-    cpu_count,
-    cuda_options,
-    load_ort,
-    measures_auto,
-    plan,
-    plan_concurrency,
-    session_options,
-)
-from soma_edge.spsa import State, Stepper
-from worker.doctor import DEMO_MODEL
+from soma_edge.engine.evaluator import LossEvaluator, choose_evaluator, measures_auto, plan_concurrency
+from soma_edge.engine.population import PopulationEvaluator, noise_feeds
+from soma_edge.engine.runtime import cpu_count, cuda_options, load_ort, plan, session_options
+from soma_edge.expert import params
+from soma_edge.expert.population_graph import Noise, build_population, noise_inputs
+from soma_edge.spsa import noise as keyed
+from soma_edge.spsa.optim import State
+from soma_edge.spsa.stepper import Stepper
 
-SIZES = {
-    "124K": DEMO_MODEL,  # the demo expert (soma-worker doctor)
-    "S": ModelConfig(embed=64, hidden=416, layers=1),
-    "L": ModelConfig(embed=64, hidden=1344, layers=1),
-}
 LOOP, POPULATION, RANK1, TORCH = "loop", "population", "rank1", "torch_eager"
-
-
-@dataclass
-class Shape:
-    """What one run measures at: batch, sequence length and SPSA directions per step."""
-
-    batch: int = 16
-    seq_len: int = 128
-    k: int = 8
 
 
 @dataclass
@@ -90,16 +69,6 @@ class Measured:
     population_beats_loop: bool
     rank1_vs_population: float
     evals_per_s: dict[str, float]
-
-
-def rate(fn, seconds: float) -> float:
-    """Calls per second of fn() over about `seconds` (after one warm-up call)."""
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return n / (time.perf_counter() - t0)
 
 
 def has_torch() -> bool:
@@ -162,15 +131,15 @@ def population_feeds(m: ModelConfig, k: int, noise: Noise) -> tuple[tuple[str, .
     or the rank-1 factors spsa.rank1_factors draws."""
     lay, body = params.layout(m), body_tensors(m)
     if noise is Noise.BITS:
-        return body, {"bits": np.stack([spsa.noise_bits(0, 0, 0, j, lay.body) for j in range(k)])}
+        return body, {"bits": np.stack([keyed.noise_bits(0, 0, 0, j, lay.body) for j in range(k)])}
     if noise is Noise.SIGNS:
-        z = np.stack([spsa.noise(0, 0, 0, j, lay.body) for j in range(k)])
+        z = np.stack([keyed.noise(0, 0, 0, j, lay.body) for j in range(k)])
         return body, noise_feeds(lay, body, noise, z)
     shapes = [lay.shapes[lay.names.index(n)] for n in body]
-    draws = [spsa.rank1_factors(0, 0, 0, j, shapes) for j in range(k)]
+    draws = [keyed.rank1_factors(0, 0, 0, j, shapes) for j in range(k)]
     feeds = {}
     for i, (name, shape) in enumerate(zip(body, shapes)):
-        if isinstance(draws[0][i], spsa.Rank1):
+        if isinstance(draws[0][i], keyed.Rank1):
             feeds[f"a.{name}"] = np.stack([d[i].a for d in draws]).astype(np.int8)
             feeds[f"b.{name}"] = np.stack([d[i].b for d in draws]).astype(np.int8)
         else:

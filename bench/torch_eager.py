@@ -10,7 +10,7 @@ one JSON line, {"torch", "device", "onnxruntime_loaded", "skipped", "rows": [{"n
 CUDA for a cuda device), with no rows; `memory` is torch's peak allocated device memory in MiB (null on the
 CPU); a cell whose estimate (--seconds and two calls at the rate last measured at its size) would end past
 --budget seconds has a null rate and the note "skipped: time". TF32 is off, as in ORT's CUDA sessions
-(soma_edge.runtime), so both sides round alike.
+(soma_edge.engine.runtime), so both sides round alike.
 
 bench/spsa_throughput.py imports `torch_rate` in-process: on the CPU there are no CUDA libraries to clash.
 """
@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from bench.spsa_throughput import SIZES, rate  # imports no onnxruntime: its sessions are made lazily
-from soma_edge import params
+from bench.sizes import SIZES, rate  # imports no onnxruntime: its sessions are made lazily
 from soma_edge.config import ModelConfig
-from soma_edge.runtime import cpu_count
+from soma_edge.engine.runtime import cpu_count
+from soma_edge.expert import params
 
 
 def torch_device(device: str) -> str | None:

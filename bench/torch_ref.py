@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from soma_edge.config import ModelConfig
-from soma_edge.params import VOCAB, from_torch_gates, layout, to_torch_gates
+from soma_edge.expert.params import VOCAB, from_torch_gates, layout, to_torch_gates
 
 
 class TorchExpert(torch.nn.Module):

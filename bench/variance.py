@@ -34,10 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import expert_shape, machine, perturbed, pyplot, savefig, say
-from soma_edge import corpus, params
 from soma_edge.config import ModelConfig
-from soma_edge.runtime import LossEvaluator, cpu_count
-from soma_edge.spsa import body_shapes, noise, probe_mask, rank1_probe
+from soma_edge.corpus import documents, sources
+from soma_edge.engine.evaluator import LossEvaluator
+from soma_edge.engine.runtime import cpu_count
+from soma_edge.expert import params
+from soma_edge.spsa.noise import body_shapes, noise, probe_mask, rank1_probe
 
 
 def true_grads(m: ModelConfig, weights: list[np.ndarray], batches) -> list[np.ndarray]:
@@ -113,7 +115,7 @@ def measure(
     m = expert_shape(total, n, kind)
     ev = LossEvaluator(m, "cpu", threads=cpu_count(), parallel=1)
     weights = [params.init(m, seed + e) for e in range(n)]
-    batches = [corpus.sample_batch(data, batch, seq, corpus.batch_rng(seed, e, 0)) for e in range(n)]
+    batches = [documents.sample_batch(data, batch, seq, documents.batch_rng(seed, e, 0)) for e in range(n)]
     g = true_grads(m, weights, batches)
     # Check the reference and the ORT graph agree at this checkpoint, or the "true" gradient is not ours.
     from bench.torch_ref import torch_loss  # torch is optional (the bench extra): only this check needs it
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     noises = tuple(args.noise.split(","))
     if not set(noises) <= set(PROBES):
         ap.error(f"--noise: {args.noise!r} is not a list of {', '.join(PROBES)}")
-    data = corpus.to_stream(corpus.by_split(corpus.default_documents())["train"])
+    data = documents.to_stream(documents.by_split(sources.default_documents())["train"])
     t0 = time.perf_counter()
     rows = []
     for n in ns:

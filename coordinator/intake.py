@@ -20,16 +20,18 @@ from coordinator.evaluation import Evaluation
 from coordinator.fleet import Fleet, Node, NodeStatus, Outgoing
 from coordinator.ledger import Ledger
 from coordinator.round import Claim, Round
-from soma_edge import protocol
-from soma_edge import seed as seed_mod
 from soma_edge.config import Config, Evaluator
-from soma_edge.corpus import SEPARATOR
+from soma_edge.corpus.documents import SEPARATOR
+from soma_edge.engine.evaluator import evaluator_for
 from soma_edge.errors import CodecError, ValidationError
-from soma_edge.logs import role_logger
-from soma_edge.metrics import Rejection
-from soma_edge.rundir import PrepareSummary, RunDir
-from soma_edge.runtime import evaluator_for
-from soma_edge.spsa import OptState, State, UpdateLog, plateau, schedule
+from soma_edge.processes.logs import role_logger
+from soma_edge.rundir import seed as seed_mod
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import Rejection
+from soma_edge.rundir.state import PrepareSummary
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import OptState, State, plateau, schedule
+from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from coordinator.fleet import Fleet, NodeStatus, Outgoing, Sent
 from coordinator.intake import Intake
 from coordinator.round import Round
-from soma_edge.logs import role_logger
+from soma_edge.processes.logs import role_logger
 
 log = role_logger("soma.coord")
 

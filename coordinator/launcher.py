@@ -23,7 +23,7 @@ import tomli_w
 
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import SomaError
-from soma_edge.procs import die_with_parent, flower_bin, flower_env
+from soma_edge.processes.launch import die_with_parent, flower_bin, flower_env
 
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
 CONNECTION = "soma"

@@ -20,14 +20,17 @@ from coordinator import guard, records
 from coordinator.evaluation import Evaluation
 from coordinator.fleet import Node
 from coordinator.round import Round
-from soma_edge import params, protocol
-from soma_edge import seed as seed_mod
 from soma_edge.config import Config, expert_config, expert_steps
 from soma_edge.errors import CheckpointError, SomaError
-from soma_edge.logs import role_logger
-from soma_edge.metrics import Line, SeedDone
-from soma_edge.rundir import BestVersion, ExpertRecord, GuardBar, RunDir, RunState
-from soma_edge.spsa import OptState, UpdateLog, slower
+from soma_edge.expert import params
+from soma_edge.processes.logs import role_logger
+from soma_edge.rundir import seed as seed_mod
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import Line, SeedDone
+from soma_edge.rundir.state import BestVersion, ExpertRecord, GuardBar, RunState
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import OptState, slower
+from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
 

@@ -34,11 +34,12 @@ from coordinator.late import Late
 from coordinator.ledger import Bases, Ledger
 from coordinator.planning import Planner
 from coordinator.round import Round
-from soma_edge import protocol
 from soma_edge.config import Config, expert_steps
 from soma_edge.errors import SomaError
-from soma_edge.logs import role_logger
-from soma_edge.rundir import RunDir, RunState
+from soma_edge.processes.logs import role_logger
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import RunState
+from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
 

@@ -11,10 +11,10 @@ from coordinator import scheduler
 from coordinator.dispatch import log_bytes, reply_mode
 from coordinator.fleet import Fleet, Node
 from coordinator.ledger import Bases, Ledger
-from soma_edge import seed as seed_mod
 from soma_edge.config import Config, evals_per_step
-from soma_edge.protocol import ReplyMode
-from soma_edge.rundir import PrepareSummary
+from soma_edge.rundir import seed as seed_mod
+from soma_edge.rundir.state import PrepareSummary
+from soma_edge.wire.protocol import ReplyMode
 
 
 class Planner:

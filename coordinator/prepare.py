@@ -1,7 +1,7 @@
 """`prepare`: fit the router on a corpus and cut it into per-cluster, content-addressed shards.
 
-Output (into a run directory, see soma_edge/rundir.py):
-- `router.msgpack`: the fitted router (soma_edge.router);
+Output (into a run directory, see soma_edge/rundir/):
+- `router.msgpack`: the fitted router (soma_edge.corpus.router);
 - `shards/<sha256>.bin`: for each cluster and split, its documents' bytes joined by corpus.SEPARATOR,
   named by the sha256 of those bytes (workers cache shards by that name);
 - `prepare.json`: clusters (expert, documents, bytes and shard hash per split), the domain-by-cluster
@@ -30,11 +30,12 @@ from rich.table import Table
 
 from coordinator import debian_corpus
 from soma_edge import cli
-from soma_edge import corpus as corpus_mod
-from soma_edge import router as router_mod
 from soma_edge.checkpoint import atomic_write
+from soma_edge.corpus import documents, sources
+from soma_edge.corpus import router as routing
 from soma_edge.errors import ConfigError, CorpusError
-from soma_edge.rundir import ClusterShards, PrepareSummary, RouterSummary, RunDir
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import ClusterShards, PrepareSummary, RouterSummary
 
 SCHEMA = 1
 UNLABELLED = "(unlabelled)"
@@ -42,7 +43,7 @@ UNLABELLED = "(unlabelled)"
 
 def ensure_debian(progress: bool = False) -> None:
     """Build the `debian` corpus into the cache (as root) unless it is there already."""
-    if not (corpus_mod.cache_dir() / corpus_mod.DEBIAN / "manifest.json").exists():
+    if not (sources.cache_dir() / sources.DEBIAN / "manifest.json").exists():
         debian_corpus.build(progress=progress)
 
 
@@ -131,18 +132,18 @@ def prepare(
     _check_untrained(out, own_lock)
     n_clusters = clusters or experts
 
-    if corpus == corpus_mod.DEBIAN:
+    if corpus == sources.DEBIAN:
         ensure_debian(progress)  # before our bar: the recipe reports its own steps
 
     bar = _progress_bar() if progress else None
     with bar or nullcontext():
         task = bar.add_task("loading corpus", total=None) if bar else None
-        docs = corpus_mod.load_documents(corpus)
+        docs = sources.load_documents(corpus)
         if experts > len(docs) or n_clusters > len(docs):
             what = f"--experts {experts}" if experts > len(docs) else f"--clusters {n_clusters}"
             raise CorpusError(
                 f"corpus {corpus} has {_n(len(docs), 'document')} (texts cut into pieces of at most "
-                f"{corpus_mod.CHUNK // 1024} KiB), fewer than {what}"
+                f"{documents.CHUNK // 1024} KiB), fewer than {what}"
             )
 
         def report(phase: str, done: int, total: int) -> None:
@@ -156,7 +157,7 @@ def prepare(
                 f"corpus {corpus} has {_n(len(train), 'training document')} (of {len(docs)}), fewer than "
                 f"{n_clusters} clusters: use fewer experts or more text"
             )
-        router, labels = router_mod.fit(texts, experts, n_clusters, seed, fit_on=train, progress=report)
+        router, labels = routing.fit(texts, experts, n_clusters, seed, fit_on=train, progress=report)
         report("writing shards", 0, n_clusters)
         tmp = _make_tmp(out)
         try:
@@ -179,8 +180,8 @@ def _write(
     corpus: str,
     seed: int,
     experts: int,
-    docs: list[corpus_mod.Document],
-    router: router_mod.Router,
+    docs: list[documents.Document],
+    router: routing.Router,
     labels: np.ndarray,
     on_cluster: Callable[[int], None],
 ) -> PrepareSummary:
@@ -193,8 +194,8 @@ def _write(
     for k in range(router.n_clusters):
         members = np.flatnonzero(labels == k).tolist()
         entry = ClusterShards(id=k, expert=int(router.cluster_expert[k]), docs=len(members), bytes={}, shards={})
-        for split in corpus_mod.SPLITS:
-            data = corpus_mod.SEPARATOR.join(docs[i].text for i in members if splits[i] == split)
+        for split in documents.SPLITS:
+            data = documents.SEPARATOR.join(docs[i].text for i in members if splits[i] == split)
             digest = hashlib.sha256(data).hexdigest()
             path = tmp / "shards" / f"{digest}.bin"
             if not path.exists():
@@ -215,7 +216,7 @@ def _write(
         experts=experts,
         documents=len(docs),
         bytes=int(sizes.sum()),
-        separator=corpus_mod.SEPARATOR.decode(),
+        separator=documents.SEPARATOR.decode(),
         router=RouterSummary(
             sha256=hashlib.sha256(router_bytes).hexdigest(),
             bytes=len(router_bytes),

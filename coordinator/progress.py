@@ -15,9 +15,10 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from soma_edge import cli, metrics
-from soma_edge.metrics import ExpertLine, Line, RoundLine, Status
-from soma_edge.rundir import RunDir
+from soma_edge import cli
+from soma_edge.rundir import metrics
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import ExpertLine, Line, RoundLine, Status
 
 
 def last_expert_lines(lines: list[Line]) -> dict[int, ExpertLine]:

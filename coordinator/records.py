@@ -1,7 +1,7 @@
 """The records the coordinator writes, each built here in one function from what the round knows: the
 run state of a new run and an expert's entry in it (soma_edge.rundir's RunState and ExpertRecord), a
 stored version's checkpoint body, the expert and round lines of metrics.jsonl and status.json
-(soma_edge.metrics's ExpertLine, RoundLine and Status). Their dicts, and so their bytes, come from the
+(soma_edge.rundir.metrics's ExpertLine, RoundLine and Status). Their dicts, and so their bytes, come from the
 records' `to_dict` when they are written (coordinator.ledger, `Loop.status`).
 
 Called by coordinator.ledger (state, expert entries, checkpoints), coordinator.intake (accepted results)
@@ -20,9 +20,10 @@ import numpy as np
 
 from soma_edge import __version__
 from soma_edge.config import Config
-from soma_edge.metrics import ExpertLine, Line, NodeEntry, RoundLine, Status
-from soma_edge.rundir import BestVersion, ExpertRecord, GuardBar, RunState
-from soma_edge.spsa import OptState, UpdateLog
+from soma_edge.rundir.metrics import ExpertLine, Line, NodeEntry, RoundLine, Status
+from soma_edge.rundir.state import BestVersion, ExpertRecord, GuardBar, RunState
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import OptState
 
 
 def run_state(cfg: Config, experts: dict[str, ExpertRecord], seeded: bool) -> RunState:

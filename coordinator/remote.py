@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import launcher, runconfig
-from soma_edge import corpus
+from soma_edge.corpus import sources
 from soma_edge.errors import ConfigError, SomaError
-from soma_edge.procs import flower_bin, flower_env
-from soma_edge.rundir import RunDir
+from soma_edge.processes.launch import flower_bin, flower_env
+from soma_edge.rundir.layout import RunDir
 
 START_KEY = "start"  # the app's run-config key that carries the start request
 POLL_SECONDS = 5.0
@@ -35,7 +35,7 @@ LOG_LINE = re.compile(r"soma\.coord (INFO|WARNING|ERROR) (.*)$")
 
 
 def flwr_home() -> Path:
-    return corpus.cache_dir() / "coord-flwr"
+    return sources.cache_dir() / "coord-flwr"
 
 
 def encode_request(config_text: str | None, overrides: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """Rebuilding a version from a worker's update log, and auditing the steps it claims.
 
 In log mode a worker returns, per expert, the scalars of its round's SPSA steps instead of the weights
-(`soma_edge.spsa.UpdateLog`); the noise comes back from its keys, so `spsa.replay` gives the version the
+(`soma_edge.spsa.log.UpdateLog`); the noise comes back from its keys, so `spsa.replay` gives the version the
 worker ended at, bit for bit, and its hash must be the one the worker claimed.
 
 The log also makes each step checkable. With `federation.audit_steps = s`, the coordinator picks s steps
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_edge import quant
-from soma_edge import steps as expert_steps
 from soma_edge.config import Config
+from soma_edge.engine.numerics import DELTA, FLOAT32_STEP
 from soma_edge.errors import ValidationError
-from soma_edge.numerics import DELTA, FLOAT32_STEP
-from soma_edge.spsa import State, Stepper, UpdateLog, mean_decoder_grad, schedule
+from soma_edge.expert import steps as expert_steps
+from soma_edge.spsa import quant
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import State, mean_decoder_grad, schedule
+from soma_edge.spsa.stepper import Stepper
 
 # Max |decoder - claimed| after a rebuilt round, in weight units. It need not scale with ε: the decoder
 # learns from exact gradients of clean forwards, where ε never enters, and Adam's steps are bounded by its lr.

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.progress import EXPERT_COLUMNS, expert_rows, summary
-from soma_edge import checkpoint, metrics
+from soma_edge import checkpoint
 from soma_edge.errors import CheckpointError, ConfigError
-from soma_edge.metrics import Line
-from soma_edge.rundir import RunDir
+from soma_edge.rundir import metrics
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import Line
 
 
 @dataclass

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from coordinator import scheduler
-from soma_edge.metrics import ExpertLine, Rejection
-from soma_edge.spsa import OptState, UpdateLog
+from soma_edge.rundir.metrics import ExpertLine, Rejection
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import OptState
 
 
 @dataclass

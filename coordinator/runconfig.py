@@ -15,7 +15,7 @@ from coordinator.prepare import prepare
 from soma_edge import config as config_mod
 from soma_edge.config import Config
 from soma_edge.errors import ConfigError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 
 IMMUTABLE = ("model", "data", "seed", "federation.experts", "federation.corpus", "federation.seed_steps")
 

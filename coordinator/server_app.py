@@ -15,7 +15,7 @@ from flwr.serverapp import ServerApp  # this module is Flower's entry point: onl
 from coordinator.loop import Coordinator
 from coordinator.remote import apply_request
 from soma_edge.errors import SomaError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 
 app = ServerApp()
 

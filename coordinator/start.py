@@ -24,13 +24,15 @@ from typing import Any
 from coordinator import launcher, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
-from soma_edge import checkpoint, metrics, runtime
-from soma_edge.certs import WORKER_KEY, WORKER_PUB, make_worker_key
+from soma_edge import checkpoint
 from soma_edge.config import Config
+from soma_edge.engine import runtime
 from soma_edge.errors import ConfigError, SomaError
-from soma_edge.pids import pid_alive
-from soma_edge.procs import free_port
-from soma_edge.rundir import RunDir, RunLockedError
+from soma_edge.processes.launch import free_port
+from soma_edge.processes.pids import pid_alive
+from soma_edge.rundir import metrics
+from soma_edge.rundir.layout import RunDir, RunLockedError
+from soma_edge.wire.certs import WORKER_KEY, WORKER_PUB, make_worker_key
 
 STATUS_GRACE = 240.0  # seconds for the ServerApp to appear (Flower starts it, it waits for the run lock)
 

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.launcher import superlink_running
-from soma_edge.certs import fingerprint, read_public_key
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import ConfigError, SomaError
-from soma_edge.procs import flower_bin, flower_env
-from soma_edge.rundir import RunDir
+from soma_edge.processes.launch import flower_bin, flower_env
+from soma_edge.rundir.layout import RunDir
+from soma_edge.wire.certs import fingerprint, read_public_key
 
 MAX_REGISTRY_BYTES = 4 << 20
 

@@ -30,14 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from soma_edge import __version__, checkpoint, params
+from soma_edge import __version__, checkpoint
 from soma_edge import config as config_mod
 from soma_edge.config import Config
+from soma_edge.corpus.router import Router
+from soma_edge.engine.runtime import load_ort
 from soma_edge.errors import CheckpointError, ConfigError, SomaError
-from soma_edge.protocol import weights_sha256
-from soma_edge.router import Router
-from soma_edge.rundir import ExpertRecord, RunDir, RunState
-from soma_edge.runtime import load_ort
+from soma_edge.expert import params
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import ExpertRecord, RunState
+from soma_edge.wire.protocol import weights_sha256
 
 FORMAT = "soma-edge-deploy"
 FORMAT_VERSION = 1
@@ -314,8 +316,8 @@ def _quantize_int8(model: bytes) -> bytes:
 
 
 def _router_features(router: Router) -> bytes | None:
-    # soma_edge.graph imports onnx at module level: only on the writing path, as `read` is on the inference path.
-    from soma_edge import graph
+    # soma_edge.expert.graph imports onnx at module level: only on the writing path, as `read` is on the inference path.
+    from soma_edge.expert import graph
 
     try:
         return graph.router_features(router).SerializeToString()
@@ -325,10 +327,10 @@ def _router_features(router: Router) -> bytes | None:
 
 
 def _graphs(e: _Expert, quantize: str | None) -> dict[str, bytes]:
-    # onnx (and soma_edge.graph, which imports it): only on the writing path, as `read` is on the inference path.
+    # onnx (and soma_edge.expert.graph, which imports it): only on the writing path, as `read` is on the inference path.
     import onnx
 
-    from soma_edge import graph
+    from soma_edge.expert import graph
 
     out = {}
     for kind, mode in (("score", "logprobs"), ("stream", "stream")):

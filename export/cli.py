@@ -17,8 +17,8 @@ import typer
 from export.bundle import write
 from export.infer import Deployment, EvalReport, evaluate, generate
 from soma_edge.cli import entry, make_app, path_argument, path_option
-from soma_edge.mixture import check_protocol
-from soma_edge.runtime import check_device
+from soma_edge.corpus.mixture import check_protocol
+from soma_edge.engine.runtime import check_device
 
 app = make_app("soma-edge export: ONNX deploy bundles with routed top-k eval and generation.")
 

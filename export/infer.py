@@ -23,11 +23,11 @@ import numpy as np
 
 from export.bundle import Bundle, BundleError, ExpertEntry, read
 from soma_edge import config as config_mod
-from soma_edge import mixture
+from soma_edge.corpus import mixture
+from soma_edge.corpus.router import Router
+from soma_edge.engine.runtime import make_session
 from soma_edge.errors import CodecError, ConfigError, CorpusError, DeviceError, SomaError
-from soma_edge.router import Router
-from soma_edge.rundir import RunDir
-from soma_edge.runtime import make_session
+from soma_edge.rundir.layout import RunDir
 
 MAX_DATA_FILES = 100_000
 
@@ -131,7 +131,7 @@ class Deployment:
         keep_logprobs: bool = False,
         protocol: str = "stream",
     ) -> mixture.MixtureResult:
-        """The routed mixture's score of `data` under `protocol` (soma_edge.mixture.PROTOCOLS)."""
+        """The routed mixture's score of `data` under `protocol` (soma_edge.corpus.mixture.PROTOCOLS)."""
         fns = [e.logprobs for e in self.experts]
         temperature = self.bundle.temperature if temperature is None else temperature
         if protocol == "paper":

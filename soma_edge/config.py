@@ -26,7 +26,7 @@ class ReplyPolicy(StrEnum):
 class LogDecoder(StrEnum):
     """`federation.log_decoder`: how a log reply carries the delta-rule decoder (spsa.UpdateLog)."""
 
-    INT8 = "int8"  # its change in int8 codes per block of 256 (soma_edge.quant), adopted by both sides
+    INT8 = "int8"  # its change in int8 codes per block of 256 (soma_edge.spsa.quant), adopted by both sides
     FLOAT32 = "float32"  # its final weights, lossless, 4 bytes a weight
 
 
@@ -39,7 +39,7 @@ class Noise(StrEnum):
 
 
 class Evaluator(StrEnum):
-    """`spsa.evaluator`: how a step's losses are evaluated, never what they are (soma_edge.population)."""
+    """`spsa.evaluator`: how a step's losses are evaluated, never what they are (soma_edge.engine.population)."""
 
     LOOP = "loop"  # one ORT call per probe (2K per minibatch), plus the clean forward
     POPULATION = "population"  # one ORT call per minibatch: the clean forward and the 2K members together
@@ -176,7 +176,7 @@ def evals_per_step(spsa: SPSAConfig) -> int:
     return spsa.accumulate * (2 * spsa.directions + (1 if spsa.decoder == "delta" else 0))
 
 
-# The seed run's config rules (soma_edge.seed holds the rest of it). They live here, below spsa and seed,
+# The seed run's config rules (soma_edge.rundir.seed holds the rest of it). They live here, below spsa and seed,
 # because `validate` checks the budget they define: a seed run must leave the experts steps.
 
 

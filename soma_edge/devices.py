@@ -1,7 +1,7 @@
 """Device names: `auto | cpu | cuda[:i] | <ONNX Runtime execution provider>`, parsed without onnxruntime.
 
 A config names its device as text; checking that text must not load onnxruntime (the config loads
-everywhere, onnxruntime only where something runs). `soma_edge.runtime` turns a parsed Device into
+everywhere, onnxruntime only where something runs). `soma_edge.engine.runtime` turns a parsed Device into
 ONNX Runtime's providers list, and resolves `auto` against the providers the installed build has.
 `gpus()` says which NVIDIA GPUs the driver reports, also without onnxruntime.
 """

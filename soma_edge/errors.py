@@ -15,7 +15,7 @@ class ConfigError(SomaError):
 
 class DeviceError(SomaError):
     """An execution provider, device or ONNX Runtime install that cannot be used; the message names the missing
-    package, library or node, and what to install (soma_edge.runtime)."""
+    package, library or node, and what to install (soma_edge.engine.runtime)."""
 
 
 class CorpusError(SomaError):

@@ -26,7 +26,7 @@ import numpy as np
 
 from soma_edge import checkpoint
 from soma_edge.errors import CheckpointError
-from soma_edge.protocol import weights_sha256
+from soma_edge.wire.protocol import weights_sha256
 
 KIND = "worker_weights"
 DEFAULT_MAX_BYTES = 2 << 30

@@ -12,16 +12,21 @@ from typing import Optional
 import numpy as np
 import typer
 
-from soma_edge import checkpoint, corpus, devices, params, protocol, runtime
+from soma_edge import checkpoint, devices
 from soma_edge import config as config_mod
-from soma_edge.certs import check_private_key, fingerprint, make_worker_key, read_public_key
 from soma_edge.cli import entry, log_level, make_app, path_argument, path_option
 from soma_edge.config import MAX_SEED
+from soma_edge.corpus import documents, sources
+from soma_edge.engine import evaluator as evaluators
+from soma_edge.engine import runtime
+from soma_edge.engine.evaluator import evaluator_for, mean_loss
 from soma_edge.errors import CheckpointError, ConfigError
-from soma_edge.procs import flower_env, free_port
-from soma_edge.protocol import weights_sha256
-from soma_edge.runtime import evaluator_for, mean_loss
-from soma_edge.spsa import OptState, State, plateau
+from soma_edge.expert import params
+from soma_edge.processes.launch import flower_env, free_port
+from soma_edge.spsa.optim import OptState, State, plateau
+from soma_edge.wire import protocol
+from soma_edge.wire.certs import check_private_key, fingerprint, make_worker_key, read_public_key
+from soma_edge.wire.protocol import weights_sha256
 from worker import doctor, join, probe
 from worker.trainer import train as train_loop
 
@@ -67,10 +72,10 @@ def train_cmd(
         raise CheckpointError(f"--out {out}: must be a file path in an existing folder")
     state = _resume(resume, cfg) if resume else State(params.init(cfg.model, cfg.seed))
 
-    splits = corpus.by_split(corpus.default_documents())
-    train_data, test_data = corpus.to_stream(splits["train"]), corpus.to_stream(splits["test"])
-    xt, yt = corpus.eval_windows(test_data, cfg.data.seq_len, eval_windows)
-    xv, yv = corpus.eval_windows(corpus.to_stream(splits["val"]), cfg.data.seq_len, eval_windows)
+    splits = documents.by_split(sources.default_documents())
+    train_data, test_data = documents.to_stream(splits["train"]), documents.to_stream(splits["test"])
+    xt, yt = documents.eval_windows(test_data, cfg.data.seq_len, eval_windows)
+    xv, yv = documents.eval_windows(documents.to_stream(splits["val"]), cfg.data.seq_len, eval_windows)
     evaluator = _evaluator(cfg)
     before = mean_loss(evaluator, state.weights, xt, yt)
     t0, done, evals = time.perf_counter(), 0, 0
@@ -97,11 +102,11 @@ def train_cmd(
         "steps_per_s": round(done / seconds, 3),
         "forward_evals_per_s": round(evals / seconds, 1),
         "providers": evaluator.providers,
-        "evaluator": runtime.evaluator_kind(evaluator).value,
+        "evaluator": evaluators.evaluator_kind(evaluator).value,
         "lr_scale": state.opt.lr_scale,
         "test_nats_per_byte_before": before,
         "test_nats_per_byte_after": after,
-        "unigram_nats_per_byte": corpus.unigram_entropy(train_data, test_data),
+        "unigram_nats_per_byte": documents.unigram_entropy(train_data, test_data),
         "weights_sha256": weights_sha256(state.weights),
     }
     if as_json:
@@ -115,7 +120,7 @@ def _evaluator(cfg):
     """The config's evaluator; with spsa.evaluator = auto on an accelerator, the faster of the loop and the
     population as measured here, as a joined worker's probe chooses (worker/probe.py)."""
     evaluator = evaluator_for(cfg)
-    if runtime.measures_auto(cfg.spsa.evaluator, evaluator.providers):
+    if evaluators.measures_auto(cfg.spsa.evaluator, evaluator.providers):
         evaluator, _ = probe.fastest(cfg, cfg.device, cfg.threads, True, cfg.parallel)
     return evaluator
 
@@ -222,7 +227,7 @@ def join_cmd(
 def _node_values(name: str | None, cache: Path | None, device: str) -> tuple[str, Path]:
     """The worker's name and its cache folder (made here), as they go into the SuperNode's node config."""
     name = name or socket.gethostname()
-    cache = (cache or corpus.cache_dir() / "worker").resolve()
+    cache = (cache or sources.cache_dir() / "worker").resolve()
     for what, v in (("--name", name), ("--cache", str(cache)), ("--device", device)):
         if "'" in v or "\\" in v:  # the node config is a string of key='value' pairs
             raise ConfigError(f"{what} {v!r}: must not contain quotes or backslashes")

@@ -30,18 +30,17 @@ import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from soma_edge import (
-    __version__,
-    codec,
-    protocol,
-    steps,
-)
+from soma_edge import __version__, codec
 from soma_edge import config as config_mod
 from soma_edge.config import Config
-from soma_edge.corpus import SEPARATOR, cache_dir
+from soma_edge.corpus.documents import SEPARATOR
+from soma_edge.corpus.sources import cache_dir
 from soma_edge.errors import CheckpointError, SomaError, ValidationError
-from soma_edge.logs import role_logger
-from soma_edge.spsa import OptState, State, UpdateLog
+from soma_edge.expert import steps
+from soma_edge.processes.logs import role_logger
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import OptState, State
+from soma_edge.wire import protocol
 from worker import probe, speculation, task
 from worker.cache import HEARTBEAT_ADVICE, Cache
 

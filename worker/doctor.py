@@ -5,7 +5,7 @@ memory; whether the CUDA and cuDNN libraries load; the device the worker would r
 worker runs for the demo expert (`expert_graphs`: the loop evaluator's loss, the delta rule's clean forward
 `train`, the population evaluator's `population`, and the `update` that keeps the expert on its device), the
 EP its nodes really run on (ORT's own placement report) and whether each node has a kernel on the CUDA EP
-(a static check against its kernel list, soma_edge.cuda_ops); and steps/s for the demo expert, measured as
+(a static check against its kernel list, soma_edge.expert.cuda_kernels); and steps/s for the demo expert, measured as
 worker/probe.py measures a worker. On a CPU box one line says that it runs on the CPU, and it exits 0.
 Whatever stops the GPU from being used is said once, with what to install. A named device that cannot run
 here ends the report with a DeviceError (the CLI's one `error:` line, exit 2).
@@ -16,16 +16,20 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from soma_edge import cuda_ops, devices, params, runtime
+from soma_edge import devices
 from soma_edge.config import Config, ModelConfig, evals_per_step
 from soma_edge.devices import CPU, CUDA
+from soma_edge.engine import evaluator as evaluators
+from soma_edge.engine import runtime
 from soma_edge.errors import DeviceError
+from soma_edge.expert import cuda_kernels as cuda_ops
+from soma_edge.expert import params
 from worker import probe
 
 if TYPE_CHECKING:
     import onnx
 
-    from soma_edge.population_graph import Noise as GraphNoise
+    from soma_edge.expert.population_graph import Noise as GraphNoise
 
 # examples/demo.toml's expert (`make demo`), everything else the default recipe; a test keeps them equal.
 DEMO_MODEL = ModelConfig(embed=32, hidden=128, layers=1)
@@ -99,18 +103,19 @@ def _device(device: str, seconds: float, said: str | None, say: Callable[[str], 
     cfg = demo_config(device)
     for name, (what, graph) in expert_graphs(cfg).items():
         say(f"graph {name}: {what}; " + (graph if isinstance(graph, str) else _placed(graph, plan)))
-    evaluator = runtime.evaluator_for(cfg)
+    evaluator = evaluators.evaluator_for(cfg)
     rate = probe.measure(evaluator, cfg, seconds) / evals_per_step(cfg.spsa)  # evaluations/s -> steps/s
     say(
         f"demo expert ({params.count(cfg.model)} params, batch {cfg.data.batch} x {cfg.data.seq_len} bytes, "
-        f"{runtime.evaluator_kind(evaluator).value} evaluator): {rate:.1f} steps/s on {evaluator.providers[0]}"
+        f"{evaluators.evaluator_kind(evaluator).value} evaluator): {rate:.1f} steps/s on {evaluator.providers[0]}"
     )
 
 
 def population_args(cfg: Config) -> tuple[int, list[str], GraphNoise]:
     """K, the perturbed tensors and the noise form of the population evaluator that population.for_config
     makes for `cfg`, without its session (a test keeps the two equal)."""
-    from soma_edge.population import graph_noise, perturbed_tensors  # imports onnx (heavy): only where graphs are built
+    # imports onnx (heavy): only where graphs are built
+    from soma_edge.engine.population import graph_noise, perturbed_tensors
 
     return cfg.spsa.directions, perturbed_tensors(cfg), graph_noise(cfg.spsa)
 
@@ -118,8 +123,8 @@ def population_args(cfg: Config) -> tuple[int, list[str], GraphNoise]:
 def expert_graphs(cfg: Config) -> dict[str, tuple[str, onnx.ModelProto | str]]:
     """Each graph (GRAPHS) a worker on `cfg` runs for one expert: what runs it, and the graph, or why `cfg`
     does not run it. The population graph is the PLACE_BYTES-byte unroll (see PLACE_BYTES)."""
-    from soma_edge import graph, update_graph  # import onnx (heavy): only where graphs are built
-    from soma_edge.population_graph import build_population
+    from soma_edge.expert import graph, update_graph  # import onnx (heavy): only where graphs are built
+    from soma_edge.expert.population_graph import build_population
 
     m, s, delta = cfg.model, cfg.spsa, cfg.spsa.decoder == "delta"
     k, perturbed, noise = population_args(cfg)

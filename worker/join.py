@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from soma_edge.errors import ConfigError, LinkError
-from soma_edge.procs import die_with_parent
-from soma_edge.protocol import RUN_ENDED
+from soma_edge.processes.launch import die_with_parent
+from soma_edge.wire.protocol import RUN_ENDED
 
 # How long the coordinator may not answer before `join` gives up (Flower itself would retry forever).
 PATIENCE = 20.0

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from soma_edge import __version__, devices, params
+from soma_edge import __version__, devices
 from soma_edge.config import Config, Evaluator
-from soma_edge.runtime import LossEvaluator, evaluator_for, evaluator_kind, measures_auto
-from soma_edge.spsa import State
+from soma_edge.engine.evaluator import LossEvaluator, evaluator_for, evaluator_kind, measures_auto
+from soma_edge.expert import params
+from soma_edge.spsa.optim import State
 from worker.cache import Cache
 from worker.trainer import train
 

@@ -44,15 +44,16 @@ from typing import Any
 
 import numpy as np
 
-from soma_edge import codec, protocol
+from soma_edge import codec
 from soma_edge import config as config_mod
 from soma_edge.checkpoint import atomic_write
 from soma_edge.config import Config
-from soma_edge.corpus import SEPARATOR
+from soma_edge.corpus.documents import SEPARATOR
 from soma_edge.errors import CheckpointError, SomaError
-from soma_edge.logs import role_logger
-from soma_edge.pids import pid_alive
-from soma_edge.spsa import State
+from soma_edge.processes.logs import role_logger
+from soma_edge.processes.pids import pid_alive
+from soma_edge.spsa.optim import State
+from soma_edge.wire import protocol
 from worker import probe, task
 from worker.cache import Cache
 from worker.trainer import TrainReport

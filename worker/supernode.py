@@ -23,7 +23,7 @@ import sys
 import threading
 from pathlib import Path
 
-from soma_edge.protocol import HEARTBEAT_MAX, HEARTBEAT_MIN, HEARTBEAT_SLOW
+from soma_edge.wire.protocol import HEARTBEAT_MAX, HEARTBEAT_MIN, HEARTBEAT_SLOW
 from worker.cache import HEARTBEAT_ADVICE, Cache
 
 AUTO_START = HEARTBEAT_SLOW  # until the coordinator has measured the link: Flower's own default

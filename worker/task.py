@@ -11,11 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from soma_edge import protocol, quant, steps
 from soma_edge.config import Config, LogDecoder
-from soma_edge.logs import role_logger
-from soma_edge.protocol import ReplyMode
-from soma_edge.spsa import OptState, State, code_decoder, record_log
+from soma_edge.expert import steps
+from soma_edge.processes.logs import role_logger
+from soma_edge.spsa import quant
+from soma_edge.spsa.log import code_decoder, record_log
+from soma_edge.spsa.optim import OptState, State
+from soma_edge.wire import protocol
+from soma_edge.wire.protocol import ReplyMode
 from worker.cache import Cache
 from worker.trainer import TrainReport
 from worker.trainer import train as train_loop

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_edge.config import Config, Evaluator, evals_per_step
-from soma_edge.runtime import LossEvaluator, evaluator_kind
-from soma_edge.spsa import State
-from soma_edge.steps import batches, objectives
-from soma_edge.steps import stepper as make_stepper
+from soma_edge.engine.evaluator import LossEvaluator, evaluator_kind
+from soma_edge.expert.steps import batches, objectives
+from soma_edge.expert.steps import stepper as make_stepper
+from soma_edge.spsa.optim import State
 
 
 @dataclass
@@ -68,7 +68,7 @@ def train(
     # With the population evaluator, the expert stays on its device where the update graph allows it.
     runner = None
     if evaluator.population is not None:
-        from soma_edge import resident  # imports onnx, as the population evaluator does: only on its path
+        from soma_edge.engine import resident  # imports onnx, as the population evaluator does: only on its path
 
         runner = resident.for_training(cfg, evaluator.population, expert, state)
     stepper = None if runner is not None else make_stepper(cfg, expert, evaluator.parallel)

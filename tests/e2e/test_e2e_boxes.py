@@ -10,9 +10,9 @@ import os
 import sys
 import time
 
-from soma_edge import params
-from soma_edge.procs import free_port
-from soma_edge.rundir import RunDir
+from soma_edge.expert import params
+from soma_edge.processes.launch import free_port
+from soma_edge.rundir.layout import RunDir
 from tests.helpers import netboxes
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import START_TIMEOUT

@@ -11,9 +11,9 @@ import pytest
 from cryptography import x509
 
 from coordinator.launcher import TLS, Launcher
-from soma_edge.certs import files, make_certs
 from soma_edge.cli import run as run_cli
-from soma_edge.procs import free_port
+from soma_edge.processes.launch import free_port
+from soma_edge.wire.certs import files, make_certs
 
 
 def _handshake(port: int, cafile) -> x509.Certificate:

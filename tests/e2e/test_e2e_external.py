@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from coordinator.launcher import Launcher
-from soma_edge.procs import free_port
-from soma_edge.rundir import RunDir
+from soma_edge.processes.launch import free_port
+from soma_edge.rundir.layout import RunDir
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import cli
 

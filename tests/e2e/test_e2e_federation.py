@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from soma_edge import checkpoint, protocol
-from soma_edge.rundir import RunDir
+from soma_edge import checkpoint
+from soma_edge.rundir.layout import RunDir
+from soma_edge.wire import protocol
 from tests.helpers.board import events
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import (
@@ -458,7 +459,7 @@ def _check_the_seed_run(fed: dict, sent: dict[tuple[int, int], str]) -> None:
     assert (state.round, state.phase, seed.expert, seed.step) == (6, "experts", EXPERTS, 40)
     assert sent[(EXPERTS, seed.version)] == seed.sha256  # the seed's weights are what a worker sent
     seed_w = checkpoint.load(rd.root / seed.path, "expert")["weights"]
-    from soma_edge import params
+    from soma_edge.expert import params
 
     body = params.layout(rd.load_config().model).body
     for e in range(EXPERTS):

@@ -15,8 +15,8 @@ import signal
 import sys
 import time
 
-from soma_edge.procs import free_port
-from soma_edge.rundir import RunDir
+from soma_edge.processes.launch import free_port
+from soma_edge.rundir.layout import RunDir
 from tests.helpers import netboxes
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import START_TIMEOUT

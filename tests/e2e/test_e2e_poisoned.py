@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 from soma_edge import checkpoint
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 from tests.helpers.federation import (
     START_TIMEOUT,
     cli,

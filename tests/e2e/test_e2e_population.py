@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import finish, leftovers, metric_lines, start_coordinator, val_loss, wait_until
 

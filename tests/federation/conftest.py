@@ -5,7 +5,7 @@ import pytest
 from coordinator import scheduler
 from coordinator.prepare import prepare
 from soma_edge import config as config_mod
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.fakegrid import TINY
 

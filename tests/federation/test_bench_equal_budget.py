@@ -15,7 +15,7 @@ import pytest
 from bench import equal_budget
 from coordinator.server_app import Coordinator
 from soma_edge.config import Config, evals_per_step
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.fakegrid import FakeGrid
 

@@ -43,10 +43,12 @@ from pathlib import Path
 
 import pytest
 
-from soma_edge import checkpoint, protocol
+from soma_edge import checkpoint
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError
-from soma_edge.rundir import LOG_KIND, RunDir, verify_experts
+from soma_edge.rundir.layout import RunDir, verify_experts
+from soma_edge.rundir.state import LOG_KIND
+from soma_edge.wire import protocol
 from tests.helpers.crash_child import CRASH_CODE, EXPERT_RE, POINTS, state_summary
 from tests.helpers.fakegrid import TINY, set_fed
 

@@ -22,11 +22,12 @@ from coordinator import heartbeat as heartbeat_mod
 from coordinator import scheduler
 from coordinator.dispatch import log_bytes
 from coordinator.loop import Coordinator
-from soma_edge import checkpoint, protocol
+from soma_edge import checkpoint
 from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
-from soma_edge.rundir import RunDir, RunLockedError
-from soma_edge.spsa import OptState
+from soma_edge.rundir.layout import RunDir, RunLockedError
+from soma_edge.spsa.optim import OptState
+from soma_edge.wire import protocol
 from tests.helpers.fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 from worker import client_app
 from worker.cache import Cache
@@ -94,7 +95,7 @@ def test_float16_replies_stored_as_received_and_old_versions_pruned(run, tmp_pat
 
 
 def state_size(rd: RunDir) -> int:
-    from soma_edge import params
+    from soma_edge.expert import params
 
     return params.layout(rd.load_config().model).size
 
@@ -202,7 +203,7 @@ def test_a_reply_over_the_per_node_bound_is_refused_and_one_at_it_accepted(run, 
     back one byte over it, node b's exactly at it: a's experts keep version 0 with their files untouched,
     one line per refused result names the size and the bound, and b's experts advance, so an off-by-one
     bound either way fails here."""
-    from soma_edge import params
+    from soma_edge.expert import params
 
     equal_rates(monkeypatch)  # two experts per node
     set_fed(run, rounds=0)
@@ -796,8 +797,8 @@ def _weights_of(rd: RunDir, rel: str) -> np.ndarray:
 
 
 def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, monkeypatch):
-    from soma_edge import params
     from soma_edge.config import expert_steps
+    from soma_edge.expert import params
 
     equal_rates(monkeypatch)
     # Time enough that the step budget, not a slow box's clock, ends each expert's round: 36 steps of 5
@@ -838,7 +839,7 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
 
 
 def test_seed_decoder_delta_keeps_training_the_decoder(run, tmp_path, monkeypatch):
-    from soma_edge import params
+    from soma_edge.expert import params
 
     equal_rates(monkeypatch)
     _seeded(run, seed_steps=4, rounds=2)
@@ -1072,7 +1073,7 @@ def test_malformed_pieces_are_refused(piece, why):
 
 def test_worker_decodes_no_train_request_beyond_its_runs_model(run, tmp_path):
     """The capability query tells the worker the run's model, which bounds every train request it decodes."""
-    from soma_edge import params
+    from soma_edge.expert import params
 
     set_fed(run, rounds=1)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])

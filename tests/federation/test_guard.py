@@ -12,8 +12,9 @@ import pytest
 
 from coordinator import guard
 from coordinator.loop import Coordinator
-from soma_edge import checkpoint, protocol
-from soma_edge.rundir import GuardBar
+from soma_edge import checkpoint
+from soma_edge.rundir.state import GuardBar
+from soma_edge.wire import protocol
 from tests.helpers.fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 
 

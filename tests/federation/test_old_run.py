@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.loop import Coordinator
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 from tests.helpers.fakegrid import FakeGrid, set_fed
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"  # tests/fixtures

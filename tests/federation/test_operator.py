@@ -19,7 +19,7 @@ from coordinator import heartbeat as heartbeat_mod
 from coordinator import scheduler
 from coordinator.loop import Coordinator
 from coordinator.progress import Events, Follower
-from soma_edge import protocol
+from soma_edge.wire import protocol
 from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
 from worker import join
 
@@ -95,7 +95,7 @@ def test_a_late_joiner_takes_the_experts_of_a_node_that_left(run, tmp_path, monk
 
 
 def test_the_console_shows_the_coordinators_events_but_not_its_detail(tmp_path):
-    from soma_edge.rundir import RunDir
+    from soma_edge.rundir.layout import RunDir
 
     rd = RunDir(tmp_path / "run")
     rd.logs.mkdir(parents=True)
@@ -204,7 +204,7 @@ def test_help_renders_defaults_without_escapes():
 
 
 def test_supernode_launcher_sets_the_heartbeat_flower_uses():
-    from flwr.supercore import heartbeat
+    from flwr.supercore import heartbeat  # where the reported interval lives
     from flwr.supernode import fleet_http_connection
 
     from worker import supernode

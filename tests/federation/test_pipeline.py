@@ -11,7 +11,8 @@ import pytest
 
 from coordinator import guard
 from coordinator.loop import Coordinator, Loop
-from soma_edge import checkpoint, protocol
+from soma_edge import checkpoint
+from soma_edge.wire import protocol
 from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed, step_budgets_bind
 
 

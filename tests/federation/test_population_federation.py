@@ -4,7 +4,7 @@ loop, and accepts them; each version's metrics line names the evaluator that mad
 
 from __future__ import annotations
 
-from soma_edge import population
+from soma_edge.engine import population
 
 
 def test_population_worker_log_replies_are_audited_and_accepted(run, tmp_path, monkeypatch):

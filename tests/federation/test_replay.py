@@ -14,10 +14,14 @@ import sys
 import numpy as np
 import pytest
 
-from soma_edge import checkpoint, params, protocol, quant, spsa, steps
+from soma_edge import checkpoint
 from soma_edge.config import Config, from_dict
 from soma_edge.errors import CheckpointError
-from soma_edge.protocol import ReplyMode
+from soma_edge.expert import params, steps
+from soma_edge.spsa import log as update_log
+from soma_edge.spsa import optim, quant
+from soma_edge.wire import protocol
+from soma_edge.wire.protocol import ReplyMode
 
 STEPS = 200
 BASE = {
@@ -57,33 +61,38 @@ CODED = {"gaussian-adam-accumulate-delta", "rms-delta-tied-eps", "soma-kind-adam
 DATA = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
 
 
-def _train(cfg: Config, expert: int, start: spsa.State, coded: bool = False) -> tuple[spsa.State, spsa.UpdateLog]:
-    from soma_edge.runtime import evaluator_for
+def _train(
+    cfg: Config, expert: int, start: optim.State, coded: bool = False
+) -> tuple[optim.State, update_log.UpdateLog]:
+    from soma_edge.engine.evaluator import evaluator_for
     from worker.trainer import train
 
-    state = spsa.State(start.weights.copy(), step=start.step, opt=start.opt.copy())
+    state = optim.State(start.weights.copy(), step=start.step, opt=start.opt.copy())
     state.opt.lr_scale = 0.5  # the coordinator's plateau factor for the round: the log carries it
     body = steps.log_body(cfg)
     base_decoder = state.weights[body:].copy()
     rep = train(state, DATA, cfg, evaluator_for(cfg, threads=1, parallel=1), expert=expert, steps=STEPS)
     assert rep.steps == STEPS
-    change = spsa.code_decoder(state, body, base_decoder) if coded and body else None
-    return state, spsa.record_log(start.step, 0.5, rep.grads, state, body, change)
+    change = update_log.code_decoder(state, body, base_decoder) if coded and body else None
+    return state, update_log.record_log(start.step, 0.5, rep.grads, state, body, change)
 
 
 REPLAY_CHILD = """
 import sys
 import numpy as np
-from soma_edge import checkpoint, params, protocol, quant, spsa, steps
+from soma_edge import checkpoint
 from soma_edge.config import from_dict
+from soma_edge.expert import params
+from soma_edge.spsa.log import UpdateLog, replay
+from soma_edge.spsa.optim import OptState, State
 jobs = checkpoint.load(sys.argv[1], "replay_jobs")
 out = {}
 for name, job in jobs.items():
     cfg = from_dict(job["config"])
     lay = params.layout(cfg.model)
-    base = spsa.State(job["weights"], step=job["step"], opt=spsa.OptState.from_record(job["opt"], job["weights"].size))
-    log = spsa.UpdateLog.from_record(job["log"])
-    got = spsa.replay(
+    base = State(job["weights"], step=job["step"], opt=OptState.from_record(job["opt"], job["weights"].size))
+    log = UpdateLog.from_record(job["log"])
+    got = replay(
         cfg.spsa, base, log, seed=cfg.seed, expert=job["expert"], body=lay.body, dense=lay.dense(), shapes=lay.shapes
     )
     out[name] = {"weights": got.weights, "opt": got.opt.to_record(), "step": got.step}
@@ -98,7 +107,7 @@ def trained(tmp_path_factory):
     for i, name in enumerate(VARIANTS):
         cfg = _config(name)
         w0 = params.init(cfg.model, cfg.seed)
-        warm, _ = _train(cfg, i, spsa.State(w0))  # a version with a history, as a second round starts from
+        warm, _ = _train(cfg, i, optim.State(w0))  # a version with a history, as a second round starts from
         warm.step = 37  # any step: the keys and the schedule follow it
         end, log = _train(cfg, i, warm, coded=name in CODED)
         runs[name] = (cfg, i, warm, end, log)
@@ -158,13 +167,13 @@ def _good(trained, name="rademacher-sparse-adam-delta"):
     "breaker,message",
     [
         (
-            lambda log: spsa.UpdateLog(
+            lambda log: update_log.UpdateLog(
                 log.start, log.grads[:, :1], log.lr_scale, log.decoder, log.decoder_m, log.decoder_v
             ),
             "each step needs 2",
         ),
         (
-            lambda log: spsa.UpdateLog(
+            lambda log: update_log.UpdateLog(
                 log.start,
                 np.where(np.arange(log.grads.size).reshape(log.grads.shape) == 7, np.nan, log.grads).astype(np.float32),
                 log.lr_scale,
@@ -175,20 +184,20 @@ def _good(trained, name="rademacher-sparse-adam-delta"):
             "non-finite scalars",
         ),
         (
-            lambda log: spsa.UpdateLog(
+            lambda log: update_log.UpdateLog(
                 log.start + 1, log.grads, log.lr_scale, log.decoder, log.decoder_m, log.decoder_v
             ),
             "the log starts at step 38, the version is at step 37",
         ),
-        (lambda log: spsa.UpdateLog(log.start, log.grads, log.lr_scale, None, None, None), "needs its decoder"),
+        (lambda log: update_log.UpdateLog(log.start, log.grads, log.lr_scale, None, None, None), "needs its decoder"),
         (
-            lambda log: spsa.UpdateLog(
+            lambda log: update_log.UpdateLog(
                 log.start, log.grads, log.lr_scale, log.decoder[:-1], log.decoder_m, log.decoder_v
             ),
             "needs its decoder",
         ),
         (
-            lambda log: spsa.UpdateLog(
+            lambda log: update_log.UpdateLog(
                 log.start, log.grads, log.lr_scale, None, None, None, np.zeros(3, np.int8), np.ones(1, np.float32)
             ),
             "codes must be int8",
@@ -200,7 +209,7 @@ def test_replay_refuses_a_log_that_does_not_fit(trained, breaker, message):
     before = warm.weights.tobytes()
     lay = params.layout(cfg.model)
     with pytest.raises(ValueError, match=message):
-        spsa.replay(cfg.spsa, warm, breaker(log), seed=cfg.seed, expert=e, body=lay.body, dense=lay.dense())
+        update_log.replay(cfg.spsa, warm, breaker(log), seed=cfg.seed, expert=e, body=lay.body, dense=lay.dense())
     assert warm.weights.tobytes() == before  # nothing changed
 
 
@@ -221,7 +230,7 @@ def test_replay_refuses_a_log_that_does_not_fit(trained, breaker, message):
 def test_update_log_records_are_type_checked(trained, edit, message):
     _, _, _, log = _good(trained)
     with pytest.raises(CheckpointError, match=re.escape(message)):
-        spsa.UpdateLog.from_record({**log.to_record(), **edit})
+        update_log.UpdateLog.from_record({**log.to_record(), **edit})
 
 
 def test_the_audit_allows_a_coded_decoder_half_a_code_step_and_refuses_a_flipped_code(trained):
@@ -230,14 +239,14 @@ def test_the_audit_allows_a_coded_decoder_half_a_code_step_and_refuses_a_flipped
     claims the hash its altered log replays to, so the replay alone cannot tell) is refused."""
     from coordinator import replay as audit_mod
     from soma_edge.config import Evaluator
+    from soma_edge.engine.evaluator import evaluator_for
     from soma_edge.errors import ValidationError
-    from soma_edge.runtime import evaluator_for
 
     runs, _ = trained
     cfg, e, warm, _, log = runs["soma-kind-adam-delta"]
     ev = evaluator_for(cfg, "cpu", threads=1, parallel=1, evaluator=Evaluator.LOOP)
     audit_mod.audit(cfg, warm, log, e, DATA, ev, [0, STEPS - 1])
-    lie = spsa.UpdateLog.from_record(log.to_record())
+    lie = update_log.UpdateLog.from_record(log.to_record())
     lie.decoder_codes = log.decoder_codes.copy()
     i = int(np.argmax(np.abs(log.decoder_codes.astype(np.int16))))
     assert abs(int(lie.decoder_codes[i])) == quant.LEVELS and log.decoder_scales[i // quant.BLOCK] > 1e-5
@@ -386,11 +395,11 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
     def lie(nid, body):
         coord = box[0]
         for res in body["results"] if nid == 1001 else []:
-            log = spsa.UpdateLog.from_record(res["log"])
+            log = update_log.UpdateLog.from_record(res["log"])
             log.grads[log.steps // 2, 0] *= 3.0
             x = coord.loop.ledger.expert(res["expert"])
             stored = coord.run.load_expert(x.path)
-            base = spsa.State(
+            base = optim.State(
                 protocol.decode_weights(stored["weights"]),
                 step=x.step,
                 opt=coord.loop.ledger.checked_opt(stored, x.path),

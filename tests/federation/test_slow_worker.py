@@ -15,9 +15,9 @@ from coordinator.ledger import Bases
 from coordinator.loop import Coordinator
 from coordinator.planning import Planner
 from coordinator.scheduler import UNMEASURED_LINK as SHIPPED_LINK  # read before conftest's in_process_link
-from soma_edge import protocol
-from soma_edge import seed as seed_mod
 from soma_edge.errors import SomaError
+from soma_edge.rundir import seed as seed_mod
+from soma_edge.wire import protocol
 from tests.helpers.fakegrid import FakeGrid, set_fed
 
 WAIT = 2.0  # federation.wait_seconds, fake seconds

@@ -11,7 +11,7 @@ import pytest
 from coordinator.board import Board
 from coordinator.fleet import Fleet
 from coordinator.loop import Coordinator, Loop
-from soma_edge import protocol
+from soma_edge.wire import protocol
 from tests.helpers.board import events
 from tests.helpers.fakegrid import FakeGrid, set_fed
 

@@ -121,8 +121,8 @@ class Injector:
     def install(self) -> None:
         from coordinator.loop import Loop
         from soma_edge import checkpoint
-        from soma_edge import rundir as run_mod
-        from soma_edge.rundir import RunDir
+        from soma_edge.rundir import layout as rundir
+        from soma_edge.rundir.layout import RunDir
 
         inj = self
         real_round, real_commit = Loop.start_round, Loop.commit
@@ -167,7 +167,7 @@ class Injector:
                 inj.hit("append_metrics")
             if inj.phase == "metrics" and inj.point == "torn_append":
                 if inj.armed() and inj.count + 1 == inj.k:  # the call that crashes: half of it first
-                    data = run_mod.metrics_bytes(lines)
+                    data = rundir.metrics_bytes(lines)
                     with open(self.metrics_path, "ab") as f:
                         f.write(data[: len(data) // 2])
                 inj.hit("append_metrics, half written")
@@ -214,7 +214,7 @@ class Injector:
 
 
 def install_journal(path: Path) -> None:
-    from soma_edge.rundir import RunDir
+    from soma_edge.rundir.layout import RunDir
 
     real = RunDir.save_state
 
@@ -242,7 +242,7 @@ def main() -> int:
 
     # Imported here, after OMP_NUM_THREADS is set above: numpy's BLAS and ORT read it when they load.
     from coordinator.loop import Coordinator
-    from soma_edge.rundir import RunDir
+    from soma_edge.rundir.layout import RunDir
     from tests.helpers.fakegrid import FakeGrid
 
     run = RunDir(a.run)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from soma_edge import checkpoint, params, router
+from soma_edge import checkpoint
 from soma_edge.config import Config, DataConfig, ModelConfig
+from soma_edge.corpus import router
+from soma_edge.expert import params
 
 T = 32  # the runs' seq_len: the window of their bundles
 

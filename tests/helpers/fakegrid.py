@@ -12,8 +12,8 @@ from flwr.serverapp import Grid
 
 from coordinator import scheduler
 from soma_edge import config as config_mod
-from soma_edge import protocol
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
+from soma_edge.wire import protocol
 from worker import client_app
 
 TINY = {

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from soma_edge import checkpoint, corpus, protocol
-from soma_edge.pids import pid_alive
-from soma_edge.rundir import RunDir
-from soma_edge.runtime import LossEvaluator, mean_loss
+from soma_edge import checkpoint
+from soma_edge.corpus import documents
+from soma_edge.engine.evaluator import LossEvaluator, mean_loss
+from soma_edge.processes.pids import pid_alive
+from soma_edge.rundir.layout import RunDir
+from soma_edge.wire import protocol
 from tests.helpers.corpus import write_stdlib_corpus
 
 START_TIMEOUT = 240
@@ -90,8 +92,8 @@ def val_loss(rd: RunDir, expert: int, version: int) -> float:
     data = b"".join(rd.shard(h) for h in prep.shards(expert, "val"))
     if len(data) < 2000:
         experts = range(cfg.federation.experts)
-        data = corpus.SEPARATOR.join(rd.shard(h) for e in experts for h in prep.shards(e, "val"))
-    x, y = corpus.eval_windows(np.frombuffer(data, dtype=np.uint8), cfg.data.seq_len, 64)
+        data = documents.SEPARATOR.join(rd.shard(h) for e in experts for h in prep.shards(e, "val"))
+    x, y = documents.eval_windows(np.frombuffer(data, dtype=np.uint8), cfg.data.seq_len, 64)
     ev = LossEvaluator(cfg.model, "cpu", 1)
     return mean_loss(ev, protocol.decode_weights(body["weights"]), x, y)
 

@@ -1,12 +1,12 @@
 import pytest
 
-from soma_edge import corpus
+from soma_edge.corpus import documents, sources
 from tests.helpers.corpus import FOUR_DOMAINS
 
 
 @pytest.fixture(scope="session")
 def default_docs():
-    return corpus.by_split(corpus.default_documents())
+    return documents.by_split(sources.default_documents())
 
 
 @pytest.fixture(scope="session")

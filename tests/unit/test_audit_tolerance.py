@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 from coordinator import replay
-from soma_edge import params, spsa, steps
 from soma_edge.config import from_dict
+from soma_edge.engine.evaluator import evaluator_for
+from soma_edge.engine.numerics import DELTA
 from soma_edge.errors import ValidationError
-from soma_edge.numerics import DELTA
-from soma_edge.runtime import evaluator_for
+from soma_edge.expert import params, steps
+from soma_edge.spsa import log as update_log
+from soma_edge.spsa import optim
 from worker.trainer import train
 
 CFG = from_dict(
@@ -42,10 +44,10 @@ def _eps_sweep() -> list[tuple[float, float]]:
     the guard's slow-down do, both floored at lr_floor / lr."""
     s = CFG.spsa
     floor = s.lr_floor / s.lr
-    smallest = min(spsa.schedule(s, t, floor)[1] for t in (0, s.warmup_steps, 10**9))
+    smallest = min(optim.schedule(s, t, floor)[1] for t in (0, s.warmup_steps, 10**9))
     out, scale = [], 1.0
     while True:
-        out.append((scale, spsa.schedule(s, 10**6, scale)[1]))
+        out.append((scale, optim.schedule(s, 10**6, scale)[1]))
         if scale <= floor:
             break
         scale = max(floor, scale * s.plateau_factor)
@@ -58,16 +60,16 @@ def trained():
     """A version some way into a run (its loss and gradients as they are when ε has fallen), and the
     coordinator's evaluator."""
     evaluator = evaluator_for(CFG, threads=1, parallel=1)
-    state = spsa.State(params.init(CFG.model, CFG.seed))
+    state = optim.State(params.init(CFG.model, CFG.seed))
     train(state, DATA, CFG, evaluator, steps=300)
     return state, evaluator
 
 
-def _losses(state: spsa.State, evaluator) -> np.ndarray:
+def _losses(state: optim.State, evaluator) -> np.ndarray:
     """The coordinator's (L+, L-) of every direction of the state's next step."""
     stepper = steps.stepper(CFG, 0)
     try:
-        _, eps = spsa.schedule(CFG.spsa, state.step, state.opt.lr_scale)
+        _, eps = optim.schedule(CFG.spsa, state.step, state.opt.lr_scale)
         body, _ = stepper.split(state.weights.size)
         objs = steps.objectives(DATA, CFG, evaluator, 0, state.step)
         k = CFG.spsa.directions
@@ -77,8 +79,8 @@ def _losses(state: spsa.State, evaluator) -> np.ndarray:
     return np.array(out, dtype=np.float64)
 
 
-def _audit(state: spsa.State, evaluator, claims: np.ndarray) -> None:
-    log = spsa.UpdateLog(start=state.step, grads=claims.astype(np.float32)[None, :], lr_scale=state.opt.lr_scale)
+def _audit(state: optim.State, evaluator, claims: np.ndarray) -> None:
+    log = update_log.UpdateLog(start=state.step, grads=claims.astype(np.float32)[None, :], lr_scale=state.opt.lr_scale)
     replay.audit(CFG, state, log, 0, DATA, evaluator, [0])
 
 
@@ -92,7 +94,7 @@ def test_a_worker_off_by_delta_is_never_struck_and_the_lies_are_refused_at_every
     worst_old = 0.0  # how far past the replaced rule, 1e-2 (1 + |g|), an honest device went
     refused = {name: [] for name in LIES}
     for scale, eps in _eps_sweep():
-        state = spsa.State(base.weights, step=base.step, opt=base.opt.copy())
+        state = optim.State(base.weights, step=base.step, opt=base.opt.copy())
         state.opt.lr_scale = scale
         lp, lm = _losses(state, evaluator).T
         exact = (lp - lm) / (2 * eps)

@@ -65,8 +65,8 @@ def test_recipe_bench_tiny(tmp_path, capsys):
 def test_bptt_starts_from_the_default_arms_weights_on_its_batches():
     """The reference's torch model holds the default arm's initial weights bit for bit (its input gain
     included), and scores the default arm's first SPSA minibatch as ORT does at those weights."""
-    from soma_edge import params, steps
-    from soma_edge.runtime import evaluator_for
+    from soma_edge.engine.evaluator import evaluator_for
+    from soma_edge.expert import params, steps
 
     cfg, model = recipe.bptt_model(seed=0)
     default = recipe.arm_config("default")

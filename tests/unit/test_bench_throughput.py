@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.spsa_throughput import SIZES, chosen_evaluator, loop_row, population_feeds
-from soma_edge import params, spsa
+from bench.sizes import SIZES
+from bench.spsa_throughput import chosen_evaluator, loop_row, population_feeds
 from soma_edge.devices import CPU, CUDA
-from soma_edge.population import direction
-from soma_edge.population_graph import Noise
+from soma_edge.engine.population import direction
+from soma_edge.expert import params
+from soma_edge.expert.population_graph import Noise
+from soma_edge.spsa import noise as keyed
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--seconds", "0.05", "--seq-len", "8", "--batch", "4", "--k", "1", "--no-overhead", "--json"]
@@ -87,7 +89,7 @@ def test_population_rows_get_the_keyed_noise(noise):
     body, feeds = population_feeds(m, 2, noise)
     shapes = [lay.shapes[lay.names.index(n)] for n in body]
     for j in range(2):
-        want = spsa.noise(0, 0, 0, j, lay.body) if noise is not Noise.RANK1 else spsa.rank1_probe(0, 0, 0, j, shapes)
+        want = keyed.noise(0, 0, 0, j, lay.body) if noise is not Noise.RANK1 else keyed.rank1_probe(0, 0, 0, j, shapes)
         z = direction(lay, feeds, j, lay.body)
         np.testing.assert_array_equal(z[: lay.body], want)
         assert not z[lay.body :].any()  # the decoder is not perturbed: it learns by the delta rule

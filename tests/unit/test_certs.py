@@ -16,9 +16,9 @@ from coordinator import launcher
 from coordinator import workers as workers_mod
 from coordinator.cli import app
 from coordinator.launcher import TLS
-from soma_edge.certs import make_certs
 from soma_edge.cli import run as run_cli
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
+from soma_edge.wire.certs import make_certs
 
 
 def test_certs_chain_hosts_and_key_permissions(tmp_path):
@@ -66,8 +66,8 @@ def test_certs_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys):
 
 def test_worker_keys_register_once_and_list(tmp_path, capsys):
     from coordinator import workers
-    from soma_edge.certs import make_worker_key, read_public_key
-    from soma_edge.rundir import RunDir
+    from soma_edge.rundir.layout import RunDir
+    from soma_edge.wire.certs import make_worker_key, read_public_key
 
     key, pub = make_worker_key(tmp_path / "k")
     assert stat.S_IMODE(key.stat().st_mode) == 0o600 and read_public_key(pub).startswith("ecdsa-sha2-nistp384 ")
@@ -89,7 +89,7 @@ def test_worker_keys_register_once_and_list(tmp_path, capsys):
     ],
 )
 def test_worker_key_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys):
-    from soma_edge.certs import make_worker_key
+    from soma_edge.wire.certs import make_worker_key
 
     _, pub = make_worker_key(tmp_path / "k")
     _, other = make_worker_key(tmp_path / "k2")
@@ -114,7 +114,7 @@ def test_worker_key_bad_input_one_line_exit_2(argv, fragments, tmp_path, capsys)
     ],
 )
 def test_join_auth_key_bad_input(extra, fragments, tmp_path, capsys):
-    from soma_edge.certs import make_worker_key
+    from soma_edge.wire.certs import make_worker_key
     from worker.cli import app as worker_app
 
     key, _ = make_worker_key(tmp_path / "k")

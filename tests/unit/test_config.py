@@ -97,8 +97,8 @@ def test_cuda_request_without_gpu_fails_or_warns(caplog):
     import onnxruntime as ort
 
     from soma_edge.config import ModelConfig
+    from soma_edge.engine.evaluator import LossEvaluator
     from soma_edge.errors import DeviceError
-    from soma_edge.runtime import LossEvaluator
 
     try:
         ev = LossEvaluator(ModelConfig(embed=4, hidden=4), device="cuda:0")
@@ -189,7 +189,7 @@ def test_train_names_the_section_it_does_not_read(federation, tmp_path, capsys, 
     def stop():
         raise Stop  # the corpus comes next: the warning must be out by now
 
-    monkeypatch.setattr(worker_cli.corpus, "default_documents", stop)
+    monkeypatch.setattr(worker_cli.sources, "default_documents", stop)
     path = tmp_path / "my.toml"
     path.write_text("[model]\nhidden = 64\n" + ("[federation]\nexperts = 4\n" if federation else ""))
     with pytest.raises(Stop):

@@ -118,7 +118,7 @@ def test_a_failed_first_start_leaves_no_run_directory_behind(why, tmp_path, caps
 
 def test_a_run_with_a_commit_is_never_removed(old_run):
     from coordinator.start import first_missing, remove_made
-    from soma_edge.rundir import RunDir
+    from soma_edge.rundir.layout import RunDir
 
     assert first_missing(old_run) is None and first_missing(old_run / "a" / "b") == old_run / "a"
     before = sorted(p.relative_to(old_run) for p in old_run.rglob("*"))

@@ -1,4 +1,4 @@
-"""The static CUDA-op check (soma_edge.cuda_ops): every expert graph, and the update graph a GPU worker runs
+"""The static CUDA-op check (soma_edge.expert.cuda_kernels): every expert graph, and the update graph a GPU worker runs
 (the population graph's check is in test_population.py), has a CUDA kernel for every node, on the CPU alone,
 against the table of ONNX Runtime 1.31.1's CUDA EP kernels.
 
@@ -21,9 +21,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from export import bundle
-from soma_edge import cuda_ops, graph, params, router, update_graph
 from soma_edge.config import UPDATES, ModelConfig, SPSAConfig
-from soma_edge.population_graph import Noise
+from soma_edge.corpus import router
+from soma_edge.expert import cuda_kernels as cuda_ops
+from soma_edge.expert import graph, params, update_graph
+from soma_edge.expert.population_graph import Noise
 from tests.helpers.export_run import domains, make_run
 from tests.helpers.old_loss import with_softmax_cross_entropy
 
@@ -59,7 +61,7 @@ UPDATE_RULES = [
 @pytest.mark.parametrize("m", KINDS, ids=_id)
 @pytest.mark.parametrize("rule", UPDATE_RULES, ids=lambda r: f"{r[0]}-mu{r[1]}")
 def test_the_update_graph_runs_whole_on_cuda(m, rule):
-    """The update the worker runs on the device (soma_edge.resident builds it as below), for every noise
+    """The update the worker runs on the device (soma_edge.engine.resident builds it as below), for every noise
     form, the delta-rule decoder or a perturbed one, accumulated minibatches and weight decay."""
     lay = params.layout(m)
     body = [n for n in lay.names if n not in lay.decoder]
@@ -188,7 +190,8 @@ def test_the_table_names_its_source_and_its_rows_do_not_overlap():
 
 def test_the_table_loads_without_onnx():
     """Doctor and the deploy path may read the table where onnx is absent; only the checker needs onnx."""
-    code = "import sys; sys.modules['onnx'] = None; from soma_edge import cuda_ops; print(len(cuda_ops.CUDA_KERNELS))"
+    code = "import sys; sys.modules['onnx'] = None; from soma_edge.expert import cuda_kernels as k; "
+    code += "print(len(k.CUDA_KERNELS))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) == len(cuda_ops.CUDA_KERNELS)

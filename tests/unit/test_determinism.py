@@ -6,8 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from soma_edge import checkpoint, params
+from soma_edge import checkpoint
 from soma_edge.config import ModelConfig
+from soma_edge.expert import params
 
 
 def _train(tmp_path, name: str, seed: int) -> np.ndarray:
@@ -57,8 +58,9 @@ def test_concurrency_does_not_change_the_bits():
     """parallel=1 and parallel=2 (two ORT runs at once) give the same weights: g z is summed in index
     order and the clean forwards are averaged in batch order, with the delta rule, Adam and accumulation."""
     from soma_edge.config import Config
-    from soma_edge.runtime import evaluator_for
-    from soma_edge.spsa import Objective, State, Stepper
+    from soma_edge.engine.evaluator import evaluator_for
+    from soma_edge.spsa.optim import State
+    from soma_edge.spsa.stepper import Objective, Stepper
 
     cfg = Config(model=ModelConfig(embed=8, hidden=24))
     cfg.spsa.directions, cfg.spsa.update, cfg.spsa.accumulate, cfg.spsa.density = 3, "adam", 2, 0.5
@@ -109,7 +111,7 @@ def _cli_train(tmp_path, *args: str):
 
 def test_resume_restores_the_optimizer_state_bit_for_bit(tmp_path):
     """12 steps straight equal 8 steps, a checkpoint, and 4 more: weights, both Adam moments, lr scale."""
-    from soma_edge.spsa import OptState
+    from soma_edge.spsa.optim import OptState
 
     straight, first, resumed = tmp_path / "straight.msgpack", tmp_path / "first.msgpack", tmp_path / "resumed.msgpack"
     for args in (
@@ -150,8 +152,9 @@ def test_replay_of_a_real_training_run_is_bit_identical(kind):
     """The worker's own loop on ORT (delta-rule decoder, sparse K = 2, Adam, weight decay, 2 batches per
     update): its scalars and decoder gradients replay the run exactly, without one loss evaluation."""
     from soma_edge.config import Config
-    from soma_edge.runtime import evaluator_for
-    from soma_edge.spsa import State, Stepper
+    from soma_edge.engine.evaluator import evaluator_for
+    from soma_edge.spsa.optim import State
+    from soma_edge.spsa.stepper import Stepper
     from worker.trainer import train
 
     m = ModelConfig(embed=8, hidden=24) if kind == "lstm" else ModelConfig(kind="soma", embed=12, hidden=12, layers=2)
@@ -185,8 +188,8 @@ def test_tied_decoder_rules_on_the_soma_kind(decoder):
     """delta: E moves by its decoder-path gradient only (never perturbed); spsa: E is perturbed with the
     body (its probes reach both roles); frozen: E never changes."""
     from soma_edge.config import Config
-    from soma_edge.runtime import evaluator_for
-    from soma_edge.spsa import State
+    from soma_edge.engine.evaluator import evaluator_for
+    from soma_edge.spsa.optim import State
     from worker.trainer import train
 
     cfg = Config(model=ModelConfig(kind="soma", embed=8, hidden=8, layers=1), device="cpu")

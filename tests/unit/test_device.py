@@ -22,13 +22,15 @@ import onnxruntime as ort
 import pytest
 
 from export import bundle
-from soma_edge import config, cuda_ops, devices, runtime
+from soma_edge import config, devices
 from soma_edge.cli import run as run_cli
 from soma_edge.config import ModelConfig
 from soma_edge.devices import CPU, CUDA
+from soma_edge.engine import evaluator, runtime
+from soma_edge.engine.population import for_config
 from soma_edge.errors import DeviceError
-from soma_edge.graph import build
-from soma_edge.population import for_config
+from soma_edge.expert import cuda_kernels as cuda_ops
+from soma_edge.expert.graph import build
 from tests.helpers.export_run import domains, make_run
 from worker import doctor
 from worker.cli import app as worker_app
@@ -137,7 +139,7 @@ def test_auto_runs_on_the_cpu_and_says_so_once(deploy, box):
     assert "\x1b" not in said[0] and json.loads(r.stdout)["n_experts"] == 2
     if box == "cpu wheel":
         assert runtime.plan("auto").providers == [CPU]
-        assert runtime.LossEvaluator(TINY, "auto").providers == [CPU]
+        assert evaluator.LossEvaluator(TINY, "auto").providers == [CPU]
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from coordinator.evaluation import VAL_BATCH, Evaluation
-from soma_edge import params
 from soma_edge.config import Config, ModelConfig
-from soma_edge.runtime import LossEvaluator
+from soma_edge.engine.evaluator import LossEvaluator
+from soma_edge.expert import params
 
 
 def test_window_losses_are_each_windows_own_loss():

@@ -23,10 +23,11 @@ import pytest
 from export import bundle
 from export.cli import app
 from export.infer import Deployment, generate
-from soma_edge import checkpoint, mixture, router
+from soma_edge import checkpoint
 from soma_edge.cli import run as run_cli
 from soma_edge.config import ModelConfig
-from soma_edge.runtime import LossEvaluator
+from soma_edge.corpus import mixture, router
+from soma_edge.engine.evaluator import LossEvaluator
 from tests.helpers.export_run import T, domains, make_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from soma_edge import flower_commands
-from soma_edge.procs import flower_env
+from soma_edge.processes import commands as flower_commands
+from soma_edge.processes.launch import flower_env
 
 
 @pytest.mark.parametrize("name", sorted(flower_commands.COMMANDS))
@@ -41,7 +41,7 @@ def test_the_commands_do_not_load_their_sibling_commands(name, heavy):
     code = textwrap.dedent(
         f"""
         import importlib, sys
-        from soma_edge import flower_commands
+        from soma_edge.processes import commands as flower_commands
         flower_commands.register_package({package!r}, {module!r})
         assert callable(getattr(importlib.import_module("{package}.{module}"), {function!r}))
         print("loaded:", [m for m in {heavy!r} if m in sys.modules])
@@ -69,7 +69,7 @@ def test_a_process_whose_parent_is_gone_ends_even_with_its_main_thread_stuck():
     code = textwrap.dedent(
         f"""
         import threading
-        from soma_edge import flower_commands
+        from soma_edge.processes import commands as flower_commands
         flower_commands.watch_parent({gone.pid}, grace=0.2, poll=0.05)
         lock = threading.Lock()
         lock.acquire()

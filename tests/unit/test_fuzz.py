@@ -2,8 +2,8 @@
 
 1. the codec (`soma_edge.codec.decode`): hypothesis over random bytes, truncated and mutated encodings,
    random envelopes and random array headers, plus explicit cases;
-2. the protocol checks (`soma_edge.protocol`: `unpack`, `check_reply_header`, `check_caps`, `check_result`);
-3. the checkpoint loader (`soma_edge.checkpoint.load`) and the run state (`soma_edge.rundir.RunDir.read_state`);
+2. the protocol checks (`soma_edge.wire.protocol`: `unpack`, `check_reply_header`, `check_caps`, `check_result`);
+3. the checkpoint loader (`soma_edge.checkpoint.load`) and the run state (`soma_edge.rundir.layout.RunDir.read_state`);
 4. the deploy bundle (`export.bundle.read`, and `export.infer.Deployment` where it loads one).
 
 Every case names its input (the parametrize id), expects the loader's own error type with a specific
@@ -28,9 +28,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from soma_edge import checkpoint, codec, protocol
+from soma_edge import checkpoint, codec
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
-from soma_edge.spsa import OptState
+from soma_edge.spsa.optim import OptState
+from soma_edge.wire import protocol
 
 # Fixed example budget, derandomized: the same examples on every run and every machine, no database.
 EXAMPLES = 300
@@ -943,7 +944,7 @@ def test_checkpoint_random_files_only_checkpoint_errors(tmp_path_factory, payloa
 def _run_dir(root: Path):
     """A run directory with two commits (round 1 in state.prev.msgpack, round 2 in state.msgpack), each
     naming its own version of one expert, as the coordinator leaves them."""
-    from soma_edge.rundir import RunDir
+    from soma_edge.rundir.layout import RunDir
 
     rd = RunDir(root)
     for r in (1, 2):
@@ -1074,7 +1075,7 @@ def test_load_state_refuses_when_no_commit_loads(tmp_path, breaker, verify, frag
 
 
 def test_load_state_of_a_run_that_never_committed(tmp_path):
-    from soma_edge.rundir import RunDir
+    from soma_edge.rundir.layout import RunDir
 
     assert RunDir(tmp_path).read_state(verify=True) is None
 
@@ -1139,7 +1140,7 @@ def _whole(fn):
 
 def _params_for(model: dict) -> int:
     from soma_edge import config as config_mod
-    from soma_edge import params
+    from soma_edge.expert import params
 
     return params.count(config_mod.from_dict({"model": model}).model)
 
@@ -1358,7 +1359,7 @@ def test_bundle_baseline_reads_and_runs(deploy):
 
 
 def _router_bytes(docs, n: int = 2, **over) -> bytes:
-    from soma_edge import router
+    from soma_edge.corpus import router
 
     data = router.fit(docs, n, seed=0, dim=256)[0].to_bytes()
     if not over:

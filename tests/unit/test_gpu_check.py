@@ -17,11 +17,14 @@ import pytest
 from bench import gpu_budget, gpu_cells, gpu_check, gpu_checks, gpu_targets
 from bench.common import ROOT
 from bench.gpu_report import Evaluator, Report, Row
-from bench.spsa_throughput import SIZES, BoundPopulation, body_tensors, population_setup
-from soma_edge import devices, params, resident, runtime
+from bench.sizes import SIZES
+from bench.spsa_throughput import BoundPopulation, body_tensors, population_setup
+from soma_edge import devices
 from soma_edge.devices import CPU, CUDA
-from soma_edge.graph import build
-from soma_edge.population_graph import Noise, build_population
+from soma_edge.engine import resident, runtime
+from soma_edge.expert import params
+from soma_edge.expert.graph import build
+from soma_edge.expert.population_graph import Noise, build_population
 
 TINY = ["--sizes", "124K", "--batches", "2", "--ks", "1,2", "--seconds", "0.01", "--seq-len", "8"]
 CHECKS = ["placement", "numerics", "log round", "update bits", "capture"]

@@ -1,6 +1,6 @@
 """No graph a worker opens joins more than MAX_FANIN tensors in one Concat or cuts one into more than MAX_FANIN
 outputs of one Split, as built or after ORT's optimizer: the CUDA EP stages a wider Concat's (or Split's) table
-of pointers in host memory and copies it asynchronously, which a CUDA graph (soma_edge.capture) cannot capture.
+of pointers in host memory and copies it asynchronously, which a CUDA graph (soma_edge.engine.capture) cannot capture.
 
 Checked for both kinds (the demo lstm and a 2-block soma), every mode of graph.build, the population graph in
 each noise form as population.for_config builds it at the shipped seq_len (128) and K = 8, and the update graph
@@ -21,13 +21,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from soma_edge import population_graph
 from soma_edge.config import Config, DataConfig, ModelConfig, SPSAConfig
-from soma_edge.graph import MODES, OPSET, build
-from soma_edge.population import graph_noise, perturbed_tensors
-from soma_edge.population_graph import MAX_FANIN, _Graph, build_population, entries, join, pieces
-from soma_edge.runtime import load_ort, session_options
-from soma_edge.update_graph import build_update
+from soma_edge.engine.population import graph_noise, perturbed_tensors
+from soma_edge.engine.runtime import load_ort, session_options
+from soma_edge.expert import builder
+from soma_edge.expert.builder import MAX_FANIN, GraphBuilder, entries, join, pieces
+from soma_edge.expert.graph import MODES, OPSET, build
+from soma_edge.expert.population_graph import build_population
+from soma_edge.expert.update_graph import build_update
 from worker.doctor import DEMO_MODEL
 
 KINDS = {"lstm": DEMO_MODEL, "soma": ModelConfig(kind="soma", embed=64, hidden=64, layers=2)}
@@ -157,7 +158,7 @@ def test_the_checker_sees_a_wide_concat_and_a_fused_split(tmp_path):
         [vec("y", TensorProto.FLOAT, [2 * n])],
     )
     assert too_wide(concat, reads=False) == [f"Concat of {n} inputs (y)"]
-    g = _Graph(1)
+    g = GraphBuilder(1)
     parts = [g.op("Gather", "x", g.i64(i), axis=0) for i in range(n)]
     g.op("Concat", *[g.op("Unsqueeze", p, g.i64([0])) for p in parts[:MAX_FANIN]], axis=0, out="y")
     g.op("Sum", *parts[MAX_FANIN:], out="z")
@@ -181,7 +182,7 @@ def test_trees_nest_past_32_squared_and_keep_every_byte():
     the joined reads give the tensor back exactly."""
     sizes = np.random.default_rng(0).integers(1, 4, 1100).tolist()
     n = sum(sizes)
-    g = _Graph(1)
+    g = GraphBuilder(1)
     rows = join(g, [g.op("Unsqueeze", e, g.i64([0])) for e in entries(g, "x", 0, n)], axis=0)
     g.op("Identity", rows, out="rows")
     g.op("Identity", join(g, pieces(g, "x", 0, sizes), axis=0), out="cut")
@@ -235,7 +236,7 @@ def test_trees_give_the_flat_graphs_bytes(kind, probes, monkeypatch):
         return build_population(m, 2, perturbed, noise, True, 70), build_update(m, cfg.spsa, 40, perturbed, noise, True)
 
     trees = graphs()
-    monkeypatch.setattr(population_graph, "MAX_FANIN", 10**9)
+    monkeypatch.setattr(builder, "MAX_FANIN", 10**9)
     flats = graphs()
     assert too_wide(flats[0], reads=True) and too_wide(flats[1], reads=True)  # what the trees are for
     for tree, flat in zip(trees, flats):

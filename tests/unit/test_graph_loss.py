@@ -5,8 +5,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from soma_edge import graph, params
 from soma_edge.config import ModelConfig
+from soma_edge.expert import graph, params
 from tests.helpers.old_loss import with_softmax_cross_entropy
 
 KINDS = [ModelConfig(embed=8, hidden=20, layers=2), ModelConfig(kind="soma", embed=12, hidden=12, layers=2)]

@@ -4,10 +4,12 @@ lowers an LSTM body's held-out loss, which a broken body update does not."""
 import numpy as np
 import pytest
 
-from soma_edge import corpus, params, spsa
 from soma_edge.config import Config, ModelConfig, SPSAConfig
-from soma_edge.runtime import evaluator_for, mean_loss
-from soma_edge.spsa import State
+from soma_edge.corpus import documents
+from soma_edge.engine.evaluator import evaluator_for, mean_loss
+from soma_edge.expert import params
+from soma_edge.spsa import stepper
+from soma_edge.spsa.optim import State
 from worker.trainer import train
 
 STEPS = 150
@@ -23,12 +25,12 @@ def _today() -> tuple[SPSAConfig, float]:
 @pytest.fixture(scope="module")
 def data(default_docs):
     seq = Config().data.seq_len
-    train_data = corpus.to_stream(default_docs["train"])
-    test_data = corpus.to_stream(default_docs["test"])
+    train_data = documents.to_stream(default_docs["train"])
+    test_data = documents.to_stream(default_docs["test"])
     return (
         train_data,
-        corpus.eval_windows(test_data, seq, max_windows=256),
-        corpus.unigram_entropy(train_data, test_data),
+        documents.eval_windows(test_data, seq, max_windows=256),
+        documents.unigram_entropy(train_data, test_data),
     )
 
 
@@ -84,8 +86,8 @@ def fitted_head(default_docs):
     the body stayed at its init (spsa.lr = 0), and 64 held-out windows of the test split, which no step
     ever samples: (config with the head frozen, training stream, windows, weights)."""
     cfg = Config(model=ModelConfig(embed=16, hidden=32), device="cpu")
-    train_data = corpus.to_stream(default_docs["train"])
-    x, y = corpus.eval_windows(corpus.to_stream(default_docs["test"]), cfg.data.seq_len, max_windows=64)
+    train_data = documents.to_stream(default_docs["train"])
+    x, y = documents.eval_windows(documents.to_stream(default_docs["test"]), cfg.data.seq_len, max_windows=64)
     head_fit = Config(model=cfg.model, spsa=SPSAConfig(lr=0.0), device="cpu")
     state = State(params.init(cfg.model, cfg.seed))
     train(state, train_data, head_fit, evaluator_for(head_fit), expert=1, steps=300)
@@ -135,7 +137,7 @@ def test_a_broken_body_update_misses_the_margin(fitted_head, fault, monkeypatch)
     """The same run (same seed, so the same probes and batches) with the body's update broken: zeroed, or
     applied one weight off the slice its probe measured. Measured over seeds 0-5: zeroed 0 exactly,
     shifted -0.015 to -0.216 (it raises the loss). Either must miss MARGIN, so the test above can tell."""
-    monkeypatch.setattr(spsa, "_accumulate", fault)
+    monkeypatch.setattr(stepper, "_accumulate", fault)
     drop, _ = _body_drop(fitted_head)
     print(f"held-out drop {drop:.4f} nats/byte with the body update {fault.__name__}")
     assert drop < MARGIN, drop

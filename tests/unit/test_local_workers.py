@@ -8,7 +8,7 @@ import pytest
 
 from coordinator import runconfig, start
 from soma_edge.errors import ConfigError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 
 
 class FakeLauncher:

@@ -1,4 +1,4 @@
-"""soma_edge.mixture: windows, routed top-k mixing, and that unselected experts never run.
+"""soma_edge.corpus.mixture: windows, routed top-k mixing, and that unselected experts never run.
 
 The router here is a stand-in with a known rule, so that the expected mixture can be computed byte by byte
 in a plain loop; tests/unit/test_export.py runs the same code with the real router and ORT experts.
@@ -7,7 +7,7 @@ in a plain loop; tests/unit/test_export.py runs the same code with the real rout
 import numpy as np
 import pytest
 
-from soma_edge import mixture
+from soma_edge.corpus import mixture
 from soma_edge.errors import ConfigError, CorpusError
 
 N = 4

@@ -11,10 +11,10 @@ def test_worker_training_path_without_torch():
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         import numpy as np
-        from soma_edge import params
+        from soma_edge.expert import params
         from soma_edge.config import Config, DataConfig, ModelConfig, evals_per_step
-        from soma_edge.runtime import evaluator_for
-        from soma_edge.spsa import State
+        from soma_edge.engine.evaluator import evaluator_for
+        from soma_edge.spsa.optim import State
         import worker.trainer, worker.cli, worker.client_app, worker.cache, worker.probe
         cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=2, seq_len=16), device="cpu")
         data = np.frombuffer(b"hello forward-only world " * 50, dtype=np.uint8)
@@ -43,10 +43,10 @@ def test_worker_path_never_loads_torch_even_when_installed():
         """
         import sys
         import numpy as np
-        from soma_edge import params
+        from soma_edge.expert import params
         from soma_edge.config import Config, DataConfig, ModelConfig, evals_per_step
-        from soma_edge.runtime import evaluator_for
-        from soma_edge.spsa import State
+        from soma_edge.engine.evaluator import evaluator_for
+        from soma_edge.spsa.optim import State
         import worker.trainer, worker.cli, worker.client_app, worker.cache, worker.probe
         cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=2, seq_len=16), device="cpu")
         data = np.frombuffer(b"no autograd here " * 50, dtype=np.uint8)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from soma_edge import params
 from soma_edge.config import ModelConfig
-from soma_edge.runtime import LossEvaluator
+from soma_edge.engine.evaluator import LossEvaluator
+from soma_edge.expert import params
 
 torch = pytest.importorskip("torch")
 
@@ -108,8 +108,8 @@ def test_delta_rule_equals_autograd_through_the_decoder(m):
 def test_logprobs_and_stream_graphs_match_torch(m):
     """The deploy graphs (weights as initializers): log-probs, and streaming from a non-zero state."""
     from bench.torch_ref import stream_logits
-    from soma_edge.graph import build
-    from soma_edge.runtime import make_session
+    from soma_edge.engine.runtime import make_session
+    from soma_edge.expert.graph import build
 
     w = _wide_weights(m, 8)
     x, _ = _batch(9)

@@ -1,4 +1,4 @@
-"""The population graph (soma_edge.population_graph) and evaluator (soma_edge.population), on the CPU EP:
+"""The population graph (soma_edge.expert.population_graph) and evaluator (soma_edge.engine.population), on the CPU EP:
 one call's 2K + 1 losses equal 2K + 1 looped LossEvaluator calls on w, w + eps z_j and w - eps z_j (z
 materialized in numpy) to δ, for both kinds, K = 1 to 4, dense signs as keyed bits, sparse signs, Gaussian and
 rank-1 noise; the clean
@@ -8,12 +8,14 @@ or LSTM node."""
 import numpy as np
 import pytest
 
-from soma_edge import cuda_ops, params, spsa
 from soma_edge.config import ModelConfig
-from soma_edge.numerics import DELTA
-from soma_edge.population import PopulationEvaluator, direction, noise_feeds
-from soma_edge.population_graph import Noise, build_population, noise_inputs, perturbed_size
-from soma_edge.runtime import LossEvaluator
+from soma_edge.engine.evaluator import LossEvaluator
+from soma_edge.engine.numerics import DELTA
+from soma_edge.engine.population import PopulationEvaluator, direction, noise_feeds
+from soma_edge.expert import cuda_kernels as cuda_ops
+from soma_edge.expert import params
+from soma_edge.expert.population_graph import Noise, build_population, noise_inputs, perturbed_size
+from soma_edge.spsa import noise as keyed
 
 KINDS = [ModelConfig(embed=8, hidden=16, layers=2), ModelConfig(kind="soma", embed=16, hidden=16, layers=2)]
 B, T, EPS = 2, 16, 1e-2
@@ -47,19 +49,19 @@ def _noise(m: ModelConfig, k: int, perturbed, noise: Noise) -> dict[str, np.ndar
         return {i.name: rng.choice(np.array([-1, 1], np.int8), i.shape) for i in noise_inputs(m, k, perturbed, noise)}
     if noise in (Noise.BITS, Noise.SPARSE_BITS):
         n = perturbed_size(m, perturbed)
-        feeds = {"bits": np.stack([spsa.noise_bits(SEED, EXPERT, STEP, j, n) for j in range(k)])}
-        masks = [spsa.probe_mask(SEED, EXPERT, STEP, j, n, 0.5) for j in range(k)]
+        feeds = {"bits": np.stack([keyed.noise_bits(SEED, EXPERT, STEP, j, n) for j in range(k)])}
+        masks = [keyed.probe_mask(SEED, EXPERT, STEP, j, n, 0.5) for j in range(k)]
         if noise is Noise.SPARSE_BITS:
             feeds["keep"] = np.stack([np.packbits(mask) for mask in masks])
         for j in range(k):  # the bits stand for the host's z over the perturbed tensors, zero past them
-            z = spsa.noise(SEED, EXPERT, STEP, j, n) * (masks[j] if noise is Noise.SPARSE_BITS else 1)
+            z = keyed.noise(SEED, EXPERT, STEP, j, n) * (masks[j] if noise is Noise.SPARSE_BITS else 1)
             want = np.concatenate([z, np.zeros(lay.size - n, np.float32)])
             assert np.array_equal(direction(lay, feeds, j, n).view(np.uint32), want.view(np.uint32))  # -0.0 too
         return feeds
     kind = "gaussian" if noise is Noise.GAUSSIAN else "rademacher"
-    z = np.stack([spsa.noise(SEED, EXPERT, STEP, j, lay.size, kind) for j in range(k)])
+    z = np.stack([keyed.noise(SEED, EXPERT, STEP, j, lay.size, kind) for j in range(k)])
     if noise is Noise.SIGNS:
-        z *= np.stack([spsa.probe_mask(SEED, EXPERT, STEP, j, lay.size, 0.5) for j in range(k)])
+        z *= np.stack([keyed.probe_mask(SEED, EXPERT, STEP, j, lay.size, 0.5) for j in range(k)])
     feeds = noise_feeds(lay, perturbed, noise, z)
     for j in range(k):  # what crosses is the host's noise, bit for bit, on the perturbed tensors
         zj = direction(lay, feeds, j)

@@ -12,10 +12,16 @@ import numpy as np
 import pytest
 
 from coordinator import replay as audit_mod
-from soma_edge import checkpoint, params, population, spsa, steps
+from soma_edge import checkpoint
 from soma_edge.config import Evaluator, from_dict
+from soma_edge.engine import population
+from soma_edge.engine.evaluator import choose_evaluator, evaluator_for
 from soma_edge.errors import ConfigError
-from soma_edge.runtime import choose_evaluator, evaluator_for
+from soma_edge.expert import params, steps
+from soma_edge.spsa import log as update_log
+from soma_edge.spsa import noise as keyed
+from soma_edge.spsa import optim
+from soma_edge.spsa import stepper as steppers
 
 DATA = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
 NOISES = {  # spsa settings: every noise form the population graph is fed
@@ -40,14 +46,14 @@ def _config(kind: str, noise: str, evaluator: str = "population", decoder: str =
     )
 
 
-def _expected_z(cfg, stepper: spsa.Stepper, t: int, j: int, body: int) -> np.ndarray:
+def _expected_z(cfg, stepper: steppers.Stepper, t: int, j: int, body: int) -> np.ndarray:
     """Direction j of step t from spsa's public noise functions (what the loop perturbs with)."""
     s = cfg.spsa
     if s.noise == "rank1":
-        return spsa.rank1_probe(cfg.seed, 0, t, j, spsa.body_shapes(stepper.shapes, body))
-    z = spsa.noise(cfg.seed, 0, t, j, body, s.noise)
+        return keyed.rank1_probe(cfg.seed, 0, t, j, keyed.body_shapes(stepper.shapes, body))
+    z = keyed.noise(cfg.seed, 0, t, j, body, s.noise)
     if s.density < 1:
-        keep = spsa.probe_mask(cfg.seed, 0, t, j, body, s.density)
+        keep = keyed.probe_mask(cfg.seed, 0, t, j, body, s.density)
         if stepper.dense is not None:  # the soma kind's norm gains, which sparse probes always touch
             keep |= stepper.dense[:body]
         z *= keep
@@ -62,8 +68,8 @@ def test_population_steps_pass_the_audit_and_replay_bit_for_bit(kind, noise, dec
     ev = evaluator_for(cfg, threads=1, parallel=1)
     assert ev.population is not None
     lay = params.layout(cfg.model)
-    start = spsa.State(params.init(cfg.model, 0))
-    state = spsa.State(start.weights.copy())
+    start = optim.State(params.init(cfg.model, 0))
+    state = optim.State(start.weights.copy())
     stepper = steps.stepper(cfg, 0)
     body, _ = stepper.split(lay.size)
     K = cfg.spsa.directions
@@ -92,7 +98,7 @@ def test_population_steps_pass_the_audit_and_replay_bit_for_bit(kind, noise, dec
         for i, d in enumerate(dirs):
             want = _expected_z(cfg, stepper, t, (n % cfg.spsa.accumulate) * K + i, body)
             assert np.array_equal(d[:body], want) and not d[body:].any()
-    log = spsa.record_log(0, 1.0, grads, state, steps.log_body(cfg))
+    log = update_log.record_log(0, 1.0, grads, state, steps.log_body(cfg))
     got = steps.replay(cfg, start, log, 0)
     assert got.weights.tobytes() == state.weights.tobytes() and got.step == STEPS
     assert got.opt.to_record().keys() == state.opt.to_record().keys()
@@ -115,7 +121,7 @@ def test_population_scalars_are_the_loops_within_the_audit_tolerance():
     for choice in (Evaluator.LOOP, Evaluator.POPULATION):
         ev = evaluator_for(cfg, threads=1, parallel=1, evaluator=choice)
         stepper = steps.stepper(cfg, 0)
-        state = spsa.State(params.init(cfg.model, 0))
+        state = optim.State(params.init(cfg.model, 0))
         try:
             out[choice] = stepper.step(state, steps.objectives(DATA, cfg, ev, 0, 0))
         finally:

@@ -12,10 +12,11 @@ import pytest
 
 from coordinator import debian_corpus
 from coordinator.prepare import prepare
-from soma_edge import corpus
-from soma_edge import router as router_mod
+from soma_edge.corpus import documents
+from soma_edge.corpus import router as routing
+from soma_edge.corpus import sources as corpus_sources
 from soma_edge.errors import CorpusError
-from soma_edge.rundir import RunDir
+from soma_edge.rundir.layout import RunDir
 from tests.helpers.corpus import FOUR_DOMAINS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,19 +59,19 @@ def test_shards_are_content_addressed_and_complete(prepared, default_docs):
     assert sorted(p.name for p in run.iterdir()) == ["prepare.json", "router.msgpack", "shards"]
     assert json.loads((run / "prepare.json").read_text()) == s
     for c in s["clusters"]:
-        for split in corpus.SPLITS:
+        for split in documents.SPLITS:
             data = (run / "shards" / f"{c['shards'][split]}.bin").read_bytes()
             assert hashlib.sha256(data).hexdigest() == c["shards"][split]
             assert len(data) == c["bytes"][split]
     # Shard bytes = document bytes + one separator between consecutive documents of a shard.
-    n_nonempty = sum(1 for c in s["clusters"] for sp in corpus.SPLITS if c["bytes"][sp])
-    shard_bytes = sum(c["bytes"][sp] for c in s["clusters"] for sp in corpus.SPLITS)
-    assert shard_bytes == s["bytes"] + len(corpus.SEPARATOR) * (s["documents"] - n_nonempty)
+    n_nonempty = sum(1 for c in s["clusters"] for sp in documents.SPLITS if c["bytes"][sp])
+    shard_bytes = sum(c["bytes"][sp] for c in s["clusters"] for sp in documents.SPLITS)
+    assert shard_bytes == s["bytes"] + len(documents.SEPARATOR) * (s["documents"] - n_nonempty)
     # Splits follow corpus.split_of: every held-out byte is in a val/test shard.
-    docs = corpus.load_documents(base / "four.jsonl")
+    docs = corpus_sources.load_documents(base / "four.jsonl")
     held = sum(len(d.text) for d in docs if d.split != "train")
     assert sum(c["bytes"]["val"] + c["bytes"]["test"] for c in s["clusters"]) >= held
-    router = router_mod.load(run / "router.msgpack")
+    router = routing.load(run / "router.msgpack")
     assert router.n_experts == 4
     assert hashlib.sha256((run / "router.msgpack").read_bytes()).hexdigest() == s["router"]["sha256"]
     for e in range(4):
@@ -126,7 +127,7 @@ def test_load_documents_directory_jsonl_and_skips(tmp_path):
     (tmp_path / "code" / "img.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
     (tmp_path / ".hidden.txt").write_text("secret\n")
     (tmp_path / "recs.jsonl").write_text('{"text": "first", "domain": "x"}\n\n{"text": "second"}\n')
-    docs = corpus.load_documents(tmp_path)
+    docs = corpus_sources.load_documents(tmp_path)
     assert sorted((d.domain, d.text) for d in docs) == [
         ("", b"second"),
         ("code", b"print('hi')\n"),
@@ -135,9 +136,9 @@ def test_load_documents_directory_jsonl_and_skips(tmp_path):
     ]
     big = tmp_path / "big.txt"
     big.write_bytes(b"line of text\n" * 5000)  # 65 KB -> cut at line ends into <= 16 KiB documents
-    pieces = corpus.load_documents(big)
+    pieces = corpus_sources.load_documents(big)
     assert len(pieces) == 4 and b"".join(d.text for d in pieces) == big.read_bytes()
-    assert all(len(d.text) <= corpus.CHUNK and d.text.endswith(b"\n") for d in pieces)
+    assert all(len(d.text) <= documents.CHUNK and d.text.endswith(b"\n") for d in pieces)
 
 
 @pytest.mark.parametrize(
@@ -154,33 +155,33 @@ def test_load_documents_bad_files(tmp_path, make, match):
     make(tmp_path)
     (target,) = [p for p in tmp_path.iterdir()]
     with pytest.raises(CorpusError, match=match):
-        corpus.load_documents(target)
+        corpus_sources.load_documents(target)
 
 
 def test_load_documents_directory_without_text(tmp_path):
     with pytest.raises(CorpusError, match="no readable text"):
-        corpus.load_documents(tmp_path)
+        corpus_sources.load_documents(tmp_path)
     (tmp_path / "x.bin").write_bytes(bytes(range(256)))
     with pytest.raises(CorpusError, match=r"no readable text.*skipped 1 file.*x\.bin"):
-        corpus.load_documents(tmp_path)
+        corpus_sources.load_documents(tmp_path)
     with pytest.raises(CorpusError, match="no such file"):
-        corpus.load_documents(tmp_path / "nope")
+        corpus_sources.load_documents(tmp_path / "nope")
 
 
 def test_debian_corpus_reads_only_a_checked_cache(tmp_path):
     with pytest.raises(CorpusError, match="not in the cache"):
-        corpus.load_documents("debian", cache=tmp_path)
-    root = tmp_path / corpus.DEBIAN
+        corpus_sources.load_documents("debian", cache=tmp_path)
+    root = tmp_path / corpus_sources.DEBIAN
     root.mkdir()
     text = b"ein kleiner Text\n" * 100
     (root / "lang_de.txt").write_bytes(text)
     entry = {"path": "lang_de.txt", "domain": "lang_de", "bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()}
     (root / "manifest.json").write_text(json.dumps({"files": [entry]}))
-    docs = corpus.load_documents("debian", cache=tmp_path)
+    docs = corpus_sources.load_documents("debian", cache=tmp_path)
     assert {d.domain for d in docs} == {"lang_de"} and b"".join(d.text for d in docs) == text
     (root / "lang_de.txt").write_bytes(text + b"tampered")
     with pytest.raises(CorpusError, match="sha256 differs"):
-        corpus.load_documents("debian", cache=tmp_path)
+        corpus_sources.load_documents("debian", cache=tmp_path)
 
 
 # ---------------------------------------------------------------- the debian recipe's checks (never run)

@@ -7,9 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from soma_edge import params, spsa
 from soma_edge.config import Evaluator, evals_per_step, from_dict
-from soma_edge.runtime import evaluator_kind
+from soma_edge.engine.evaluator import evaluator_kind
+from soma_edge.expert import params
+from soma_edge.spsa import optim, stepper
 from worker import probe
 from worker.cache import Cache
 from worker.trainer import train
@@ -32,7 +33,7 @@ def _slowed(fn):
     return slow
 
 
-@pytest.mark.parametrize("part", ["noise", "_apply"])  # the direction's noise; the update of the weights
+@pytest.mark.parametrize("part", ["noise", "apply_update"])  # the direction's noise; the update of the weights
 def test_the_probe_counts_the_noise_and_the_update(monkeypatch, part):
     """Slowing either part by SLOW per step must slow the probe to about evals_per_step / SLOW (one
     direction per step: the noise is drawn once per step, the update made once). A probe of bare losses
@@ -42,7 +43,7 @@ def test_the_probe_counts_the_noise_and_the_update(monkeypatch, part):
     per = evals_per_step(CFG.spsa)
     assert CFG.spsa.directions * CFG.spsa.accumulate == 1 and per == 3  # K = 1 with the delta rule's clean forward
     assert fast > 4 * per / SLOW  # so the slowed rate below is told apart
-    monkeypatch.setattr(spsa, part, _slowed(getattr(spsa, part)))
+    monkeypatch.setattr(stepper, part, _slowed(getattr(stepper, part)))  # as the Stepper looks them up
     slow = probe.measure(evaluator, CFG, seconds=0.5)  # ~10 slowed steps
     assert 0.5 * per / SLOW < slow <= per / SLOW, (fast, slow)
 
@@ -98,7 +99,7 @@ def test_auto_on_an_accelerator_measures_both_once_and_trains_with_the_faster(tm
     evaluator = probe.make_evaluator(CFG, "cpu", 1, False, 1, probe.chosen(again))
     assert evaluator_kind(evaluator) is faster
     data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
-    report = train(spsa.State(params.init(CFG.model, 0)), data, CFG, evaluator, steps=1)
+    report = train(optim.State(params.init(CFG.model, 0)), data, CFG, evaluator, steps=1)
     assert report.evaluator is faster
     timed.clear()  # `soma-worker train` chooses the same way, without a cache (probe.fastest)
     evaluator, measured = probe.fastest(CFG, "cpu", 1, False, 1, seconds=0.05)

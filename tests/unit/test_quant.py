@@ -1,4 +1,4 @@
-"""The decoder's change in int8 codes (soma_edge.quant): within half a code step, exact where it can be,
+"""The decoder's change in int8 codes (soma_edge.spsa.quant): within half a code step, exact where it can be,
 the same bits on every decode, and refused in one line where a hostile record does not fit."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from soma_edge import quant
+from soma_edge.spsa import quant
 
 
 def _change(n: int, seed: int = 0) -> np.ndarray:

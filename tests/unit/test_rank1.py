@@ -8,21 +8,14 @@ import sys
 import numpy as np
 import pytest
 
-from soma_edge import config, params, spsa, steps
+from soma_edge import config
 from soma_edge.config import Config, ModelConfig, SPSAConfig
 from soma_edge.errors import ConfigError
-from soma_edge.spsa import (
-    Objective,
-    Rank1,
-    State,
-    Stepper,
-    body_shapes,
-    matrix_shape,
-    noise,
-    rank1_factors,
-    rank1_probe,
-    rank1_signs,
-)
+from soma_edge.expert import params, steps
+from soma_edge.spsa import log as update_log
+from soma_edge.spsa.noise import Rank1, body_shapes, matrix_shape, noise, rank1_factors, rank1_probe, rank1_signs
+from soma_edge.spsa.optim import State
+from soma_edge.spsa.stepper import Objective, Stepper
 
 # A toy body: an ONNX-style [1, m, n] matrix, a bias, a plain matrix, a [1, 1, n] vector, a [m, 1, n] matrix.
 SHAPES = ((1, 6, 5), (6,), (4, 3), (1, 1, 7), (5, 1, 4))
@@ -216,9 +209,9 @@ def test_training_replays_bit_for_bit(decoder, update):
     obj = _toy_objective(cfg, 1)
     grads = [stepper.step(live, obj).grads for _ in range(8)]
     stepper.close()
-    log = spsa.record_log(start.step, 1.0, grads, live, steps.log_body(cfg))
+    log = update_log.record_log(start.step, 1.0, grads, live, steps.log_body(cfg))
     via_steps = steps.replay(cfg, start, log, 2)
-    via_spsa = spsa.replay(
+    via_spsa = update_log.replay(
         cfg.spsa, start, log, seed=cfg.seed, expert=2, body=lay.body, dense=lay.dense(), shapes=lay.shapes
     )
     assert not np.array_equal(live.weights[: lay.body], start.weights[: lay.body])

@@ -1,4 +1,4 @@
-"""The typed records of a run directory (soma_edge.rundir, soma_edge.metrics) read and write the very bytes
+"""The typed records of a run directory (soma_edge.rundir, soma_edge.rundir.metrics) read and write the very bytes
 that the coordinator wrote before them (tests/fixtures/old_run), read lines that lack the keys a later
 version added, and refuse one that lacks a required key with an error naming the file and the key."""
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from soma_edge import checkpoint, codec, metrics
+from soma_edge import checkpoint, codec
 from soma_edge.errors import CheckpointError
-from soma_edge.metrics import ExpertLine, RoundLine, Status
-from soma_edge.rundir import STATE_KIND, PrepareSummary, RunDir, RunState
+from soma_edge.rundir import metrics
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import ExpertLine, RoundLine, Status
+from soma_edge.rundir.state import STATE_KIND, PrepareSummary, RunState
 
 OLD_RUN = Path(__file__).resolve().parents[1] / "fixtures" / "old_run"
 

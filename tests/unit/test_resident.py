@@ -1,4 +1,4 @@
-"""An expert resident on its device (soma_edge.resident): weights, moments and batch as OrtValues bound
+"""An expert resident on its device (soma_edge.engine.resident): weights, moments and batch as OrtValues bound
 through IOBinding, the update run as the update graph. On the CPU EP its steps equal the Stepper's
 population steps (host update, weights fed each call) bit for bit: the weights, the optimizer state, the
 scalars the update log keeps, and the loss."""
@@ -8,10 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from soma_edge import params, resident, spsa, steps
 from soma_edge.config import from_dict
-from soma_edge.corpus import batch_rng, sample_batch
-from soma_edge.runtime import evaluator_for
+from soma_edge.corpus.documents import batch_rng, sample_batch
+from soma_edge.engine import resident
+from soma_edge.engine.evaluator import evaluator_for
+from soma_edge.expert import params, steps
+from soma_edge.spsa import optim
 
 DATA = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
 KINDS = {"lstm": {"embed": 8, "hidden": 16}, "soma": {"kind": "soma", "embed": 8, "hidden": 8}}
@@ -45,13 +47,13 @@ def _bits(a):
 @pytest.mark.parametrize("setting", list(SPSA))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_resident_steps_equal_the_population_steps_bit_for_bit(kind, setting, capture):
-    """Also with the fixed-address calls that CUDA graph capture needs (soma_edge.capture: A/B weight sets,
+    """Also with the fixed-address calls that CUDA graph capture needs (soma_edge.engine.capture: A/B weight sets,
     buffers refilled in place; uncaptured on the CPU EP), where the step qualifies."""
     cfg = _config(kind, SPSA[setting])
     evaluator = evaluator_for(cfg, threads=1)
     assert evaluator.population is not None
-    host = spsa.State(params.init(cfg.model, 3))
-    on_device = spsa.State(host.weights.copy())
+    host = optim.State(params.init(cfg.model, 3))
+    on_device = optim.State(host.weights.copy())
     stepper = steps.stepper(cfg, 0)
     runner = resident.Resident(cfg, 0, evaluator.population, on_device, capture=capture)
     assert runner.verified()
@@ -78,7 +80,7 @@ def test_a_device_whose_update_bits_differ_fails_the_check(monkeypatch):
     one whose lr is fed a hair larger) is caught, and the worker keeps the host update."""
     cfg = _config("lstm", {})
     evaluator = evaluator_for(cfg, threads=1)
-    runner = resident.Resident(cfg, 0, evaluator.population, spsa.State(params.init(cfg.model, 3)))
+    runner = resident.Resident(cfg, 0, evaluator.population, optim.State(params.init(cfg.model, 3)))
     real = resident.update_graph.scalars
 
     def off(*args):
@@ -101,11 +103,11 @@ def test_the_worker_trains_resident_when_it_evaluates_by_population(monkeypatch)
     calls = []
     real = resident.Resident.step
     monkeypatch.setattr(resident.Resident, "step", lambda self, *a: calls.append(1) or real(self, *a))
-    on_device = spsa.State(params.init(cfg.model, 3))
+    on_device = optim.State(params.init(cfg.model, 3))
     rep = train(on_device, DATA, cfg, evaluator, steps=3)
     assert len(calls) == 3 and on_device.step == 3
     monkeypatch.setattr(resident.update_graph, "supported", lambda s: "the host's update, for this test")
-    on_host = spsa.State(params.init(cfg.model, 3))
+    on_host = optim.State(params.init(cfg.model, 3))
     again = train(on_host, DATA, cfg, evaluator, steps=3)
     assert len(calls) == 3  # the Stepper ran these
     assert _bits(on_device.weights) == _bits(on_host.weights) and _bits(on_device.opt.adam_v) == _bits(
@@ -114,7 +116,7 @@ def test_the_worker_trains_resident_when_it_evaluates_by_population(monkeypatch)
     assert all(np.array_equal(a, b) for a, b in zip(rep.grads, again.grads)) and rep.loss == again.loss
 
 
-def _run(cfg, population, state: spsa.State, start: int, n: int, capture: bool) -> None:
+def _run(cfg, population, state: optim.State, start: int, n: int, capture: bool) -> None:
     runner = resident.Resident(cfg, 0, population, state, capture=capture)
     for t in range(start, start + n):
         runner.step(_batches(cfg, t))
@@ -127,7 +129,7 @@ def test_captured_buffers_serve_the_next_round_and_a_refusal_falls_back(monkeypa
     the second round's first captured call raises) costs one warning line; the step runs uncaptured."""
     cfg = _config("soma", {})
     plain, fixed = evaluator_for(cfg, threads=1), evaluator_for(cfg, threads=1)
-    want, got = spsa.State(params.init(cfg.model, 5)), spsa.State(params.init(cfg.model, 5))
+    want, got = optim.State(params.init(cfg.model, 5)), optim.State(params.init(cfg.model, 5))
     _run(cfg, plain.population, want, 0, 3, capture=False)
     _run(cfg, fixed.population, got, 0, 3, capture=True)
     kept = fixed.population.captured
@@ -154,7 +156,7 @@ def test_captured_buffers_serve_the_next_round_and_a_refusal_falls_back(monkeypa
 def test_capture_asks_the_cuda_ep_for_cuda_graphs_and_nothing_else(monkeypatch):
     """make_session(cuda_graph=True) adds enable_cuda_graph to the CUDA EP's options (the Plan's, use_tf32
     kept) and leaves other providers as they are."""
-    from soma_edge import runtime
+    from soma_edge.engine import runtime
 
     seen = {}
 
@@ -190,7 +192,7 @@ def test_capture_whose_sessions_cannot_be_made_falls_back_at_once(monkeypatch, c
         raise RuntimeError("this session cannot use the CUDA Graph feature")
 
     monkeypatch.setattr(resident.capture_mod, "Captured", refused)
-    want, got = spsa.State(params.init(cfg.model, 4)), spsa.State(params.init(cfg.model, 4))
+    want, got = optim.State(params.init(cfg.model, 4)), optim.State(params.init(cfg.model, 4))
     with caplog.at_level("WARNING", logger="soma.resident"):
         _run(cfg, plain.population, want, 0, 3, capture=False)
         _run(cfg, fixed.population, got, 0, 3, capture=True)
@@ -203,7 +205,7 @@ def test_a_fixed_buffer_takes_only_its_dtype_and_shape():
     the int64 buffer. The refill refuses it, naming the buffer."""
     cfg = _config("lstm", {})
     ev = evaluator_for(cfg, threads=1)
-    runner = resident.Resident(cfg, 0, ev.population, spsa.State(params.init(cfg.model, 3)), capture=True)
+    runner = resident.Resident(cfg, 0, ev.population, optim.State(params.init(cfg.model, 3)), capture=True)
     runner.step(_batches(cfg, 0))
     x, y = _batches(cfg, 1)[0]
     with pytest.raises(ValueError, match=r"x: int32\[2, 12\], the fixed buffer is int64\[2, 12\]"):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from soma_edge import codec
-from soma_edge import router as router_mod
+from soma_edge.corpus import features
+from soma_edge.corpus import router as routing
 from soma_edge.errors import CodecError, ConfigError
 from tests.helpers.corpus import FOUR_DOMAINS
 
@@ -18,13 +19,13 @@ def fitted(four_domain_docs):
     """A router with 8 clusters over 4 experts, fitted on the train split of the 4-domain sample."""
     docs = four_domain_docs
     train = [i for i, d in enumerate(docs) if d.split == "train"]
-    router, labels = router_mod.fit([d.text for d in docs], 4, n_clusters=8, seed=0, fit_on=train)
+    router, labels = routing.fit([d.text for d in docs], 4, n_clusters=8, seed=0, fit_on=train)
     return docs, router, labels
 
 
 def test_fit_shapes_balance_and_size(fitted):
     docs, router, labels = fitted
-    assert router.n_experts == 4 and router.n_clusters == 8 and router.dim == router_mod.DIM
+    assert router.n_experts == 4 and router.n_clusters == 8 and router.dim == features.DIM
     assert sorted(set(router.cluster_expert.tolist())) == [0, 1, 2, 3]  # every expert has a cluster
     sizes = np.bincount(labels, weights=[len(d.text) for d in docs], minlength=8)
     assert sizes.max() <= 2 * sizes.mean() and sizes.min() > 0
@@ -141,19 +142,19 @@ def test_bad_route_arguments(fitted):
 def test_roundtrip_and_bounded_decode(fitted, tmp_path):
     _, router, _ = fitted
     data = router.to_bytes()
-    back = router_mod.Router.from_bytes(data)
+    back = routing.Router.from_bytes(data)
     assert back.to_bytes() == data
     ctx = [b"Of Man's first disobedience", b"import os\n"]
     np.testing.assert_array_equal(back.distances(ctx), router.distances(ctx))
     (tmp_path / "router.msgpack").write_bytes(data)
-    assert router_mod.load(tmp_path / "router.msgpack").to_bytes() == data
+    assert routing.load(tmp_path / "router.msgpack").to_bytes() == data
 
     with pytest.raises(CodecError, match="exceeds"):
-        router_mod.Router.from_bytes(data, max_bytes=1000)
+        routing.Router.from_bytes(data, max_bytes=1000)
     with pytest.raises(CodecError, match="expected a router"):
-        router_mod.Router.from_bytes(codec.encode({}, "expert"))
+        routing.Router.from_bytes(codec.encode({}, "expert"))
     with pytest.raises(CodecError):
-        router_mod.Router.from_bytes(data[: len(data) // 2])
+        routing.Router.from_bytes(data[: len(data) // 2])
     body = codec.decode(data, "router")
     for field, value, match in [
         ("featurizer", "something-else", "featurizer"),
@@ -163,33 +164,33 @@ def test_roundtrip_and_bounded_decode(fitted, tmp_path):
         ("centroids", np.full((8, 2048), np.nan, np.float32), "non-finite"),
     ]:
         with pytest.raises(CodecError, match=match):
-            router_mod.Router.from_bytes(codec.encode({**body, field: value}, "router"))
+            routing.Router.from_bytes(codec.encode({**body, field: value}, "router"))
     bad = dict(body)
     del bad["temperature"]
     with pytest.raises(CodecError, match="field"):
-        router_mod.Router.from_bytes(codec.encode(bad, "router"))
+        routing.Router.from_bytes(codec.encode(bad, "router"))
     with pytest.raises(CodecError):
-        router_mod.Router.from_bytes(msgpack.packb({"schema": 1, "kind": "router", "body": [1, 2]}))
+        routing.Router.from_bytes(msgpack.packb({"schema": 1, "kind": "router", "body": [1, 2]}))
 
 
 def test_fit_is_deterministic_and_seeded(fitted):
     docs, router, labels = fitted
     small = docs[::3]
-    a, la = router_mod.fit([d.text for d in small], 3, seed=5)
-    b, lb = router_mod.fit([d.text for d in small], 3, seed=5)
+    a, la = routing.fit([d.text for d in small], 3, seed=5)
+    b, lb = routing.fit([d.text for d in small], 3, seed=5)
     assert a.to_bytes() == b.to_bytes() and np.array_equal(la, lb)
 
 
 def test_fit_refuses_impossible_requests():
     texts = [b"alpha beta", b"gamma delta", b"epsilon"]
     with pytest.raises(ConfigError, match="experts"):
-        router_mod.fit(texts, 0)
+        routing.fit(texts, 0)
     with pytest.raises(ConfigError, match="clusters"):
-        router_mod.fit(texts, 3, n_clusters=2)
+        routing.fit(texts, 3, n_clusters=2)
     with pytest.raises(ConfigError, match="documents"):
-        router_mod.fit(texts, 4)
+        routing.fit(texts, 4)
     with pytest.raises(ConfigError, match="power of two"):
-        router_mod.fit(texts, 2, dim=1000)
+        routing.fit(texts, 2, dim=1000)
 
 
 def test_router_module_needs_no_training_code():
@@ -197,7 +198,7 @@ def test_router_module_needs_no_training_code():
     code = (
         "import sys\n"
         "for m in ('torch', 'flwr', 'onnx', 'onnxruntime'): sys.modules[m] = None\n"
-        "import soma_edge.router\n"
+        "import soma_edge.corpus.router\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -2,7 +2,9 @@ import numpy as np
 import pytest
 
 from soma_edge.config import SPSAConfig
-from soma_edge.spsa import Objective, OptState, State, Stepper, noise, plateau, probe_mask, schedule
+from soma_edge.spsa.noise import noise, probe_mask
+from soma_edge.spsa.optim import OptState, State, plateau, schedule
+from soma_edge.spsa.stepper import Objective, Stepper
 
 
 def test_noise_is_regenerated_from_its_key():

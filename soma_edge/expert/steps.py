@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from soma_edge.config import Config
-from soma_edge.corpus import batch_rng, sample_batch
-from soma_edge.params import layout
-from soma_edge.spsa import Objective, State, Stepper, UpdateLog
-from soma_edge.spsa import replay as replay_log
+from soma_edge.corpus.documents import batch_rng, sample_batch
+from soma_edge.expert.params import layout
+from soma_edge.spsa.log import UpdateLog
+from soma_edge.spsa.log import replay as replay_log
+from soma_edge.spsa.optim import State
+from soma_edge.spsa.stepper import Objective, Stepper
 
 
 def stepper(cfg: Config, expert: int, parallel: int = 1) -> Stepper:
@@ -25,7 +27,7 @@ def stepper(cfg: Config, expert: int, parallel: int = 1) -> Stepper:
 
 def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int) -> list[Objective]:
     """The step's `accumulate` minibatches, each drawn from its own key, as SPSA objectives
-    (`evaluator`: a `soma_edge.runtime.LossEvaluator` of the run's model). Where it carries a population
+    (`evaluator`: a `soma_edge.engine.runtime.LossEvaluator` of the run's model). Where it carries a population
     evaluator (runtime.evaluator_for chose it), each objective's `members` evaluates the minibatch's whole
     population in one call, and the Stepper takes that path."""
     out = []
@@ -44,7 +46,7 @@ def batches(data: np.ndarray, cfg: Config, expert: int, step: int) -> list[tuple
 
 
 def replay(cfg: Config, state: State, log: UpdateLog, expert: int) -> State:
-    """`soma_edge.spsa.replay` of expert `expert`'s log under the run's config (ValueError if it does not fit)."""
+    """`soma_edge.spsa.log.replay` of expert `expert`'s log under the run's config (ValueError if it does not fit)."""
     lay = layout(cfg.model)
     return replay_log(
         cfg.spsa, state, log, seed=cfg.seed, expert=expert, body=lay.body, dense=lay.dense(), shapes=lay.shapes

@@ -1,6 +1,6 @@
 """A resident expert's steps at fixed device addresses, so that the CUDA EP can capture them as CUDA graphs.
 
-A resident step (soma_edge.resident) is two ORT calls of many small kernels: the population graph and the
+A resident step (soma_edge.engine.resident) is two ORT calls of many small kernels: the population graph and the
 update graph. With the CUDA EP's enable_cuda_graph, ORT records a call's kernels once and then replays them
 with one launch, which removes the host's per-kernel launch cost. A replay reads and writes the addresses
 it recorded, so every input and output must stay in the same device buffer from call to call:
@@ -19,21 +19,38 @@ how the tests check them against the resident's ordinary calls, bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from soma_edge import update_graph
-from soma_edge.population_graph import build_population
-from soma_edge.runtime import make_session
+from soma_edge.engine.runtime import load_ort, make_session
+from soma_edge.expert import update_graph
+from soma_edge.expert.population_graph import build_population
 
 if TYPE_CHECKING:
-    from soma_edge.resident import Resident
+    from soma_edge.config import Config
+    from soma_edge.engine.population import PopulationEvaluator
+    from soma_edge.expert.population_graph import NoiseInput
 
 
-def qualifies(resident: Resident) -> bool:
+def qualifies(cfg: Config) -> bool:
     """Whether a resident expert's steps can run at fixed addresses (the module docstring)."""
-    return resident.cfg.spsa.accumulate == 1
+    return cfg.spsa.accumulate == 1
+
+
+@dataclass(frozen=True)
+class ResidentParts:
+    """What of a resident expert (soma_edge.engine.resident) its fixed buffers are made from:
+    its config, population evaluator, device (OrtValue's name for it), the update graph's inputs, the
+    device values of its state (`w.<name>`, `m.<name>`, ...), and whether the delta rule trains its decoder."""
+
+    cfg: Config
+    population: PopulationEvaluator
+    where: tuple[str, int]
+    inputs: list[NoiseInput]
+    values: dict[str, Any]
+    delta: bool
 
 
 class Captured:
@@ -42,15 +59,15 @@ class Captured:
     sessions). `load` puts an expert's state in; `evaluate` is a step's population call, `update` its update
     call; `values` is the side that holds the current weights and optimizer state."""
 
-    def __init__(self, resident: Resident, batch: tuple[int, ...]) -> None:
+    def __init__(self, resident: ResidentParts, batch: tuple[int, ...]) -> None:
         r, pop = resident, resident.population
-        self.ort, self.where, self.batch = r.ort, r.where, tuple(batch)
+        self.ort, self.where, self.batch = load_ort(), r.where, tuple(batch)
         self.cuda = r.where[0] == "cuda"
         graph = build_population(pop.model, pop.k, pop.perturbed, pop.noise, pop.decoder_grad, pop.seq_len)
         self.population = make_session(graph, pop.device, pop.threads, pop.spin, cuda_graph=True)
         k = r.cfg.spsa.directions * r.cfg.spsa.accumulate
         update = update_graph.build_update(r.cfg.model, r.cfg.spsa, k, pop.perturbed, pop.noise, r.delta)
-        # One thread, no spinning, as the resident's own update session (soma_edge.resident says why).
+        # One thread, no spinning, as the resident's own update session (soma_edge.engine.resident says why).
         self.update_session = make_session(update, pop.device, 1, False, cuda_graph=True)
         # What each refill takes: the batch, eps, the noise both calls read, the update's per-step inputs.
         self.kinds = {n: (np.dtype(np.int64), self.batch) for n in ("x", "y")}
@@ -92,9 +109,9 @@ class Captured:
             ro.add_run_config_entry("gpu_graph_id", str(side + 1))
         return ro
 
-    def _bind_population(self, r: Resident, side: int) -> Any:
+    def _bind_population(self, r: ResidentParts, side: int) -> Any:
         io = self.population.io_binding()
-        for name in r.lay.names:
+        for name in r.population.layout.names:
             io.bind_ortvalue_input(name, self.sets[side][f"w.{name}"])
         for name in ["x", "y", "eps", *(i.name for i in r.population.inputs)]:
             io.bind_ortvalue_input(name, self.buffers[name])
@@ -102,7 +119,7 @@ class Captured:
             io.bind_ortvalue_output(name, value)
         return io
 
-    def _bind_update(self, r: Resident, side: int, written: list[str]) -> Any:
+    def _bind_update(self, r: ResidentParts, side: int, written: list[str]) -> Any:
         io = self.update_session.io_binding()
         source, target = self.sets[side], self.sets[1 - side]
         grads = {update_graph.grad_name(n[len("grad.") :], 0): v for n, v in self.outputs.items() if n != "losses"}

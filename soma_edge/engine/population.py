@@ -1,5 +1,5 @@
 """The population evaluator: one ORT call gives a step's clean forward and its 2K perturbed losses on one
-minibatch (the graph: soma_edge.population_graph), where runtime.LossEvaluator takes 2K + 1 calls.
+minibatch (the graph: soma_edge.expert.population_graph), where runtime.LossEvaluator takes 2K + 1 calls.
 
 Also the bridge between the host's noise and the graph's noise inputs: Rademacher directions cross as their
 keyed bits, sparse ones with their packed masks (`graph_noise`); `noise_feeds` cuts K flat directions (the
@@ -18,10 +18,18 @@ import numpy as np
 
 from soma_edge.config import Config, ModelConfig, SPSAConfig
 from soma_edge.config import Noise as SPSANoise
-from soma_edge.params import Layout, layout
-from soma_edge.population_graph import Noise, NoiseInput, build_population, core_shape, noise_inputs, perturbed_size
-from soma_edge.runtime import make_session
-from soma_edge.spsa import Probes, Rank1
+from soma_edge.engine.runtime import make_session
+from soma_edge.expert.params import Layout, layout
+from soma_edge.expert.population_graph import (
+    Noise,
+    NoiseInput,
+    build_population,
+    core_shape,
+    noise_inputs,
+    perturbed_size,
+)
+from soma_edge.spsa.noise import Rank1
+from soma_edge.spsa.stepper import Probes
 
 
 class Population(NamedTuple):
@@ -58,8 +66,8 @@ class PopulationEvaluator:
         self.providers: list[str] = self.session.get_providers()
         self.inputs: list[NoiseInput] = noise_inputs(self.model, self.k, self.perturbed, self.noise)
         self.outputs = ["losses"] + ([f"grad.{n}" for n in self.layout.decoder] if self.decoder_grad else [])
-        self.update: Any = None  # the update graph's session (soma_edge.resident), made on first use
-        self.captured: Any = None  # the captured steps' buffers and sessions (soma_edge.capture), likewise
+        self.update: Any = None  # the update graph's session (soma_edge.engine.resident), made on first use
+        self.captured: Any = None  # the captured steps' buffers and sessions (soma_edge.engine.capture), likewise
         self.capture_refused = False  # the device refused capture once: later rounds run uncaptured
 
     def _check(self, noise: dict[str, np.ndarray]) -> None:

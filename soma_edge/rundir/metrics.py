@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Iterable
 from soma_edge import records
 from soma_edge.errors import CheckpointError
 from soma_edge.records import Record
-from soma_edge.rundir import ExpertRecord, RunDir, expert_records
+from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.state import ExpertRecord, expert_records
 
 log = logging.getLogger("soma.metrics")
 

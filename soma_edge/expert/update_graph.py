@@ -35,14 +35,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from soma_edge import spsa
 from soma_edge.config import ModelConfig, SPSAConfig
-from soma_edge.graph import OPSET
-from soma_edge.params import Layout, layout
-from soma_edge.population_graph import (
+from soma_edge.expert.graph import OPSET
+from soma_edge.expert.params import Layout, layout
+from soma_edge.expert.population_graph import (
+    GraphBuilder,
     Noise,
     NoiseInput,
-    _Graph,
     bits_slices,
     core_shape,
     entries,
@@ -51,6 +50,7 @@ from soma_edge.population_graph import (
     noise_inputs,
     perturbed_size,
 )
+from soma_edge.spsa import optim
 
 
 def supported(cfg: SPSAConfig) -> str | None:
@@ -126,7 +126,9 @@ def update_outputs(inputs: Sequence[NoiseInput]) -> list[str]:
     return [f"new.{i.name}" for i in inputs if i.name.split(".", 1)[0] in ("w", "m", "v", "mom")]
 
 
-def _direction(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise, entry: dict[str, list[str]], j: int) -> str:
+def _direction(
+    g: GraphBuilder, name: str, shape: tuple[int, ...], noise: Noise, entry: dict[str, list[str]], j: int
+) -> str:
     """Direction j's float32 z over tensor `name` [*shape], exactly: int8 signs cast (±1, 0), Gaussian as fed,
     or a rank-1 matrix's a_j b_j^T (a product of two ±1, so exact) in the tensor's C order. `entry`: each noise
     input's k entries (`entries`)."""
@@ -139,7 +141,7 @@ def _direction(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise, entry
     return z if noise is Noise.GAUSSIAN else g.op("Cast", z, to=TensorProto.FLOAT)
 
 
-def _adam(g: _Graph, cfg: SPSAConfig, name: str, grad: str) -> str:
+def _adam(g: GraphBuilder, cfg: SPSAConfig, name: str, grad: str) -> str:
     """spsa._adam on `grad` with moments m.<name>, v.<name> -> new.m., new.v.; returns the Adam direction."""
     m = g.op(
         "Add",
@@ -158,7 +160,7 @@ def _adam(g: _Graph, cfg: SPSAConfig, name: str, grad: str) -> str:
     return g.op("Div", m_hat, g.op("Add", g.op("Sqrt", v_hat), g.f32(np.float32(cfg.adam_eps))))
 
 
-def _sums(g: _Graph, model: ModelConfig, perturbed: Sequence[str], noise: Noise, k: int) -> dict[str, str]:
+def _sums(g: GraphBuilder, model: ModelConfig, perturbed: Sequence[str], noise: Noise, k: int) -> dict[str, str]:
     """Each perturbed tensor's acc = 0 + g_0 z_0 + g_1 z_1 + ... in index order (spsa._accumulate; 0 + x is
     numpy's first sum too: -0 -> +0). Directions outermost, so that BITS expands direction j once for all
     tensors and the device holds one expanded direction at a time. The input g and the noise inputs are read
@@ -181,7 +183,7 @@ def _sums(g: _Graph, model: ModelConfig, perturbed: Sequence[str], noise: Noise,
     return acc
 
 
-def _body_update(g: _Graph, cfg: SPSAConfig, name: str, acc: str, k: int) -> None:
+def _body_update(g: GraphBuilder, cfg: SPSAConfig, name: str, acc: str, k: int) -> None:
     """new.w.<name> (and its optimizer state) from the k directions' sum acc, as spsa._apply's body step."""
     u = g.op("Div", acc, g.f32(np.float32(k)))
     if cfg.weight_decay > 0:
@@ -193,7 +195,7 @@ def _body_update(g: _Graph, cfg: SPSAConfig, name: str, acc: str, k: int) -> Non
     g.op("Sub", f"w.{name}", g.op("Mul", "lr", u), out=f"new.w.{name}")
 
 
-def _decoder_update(g: _Graph, cfg: SPSAConfig, name: str) -> None:
+def _decoder_update(g: GraphBuilder, cfg: SPSAConfig, name: str) -> None:
     """new.w.<name> of a decoder tensor: Adam on the minibatches' mean delta-rule gradient (mean_decoder_grad:
     summed in batch order, then divided by float32(A) when A > 1), at the decoder lr."""
     grad = grad_name(name, 0)
@@ -213,7 +215,7 @@ def build_update(
     noise = Noise(noise)
     inputs = update_inputs(model, cfg, k, perturbed, noise, decoder)
     lay = layout(model)
-    g = _Graph(k)
+    g = GraphBuilder(k)
     for name, acc in _sums(g, model, perturbed, noise, k).items():
         _body_update(g, cfg, name, acc, k)
     if decoder:
@@ -250,8 +252,8 @@ def scalars(cfg: SPSAConfig, step: int, adam_t: int, lr_scale: float) -> dict[st
     Adam moments are behind `adam_t` updates: lr, decoder_lr, bc1 = float32(1 - beta1**t), bc2 (t = adam_t+1)."""
     t = adam_t + 1
     return {
-        "lr": np.array(np.float32(spsa.schedule(cfg, step, lr_scale)[0])),
-        "decoder_lr": np.array(np.float32(spsa.decoder_lr(cfg, step, lr_scale))),
+        "lr": np.array(np.float32(optim.schedule(cfg, step, lr_scale)[0])),
+        "decoder_lr": np.array(np.float32(optim.decoder_lr(cfg, step, lr_scale))),
         "bc1": np.array(np.float32(1 - cfg.beta1**t)),
         "bc2": np.array(np.float32(1 - cfg.beta2**t)),
     }
@@ -260,7 +262,7 @@ def scalars(cfg: SPSAConfig, step: int, adam_t: int, lr_scale: float) -> dict[st
 def update_feeds(
     model: ModelConfig,
     cfg: SPSAConfig,
-    state: spsa.State,
+    state: optim.State,
     g: np.ndarray,
     noise: dict[str, np.ndarray],
     decoder_grads: Sequence[dict[str, np.ndarray]] = (),
@@ -293,7 +295,7 @@ def run_update(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def write_back(
-    model: ModelConfig, cfg: SPSAConfig, state: spsa.State, outs: dict[str, np.ndarray], decoder: bool
+    model: ModelConfig, cfg: SPSAConfig, state: optim.State, outs: dict[str, np.ndarray], decoder: bool
 ) -> None:
     """Put an update's outputs into a host State and advance its counters as spsa._apply does (the step; the
     Adam count when Adam ran), so the State equals the one _apply would have left."""
@@ -301,7 +303,9 @@ def write_back(
     advance(cfg, state, decoder)
 
 
-def store(model: ModelConfig, cfg: SPSAConfig, state: spsa.State, arrays: dict[str, np.ndarray], decoder: bool) -> None:
+def store(
+    model: ModelConfig, cfg: SPSAConfig, state: optim.State, arrays: dict[str, np.ndarray], decoder: bool
+) -> None:
     """Put per-tensor arrays named as the update graph's inputs (`w.<name>`, `m.<name>`, `v.<name>`,
     `mom.<name>`) into a host State's flat vectors, creating the moments where spsa would have."""
     lay = layout(model)
@@ -316,7 +320,7 @@ def store(model: ModelConfig, cfg: SPSAConfig, state: spsa.State, arrays: dict[s
         lay.views(flats[prefix])[tensor][...] = value
 
 
-def advance(cfg: SPSAConfig, state: spsa.State, decoder: bool) -> None:
+def advance(cfg: SPSAConfig, state: optim.State, decoder: bool) -> None:
     """A step's counters, as spsa._apply advances them: the step, and the Adam count when Adam ran."""
     if _adam_body(cfg) or decoder:
         state.opt.adam_t += 1

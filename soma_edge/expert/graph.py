@@ -26,10 +26,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from soma_edge import router as router_mod
 from soma_edge.config import ModelConfig
-from soma_edge.params import VOCAB, layout
-from soma_edge.router import Router
+from soma_edge.corpus import features
+from soma_edge.corpus.router import Router
+from soma_edge.expert.builder import GraphBuilder, decoder_grads
+from soma_edge.expert.params import VOCAB, layout
 
 OPSET = 17
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, so the torch reference matches
@@ -72,9 +73,11 @@ def build(m: ModelConfig, mode: str = "loss", weights: np.ndarray | None = None)
         initializers.append(numpy_helper.from_array(np.array([-1, H], dtype=np.int64), "rows_h"))
         initializers.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat1"))
         outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
-        if mode == "train":
-            nodes += _decoder_grad_nodes(m)
-            initializers += _decoder_grad_constants(m)
+        if mode == "train":  # the delta rule's decoder gradients, built as the population graph builds them
+            g = GraphBuilder(prefix="decoder_")
+            decoder_grads(g, m.kind, "logits", "rows", "y_flat")
+            nodes += g.nodes
+            initializers += g.inits
             outputs += [
                 helper.make_tensor_value_info(f"grad.{n}", TensorProto.FLOAT, list(lay.shapes[lay.names.index(n)]))
                 for n in lay.decoder
@@ -191,42 +194,6 @@ def _loss_nodes() -> list[onnx.NodeProto]:
     ]
 
 
-def _decoder_grad_nodes(m: ModelConfig) -> list[onnx.NodeProto]:
-    """d(mean CE)/d(decoder) with the hidden rows held fixed: d = (softmax(logits) - onehot(y)) / rows, then
-    grad.head.W = h^T d and grad.head.b = sum d (lstm kind), or grad.E = d^T h (the tied kind)."""
-    node = helper.make_node
-    nodes = [
-        node("Softmax", ["logits"], ["probs"], axis=-1),
-        node("OneHot", ["y_flat", "vocab", "onehot_values"], ["onehot"], axis=-1),
-        node("Sub", ["probs", "onehot"], ["delta_sum"]),
-        # The row count as the sum of the one-hot rows (exact in float32 below 2^24 rows), not Shape -> Cast:
-        # Shape's output lives in host memory, so ORT would run the Cast on the CPU, which a CUDA-only
-        # session refuses.
-        node("ReduceSum", ["onehot"], ["n_rows"], keepdims=0),
-        node("Div", ["delta_sum", "n_rows"], ["delta"]),
-    ]
-    if m.kind == "soma":
-        return nodes + [
-            node("Transpose", ["delta"], ["delta_t"], perm=[1, 0]),
-            node("MatMul", ["delta_t", "rows"], ["grad.E"]),
-        ]
-    return nodes + [
-        node("Transpose", ["rows"], ["rows_t"], perm=[1, 0]),
-        node("MatMul", ["rows_t", "delta"], ["grad.head.W"]),
-        node("ReduceSum", ["delta", "axis0"], ["grad.head.b"], keepdims=0),
-    ]
-
-
-def _decoder_grad_constants(m: ModelConfig) -> list[onnx.TensorProto]:
-    out = [
-        numpy_helper.from_array(np.array(VOCAB, dtype=np.int64), "vocab"),
-        numpy_helper.from_array(np.array([0.0, 1.0], dtype=np.float32), "onehot_values"),
-    ]
-    if m.kind == "lstm":  # the bias gradient's reduction axis
-        out.append(numpy_helper.from_array(np.array([0], dtype=np.int64), "axis0"))
-    return out
-
-
 def router_features(r: Router) -> onnx.ModelProto:
     """The router's featurizer and distances as ONNX: context uint8[L] (L >= 1) -> distances float32[1, N].
 
@@ -236,8 +203,8 @@ def router_features(r: Router) -> onnx.ModelProto:
     `dim` signed dimensions, normalize, and take each expert's minimum squared distance over its clusters.
     An empty context (a document's first window) has no features: route it on the prior instead.
     """
-    if router_mod.FEATURIZER != "byte-ngram-tfidf-sketch-v1" or router_mod.MAX_N != 4:
-        raise NotImplementedError(f"no ONNX builder for router featurizer {router_mod.FEATURIZER!r}")
+    if features.FEATURIZER != "byte-ngram-tfidf-sketch-v1" or features.MAX_N != 4:
+        raise NotImplementedError(f"no ONNX builder for router featurizer {features.FEATURIZER!r}")
     inits = _router_constants(r)
     hash_nodes, hashes = _ngram_hash_nodes(inits)
     nodes = [helper.make_node("Cast", ["context"], ["b"], to=TensorProto.UINT64)]
@@ -249,7 +216,7 @@ def router_features(r: Router) -> onnx.ModelProto:
         [helper.make_tensor_value_info("distances", TensorProto.FLOAT, [1, r.n_experts])],
         inits,
     )
-    graph.doc_string = f"{router_mod.FEATURIZER}: {r.n_clusters} clusters, {r.n_experts} experts, dim {r.dim}"
+    graph.doc_string = f"{features.FEATURIZER}: {r.n_clusters} clusters, {r.n_experts} experts, dim {r.dim}"
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="soma-edge")
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
@@ -272,9 +239,9 @@ def _router_constants(r: Router) -> list[onnx.TensorProto]:
     # Each expert's clusters, padded by repeating one of them (the minimum is unchanged).
     gather = np.array([np.resize(m, width) for m in members], dtype=np.int64)
     return [
-        _u64("k_gram", [int(router_mod.H_GRAM)]),
-        _u64("k_dim", [int(router_mod.H_DIM)]),
-        _u64("k_sign", [int(router_mod.H_SIGN)]),
+        _u64("k_gram", [int(features.H_GRAM)]),
+        _u64("k_dim", [int(features.H_DIM)]),
+        _u64("k_sign", [int(features.H_SIGN)]),
         _u64("shift8", [8]),
         _u64("shift_bucket", [64 - bits]),
         _u64("shift_dim", [64 - int(dim).bit_length() + 1]),

@@ -10,7 +10,7 @@ the CUDA EP, refused by CUDA graph capture), and no ONNX `LSTM` op, whose weight
 whole batch while members each have their own. It computes what graph.py's ONNX `LSTM` computes: gates
 x W^T + h R^T + Wb + Rb in the order i, o, f, c, c' = f c + i tanh(c~), h = o tanh(c'), zero initial states;
 the soma kind's LayerNormalization, exact-erf GELU MLP, residuals, final LN and tied head h E^T as graph.py.
-Its T step reads and the join of its T outputs go as trees of at most MAX_FANIN (`entries`, `join`): a wider
+Its T step reads and the join of its T outputs go as trees of at most MAX_FANIN (soma_edge.expert.builder): a wider
 Concat or Split on the CUDA EP cannot be captured in a CUDA graph either.
 
 Each perturbed tensor's noise crosses in one of four forms (`Noise`), K members' worth per input:
@@ -39,16 +39,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from soma_edge.config import ModelConfig
-from soma_edge.graph import LN_EPS, OPSET
-from soma_edge.params import VOCAB, layout
-from soma_edge.spsa import bits_bytes, keep_table, sign_table
+from soma_edge.expert.builder import GraphBuilder, decoder_grads, entries, join, pieces
+from soma_edge.expert.graph import LN_EPS, OPSET
+from soma_edge.expert.params import layout
+from soma_edge.spsa.noise import bits_bytes, keep_table, sign_table
 
 
 class Noise(str, enum.Enum):
@@ -116,100 +117,6 @@ def noise_inputs(m: ModelConfig, k: int, perturbed: Sequence[str], noise: Noise 
     return out
 
 
-# ORT's CUDA Concat passes its table of input pointers to the kernel by value for up to 32 inputs; above
-# that it stages the table in pinned host memory and copies it asynchronously, which a CUDA graph does not
-# capture (soma_edge.capture captures the training steps), and a Split of more than 32 outputs stages its
-# table the same way. So no graph here joins more than MAX_FANIN tensors in one Concat, nor reads one tensor
-# in more than MAX_FANIN pieces: ORT's optimizer fuses Gathers or Slices that together read a whole tensor
-# into one Split of as many outputs (GatherSliceToSplitFusion). Longer lists go as trees (`join`, `_reads`).
-MAX_FANIN = 32
-
-
-class _Graph:
-    """Nodes and constants under construction: `op` names each output; constants and repeated ops on
-    weights (a transpose inside the unrolled loop) are made once."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.p = 2 * k + 1  # members: the clean one, then + and - for each direction
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.memo: dict[tuple, str] = {}
-        self.count = 0
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
-        if out is None:
-            self.count += 1
-            out = f"{op_type.lower()}{self.count}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
-        return out
-
-    def once(self, op_type: str, *inputs: str, **attrs) -> str:
-        key = (op_type, inputs, tuple(sorted((k, str(v)) for k, v in attrs.items())))
-        if key not in self.memo:
-            self.memo[key] = self.op(op_type, *inputs, **attrs)
-        return self.memo[key]
-
-    def const(self, value: np.ndarray) -> str:
-        key = ("const", value.dtype.str, value.shape, value.tobytes())
-        if key not in self.memo:
-            name = f"c{len(self.inits)}"
-            self.inits.append(numpy_helper.from_array(value, name))
-            self.memo[key] = name
-        return self.memo[key]
-
-    def i64(self, values: Sequence[int] | int) -> str:
-        return self.const(np.array(values, dtype=np.int64))
-
-    def f32(self, value: float | np.ndarray) -> str:
-        return self.const(np.asarray(value, dtype=np.float32))
-
-
-def _runs(n: int) -> list[range]:
-    """0 .. n-1 as at most MAX_FANIN consecutive runs, each of the same power of MAX_FANIN items (the last may
-    be shorter), the least power that allows it: single items up to MAX_FANIN, runs of 32 up to 32 * 32."""
-    size = 1
-    while size * MAX_FANIN < n:
-        size *= MAX_FANIN
-    return [range(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def join(g: _Graph, parts: Sequence[str], axis: int) -> str:
-    """Concat of `parts` along `axis` as a tree of Concats of at most MAX_FANIN inputs: the same bytes as one
-    Concat, since each Concat only copies."""
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) <= MAX_FANIN:
-        return g.op("Concat", *parts, axis=axis)
-    return join(g, [join(g, parts[r.start : r.stop], axis) for r in _runs(len(parts))], axis)
-
-
-def _reads(g: _Graph, x: str, axis: int, cuts: Sequence[int], read: Callable[[str, int, int], str]) -> list[str]:
-    """`read(part, start, stop)` of each range [cuts[i], cuts[i + 1]) of x along `axis`, positions relative to
-    `part`'s start: more than MAX_FANIN ranges are read from Slices of x holding at most MAX_FANIN runs of
-    them (`_runs`), each read the same way, so no tensor is read more than MAX_FANIN times."""
-    n = len(cuts) - 1
-    if n <= MAX_FANIN:
-        return [read(x, cuts[i], cuts[i + 1]) for i in range(n)]
-    out = []
-    for r in _runs(n):
-        start, stop = cuts[r.start], cuts[r.stop]
-        block = g.op("Slice", x, g.i64([start]), g.i64([stop]), g.i64([axis]))
-        out += _reads(g, block, axis, [c - start for c in cuts[r.start : r.stop + 1]], read)
-    return out
-
-
-def entries(g: _Graph, x: str, axis: int, n: int) -> list[str]:
-    """x's n entries along `axis`, each a Gather of its index (the axis dropped), read as a tree (`_reads`)."""
-    return _reads(g, x, axis, range(n + 1), lambda part, i, _: g.op("Gather", part, g.i64(i), axis=axis))
-
-
-def pieces(g: _Graph, x: str, axis: int, sizes: Sequence[int]) -> list[str]:
-    """x cut along `axis` into consecutive Slices of `sizes`, read as a tree (`_reads`)."""
-    cuts = np.cumsum([0, *sizes]).tolist()
-    return _reads(g, x, axis, cuts, lambda part, a, b: g.op("Slice", part, g.i64([a]), g.i64([b]), g.i64([axis])))
-
-
 @dataclass(frozen=True)
 class _Weight:
     """One weight tensor as the members see it. `base` is the shared tensor in its core shape; `members`,
@@ -222,13 +129,13 @@ class _Weight:
     b: str | None = None
 
 
-def _interleave(g: _Graph, plus: str, minus: str, core: tuple[int, ...], first: str) -> str:
+def _interleave(g: GraphBuilder, plus: str, minus: str, core: tuple[int, ...], first: str) -> str:
     """[K, *core] + and - halves -> [P, *core]: `first` [1, *core], then +_0, -_0, +_1, -_1, ..."""
     pair = g.op("Concat", g.op("Unsqueeze", plus, g.i64([1])), g.op("Unsqueeze", minus, g.i64([1])), axis=1)
     return g.op("Concat", first, g.op("Reshape", pair, g.i64([2 * g.k, *core])), axis=0)
 
 
-def _expand(g: _Graph, packed: str, table: np.ndarray, n: int, lead: Sequence[int]) -> str:
+def _expand(g: GraphBuilder, packed: str, table: np.ndarray, n: int, lead: Sequence[int]) -> str:
     """`packed` uint8 [*lead, bytes] -> float32 [*lead, n]: each byte's row of `table` [256, 8] (Gather; its
     indices int32), rows joined in order, cut to n."""
     rows = g.op("Gather", g.const(table), g.op("Cast", packed, to=TensorProto.INT32), axis=0)
@@ -236,14 +143,16 @@ def _expand(g: _Graph, packed: str, table: np.ndarray, n: int, lead: Sequence[in
     return g.op("Slice", flat, g.i64([0]), g.i64([n]), g.i64([-1]))
 
 
-def expand_bits(g: _Graph, bits: str, keep: str | None, n: int, lead: Sequence[int]) -> str:
+def expand_bits(g: GraphBuilder, bits: str, keep: str | None, n: int, lead: Sequence[int]) -> str:
     """`bits` uint8 [*lead, bits_bytes(n)] (and a sparse probe's packed mask `keep`) -> z float32 [*lead, n],
     as the host's spsa.expand_bits (times its mask: 1.0 or 0.0, exact)."""
     z = _expand(g, bits, sign_table(), n, lead)
     return z if keep is None else g.op("Mul", z, _expand(g, keep, keep_table(), n, lead))
 
 
-def bits_slices(g: _Graph, m: ModelConfig, signs: str, perturbed: Sequence[str], lead: Sequence[int]) -> dict[str, str]:
+def bits_slices(
+    g: GraphBuilder, m: ModelConfig, signs: str, perturbed: Sequence[str], lead: Sequence[int]
+) -> dict[str, str]:
     """Each perturbed tensor's z [*lead, *shape] from expanded signs [*lead, n]: its layout range along the
     last axis (the perturbed tensors lead the layout, so the ranges follow one another from 0)."""
     lay = layout(m)
@@ -252,14 +161,14 @@ def bits_slices(g: _Graph, m: ModelConfig, signs: str, perturbed: Sequence[str],
     return {n: g.op("Reshape", part, g.i64([*lead, *s])) for (n, s), part in zip(shapes.items(), parts)}
 
 
-def _bits_z(g: _Graph, m: ModelConfig, perturbed: Sequence[str], noise: Noise) -> dict[str, str]:
+def _bits_z(g: GraphBuilder, m: ModelConfig, perturbed: Sequence[str], noise: Noise) -> dict[str, str]:
     """Each perturbed tensor's z float32 [K, *shape], expanded on the device from the `bits` input."""
     keep = "keep" if noise is Noise.SPARSE_BITS else None
     signs = expand_bits(g, "bits", keep, perturbed_size(m, perturbed), [g.k])
     return bits_slices(g, m, signs, perturbed, [g.k])
 
 
-def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None, z: str | None = None) -> _Weight:
+def _weight(g: GraphBuilder, name: str, shape: tuple[int, ...], noise: Noise | None, z: str | None = None) -> _Weight:
     """The graph's view of weight input `name`: shared (noise None), full-rank members, or rank-1. `z`: the
     tensor's float z [K, *shape] where BITS made it (else its own noise input is cast)."""
     core = core_shape(shape)
@@ -280,7 +189,7 @@ def _weight(g: _Graph, name: str, shape: tuple[int, ...], noise: Noise | None, z
     return _Weight(base, members=_interleave(g, plus, minus, core, g.op("Unsqueeze", base, g.i64([0]))))
 
 
-def _linear(g: _Graph, x: str, w: _Weight, transposed: bool) -> str:
+def _linear(g: GraphBuilder, x: str, w: _Weight, transposed: bool) -> str:
     """x [P, N, in] times a matrix: x W^T when `transposed` (W stored (out, in): the LSTM's W and R, the tied
     head's E), else x W (W stored (in, out): MatMul operands) -> [P, N, out]."""
     if w.members is not None:
@@ -294,12 +203,12 @@ def _linear(g: _Graph, x: str, w: _Weight, transposed: bool) -> str:
     return g.op("Add", y, g.op("MatMul", proj, g.once("Unsqueeze", outer, g.i64([1]))))
 
 
-def _vector(g: _Graph, w: _Weight) -> str:
+def _vector(g: GraphBuilder, w: _Weight) -> str:
     """A vector weight, broadcastable against [P, N, n]: shared [n], or the members' [P, 1, n]."""
     return w.base if w.members is None else g.once("Unsqueeze", w.members, g.i64([1]))
 
 
-def _embed(g: _Graph, ids: str, w: _Weight, width: int) -> str:
+def _embed(g: GraphBuilder, ids: str, w: _Weight, width: int) -> str:
     """Rows of the byte matrix w [256, width] at ids [T, B] -> [P, N, width]."""
     if w.members is not None:
         return g.op("Reshape", g.op("Gather", w.members, ids, axis=1), g.i64([0, -1, width]))
@@ -311,7 +220,7 @@ def _embed(g: _Graph, ids: str, w: _Weight, width: int) -> str:
     return g.op("Add", rows, g.op("Mul", ax, g.once("Unsqueeze", w.b, g.i64([1]))))
 
 
-def _layer_norm(g: _Graph, x: str, gain: _Weight, width: int) -> str:
+def _layer_norm(g: GraphBuilder, x: str, gain: _Weight, width: int) -> str:
     """graph.py's gain-only LayerNormalization over the last axis; per-member gains multiply a unit-gain LN
     (LayerNormalization's scale is one vector for the whole input)."""
     if gain.members is None:
@@ -320,7 +229,7 @@ def _layer_norm(g: _Graph, x: str, gain: _Weight, width: int) -> str:
     return g.op("Mul", unit, _vector(g, gain))
 
 
-def _lstm(g: _Graph, x: str, W: _Weight, R: _Weight, B: _Weight | None, hidden: int, seq_len: int) -> str:
+def _lstm(g: GraphBuilder, x: str, W: _Weight, R: _Weight, B: _Weight | None, hidden: int, seq_len: int) -> str:
     """One ONNX-semantics LSTM layer, unrolled: x [P, N, in] (rows in (t, b) order) -> h [P, N, hidden]."""
     H = hidden
     proj = _linear(g, x, W, transposed=True)  # every step's x W^T in one MatMul
@@ -343,7 +252,7 @@ def _lstm(g: _Graph, x: str, W: _Weight, R: _Weight, B: _Weight | None, hidden: 
     return join(g, hs, axis=1)
 
 
-def _lstm_body(g: _Graph, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
+def _lstm_body(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
     h = _embed(g, "x_tb", w["embed"], m.embed)
     for layer in range(m.layers):
         p = f"lstm{layer}."
@@ -351,7 +260,7 @@ def _lstm_body(g: _Graph, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -
     return h
 
 
-def _soma_body(g: _Graph, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
+def _soma_body(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
     """graph.py's pre-norm residual blocks r += LSTM(LN(r)); r += W2 gelu(LN(r) W1), then the final LN."""
     d = m.hidden
     r = _embed(g, "x_tb", w["E"], d)
@@ -367,34 +276,19 @@ def _soma_body(g: _Graph, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -
     return _layer_norm(g, r, w["ln_f.g"], d)
 
 
-def _head(g: _Graph, m: ModelConfig, w: dict[str, _Weight], rows: str) -> str:
+def _head(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], rows: str) -> str:
     """rows [P, N, H] -> logits [P, N, 256]: the tied h E^T, or h head.W + head.b."""
     if m.kind == "soma":
         return _linear(g, rows, w["E"], transposed=True)
     return g.op("Add", _linear(g, rows, w["head.W"], transposed=False), _vector(g, w["head.b"]))
 
 
-def _losses(g: _Graph, logits: str) -> str:
+def _losses(g: GraphBuilder, logits: str) -> str:
     """Each member's -mean log_softmax(logits)[n, y_n] -> "losses" [P], with graph.py's ops."""
     y_col = g.op("Expand", g.op("Reshape", "y_tb", g.i64([1, -1, 1])), g.i64([g.p, 1, 1]))  # [P, N, 1]
     logp = g.op("LogSoftmax", logits, axis=-1)
     logp_y = g.op("GatherElements", logp, y_col, axis=2)
     return g.op("Neg", g.op("ReduceMean", logp_y, axes=[1, 2], keepdims=0), out="losses")
-
-
-def _decoder_grads(g: _Graph, m: ModelConfig, logits: str, rows: str) -> None:
-    """The clean member's delta-rule decoder gradients `grad.<name>`, graph.py's "train" nodes on member 0."""
-    logits0, rows0 = g.op("Gather", logits, g.i64(0), axis=0), g.op("Gather", rows, g.i64(0), axis=0)
-    y_flat = g.op("Reshape", "y_tb", g.i64([-1]))
-    onehot = g.op("OneHot", y_flat, g.i64(VOCAB), g.f32([0.0, 1.0]), axis=-1)
-    delta_sum = g.op("Sub", g.op("Softmax", logits0, axis=-1), onehot)
-    # the row count as the sum of the one-hot rows (Shape's output would live in host memory: graph.py)
-    delta = g.op("Div", delta_sum, g.op("ReduceSum", onehot, keepdims=0))
-    if m.kind == "soma":
-        g.op("MatMul", g.op("Transpose", delta, perm=[1, 0]), rows0, out="grad.E")
-        return
-    g.op("MatMul", g.op("Transpose", rows0, perm=[1, 0]), delta, out="grad.head.W")
-    g.op("ReduceSum", delta, g.i64([0]), keepdims=0, out="grad.head.b")
 
 
 def build_population(
@@ -406,7 +300,7 @@ def build_population(
     unknown = sorted(set(perturbed) - set(lay.names))
     if k < 1 or seq_len < 1 or not perturbed or unknown or len(set(perturbed)) != len(perturbed):
         raise ValueError(f"need k >= 1, seq_len >= 1 and distinct layout tensors to perturb (unknown: {unknown})")
-    g = _Graph(k)
+    g = GraphBuilder(k)
     zs = _bits_z(g, m, perturbed, noise) if noise.keyed else {}
     weights = {
         n: _weight(g, n, s, noise if n in perturbed else None, zs.get(n)) for n, s in zip(lay.names, lay.shapes)
@@ -419,7 +313,8 @@ def build_population(
     _losses(g, logits)
     outputs = [helper.make_tensor_value_info("losses", TensorProto.FLOAT, [g.p])]
     if decoder_grad:
-        _decoder_grads(g, m, logits, rows)
+        logits0, rows0 = g.op("Gather", logits, g.i64(0), axis=0), g.op("Gather", rows, g.i64(0), axis=0)
+        decoder_grads(g, m.kind, logits0, rows0, g.op("Reshape", "y_tb", g.i64([-1])))  # the clean member's
         outputs += [
             helper.make_tensor_value_info(f"grad.{n}", TensorProto.FLOAT, list(lay.shapes[lay.names.index(n)]))
             for n in lay.decoder

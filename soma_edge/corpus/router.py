@@ -1,11 +1,7 @@
 """The predetermined router: hashed byte n-gram tf-idf features, balanced k-means, top-k softmax scoring.
 
-Fitted once before training (`fit`), never trained. One featurizer serves fitting and inference:
-- every byte n-gram (n = 1..4) of a text is hashed into 2^18 buckets (a fixed multiplicative hash);
-- a bucket's weight is (1 + ln count) * idf, the idf fitted on the training documents;
-- the 2^18-dimensional vector is folded into `dim` dimensions by a second, signed hash (a count sketch:
-  inner products are preserved in expectation, with error ~ 1/sqrt(dim)), then scaled to unit length.
-So the router is small: the idf table (1 MiB) and C x dim centroids (16 x 2048 floats = 128 KiB).
+Fitted once before training (`fit`), never trained. One featurizer (soma_edge.corpus.features) serves
+fitting and inference, so the router is small: the idf table (1 MiB) and C x dim centroids (16 x 2048 floats = 128 KiB).
 
 Documents are clustered by spherical k-means whose assignment step is balanced: a cluster holds at most
 the mean bytes plus one document, so every expert gets an equal share of the corpus. Each cluster maps to
@@ -24,103 +20,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from soma_edge import codec
+from soma_edge.corpus.features import (
+    BUCKET_BITS,
+    DIM,
+    FEATURIZER,
+    MAX_N,
+    as_array,
+    blocks,
+    bucket_counts,
+    sketch,
+    weigh,
+)
+from soma_edge.corpus.kmeans import N_INIT, SLACK, Progress, balanced_assign, balanced_kmeans, sq_dist
 from soma_edge.errors import CodecError, ConfigError
 
-FEATURIZER = "byte-ngram-tfidf-sketch-v1"  # bump when any hashing or weighting detail below changes
-BUCKET_BITS = 18
-MAX_N = 4
-DIM = 2048
-SLACK = 1.0  # balanced k-means: a cluster holds at most max(SLACK x mean, mean + largest document) bytes
-N_INIT = 8  # k-means restarts; the lowest objective wins (it tracks purity closely, and a restart is cheap)
 ROUTE_WINDOW = 256  # routing centroids are fitted on windows this long: the kind of context inference sees
 ROUTE_WINDOWS_PER_DOC = 16
 MAX_FIT_DOCS = 16384  # k-means runs on a seeded sample of at most this many documents; all are assigned
 MAX_ROUTER_BYTES = 64 * 1024 * 1024
-_BLOCK_BYTES = 2 * 1024 * 1024  # featurize in blocks of about this many bytes (bounds peak memory)
-_BLOCK_SEGS = 4096  # ... and at most this many texts (at dim 2048: a 64 MiB float64 block)
-# Fixed odd 64-bit multipliers (Fibonacci hashing): the n-gram -> bucket hash, and bucket -> (dim, sign);
-# public, since the ONNX featurizer (soma_edge.graph.router_features) must hash exactly as this one does.
-H_GRAM = np.uint64(0x9E3779B97F4A7C15)
-H_DIM = np.uint64(0xC2B2AE3D27D4EB4F)
-H_SIGN = np.uint64(0x165667B19E3779F9)
-
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
-
-
-# ---------------------------------------------------------------- featurizer
-
-
-def _bucket_counts(buf: np.ndarray, bounds: np.ndarray, bits: int = BUCKET_BITS) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, counts) of every (segment, bucket) pair present; key = segment << bits | bucket, sorted.
-
-    Segment s is buf[bounds[s]:bounds[s+1]]; an n-gram counts only if it lies inside one segment. Keys are
-    uint32 (a block holds at most 2^(32-bits) segments), which sorts about twice as fast as int64.
-    """
-    n_seg = bounds.size - 1
-    if n_seg > 1 << (32 - bits):
-        raise ValueError(f"{n_seg} segments in one block; at most {1 << (32 - bits)}")
-    L = buf.size
-    seg = np.repeat(np.arange(n_seg, dtype=np.uint32), np.diff(bounds))
-    end = bounds[1:][seg]
-    keys = []
-    gram = np.zeros(L, dtype=np.uint64)
-    for n in range(1, MAX_N + 1):
-        m = L - n + 1
-        if m <= 0:
-            break
-        # gram[p] = the n bytes at p, big-endian, built from the (n-1)-gram at p.
-        gram = (gram[:m] << np.uint64(8)) | buf[n - 1 :].astype(np.uint64)
-        ok = np.arange(m) + n <= end[:m]
-        h = ((gram[ok] | np.uint64(n << 32)) * H_GRAM) >> np.uint64(64 - bits)
-        keys.append((seg[:m][ok] << np.uint32(bits)) | h.astype(np.uint32))
-    if not keys:
-        return np.zeros(0, np.uint32), np.zeros(0, np.int64)
-    k = np.sort(np.concatenate(keys), kind="stable")  # runs sorted by segment: 2.5x faster than the default
-    first = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
-    return k[first], np.diff(np.append(first, k.size))
-
-
-def _sketch(dim: int, bits: int = BUCKET_BITS) -> tuple[np.ndarray, np.ndarray]:
-    """Each bucket's (dimension, sign) in the folded space."""
-    b = np.arange(1, (1 << bits) + 1, dtype=np.uint64)
-    dims = ((b * H_DIM) >> np.uint64(64 - int(dim).bit_length() + 1)).astype(np.int64)
-    signs = np.where((b * H_SIGN) >> np.uint64(63), 1.0, -1.0)
-    return dims, signs
-
-
-def _weigh(
-    keys: np.ndarray, counts: np.ndarray, n_seg: int, idf: np.ndarray, dims: np.ndarray, signs: np.ndarray, dim: int
-) -> np.ndarray:
-    """Unit-length float32 [n_seg, dim] features from (segment, bucket) counts; an empty segment stays 0."""
-    bits = int(idf.size).bit_length() - 1
-    seg, bucket = (keys >> bits).astype(np.int64), (keys & ((1 << bits) - 1)).astype(np.int64)
-    w = (1.0 + np.log(counts)) * idf[bucket] * signs[bucket]
-    x = np.bincount(seg * dim + dims[bucket], weights=w, minlength=n_seg * dim).reshape(n_seg, dim)
-    norm = np.linalg.norm(x, axis=1, keepdims=True)
-    return (x / np.where(norm > 0, norm, 1.0)).astype(np.float32)
-
-
-def _blocks(lengths: np.ndarray, block_bytes: int = _BLOCK_BYTES, max_segs: int = _BLOCK_SEGS) -> list[tuple[int, int]]:
-    """Consecutive [i, j) runs of segments of about block_bytes each, at least one and at most max_segs
-    segments per run (a run's dense [segments, dim] features stay small; uint32 keys need < 2^14)."""
-    out, i, n = [], 0, lengths.size
-    ends = np.cumsum(lengths)
-    while i < n:
-        base = ends[i - 1] if i else 0
-        j = max(i + 1, int(np.searchsorted(ends, base + block_bytes, side="right")))
-        j = min(j, n, i + max_segs)
-        out.append((i, j))
-        i = j
-    return out
-
-
-def _as_array(text: bytes | np.ndarray) -> np.ndarray:
-    return text if isinstance(text, np.ndarray) else np.frombuffer(text, dtype=np.uint8)
 
 
 # ---------------------------------------------------------------- the router
@@ -138,7 +60,7 @@ class Router:
     bucket_bits: int = BUCKET_BITS
 
     def __post_init__(self) -> None:
-        self._dims, self._signs = _sketch(self.dim, self.bucket_bits)
+        self._dims, self._signs = sketch(self.dim, self.bucket_bits)
 
     @property
     def n_clusters(self) -> int:
@@ -151,13 +73,13 @@ class Router:
     # ------------------------------------------------------------ features and distances
 
     def _feature_blocks(self, texts: Sequence[bytes | np.ndarray]) -> Iterator[tuple[int, int, np.ndarray]]:
-        arrays = [_as_array(t) for t in texts]
+        arrays = [as_array(t) for t in texts]
         lengths = np.array([a.size for a in arrays], dtype=np.int64)
-        for i, j in _blocks(lengths):
+        for i, j in blocks(lengths):
             buf = np.concatenate(arrays[i:j]) if j > i + 1 else arrays[i]
             bounds = np.concatenate([[0], np.cumsum(lengths[i:j])])
-            keys, counts = _bucket_counts(buf, bounds, self.bucket_bits)
-            yield i, j, _weigh(keys, counts, j - i, self.idf, self._dims, self._signs, self.dim)
+            keys, counts = bucket_counts(buf, bounds, self.bucket_bits)
+            yield i, j, weigh(keys, counts, j - i, self.idf, self._dims, self._signs, self.dim)
 
     def features(self, texts: Sequence[bytes | np.ndarray]) -> np.ndarray:
         """float32 [n, dim] unit-length features (zero rows for texts without a byte)."""
@@ -226,7 +148,7 @@ class Router:
         """
         if seq_len < 1:
             raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
-        data = _as_array(data)
+        data = as_array(data)
         if data.dtype != np.uint8:
             data = data.astype(np.uint8)
         n = -(-data.size // seq_len)
@@ -312,107 +234,6 @@ def load(path: str | Path) -> Router:
         return Router.from_bytes(data)
     except CodecError as e:
         raise CodecError(f"{path}: {e}") from None
-
-
-# ---------------------------------------------------------------- fitting
-
-
-def _balanced_assign(d2: np.ndarray, weight: np.ndarray, cap: float) -> np.ndarray:
-    """Each row to its nearest cluster that still has room for its weight; surest rows choose first.
-
-    Rows are taken in order of regret (second-nearest minus nearest distance), so a document that clearly
-    belongs somewhere gets there, and the ambiguous ones fill the space left over.
-    """
-    n, c = d2.shape
-    if c == 1:
-        return np.zeros(n, dtype=np.int64)
-    part = np.sort(d2, axis=1)
-    order = np.argsort(-(part[:, 1] - part[:, 0]), kind="stable")
-    prefs = np.argsort(d2, axis=1, kind="stable")
-    load = np.zeros(c)
-    labels = np.empty(n, dtype=np.int64)
-    for i in order.tolist():
-        w = weight[i]
-        for k in prefs[i].tolist():
-            if load[k] + w <= cap:
-                break
-        else:  # cannot happen with cap >= mean + max weight; kept as a safe fallback
-            k = int(np.argmin(load))
-        labels[i] = k
-        load[k] += w
-    return labels
-
-
-def _centroids(x: np.ndarray, labels: np.ndarray, c: int) -> np.ndarray:
-    """Unit-length mean direction of each cluster (float64 sums: independent of BLAS threading)."""
-    out = np.zeros((c, x.shape[1]), dtype=np.float64)
-    for k in range(c):
-        members = x[labels == k]
-        if members.shape[0]:
-            out[k] = members.sum(axis=0, dtype=np.float64)
-    norm = np.linalg.norm(out, axis=1, keepdims=True)
-    return (out / np.where(norm > 0, norm, 1.0)).astype(np.float32)
-
-
-def _sq_dist(x: np.ndarray, cent: np.ndarray) -> np.ndarray:
-    return np.maximum(2.0 - 2.0 * (x @ cent.T), 0.0)
-
-
-def _kmeanspp(x: np.ndarray, c: int, rng: np.random.Generator) -> np.ndarray:
-    """Greedy k-means++ seeding: of 2 + ln(c) candidates drawn by d^2, keep the one that lowers the cost most."""
-    n, trials = x.shape[0], 2 + int(np.log(c))
-    idx = [int(rng.integers(n))]
-    best = _sq_dist(x, x[idx])[:, 0].astype(np.float64)
-    for _ in range(1, c):
-        total = best.sum()
-        p = best / total if total > 0 else None
-        cand = rng.choice(n, size=trials, p=p)
-        costs = np.minimum(best[None, :], _sq_dist(x, x[cand]).T)  # [trials, n]
-        pick = int(np.argmin(costs.sum(axis=1)))
-        idx.append(int(cand[pick]))
-        best = costs[pick]
-    return x[idx].copy()
-
-
-def balanced_kmeans(
-    x: np.ndarray,
-    weight: np.ndarray,
-    c: int,
-    seed: int,
-    n_init: int = N_INIT,
-    iters: int = 30,
-    cap: float | None = None,
-    progress: Progress | None = None,
-) -> tuple[np.ndarray, np.ndarray, float]:
-    """Spherical k-means with the balanced assignment above: (centroids, labels, objective), best of n_init.
-
-    A cluster holds at most `cap` weight (default: max(SLACK x mean, mean + the largest weight))."""
-    weight = np.asarray(weight, dtype=np.float64)
-    mean = weight.sum() / c
-    if cap is None:
-        cap = max(SLACK * mean, mean + weight.max())
-    best = None
-    for trial in range(n_init):
-        rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, trial, 0xC1])))
-        cent = _kmeanspp(x, c, rng)
-        labels = np.full(x.shape[0], -1)
-        for _ in range(iters):
-            d2 = _sq_dist(x, cent)
-            new = _balanced_assign(d2, weight, cap)
-            if np.array_equal(new, labels):
-                break
-            labels = new
-            cent = _centroids(x, labels, c)
-            for k in np.flatnonzero(np.bincount(labels, minlength=c) == 0).tolist():
-                # An empty cluster restarts at the document farthest from its own centroid.
-                far = int(np.argmax(d2[np.arange(x.shape[0]), labels]))
-                cent[k] = x[far]
-        objective = float((weight * _sq_dist(x, cent)[np.arange(x.shape[0]), labels]).sum())
-        if best is None or objective < best[2]:
-            best = (cent, labels, objective)
-        if progress:
-            progress("k-means", trial + 1, n_init)
-    return best
 
 
 def _map_clusters(cent: np.ndarray, n_experts: int, seed: int) -> np.ndarray:
@@ -506,15 +327,15 @@ def _sample_features(
     """A router with the sample's idf (its clusters still zero), and the sample's features [sample, dim]."""
     bits = BUCKET_BITS
     # (document, bucket) counts of the sample, kept for the idf and then the features.
-    blocks, done, total = [], 0, int(lengths[sample].sum())
-    for i, j in _blocks(lengths[sample]):
+    counted, done, total = [], 0, int(lengths[sample].sum())
+    for i, j in blocks(lengths[sample]):
         bounds = np.concatenate([[0], np.cumsum(lengths[sample[i:j]])])
         buf = np.frombuffer(b"".join(texts[k] for k in sample[i:j].tolist()), dtype=np.uint8)
-        blocks.append((i, j, *_bucket_counts(buf, bounds, bits)))
+        counted.append((i, j, *bucket_counts(buf, bounds, bits)))
         done += int(bounds[-1])
         report("features", done, total)
     df = np.zeros(1 << bits, dtype=np.int64)
-    for _, _, keys, _ in blocks:
+    for _, _, keys, _ in counted:
         df += np.bincount((keys & ((1 << bits) - 1)).astype(np.int64), minlength=1 << bits)
     idf = (np.log((1.0 + sample.size) / (1.0 + df)) + 1.0).astype(np.float32)
     router = Router(
@@ -528,8 +349,8 @@ def _sample_features(
         bits,
     )
     x = np.zeros((sample.size, dim), dtype=np.float32)
-    for i, j, keys, counts in blocks:
-        x[i:j] = _weigh(keys, counts, j - i, idf, router._dims, router._signs, dim)
+    for i, j, keys, counts in counted:
+        x[i:j] = weigh(keys, counts, j - i, idf, router._dims, router._signs, dim)
     return router, x
 
 
@@ -546,15 +367,15 @@ def _assign_documents(
     Sets the router's centroids to `doc_cent` to featurize the documents outside the sample."""
     n_docs, c = len(texts), doc_cent.shape[0]
     d2 = np.empty((n_docs, c), dtype=np.float32)
-    d2[sample] = _sq_dist(x, doc_cent)
+    d2[sample] = sq_dist(x, doc_cent)
     rest = np.setdiff1d(np.arange(n_docs), sample)
     router.centroids = doc_cent
     for i in range(0, rest.size, 1024):
         part = rest[i : i + 1024]
-        d2[part] = _sq_dist(router.features([texts[k] for k in part.tolist()]), doc_cent)
+        d2[part] = sq_dist(router.features([texts[k] for k in part.tolist()]), doc_cent)
         report("assign", i + part.size, rest.size)
     mean = lengths.sum() / c
-    labels = _balanced_assign(d2, lengths.astype(np.float64), max(SLACK * mean, mean + lengths.max()))
+    labels = balanced_assign(d2, lengths.astype(np.float64), max(SLACK * mean, mean + lengths.max()))
     for k in range(c):  # an empty cluster would leave an expert without data: give it its nearest document
         if not np.any(labels == k):
             movable = np.bincount(labels, minlength=c)[labels] > 1

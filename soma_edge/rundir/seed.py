@@ -14,7 +14,7 @@ a config rule, which config.validate checks).
 from __future__ import annotations
 
 from soma_edge.config import Config
-from soma_edge.rundir import PrepareSummary
+from soma_edge.rundir.state import PrepareSummary
 
 
 def enabled(cfg: Config) -> bool:

@@ -14,8 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
-from soma_edge import flower_commands
 from soma_edge.errors import SomaError
+from soma_edge.processes import commands as flower_commands
 
 _PR_SET_PDEATHSIG = 1
 

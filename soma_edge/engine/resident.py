@@ -1,10 +1,10 @@
 """An expert resident on its device: weights, optimizer state and the batch stay there as OrtValues, bound
-to the population session (soma_edge.population) and the update session (soma_edge.update_graph) through
+to the population session (soma_edge.engine.population) and the update session (soma_edge.expert.update_graph) through
 IOBinding. Per step, only the host's keyed noise (Rademacher bits and masks, or rank-1 factors) and the
 minibatch go in, and the 2K + 1 losses come back; the delta rule's decoder gradient goes from one graph to
 the other without leaving the device. The host computes each direction's scalar g_j = (L+ - L-) / 2 eps
 in float64, as the Stepper does, so the update log and its replay are unchanged. On CUDA the two calls of
-a step run as captured CUDA graphs where they qualify (soma_edge.capture).
+a step run as captured CUDA graphs where they qualify (soma_edge.engine.capture).
 
 The update graph reproduces the numpy update bit for bit only where the device's kernels round as numpy
 does (CPU EP: tested). `verified` runs one update on the device against spsa's numpy update, once per
@@ -20,14 +20,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from soma_edge import capture as capture_mod
-from soma_edge import devices, update_graph
+from soma_edge import devices
 from soma_edge.config import Config
 from soma_edge.devices import CUDA
-from soma_edge.population import PopulationEvaluator
-from soma_edge.runtime import load_ort, make_session
-from soma_edge.spsa import State, StepResult, mean_decoder_grad, schedule
-from soma_edge.steps import stepper as make_stepper
+from soma_edge.engine import capture as capture_mod
+from soma_edge.engine.population import PopulationEvaluator
+from soma_edge.engine.runtime import load_ort, make_session
+from soma_edge.expert import update_graph
+from soma_edge.expert.steps import stepper as make_stepper
+from soma_edge.spsa.optim import State, mean_decoder_grad, schedule
+from soma_edge.spsa.stepper import StepResult
 
 log = logging.getLogger("soma.resident")
 _VERIFIED: dict[tuple, bool] = {}  # (device, ORT provider, graph) -> whether its update gave the host's bits
@@ -69,10 +71,10 @@ class Resident:
         self.ort = load_ort()
         self.where = _ort_device(population)
         self.values = self._resident(state)  # `w.<name>`, `m.<name>`, ...: what stays on the device
-        # CUDA graph capture (soma_edge.capture): by default wherever the device is CUDA; on the CPU EP
+        # CUDA graph capture (soma_edge.engine.capture): by default wherever the device is CUDA; on the CPU EP
         # its fixed-address calls run uncaptured (how the tests check them).
         wanted = self.where[0] == "cuda" if capture is None else capture
-        self.capture = wanted and capture_mod.qualifies(self) and not population.capture_refused
+        self.capture = wanted and capture_mod.qualifies(cfg) and not population.capture_refused
         self.captured: capture_mod.Captured | None = None  # made at the first step, which knows the batch
 
     def _host(self, state: State) -> dict[str, np.ndarray]:
@@ -90,7 +92,10 @@ class Resident:
         with this expert's state."""
         c = self.population.captured
         if c is None or c.batch != tuple(batch):
-            c = self.population.captured = capture_mod.Captured(self, batch)
+            seen = capture_mod.ResidentParts(
+                self.cfg, self.population, self.where, self.inputs, self.values, self.delta
+            )
+            c = self.population.captured = capture_mod.Captured(seen, batch)
         self.values = c.load(self._host(self.state))
         self.captured = c
 

@@ -1,0 +1,322 @@
+"""Central-difference SPSA on the body, the exact delta rule on the decoder, forward passes only.
+
+One step at weights w, for each of A minibatches (`accumulate`) and each of its K directions:
+z comes from a counter-based RNG keyed by (seed, expert, step, a*K + k), optionally sparsified by a mask
+from the same key, or (`noise = "rank1"`) built as a·bᵀ per weight matrix from m + n of the key's signs
+(soma_edge.spsa.noise); g = (L(w+εz) - L(w-εz)) / 2ε; the estimate is ĝ = (1/AK) Σ g z over the body only.
+With `decoder = "delta"`, one clean forward per minibatch at w gives the step's clean loss and the exact
+gradient of the loss with respect to the decoder (hidden states held fixed), which takes its own Adam
+step. The body's estimate goes through the configured update (soma_edge.spsa.optim).
+
+The noise (and its mask) is regenerated from its key and never stored (as in MeZO), so a step replays from
+(key, g_1..g_AK) plus, for the delta-rule decoder, its dense gradient: `Stepper.replay` gives bit-identical
+weights, because it runs the same float32 element-wise arithmetic in the same order (no BLAS anywhere in
+the update). While ORT evaluates one direction (ORT releases the GIL), another thread draws the next one's
+noise.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from soma_edge.config import SPSAConfig
+from soma_edge.spsa.noise import (
+    Rank1,
+    body_shapes,
+    expand_bits,
+    expand_keep,
+    noise,
+    noise_bits,
+    probe_mask,
+    rank1_factors,
+    rank1_probe,
+)
+from soma_edge.spsa.optim import State, apply_update, mean_decoder_grad, schedule
+
+LossFn = Callable[[np.ndarray], float]
+CleanFn = Callable[[np.ndarray], tuple[float, np.ndarray]]
+
+
+class Population(NamedTuple):
+    """One population call (soma_edge.engine.population): the clean loss, the clean decoder gradient
+    (float32, flat[layout.body:]'s length; None without decoder_grad), and the losses at w + eps z_j (lp)
+    and w - eps z_j (lm), float[K]."""
+
+    loss: float
+    decoder_grad: np.ndarray | None
+    lp: np.ndarray
+    lm: np.ndarray
+
+
+@dataclass
+class Probes:
+    """One minibatch's K directions, for an evaluator that takes them all at once: z float32[K, body] as
+    the Stepper draws them (Gaussian), or, with rank-1 probes, each direction's `rank1_factors`, or, for
+    Rademacher probes, their `noise_bits` uint8[K, bits_bytes(body)] and, sparse, their packed masks `keep`
+    (z None for both)."""
+
+    z: np.ndarray | None
+    factors: list[list[Rank1 | np.ndarray]] | None = None
+    bits: np.ndarray | None = None
+    keep: np.ndarray | None = None  # sparse probes: uint8[K, ceil(body / 8)], each one's mask, np.packbits'd
+
+    def direction(self, i: int, body: int) -> np.ndarray:
+        """Direction i's z float32[body] from its bits (and mask): the Stepper's `_z`, bit for bit."""
+        if self.bits is None:
+            raise ValueError("these directions carry no keyed bits")
+        z = expand_bits(self.bits[i], body)
+        if self.keep is not None:
+            z *= expand_keep(self.keep[i], body)  # exact: multiplies by 1.0 or 0.0, as _z
+        return z
+
+    def dense(self, body: int) -> np.ndarray:
+        """z float32[K, body], expanded from the bits where the directions came as bits."""
+        if self.z is not None:
+            return self.z
+        if self.bits is None:
+            raise ValueError("rank-1 directions have no dense z here: they cross as their factors")
+        return np.stack([self.direction(i, body) for i in range(len(self.bits))])
+
+
+MembersFn = Callable[[np.ndarray, Probes, float], Population]
+
+
+@dataclass
+class Objective:
+    """One minibatch: `loss(w)` for the probes and, for the delta rule, `clean(w)` -> (loss, decoder grad).
+    With `members(w, probes, eps)` (the population evaluator: soma_edge.engine.population), the Stepper evaluates
+    the minibatch's clean forward and 2K probes in that one call instead."""
+
+    loss: LossFn
+    clean: CleanFn | None = None
+    members: MembersFn | None = None
+
+
+@dataclass
+class StepResult:
+    step: int  # the step index this update used for its key and schedule
+    grads: np.ndarray  # float64[A*K] projected gradients g: with the key, all that replays the body
+    loss: float  # the clean minibatch loss where there was a clean forward, else the mean of L+ and L-
+    lr: float
+    eps: float
+    decoder_grad: np.ndarray | None = None  # float32, the delta rule's mean gradient (replays the decoder)
+
+
+class _Sums(NamedTuple):
+    """What a step's evaluation gives its update: Σ g_j z_j, the g_j, Σ (L+ + L-), and per minibatch the
+    clean forward's (loss, decoder gradient) for the delta rule (empty without it)."""
+
+    acc: np.ndarray
+    grads: np.ndarray
+    probe_losses: float
+    cleans: list[tuple[float, np.ndarray | None]]
+
+
+@dataclass
+class Stepper:
+    """Runs SPSA steps for one expert.
+
+    `body` is how many leading weights SPSA perturbs (the layout's body); the rest is the decoder, which
+    the delta rule updates, SPSA perturbs as well (`decoder = "spsa"`), or nobody touches ("frozen").
+    0 means the whole vector is body (no decoder). `dense` marks body weights that sparse probes always
+    touch (norm gains). `shapes` is the layout's tensor shapes in order (`params.Layout.shapes`), which
+    rank-1 probes (`noise = "rank1"`) need to tell matrices from vectors.
+
+    Work runs on `parallel + 1` threads with at most `parallel` loss evaluations at once (ORT releases
+    the GIL): the spare thread draws the next direction's noise and builds its probe while the others
+    evaluate, so the cores never wait on numpy. On a 2-core CPU, parallel=2 (two single-thread ORT runs
+    side by side) beats one two-thread run by ~20-40% (docs/BENCHMARKS.md). The main thread sums g z
+    in index order, so the result is bit-identical for any `parallel`.
+    """
+
+    cfg: SPSAConfig
+    seed: int
+    expert: int = 0
+    parallel: int = 1
+    body: int = 0
+    dense: np.ndarray | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cfg.noise == "rank1" and (not self.shapes or self.cfg.density != 1):
+            raise ValueError("rank-1 probes need the layout's tensor shapes and spsa.density = 1.0")
+        self._pool = ThreadPoolExecutor(self.parallel + 1, thread_name_prefix="spsa")
+        self._gate = threading.BoundedSemaphore(self.parallel)
+        self._buffers = threading.local()
+
+    def split(self, n: int) -> tuple[int, bool]:
+        """(perturbed length, whether the delta rule trains the rest) for n weights."""
+        body = self.body or n
+        if self.cfg.decoder == "spsa":
+            return n, False
+        return body, self.cfg.decoder == "delta" and body < n
+
+    def _z(self, step: int, j: int, n: int) -> np.ndarray:
+        if self.cfg.noise == "rank1":
+            # Materialized, so the update (acc += g z in index order) and its replay are the full-rank code.
+            return rank1_probe(self.seed, self.expert, step, j, body_shapes(self.shapes, n))
+        z = noise(self.seed, self.expert, step, j, n, self.cfg.noise)
+        if self.cfg.density < 1:
+            z *= self._keep(step, j, n)  # exact: multiplies by 1.0 or 0.0
+        return z
+
+    def _keep(self, step: int, j: int, n: int) -> np.ndarray:
+        """The sparse probe's mask: its keyed draws, and the weights it always touches."""
+        keep = probe_mask(self.seed, self.expert, step, j, n, self.cfg.density)
+        if self.dense is not None:
+            keep |= self.dense[:n]
+        return keep
+
+    def _probe(self, n: int) -> np.ndarray:
+        buf = getattr(self._buffers, "probe", None)
+        if buf is None or buf.size != n:
+            buf = self._buffers.probe = np.empty(n, dtype=np.float32)
+        return buf
+
+    def direction(
+        self, w: np.ndarray, loss_fn: LossFn, t: int, j: int, body: int, eps: float
+    ) -> tuple[float, float, np.ndarray]:
+        """Direction j of step t: (L(w + eps z), L(w - eps z), z), z perturbing the first `body` weights."""
+        z = self._z(t, j, body)
+        probe = self._probe(w.size)
+        probe[body:] = w[body:]
+        head = probe[:body]
+        np.multiply(z, np.float32(eps), out=head)
+        head += w[:body]
+        with self._gate:
+            lp = loss_fn(probe)
+        np.multiply(z, np.float32(-eps), out=head)
+        head += w[:body]
+        with self._gate:
+            lm = loss_fn(probe)
+        return lp, lm, z
+
+    def _clean(self, w: np.ndarray, clean_fn: CleanFn) -> tuple[float, np.ndarray]:
+        with self._gate:
+            return clean_fn(w)
+
+    def step(self, state: State, objectives: Objective | Sequence[Objective] | LossFn) -> StepResult:
+        """One update from `accumulate` minibatches (one Objective each; a bare loss function is one
+        minibatch without a clean forward). Objectives with `members` are evaluated a minibatch per call
+        (the population evaluator), others a probe per call; either way g_j z_j is summed in index order j
+        and applied by the same code, so the log's scalars mean the same and replay is unchanged."""
+        objs = _as_objectives(objectives)
+        cfg, w, t = self.cfg, state.weights, state.step
+        if len(objs) != cfg.accumulate:
+            raise ValueError(f"spsa.accumulate = {cfg.accumulate} needs that many minibatches, got {len(objs)}")
+        body, delta = self.split(w.size)
+        population = all(o.members is not None for o in objs)
+        if delta and not population and any(o.clean is None for o in objs):
+            raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
+        lr, eps = schedule(cfg, t, state.opt.lr_scale)
+        run = self._population if population else self._loop
+        acc, grads, probe_losses, cleans = run(w, objs, t, body, eps, delta)
+        dec, loss = None, probe_losses / (2 * len(grads))
+        if delta:
+            if any(g is None for _, g in cleans):
+                raise ValueError("the delta-rule decoder needs the population evaluator's decoder gradient")
+            dec = mean_decoder_grad([g for _, g in cleans])
+            loss = sum(x for x, _ in cleans) / len(cleans)
+        apply_update(state, cfg, body, acc, dec)
+        return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
+
+    def _loop(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
+        """The step's sums from one loss evaluation per probe, `parallel` at a time."""
+        K, total = self.cfg.directions, self.cfg.directions * self.cfg.accumulate
+        cleans = [self._pool.submit(self._clean, w, o.clean) for o in objs] if delta else []
+        window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
+
+        def submit(j):
+            return self._pool.submit(self.direction, w, objs[j // K].loss, t, j, body, eps)
+
+        futures: dict[int, Future] = {j: submit(j) for j in range(min(window, total))}
+        acc = np.zeros(body, dtype=np.float32)
+        grads = np.empty(total, dtype=np.float64)
+        probe_losses = 0.0
+        for j in range(total):
+            lp, lm, z = futures.pop(j).result()
+            if j + window < total:
+                futures[j + window] = submit(j + window)
+            grads[j] = (lp - lm) / (2.0 * eps)
+            probe_losses += lp + lm
+            _accumulate(acc, grads[j], z)
+        return _Sums(acc, grads, probe_losses, [f.result() for f in cleans])
+
+    def _population(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
+        """The step's sums from one `members` call per minibatch: its clean forward and K directions' 2K
+        probes, fed the noise `_z` draws (or, for rank-1 probes, its factors), bit for bit."""
+        K = self.cfg.directions
+        acc = np.zeros(body, dtype=np.float32)
+        grads = np.empty(K * len(objs), dtype=np.float64)
+        probe_losses, cleans = 0.0, []
+        for a, obj in enumerate(objs):
+            probes = self.probes(t, range(a * K, (a + 1) * K), body)
+            with self._gate:
+                out = obj.members(w, probes, eps)
+            for i in range(K):
+                j = a * K + i
+                lp, lm = float(out.lp[i]), float(out.lm[i])
+                grads[j] = (lp - lm) / (2.0 * eps)
+                probe_losses += lp + lm
+                _accumulate(acc, grads[j], self._drawn(probes, i, t, j, body))
+            cleans.append((out.loss, out.decoder_grad if delta else None))
+        return _Sums(acc, grads, probe_losses, cleans)
+
+    def _drawn(self, probes: Probes, i: int, t: int, j: int, body: int) -> np.ndarray:
+        """Direction j's z (probes' i-th) for the update: taken from the probes where they carry it."""
+        if probes.z is not None:
+            return probes.z[i]
+        if probes.bits is not None:
+            return probes.direction(i, body)
+        return self._z(t, j, body)
+
+    def probes(self, t: int, js: range, body: int) -> Probes:
+        """Directions `js` of step t over the first `body` weights, as a population call takes them: for
+        Rademacher probes their keyed bits (and, sparse, their masks packed: a device expands both), for
+        rank-1 probes their factors, for Gaussian ones their dense z stacked."""
+        if self.cfg.noise == "rank1":
+            shapes = body_shapes(self.shapes, body)
+            return Probes(None, [rank1_factors(self.seed, self.expert, t, j, shapes) for j in js])
+        if self.cfg.noise == "rademacher":
+            bits = np.stack([noise_bits(self.seed, self.expert, t, j, body) for j in js])
+            if self.cfg.density >= 1:
+                return Probes(None, bits=bits)
+            return Probes(None, bits=bits, keep=np.stack([np.packbits(self._keep(t, j, body)) for j in js]))
+        return Probes(np.stack([self._z(t, j, body) for j in js]))
+
+    def replay(
+        self, state: State, grads: np.ndarray, decoder_grad: np.ndarray | None = None, body_only: bool = False
+    ) -> None:
+        """Apply a recorded step from its scalars (and the delta rule's decoder gradient, unless
+        `body_only`: the caller sets the decoder itself): no loss evaluation, bit-identical result."""
+        cfg, n, t = self.cfg, state.weights.size, state.step
+        total = cfg.directions * cfg.accumulate
+        if len(grads) != total:
+            raise ValueError(f"replay needs {total} scalars, got {len(grads)}")
+        body, delta = self.split(n)
+        if delta and not body_only and (decoder_grad is None or decoder_grad.shape != (n - body,)):
+            raise ValueError(f"replay of a delta-rule step needs the decoder gradient float32[{n - body}]")
+        acc = np.zeros(body, dtype=np.float32)
+        for j, g in enumerate(grads):
+            _accumulate(acc, float(g), self._z(t, j, body))
+        apply_update(state, cfg, body, acc, None if body_only or not delta else decoder_grad, delta and body_only)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _accumulate(acc: np.ndarray, g: float, z: np.ndarray) -> None:
+    acc += np.float32(g) * z
+
+
+def _as_objectives(objectives: Objective | Sequence[Objective] | LossFn) -> list[Objective]:
+    if isinstance(objectives, Objective):
+        return [objectives]
+    if callable(objectives):
+        return [Objective(loss=objectives)]
+    return list(objectives)
