@@ -10,7 +10,7 @@ default `decoder = "delta"` setting), where the loop makes 2K + 1 LossEvaluator 
 before the clock starts, for the loop and the population alike.
 
 `chosen` is the evaluator the trainer runs with `spsa.evaluator = "auto"` on the device measured (this CPU):
-`runtime.choose_evaluator`'s fixed choice, the loop, whatever the rates say; on an accelerator, where auto
+`evaluator.choose_evaluator`'s fixed choice, the loop, whatever the rates say; on an accelerator, where auto
 measures both (`runtime.measures_auto`), the faster of the two as worker/probe.py keeps it. Whether the
 full-rank population beat the loop here is said apart, on the line under each size's rows. Rank-1 is the
 user's choice (`spsa.noise`), never auto's, so it is reported beside full-rank but never chosen. With
@@ -128,7 +128,7 @@ def body_tensors(m: ModelConfig) -> tuple[str, ...]:
 def population_feeds(m: ModelConfig, k: int, noise: Noise) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
     """The body's tensors and K keyed directions over them as the graph's inputs: full-rank Rademacher as
     its keyed bits (BITS, what the trainer feeds) or as int8 signs cut from the Stepper's flat z (SIGNS),
-    or the rank-1 factors spsa.rank1_factors draws."""
+    or the rank-1 factors spsa.noise.rank1_factors draws."""
     lay, body = params.layout(m), body_tensors(m)
     if noise is Noise.BITS:
         return body, {"bits": np.stack([keyed.noise_bits(0, 0, 0, j, lay.body) for j in range(k)])}
@@ -270,7 +270,7 @@ def loop_row() -> str:
 def chosen_evaluator(providers: list[str], rates: dict[str, float]) -> str:
     """What `spsa.evaluator = "auto"` trains with on a session whose providers are `providers`: where auto
     measures (an accelerator), the faster of the loop and the full-rank population, a tie to the population,
-    as worker/probe.py keeps it; elsewhere runtime.choose_evaluator's fixed choice (the CPU EP: the loop)."""
+    as worker/probe.py keeps it; elsewhere evaluator.choose_evaluator's fixed choice (the CPU EP: the loop)."""
     if measures_auto(Evaluator.AUTO, providers):
         return POPULATION if rates[POPULATION] >= rates[loop_row()] else LOOP
     return choose_evaluator(Evaluator.AUTO, providers).value

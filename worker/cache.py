@@ -141,7 +141,7 @@ class Cache:
         opt: dict[str, Any] | None,
         run_id: str | None = None,
     ) -> None:
-        """Store a version with its optimizer state (`spsa.OptState.to_record`, or None for a fresh one)."""
+        """Store a version with its optimizer state (`spsa.optim.OptState.to_record`, or None for a fresh one)."""
         if weights_sha256(weights) != sha:
             raise CheckpointError(f"weights {sha[:12]}: the array does not hash to its name")
         body = {"expert": expert, "version": version, "step": step, "sha256": sha, "weights": weights, "opt": opt}

@@ -15,5 +15,5 @@ from __future__ import annotations
 DELTA = 1e-6
 
 # The relative spacing of float32 numbers near 1: twice the rounding error of one float32 result. Losses come
-# out of ORT as float32, and a log carries each scalar as float32 (`spsa.UpdateLog.grads`).
+# out of ORT as float32, and a log carries each scalar as float32 (`spsa.log.UpdateLog.grads`).
 FLOAT32_STEP = 2.0**-23

@@ -1,12 +1,12 @@
 """The population evaluator: one ORT call gives a step's clean forward and its 2K perturbed losses on one
-minibatch (the graph: soma_edge.expert.population_graph), where runtime.LossEvaluator takes 2K + 1 calls.
+minibatch (the graph: soma_edge.expert.population_graph), where evaluator.LossEvaluator takes 2K + 1 calls.
 
 Also the bridge between the host's noise and the graph's noise inputs: Rademacher directions cross as their
 keyed bits, sparse ones with their packed masks (`graph_noise`); `noise_feeds` cuts K flat directions (the
 Stepper's z over the flat vector) into the graph's per-tensor inputs, `factor_feeds` lays out K rank-1
-directions' factors (spsa.rank1_factors), and `direction` materializes member j's dense z from them (the
+directions' factors (spsa.noise.rank1_factors), and `direction` materializes member j's dense z from them (the
 looped reference, and what an update sums). `for_config` builds the evaluator a run's config trains with
-(runtime.evaluator_for), and `PopulationEvaluator.members` is what the Stepper calls.
+(evaluator.evaluator_for), and `PopulationEvaluator.members` is what the Stepper calls.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def noise_feeds(lay: Layout, perturbed: Sequence[str], noise: Noise | str, z: np
 def factor_feeds(
     lay: Layout, perturbed: Sequence[str], factors: Sequence[Sequence[Rank1 | np.ndarray]]
 ) -> dict[str, np.ndarray]:
-    """The graph's rank-1 noise inputs from K directions' factors (each `spsa.rank1_factors` over the
+    """The graph's rank-1 noise inputs from K directions' factors (each `spsa.noise.rank1_factors` over the
     perturbed tensors, `perturbed` in layout order): int8 a, b per matrix and z per vector (in its tensor's
     shape), exactly the ±1 signs."""
     out: dict[str, list[np.ndarray]] = {}

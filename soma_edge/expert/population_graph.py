@@ -14,9 +14,9 @@ Its T step reads and the join of its T outputs go as trees of at most MAX_FANIN 
 Concat or Split on the CUDA EP cannot be captured in a CUDA graph either.
 
 Each perturbed tensor's noise crosses in one of four forms (`Noise`), K members' worth per input:
-- BITS: one input `bits` uint8 [K, spsa.bits_bytes(n)] for all n perturbed weights (which lead the layout,
-  as the Stepper's body): the keyed Philox stream's raw bytes (spsa.noise_bits), one bit a weight. The
-  device expands them as the host does (spsa.expand_bits): a Gather of each byte's row of a [256, 8] table
+- BITS: one input `bits` uint8 [K, spsa.noise.bits_bytes(n)] for all n perturbed weights (which lead the layout,
+  as the Stepper's body): the keyed Philox stream's raw bytes (spsa.noise.noise_bits), one bit a weight. The
+  device expands them as the host does (spsa.noise.expand_bits): a Gather of each byte's row of a [256, 8] table
   of ±1.0, so z is the host's bit for bit. The CUDA EP has no BitShift or Bitwise kernels; a table lookup
   needs none, and 1/8 of SIGNS' bytes cross. Dense Rademacher probes take this form.
 - SPARSE_BITS: BITS and `keep` uint8 [K, ceil(n / 8)], each probe's mask packed (np.packbits), expanded
@@ -145,7 +145,7 @@ def _expand(g: GraphBuilder, packed: str, table: np.ndarray, n: int, lead: Seque
 
 def expand_bits(g: GraphBuilder, bits: str, keep: str | None, n: int, lead: Sequence[int]) -> str:
     """`bits` uint8 [*lead, bits_bytes(n)] (and a sparse probe's packed mask `keep`) -> z float32 [*lead, n],
-    as the host's spsa.expand_bits (times its mask: 1.0 or 0.0, exact)."""
+    as the host's spsa.noise.expand_bits (times its mask: 1.0 or 0.0, exact)."""
     z = _expand(g, bits, sign_table(), n, lead)
     return z if keep is None else g.op("Mul", z, _expand(g, keep, keep_table(), n, lead))
 

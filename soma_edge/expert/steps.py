@@ -28,7 +28,7 @@ def stepper(cfg: Config, expert: int, parallel: int = 1) -> Stepper:
 def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int) -> list[Objective]:
     """The step's `accumulate` minibatches, each drawn from its own key, as SPSA objectives
     (`evaluator`: a `soma_edge.engine.runtime.LossEvaluator` of the run's model). Where it carries a population
-    evaluator (runtime.evaluator_for chose it), each objective's `members` evaluates the minibatch's whole
+    evaluator (evaluator.evaluator_for chose it), each objective's `members` evaluates the minibatch's whole
     population in one call, and the Stepper takes that path."""
     out = []
     pop = evaluator.population
@@ -54,6 +54,6 @@ def replay(cfg: Config, state: State, log: UpdateLog, expert: int) -> State:
 
 
 def log_body(cfg: Config) -> int:
-    """What `spsa.record_log` needs to know of the layout: the body's size when a delta-rule decoder's
+    """What `spsa.log.record_log` needs to know of the layout: the body's size when a delta-rule decoder's
     dense update must ride along with the scalars, else 0."""
     return layout(cfg.model).body if cfg.spsa.decoder == "delta" else 0

@@ -1,24 +1,24 @@
-"""The SPSA update as an ONNX graph: spsa._apply's float32 arithmetic, node for node, so that an expert whose
-weights and optimizer state stay on the device (as OrtValues) can be stepped there, and on the CPU EP the
-result equals the numpy update (and so its replay) bit for bit.
+"""The SPSA update as an ONNX graph: spsa.optim.apply_update's float32 arithmetic, node for node, so that an
+expert whose weights and optimizer state stay on the device (as OrtValues) can be stepped there, and on the
+CPU EP the result equals the numpy update (and so its replay) bit for bit.
 
 One step, over the perturbed tensors (the Stepper's body) and, with `decoder`, the delta-rule decoder:
-- acc = 0, then acc = acc + g_j z_j for j = 0 .. k-1 in index order (spsa._accumulate), one Mul and one Add
+- acc = 0, then acc = acc + g_j z_j for j = 0 .. k-1 in index order (spsa.stepper._accumulate), one Mul and one Add
   per direction and tensor. z_j comes from the population graph's own noise inputs (population_graph.
   noise_inputs, with k = K*A directions: for A = 1 the very arrays a population call took), expanded
   exactly: keyed bits (and masks) through their tables, once per direction for every tensor, int8 signs by
   Cast, rank-1 a_j b_j^T by a Mul of the two cast factors (every entry ±1);
 - u = acc / float32(K*A); u = u + wd*w (coupled weight decay, when > 0);
-- Adam (bias-corrected; spsa._adam's order: m*b1 + (1-b1)*u, v*b2 + (1-b2)*(u*u), m/bc1, v/bc2,
+- Adam (bias-corrected; spsa.optim._adam's order: m*b1 + (1-b1)*u, v*b2 + (1-b2)*(u*u), m/bc1, v/bc2,
   m_hat / (sqrt(v_hat) + adam_eps)) or, for sgd, heavy-ball momentum buf*mu + u when mu > 0;
 - w - lr*u;
 - with the delta rule, the decoder gradient (the mean of the A minibatches' `grad.<a>.<name>` in batch order,
-  spsa.mean_decoder_grad) takes its own Adam step at the decoder lr.
+  spsa.optim.mean_decoder_grad) takes its own Adam step at the decoder lr.
 
 Every step is its own elementwise node, so no fused multiply-add or reassociation can change a bit; the
 constants are the float32 values numpy uses (np.float32(1 - beta1), computed in float64 then rounded, not
 1 - np.float32(beta1)). The per-step scalars (lr, decoder lr, the bias corrections) are computed on the
-host exactly as spsa._apply computes them (`scalars`) and fed as float32 [].
+host exactly as spsa.optim.apply_update computes them (`scalars`) and fed as float32 [].
 
 `update = "rms"` divides by a float64 mean over the whole body, a reduction whose summation order (numpy's
 pairwise sum) ORT does not reproduce: `supported` says so, and such a run keeps the host update.
@@ -142,7 +142,7 @@ def _direction(
 
 
 def _adam(g: GraphBuilder, cfg: SPSAConfig, name: str, grad: str) -> str:
-    """spsa._adam on `grad` with moments m.<name>, v.<name> -> new.m., new.v.; returns the Adam direction."""
+    """spsa.optim._adam on `grad` with moments m.<name>, v.<name> -> new.m., new.v.; returns the Adam direction."""
     m = g.op(
         "Add",
         g.op("Mul", f"m.{name}", g.f32(np.float32(cfg.beta1))),
@@ -161,7 +161,7 @@ def _adam(g: GraphBuilder, cfg: SPSAConfig, name: str, grad: str) -> str:
 
 
 def _sums(g: GraphBuilder, model: ModelConfig, perturbed: Sequence[str], noise: Noise, k: int) -> dict[str, str]:
-    """Each perturbed tensor's acc = 0 + g_0 z_0 + g_1 z_1 + ... in index order (spsa._accumulate; 0 + x is
+    """Each perturbed tensor's acc = 0 + g_0 z_0 + g_1 z_1 + ... in index order (spsa.stepper._accumulate; 0 + x is
     numpy's first sum too: -0 -> +0). Directions outermost, so that BITS expands direction j once for all
     tensors and the device holds one expanded direction at a time. The input g and the noise inputs are read
     an entry per direction, as trees (`entries`: no tensor read in more than MAX_FANIN pieces)."""
@@ -184,7 +184,7 @@ def _sums(g: GraphBuilder, model: ModelConfig, perturbed: Sequence[str], noise: 
 
 
 def _body_update(g: GraphBuilder, cfg: SPSAConfig, name: str, acc: str, k: int) -> None:
-    """new.w.<name> (and its optimizer state) from the k directions' sum acc, as spsa._apply's body step."""
+    """new.w.<name> (and its optimizer state) from the k directions' sum acc, as spsa.optim.apply_update's body step."""
     u = g.op("Div", acc, g.f32(np.float32(k)))
     if cfg.weight_decay > 0:
         u = g.op("Add", u, g.op("Mul", g.f32(np.float32(cfg.weight_decay)), f"w.{name}"))
@@ -248,7 +248,7 @@ STEP_INPUTS = ("g", "lr", "decoder_lr", "bc1", "bc2")  # what the host feeds eac
 
 
 def scalars(cfg: SPSAConfig, step: int, adam_t: int, lr_scale: float) -> dict[str, np.ndarray]:
-    """The step's float32 scalar inputs, computed as spsa._apply computes them for a state at `step` whose
+    """The step's float32 scalar inputs, computed as spsa.optim.apply_update computes them for a state at `step` whose
     Adam moments are behind `adam_t` updates: lr, decoder_lr, bc1 = float32(1 - beta1**t), bc2 (t = adam_t+1)."""
     t = adam_t + 1
     return {
@@ -269,7 +269,7 @@ def update_feeds(
 ) -> dict[str, np.ndarray]:
     """Every feed a step's update graph may take, from a host State (its weights, moments and momentum as
     per-tensor views; zeros where the state has none yet, as spsa creates them), the step's projected
-    gradients g (cast to float32, as spsa._accumulate does), its noise inputs, and per minibatch the
+    gradients g (cast to float32, as spsa.stepper._accumulate does), its noise inputs, and per minibatch the
     population's decoder gradients {"grad.<name>": ...}. `run_update` takes the ones its graph needs."""
     lay = layout(model)
     n = lay.size
@@ -297,7 +297,7 @@ def run_update(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def write_back(
     model: ModelConfig, cfg: SPSAConfig, state: optim.State, outs: dict[str, np.ndarray], decoder: bool
 ) -> None:
-    """Put an update's outputs into a host State and advance its counters as spsa._apply does (the step; the
+    """Put an update's outputs into a host State and advance its counters as spsa.optim.apply_update does (the step; the
     Adam count when Adam ran), so the State equals the one _apply would have left."""
     store(model, cfg, state, {name[len("new.") :]: value for name, value in outs.items()}, decoder)
     advance(cfg, state, decoder)
@@ -321,7 +321,7 @@ def store(
 
 
 def advance(cfg: SPSAConfig, state: optim.State, decoder: bool) -> None:
-    """A step's counters, as spsa._apply advances them: the step, and the Adam count when Adam ran."""
+    """A step's counters, as spsa.optim.apply_update advances them: the step, and the Adam count when Adam ran."""
     if _adam_body(cfg) or decoder:
         state.opt.adam_t += 1
     state.step += 1

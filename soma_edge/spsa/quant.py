@@ -4,7 +4,7 @@ then adopt.
 The delta-rule decoder is dense: its round of updates cannot be replayed from scalars, so a log reply
 carries it. Sent as the change from the version the round started at, in int8 codes per block of BLOCK
 values, it costs 1 + 4/BLOCK bytes a weight instead of 4 (and its Adam moments stay on the worker, see
-spsa.UpdateLog). The coded change is lossy, so the worker adopts what the coordinator rebuilds, base +
+spsa.log.UpdateLog). The coded change is lossy, so the worker adopts what the coordinator rebuilds, base +
 decode(codes), as its own weights (the version's hash is of those) and trains on from there. What the codes
 leave out is not fed back into the next round: each round's error is then bounded by its own codes
 (`error_bound`, half a code step), which the coordinator's audit of the decoder can allow for, and Adam's

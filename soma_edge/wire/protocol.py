@@ -259,7 +259,7 @@ class Task(TypedDict):
     shards: list[str]
     lr_scale: float
     weights: np.ndarray | None  # None: the node holds the base version already (or gets it as base_log)
-    opt: dict[str, Any] | None  # spsa.OptState.to_record of the base
+    opt: dict[str, Any] | None  # spsa.optim.OptState.to_record of the base
     reply: ReplyMode
     base_log: BaseLog | None
 
@@ -308,7 +308,7 @@ def task(
 ) -> Task:
     """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
 
-    `weights` and `opt` (its optimizer state, `spsa.OptState.to_record`) are None when the node already
+    `weights` and `opt` (its optimizer state, `spsa.optim.OptState.to_record`) are None when the node already
     holds that version in its cache: an unchanged assignment moves no weights. `lr_scale` is the plateau
     rule's factor for the whole round, decided by the coordinator; it overrides the cached one."""
     return {

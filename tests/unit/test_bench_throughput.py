@@ -60,7 +60,7 @@ def _check(stdout: str, sizes: list[str], torch: bool) -> list[dict]:
 
 
 def test_chosen_is_what_auto_trains_with_on_the_device_measured():
-    """The CPU EP: runtime.choose_evaluator's fixed loop, even where the population measured faster; an
+    """The CPU EP: evaluator.choose_evaluator's fixed loop, even where the population measured faster; an
     accelerator, where auto measures: the faster, a tie to the population (worker/probe.py's rule)."""
     loop = loop_row()
     fast_pop, fast_loop = {loop: 1.0, "population": 2.0}, {loop: 2.0, "population": 1.0}

@@ -187,7 +187,7 @@ def _toy_objective(cfg: Config, seed: int) -> Objective:
 @pytest.mark.parametrize("decoder", ["delta", "spsa", "frozen"])
 @pytest.mark.parametrize("update", ["adam", "rms"])
 def test_training_replays_bit_for_bit(decoder, update):
-    """Steps taken with rank-1 probes, replayed from their scalars through spsa.replay and steps.replay
+    """Steps taken with rank-1 probes, replayed from their scalars through spsa.log.replay and steps.replay
     (the coordinator's path), give the same bits; with decoder = spsa, head.W is a rank-1 body matrix."""
     cfg = config.from_dict(
         {

@@ -1,6 +1,6 @@
 """The SPSA update as an ONNX graph (soma_edge.expert.update_graph), on the CPU EP with the runtime's session options
 (ORT_ENABLE_ALL): over four consecutive steps (warmup and cosine lr, changing bias corrections), its new
-weights, Adam moments and momentum equal the numpy update's (Stepper.replay -> spsa._apply) bit for bit, for
+weights, Adam moments and momentum equal the numpy update's (Stepper.replay -> spsa.optim.apply_update) bit for bit, for
 both model kinds, with Rademacher (dense and sparse), Gaussian and rank-1 noise fed exactly as the population
 graph takes it; and `supported` refuses the rms update, which it cannot reproduce."""
 
@@ -56,7 +56,7 @@ def _grads(rng: np.random.Generator, k: int, t: int) -> np.ndarray:
 
 def _decoder_grads(rng: np.random.Generator, lay: params.Layout, a: int) -> tuple[list[dict], np.ndarray]:
     """A step's delta-rule gradients: per minibatch as the population graph returns them ({"grad.<name>"}), and
-    their mean as the Stepper takes it (spsa.mean_decoder_grad over the flat decoder)."""
+    their mean as the Stepper takes it (spsa.optim.mean_decoder_grad over the flat decoder)."""
     shapes = dict(zip(lay.names, lay.shapes))
     per = [{f"grad.{n}": rng.standard_normal(shapes[n]).astype(np.float32) for n in lay.decoder} for _ in range(a)]
     flat = optim.mean_decoder_grad([np.concatenate([d[f"grad.{n}"].ravel() for n in lay.decoder]) for d in per])
