@@ -11,7 +11,7 @@ after torch eager in a subprocess, the reference of every row's "vs torch".
 
 A cell whose price would end after the deadline is a row noted "skipped: time"; one priced over the free
 memory of its device, "skipped: memory"; one that fails (out of memory, an EP refusing), "failed: ...".
-Prices (bench.gpu_budget): time = its sessions' builds at the seconds per node measured so far + --seconds
+Prices (bench.gpu_prices): time = its sessions' builds at the seconds per node measured so far + --seconds
 + its warm-up and last calls at the rate last measured at its size (per member-row); memory = its graphs'
 priced memory at its batch.
 """
@@ -30,8 +30,10 @@ import numpy as np
 
 from bench import gpu_targets
 from bench.common import ROOT, say
-from bench.gpu_budget import ARENA_CPU, ARENA_CUDA, FREE_SHARE, Builds, Clock, Memory, graph_mib
-from bench.gpu_report import Evaluator, Report, Row
+from bench.gpu_clock import Clock
+from bench.gpu_memory import Memory
+from bench.gpu_prices import ARENA_CPU, ARENA_CUDA, FREE_SHARE, Builds, graph_mib
+from bench.gpu_report import Report, Row, RowKind
 from bench.sizes import SIZES
 from bench.spsa_throughput import (
     BoundPopulation,
@@ -54,7 +56,7 @@ from soma_edge.expert.update_graph import build_update
 
 DENSITY = {Noise.SPARSE_BITS: 0.5, Noise.BITS: 1.0, Noise.RANK1: 1.0}  # the probes each noise form stands for
 # Calls a cell makes outside its --seconds: warm-ups and the last call, which ends after the time is up.
-EXTRA_CALLS = {Evaluator.RESIDENT: 3, Evaluator.RANK1_RESIDENT: 3, Evaluator.CUDA_GRAPH: 4}
+EXTRA_CALLS = {RowKind.RESIDENT: 3, RowKind.RANK1_RESIDENT: 3, RowKind.CUDA_GRAPH: 4}
 # CUDA errors after which the process's CUDA context is lost: every later call fails alike.
 CUDA_STICKY = ("cudaErrorIllegalAddress", "cudaErrorLaunchFailure", "cudaErrorIllegalInstruction", "CUDA failure 700")
 # Over the calls' and builds' prices: a call at another K or density than the row it is priced from can be
@@ -63,10 +65,10 @@ SAFETY = 1.3
 MARGIN_S = 5.0  # kept before the deadline: a cell's price is an estimate, and the report is written last
 # Where a row with no measured row of its own evaluator at its size takes the price of a call from.
 _BASIS = {
-    Evaluator.CLEAN: Evaluator.LOOP_RESIDENT,
-    Evaluator.RESIDENT: Evaluator.POPULATION,
-    Evaluator.RANK1_RESIDENT: Evaluator.RANK1,
-    Evaluator.CUDA_GRAPH: Evaluator.POPULATION,
+    RowKind.CLEAN: RowKind.LOOP_RESIDENT,
+    RowKind.RESIDENT: RowKind.POPULATION,
+    RowKind.RANK1_RESIDENT: RowKind.RANK1,
+    RowKind.CUDA_GRAPH: RowKind.POPULATION,
 }
 
 
@@ -90,7 +92,7 @@ class Cells:
 
     def estimate(self, row: Row, graphs: list) -> float:
         """Seconds the cell would take (module docstring); a first cell at --seconds and its builds."""
-        done = [r for r in self.report.rows if r.evals_per_s and r.evaluator is not Evaluator.TORCH]
+        done = [r for r in self.report.rows if r.evals_per_s and r.evaluator is not RowKind.TORCH]
         calls = 0.0
         for pick in (
             lambda r: r.name == row.name and r.evaluator is row.evaluator,
@@ -142,7 +144,6 @@ class Cells:
             held = None  # the sessions go before the memory is read: what stays is the arena's peak
             gc.collect()
         row.memory = self.memory.cell_used(base)
-        self.report.running = None
 
 
 def _members(row: Row) -> int:
@@ -161,7 +162,7 @@ def loop_cell(c: Cells, name: str, w: np.ndarray, b: int, resident: bool) -> Non
     """The loop (one ORT call an evaluation) at batch b: its weights fed from the host, or bound on the
     device once (loop_resident, the targets' baseline)."""
     m = SIZES[name]
-    row = Row(name, params.count(m), b, None, Evaluator.LOOP_RESIDENT if resident else Evaluator.LOOP)
+    row = Row(name, params.count(m), b, None, RowKind.LOOP_RESIDENT if resident else RowKind.LOOP)
     fn = resident_loop_rate if resident else loop_rate
     x = _ids(b, c.seq_len)
     c.run(row, [(build(m, "loss"), b)], lambda: _loss_evaluator(m, c.device), lambda ev: fn(ev, w, x, c.seconds))
@@ -170,7 +171,7 @@ def loop_cell(c: Cells, name: str, w: np.ndarray, b: int, resident: bool) -> Non
 def clean_cell(c: Cells, name: str, w: np.ndarray, k: int) -> None:
     """The loss graph on one batch of P*B sequences, bound on the device: the rank-1 target's unit."""
     m, b, p = SIZES[name], c.target_b, 2 * k + 1
-    row = Row(name, params.count(m), b, k, Evaluator.CLEAN)
+    row = Row(name, params.count(m), b, k, RowKind.CLEAN)
     x = _ids(p * b, c.seq_len)
     c.run(
         row,
@@ -184,7 +185,7 @@ def resident_cell(c: Cells, name: str, w: np.ndarray, k: int, noise: Noise) -> N
     """Resident.step as a worker trains on a device (bench.gpu_targets.resident_timing), at the targets' B,
     with its host share: full-rank at density 0.5 (SPARSE_BITS) or 1.0 (BITS), or rank-1."""
     m, b = SIZES[name], c.target_b
-    ev = Evaluator.RANK1_RESIDENT if noise is Noise.RANK1 else Evaluator.RESIDENT
+    ev = RowKind.RANK1_RESIDENT if noise is Noise.RANK1 else RowKind.RESIDENT
     row = Row(name, params.count(m), b, k, ev, density=DENSITY[noise])
     x = _ids(b, c.seq_len)
     cfg = gpu_targets.resident_config(m, k, noise, x, c.device)
@@ -195,19 +196,23 @@ def resident_cell(c: Cells, name: str, w: np.ndarray, k: int, noise: Noise) -> N
     # pair is made but never run, and ORT allocates a session's tensors when it runs.
     graphs = [(population, b), (update, b)]
 
-    def measure(pop) -> float:
-        got = gpu_targets.resident_timing(pop, cfg, w, x, c.seconds)
+    def make():  # every session of the cell: the population's, the update's, (CUDA) the captured pair
+        pop = PopulationEvaluator(m, k, body, noise, c.seq_len, True, c.device)
+        return gpu_targets.resident_runner(pop, cfg, w, x)
+
+    def measure(runner) -> float:
+        got = gpu_targets.runner_timing(runner, x, c.seconds)
         row.host_share = round(got.host_share, 4)
         return _members(row) * got.steps_per_s
 
-    c.run(row, graphs, lambda: PopulationEvaluator(m, k, body, noise, c.seq_len, True, c.device), measure)
+    c.run(row, graphs, make, measure)
 
 
 def population_cell(c: Cells, name: str, w: np.ndarray, k: int, b: int, noise: Noise) -> None:
     """One population call a step (2K + 1 members), the weights and noise fed from the host: dense keyed
     bits (BITS) or rank-1."""
     m = SIZES[name]
-    row = Row(name, params.count(m), b, k, Evaluator.RANK1 if noise is Noise.RANK1 else Evaluator.POPULATION, 1.0)
+    row = Row(name, params.count(m), b, k, RowKind.RANK1 if noise is Noise.RANK1 else RowKind.POPULATION, 1.0)
     x = _ids(b, c.seq_len)
     graph = build_population(m, k, body_tensors(m), noise, True, c.seq_len)
     c.run(
@@ -222,7 +227,7 @@ def cuda_graph_cell(c: Cells, name: str, w: np.ndarray, k: int, b: int) -> None:
     """(CUDA) The dense population with every input and output at a fixed device address, replayed as a
     captured CUDA graph: a session per B (a captured graph has fixed shapes)."""
     m = SIZES[name]
-    row = Row(name, params.count(m), b, k, Evaluator.CUDA_GRAPH, 1.0)
+    row = Row(name, params.count(m), b, k, RowKind.CUDA_GRAPH, 1.0)
     x = _ids(b, c.seq_len)
     graph = build_population(m, k, body_tensors(m), Noise.BITS, True, c.seq_len)
     _, feeds = population_feeds(m, k, Noise.BITS)
@@ -303,20 +308,20 @@ def torch_rows(c: Cells, sizes: list[str], batches: list[int]) -> None:
     c.report.notes.append(f"torch eager: torch {got['torch']}, in a subprocess; used MiB = torch's peak allocated")
     for g in got["rows"]:
         n = params.count(SIZES[g["name"]])
-        row = Row(g["name"], n, g["batch"], None, Evaluator.TORCH, None, g["evals_per_s"], memory=g["memory"])
+        row = Row(g["name"], n, g["batch"], None, RowKind.TORCH, None, g["evals_per_s"], memory=g["memory"])
         row.note = g["note"]
         c.report.add_row(row)
 
 
 def ratios(rows: list[Row]) -> None:
     by = {(r.name, r.B, r.evaluator): r.evals_per_s for r in rows if r.K is None}
-    clean = {(r.name, r.B, r.K): r.evals_per_s for r in rows if r.evaluator is Evaluator.CLEAN}
+    clean = {(r.name, r.B, r.K): r.evals_per_s for r in rows if r.evaluator is RowKind.CLEAN}
     for r in rows:
         if r.evals_per_s is None:
             continue
-        loop, torch_r = by.get((r.name, r.B, Evaluator.LOOP_RESIDENT)), by.get((r.name, r.B, Evaluator.TORCH))
+        loop, torch_r = by.get((r.name, r.B, RowKind.LOOP_RESIDENT)), by.get((r.name, r.B, RowKind.TORCH))
         r.vs_loop = round(r.evals_per_s / loop, 3) if loop else None
         r.vs_torch = round(r.evals_per_s / torch_r, 3) if torch_r else None
         c = clean.get((r.name, r.B, r.K))
-        if c and r.evaluator is not Evaluator.CLEAN:  # both count P evaluations a call: time over time
+        if c and r.evaluator is not RowKind.CLEAN:  # both count P evaluations a call: time over time
             r.vs_clean = round(c / r.evals_per_s, 3)

@@ -35,9 +35,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import gpu_cells
+from bench import gpu_cells, gpu_targets
 from bench.common import say
-from bench.gpu_budget import Builds, Clock, Memory
 from bench.gpu_checks import (
     capture_check,
     corpus_bytes,
@@ -47,6 +46,9 @@ from bench.gpu_checks import (
     placement_check,
     update_check,
 )
+from bench.gpu_clock import Clock
+from bench.gpu_memory import Memory
+from bench.gpu_prices import Builds
 from bench.gpu_report import Check, Report
 from bench.sizes import SIZES, Shape
 from soma_edge import devices
@@ -97,7 +99,7 @@ def run_checks(a: Args, report: Report, clock: Clock) -> None:
 
 
 def run_throughput(a: Args, report: Report, clock: Clock, memory: Memory) -> None:
-    target_b = a.batches[0] if 16 not in a.batches else 16  # the targets are set at B = 16
+    target_b = gpu_targets.TARGET_B if gpu_targets.TARGET_B in a.batches else a.batches[0]
     cells = gpu_cells.Cells(a.device, report, clock, memory, a.seq_len, a.seconds, target_b, Builds())
     gpu_cells.warm_up(a.device)  # the device's context and libraries load here, not in the first cell's price
     say("throughput: the GPU targets' rows ...")
@@ -109,20 +111,23 @@ def run_throughput(a: Args, report: Report, clock: Clock, memory: Memory) -> Non
 
 
 def at_deadline(report: Report, memory: Memory, pending: list[str]) -> int:
-    """The watchdog's last write: what was running and every check not yet run, skipped for time."""
+    """The watchdog's last write: what was running and every check not yet run, skipped for time. Said as
+    an error where a correctness check is left unsettled (exit 3, or 1 where one failed), else a warning."""
     with report.lock:
-        report.status = f"stopped at the deadline ({report.deadline_s:g} s) during {report.current or 'start-up'}"
+        if report.closed:  # the run finished as the timer fired
+            return report.exit_code()
+        status = f"stopped at the deadline ({report.deadline_s:g} s) during {report.current or 'start-up'}"
         done = {c.name for c in report.checks}
         for name in [n for n in pending if n not in done]:
             report.checks.append(Check(name, False, "stopped at the deadline before it settled", {}, "time"))
         if report.running is not None:  # the cell measuring now: its row says so
             report.running.note = "skipped: time (stopped at the deadline while it ran)"
             report.rows.append(report.running)
-        report.memory = memory.peaks()
-        report.save()
+        report.close(status, memory.peaks())
         print(report.markdown(), end="", flush=True)
-    say(f"error: {report.status}")
-    return report.exit_code()
+    code = report.exit_code()
+    say(f"{'error' if code else 'warning'}: {status}")
+    return code
 
 
 def parse(argv: list[str] | None) -> Args:
@@ -144,6 +149,8 @@ def parse(argv: list[str] | None) -> Args:
     unknown = [s for s in ns.sizes.split(",") if s not in SIZES]
     if unknown:
         ap.error(f"unknown sizes {unknown}: use {', '.join(SIZES)}")
+    if devices.parse(ns.device).auto:  # prices and memory differ by device: name the one to check
+        ap.error("--device auto: name the device to check, cuda:i or cpu")
     return Args(
         ns.device,
         Path(ns.out),
@@ -179,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_throughput:
         run_throughput(a, report, clock, memory)
     clock.stop()
-    with report.lock:
-        report.status, report.current = "complete", ""
-        report.memory = memory.peaks()
-        report.save()
+    report.close("complete", memory.peaks())  # a timer that fired meanwhile finds the report closed
     say(f"done in {clock.elapsed():.0f} s of a {a.deadline:g} s deadline")
     print(report.markdown(), end="")
     return report.exit_code()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench import gpu_targets
 from bench.common import machine, md_head, md_row
+from bench.gpu_memory import Peaks
 
 SCHEMA = 2  # 2: checks carry "skipped"; rows carry density and priced memory; status and memory peaks
 
@@ -37,7 +38,7 @@ class Check:
         return f"skipped: {self.skipped}" if self.skipped else ("pass" if self.ok else "FAIL")
 
 
-class Evaluator(str, enum.Enum):
+class RowKind(str, enum.Enum):
     """A row of the throughput table: what evaluates the losses."""
 
     LOOP = "loop"  # one ORT call per evaluation, the weights fed from the host (the trainer's loop)
@@ -65,7 +66,7 @@ class Row:
     params: int
     B: int
     K: int | None  # None: a row whose rate does not depend on K (the loop, torch)
-    evaluator: Evaluator
+    evaluator: RowKind
     density: float | None = None
     evals_per_s: float | None = None
     vs_loop: float | None = None
@@ -91,8 +92,9 @@ class Report:
         self.rows: list[Row] = []
         self.notes: list[str] = []
         self.verdicts: list[gpu_targets.Verdict] = []
-        self.memory: dict[str, int | None] = {"peak_rss_mib": None, "peak_device_mib": None}
+        self.memory = Peaks()
         self.status = "running"
+        self.closed = False  # written for the last time (the deadline's watchdog, or the end): no more changes
         self.current = ""  # what runs now: named by the watchdog if the deadline stops it
         self.running: Row | None = None  # the throughput cell measuring now: a row the watchdog adds
         self.lock = threading.RLock()
@@ -110,17 +112,33 @@ class Report:
 
     def add_check(self, check: Check) -> None:
         with self.lock:
-            self.checks.append(check)
-            self.save()
+            if not self.closed:
+                self.checks.append(check)
+                self.save()
 
     def add_row(self, row: Row) -> None:
+        """The row of the cell that ran (`running` no more), in one step the watchdog cannot split."""
         with self.lock:
-            self.rows.append(row)
+            if self.running is row:
+                self.running = None
+            if not self.closed:
+                self.rows.append(row)
+                self.save()
+
+    def close(self, status: str, memory: Peaks) -> None:
+        """The last write: the run's status and peaks; nothing changes the report after it."""
+        with self.lock:
+            if self.closed:
+                return
+            self.status, self.memory, self.current = status, memory, ""
             self.save()
+            self.closed = True
 
     def save(self) -> None:
         """gpu_check.md and gpu_check.json as they stand, each replaced whole (a reader never sees half)."""
         with self.lock:
+            if self.closed:
+                return
             self.out.mkdir(parents=True, exist_ok=True)
             _atomic(self.out / "gpu_check.md", self.markdown())
             _atomic(self.out / "gpu_check.json", json.dumps(self.record(), indent=1, default=float) + "\n")
@@ -138,7 +156,7 @@ class Report:
             "throughput": [asdict(r) for r in self.rows],
             "throughput_notes": self.notes,
             "targets": [asdict(v) for v in self.verdicts],
-            "memory": self.memory,
+            "memory": asdict(self.memory),
         }
 
     def markdown(self) -> str:
@@ -161,12 +179,13 @@ def _atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _memory_line(memory: dict) -> str:
-    rss, dev = memory.get("peak_rss_mib"), memory.get("peak_device_mib")
+def _memory_line(memory: Peaks) -> str:
+    rss, dev = memory.peak_rss_mib, memory.peak_device_mib
     if rss is None and dev is None:
         return ""
-    device = "" if dev is None else f"; the device's peak used memory {dev:,} MiB (every process's, NVML)"
-    return f"Peak resident memory of this process: {rss:,} MiB{device}.\n\n"
+    parts = [] if rss is None else [f"Peak resident memory of this process: {rss:,} MiB"]
+    parts += [] if dev is None else [f"the device's peak used memory {dev:,} MiB (every process's, NVML)"]
+    return "; ".join(parts) + ".\n\n"
 
 
 def targets_md(verdicts: list[gpu_targets.Verdict]) -> str:

@@ -105,15 +105,22 @@ def resident_config(m: ModelConfig, k: int, noise: Noise, x: np.ndarray, device:
     return cfg
 
 
-def resident_timing(population, cfg: Config, w: np.ndarray, x: np.ndarray, seconds: float) -> StepTiming:
-    """soma_edge.engine.resident.Resident.step on `population` (a PopulationEvaluator of cfg's shape, K and noise
-    form) from the weights w, for about `seconds` after two warm-up steps, every step on the batch (x, x)."""
+def resident_runner(population, cfg: Config, w: np.ndarray, x: np.ndarray):
+    """soma_edge.engine.resident.Resident on `population` (a PopulationEvaluator of cfg's shape, K and noise
+    form) from the weights w, after two warm-up steps on the batch (x, x): the first runs allocate, and on
+    CUDA make the captured sessions and capture both A/B graphs. Its sessions are all made when it returns."""
     from soma_edge.engine import resident  # imports onnx (heavy), as population does
 
     runner = resident.Resident(cfg, 0, population, State(w.copy()))
-    for _ in range(2):  # the first runs allocate; on CUDA they make the sessions and capture both A/B graphs
+    for _ in range(2):
         runner.step([(x, x)])
+    return runner
+
+
+def runner_timing(runner, x: np.ndarray, seconds: float) -> StepTiming:
+    """Resident.step of a warmed-up `runner` (resident_runner) for about `seconds`, every step on (x, x)."""
     captured = runner.captured  # None where the device refused capture: the plain sessions run
+    population = runner.population
     sessions = (
         (population.session, runner.update) if captured is None else (captured.population, captured.update_session)
     )
@@ -124,6 +131,11 @@ def resident_timing(population, cfg: Config, w: np.ndarray, x: np.ndarray, secon
             n += 1
         wall = time.perf_counter() - t0
     return StepTiming(n / wall, max(0.0, 1.0 - sum(inside) / wall))
+
+
+def resident_timing(population, cfg: Config, w: np.ndarray, x: np.ndarray, seconds: float) -> StepTiming:
+    """Resident.step on `population` from the weights w, for about `seconds` after two warm-up steps."""
+    return runner_timing(resident_runner(population, cfg, w, x), x, seconds)
 
 
 def _fmt_x(v: float) -> str:

@@ -7,7 +7,7 @@ One cluster of the demo's split (as bench/recipe.py), the demo expert with the s
 decoder, Adam, sparse SPSA body, K = 1), one ORT thread. Each run trains `--rounds` rounds of `--steps` SPSA
 steps, as a worker does between log replies:
 - float32: the decoder stays as it trained (what a log with federation.log_decoder = "float32" carries);
-- int8: at each round's end the worker adopts the decoder's change in int8 codes (spsa.code_decoder, what a
+- int8: at each round's end the worker adopts the decoder's change in int8 codes (spsa.log.code_decoder, what a
   worker sending an int8 log does), and trains on from there.
 The two arms of a seed share the initialization, the batches and the noise. Prints the test split's
 nats/byte after each round and, per seed, int8 minus float32 at the end (the issue's bound: within 0.01).

@@ -11,7 +11,7 @@ before the clock starts, for the loop and the population alike.
 
 `chosen` is the evaluator the trainer runs with `spsa.evaluator = "auto"` on the device measured (this CPU):
 `evaluator.choose_evaluator`'s fixed choice, the loop, whatever the rates say; on an accelerator, where auto
-measures both (`runtime.measures_auto`), the faster of the two as worker/probe.py keeps it. Whether the
+measures both (`evaluator.measures_auto`), the faster of the two as worker/probe.py keeps it. Whether the
 full-rank population beat the loop here is said apart, on the line under each size's rows. Rank-1 is the
 user's choice (`spsa.noise`), never auto's, so it is reported beside full-rank but never chosen. With
 `--json` the last stdout line is one object {"sizes": [{"name", "params", "chosen", "chosen_vs_torch"},

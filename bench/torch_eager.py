@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from bench.sizes import SIZES, rate  # imports no onnxruntime: its sessions are made lazily
+from bench.sizes import SIZES, rate  # no onnxruntime: this process must never load it
 from soma_edge.config import ModelConfig
 from soma_edge.engine.runtime import cpu_count
 from soma_edge.expert import params

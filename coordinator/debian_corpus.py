@@ -3,7 +3,7 @@
     python -m coordinator.debian_corpus [--force]      # or: soma-coord prepare debian ...
 
 It runs `apt-get download PKG=VERSION` for the pinned packages below, unpacks each with `dpkg-deb -x`,
-extracts plain text per domain, and writes `corpus.cache_dir()/debian/`: one `<domain>.txt` per domain
+extracts plain text per domain, and writes `corpus.sources.cache_dir()/debian/`: one `<domain>.txt` per domain
 (DOMAIN_BYTES each) and `manifest.json` with the sha256 of every output file and every .deb. The tests
 never use it; `corpus.sources.load_documents("debian")` reads the cache and checks the manifest.
 

@@ -2,7 +2,7 @@
 
 Output (into a run directory, see soma_edge/rundir/):
 - `router.msgpack`: the fitted router (soma_edge.corpus.router);
-- `shards/<sha256>.bin`: for each cluster and split, its documents' bytes joined by corpus.SEPARATOR,
+- `shards/<sha256>.bin`: for each cluster and split, its documents' bytes joined by corpus.documents.SEPARATOR,
   named by the sha256 of those bytes (workers cache shards by that name);
 - `prepare.json`: clusters (expert, documents, bytes and shard hash per split), the domain-by-cluster
   table, purity, seconds.

@@ -3,22 +3,25 @@ clean forward with the decoder gradient beside it) and, where `choose_evaluator`
 evaluator (soma_edge.engine.population: a step's clean forward and 2K probes in one call), made for a run's
 config by `evaluator_for`; how many run at once and on how many threads (`plan_concurrency`).
 
-This module imports onnx (through the graph builders); the deploy path (export.infer) makes its sessions
-from bytes with soma_edge.engine.runtime alone.
+The graph builders, and with them onnx, load only where an evaluator is made: the coordinator's ServerApp
+and a worker's every per-message ClientApp import this module without paying for onnx until they build a
+graph. The deploy path (export.infer) makes its sessions from bytes with soma_edge.engine.runtime alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from soma_edge.config import Config, Evaluator, ModelConfig
 from soma_edge.devices import CPU
 from soma_edge.engine import runtime
-from soma_edge.engine.population import PopulationEvaluator, for_config
-from soma_edge.expert.graph import build
 from soma_edge.expert.params import layout
+
+if TYPE_CHECKING:  # population and the graph builders import onnx: loaded where a graph is built, not before
+    from soma_edge.engine.population import PopulationEvaluator
 
 
 def plan_concurrency(device: str, threads: int = 0, parallel: int = 0) -> tuple[int, int]:
@@ -57,6 +60,8 @@ class LossEvaluator:
     decoder_grad: bool = False
 
     def __post_init__(self) -> None:
+        from soma_edge.expert.graph import build  # onnx: heavy (module docstring)
+
         self.threads, self.parallel = plan_concurrency(self.device, self.threads, self.parallel)
         self.layout = layout(self.model)
         self.session = runtime.make_session(build(self.model, "loss"), self.device, self.threads, self.spin)
@@ -105,6 +110,8 @@ def evaluator_for(
         decoder_grad=cfg.spsa.decoder == "delta",
     )
     if choose_evaluator(cfg.spsa.evaluator if evaluator is None else evaluator, out.providers) is Evaluator.POPULATION:
+        from soma_edge.engine.population import for_config  # imports onnx (heavy): only where it is chosen
+
         # One call at a time, so it gets the threads the loop's concurrent evaluations would share.
         pop_threads, _ = plan_concurrency(out.device, cfg.threads if threads is None else threads, 1)
         out.population = for_config(cfg, out.device, pop_threads, spin)

@@ -12,7 +12,7 @@ looped reference, and what an update sums). `for_config` builds the evaluator a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,17 +29,7 @@ from soma_edge.expert.population_graph import (
     perturbed_size,
 )
 from soma_edge.spsa.noise import Rank1
-from soma_edge.spsa.stepper import Probes
-
-
-class Population(NamedTuple):
-    """One population call: the clean loss, the clean decoder gradient (float32, flat[layout.body:]'s
-    length; None without decoder_grad), and the losses at w + eps z_j (lp) and w - eps z_j (lm), float[K]."""
-
-    loss: float
-    decoder_grad: np.ndarray | None
-    lp: np.ndarray
-    lm: np.ndarray
+from soma_edge.spsa.stepper import Population, Probes
 
 
 @dataclass

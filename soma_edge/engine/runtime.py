@@ -2,11 +2,13 @@
 
 What a device name (soma_edge.devices) asks ONNX Runtime for:
 - `cpu`: the CPU EP.
-- `cuda` / `cuda:i`: the CUDA EP alone, on GPU i, with `session.disable_cpu_ep_fallback` set: ORT refuses a
-  graph with a node the CUDA EP cannot run rather than run that node on the CPU, copying activations across
-  on every call. Before the session, the CUDA and cuDNN libraries are loaded as onnxruntime documents
-  (`onnxruntime.preload_dlls()`: the nvidia-* wheels of `soma-edge[cuda]`), and one that does not load is
-  named. TF32 is off (`use_tf32 = 0`, and NVIDIA_TF32_OVERRIDE=0 for cuDNN's LSTM, which ignores the
+- `cuda` / `cuda:i` (and `CUDAExecutionProvider` named in full, which is `cuda:0`): the CUDA EP alone, on GPU
+  i, with `session.disable_cpu_ep_fallback` set: ORT refuses a graph with a node the CUDA EP cannot run
+  rather than run that node on the CPU, copying activations across on every call. Before the session, the
+  CUDA and cuDNN libraries are loaded as onnxruntime documents (`onnxruntime.preload_dlls()`: the nvidia-*
+  wheels of `soma-edge[cuda]`), or, for an onnxruntime installed elsewhere (`pip install --target`), from the
+  CUDA 13 and cuDNN wheels this Python sees (`nvidia_library_folders`: torch's), and one that does not load
+  is named. TF32 is off (`use_tf32 = 0`, and NVIDIA_TF32_OVERRIDE=0 for cuDNN's LSTM, which ignores the
   provider option; set whenever a plan lists CUDA, over any inherited value): its rounding error would
   compete with SPSA's epsilon.
 - any other EP named in full (`openvino`, `DnnlExecutionProvider`, ...): that EP alone, under the same rule.
@@ -164,7 +166,9 @@ def nvidia_library_folders(paths: list[str] | None = None) -> list[tuple[Path, b
     the layout of the CUDA 13 wheels that onnxruntime-gpu's extras and torch's CUDA 13 builds install."""
     out: dict[bool, Path] = {}
     for entry in sys.path if paths is None else paths:
-        root = Path(entry or ".") / "nvidia"
+        if not entry:  # the current directory: not where a library is loaded from
+            continue
+        root = Path(entry) / "nvidia"
         for sub, cuda in ((f"cu{CUDA_MAJOR}", True), ("cudnn", False)):
             folder = root / sub / "lib"
             if cuda not in out and folder.is_dir():
@@ -265,11 +269,6 @@ def _resolve(device: str) -> Plan:
 def check_device(device: str) -> None:
     """Fail early (DeviceError) when `device` cannot run here, before a command does anything else."""
     plan(device)
-
-
-def parse_device(device: str) -> list[Any]:
-    """Map `auto | cpu | cuda[:i] | <EP name>` to an ORT providers list (see the module docstring)."""
-    return plan(device).providers
 
 
 def session_options(threads: int = 0, spin: bool = True, strict: bool = False, log_severity: int = ORT_SILENT):

@@ -86,7 +86,7 @@ def join(g: GraphBuilder, parts: Sequence[str], axis: int) -> str:
 def _reads(g: GraphBuilder, x: str, axis: int, cuts: Sequence[int], read: Callable[[str, int, int], str]) -> list[str]:
     """`read(part, start, stop)` of each range [cuts[i], cuts[i + 1]) of x along `axis`, positions relative to
     `part`'s start: more than MAX_FANIN ranges are read from Slices of x holding at most MAX_FANIN runs of
-    them (`_runs`), each read the same way, so no tensor is read more than MAX_FANIN times."""
+    them (`runs`), each read the same way, so no tensor is read more than MAX_FANIN times."""
     n = len(cuts) - 1
     if n <= MAX_FANIN:
         return [read(x, cuts[i], cuts[i + 1]) for i in range(n)]

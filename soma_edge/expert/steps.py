@@ -27,7 +27,7 @@ def stepper(cfg: Config, expert: int, parallel: int = 1) -> Stepper:
 
 def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int) -> list[Objective]:
     """The step's `accumulate` minibatches, each drawn from its own key, as SPSA objectives
-    (`evaluator`: a `soma_edge.engine.runtime.LossEvaluator` of the run's model). Where it carries a population
+    (`evaluator`: a `soma_edge.engine.evaluator.LossEvaluator` of the run's model). Where it carries a population
     evaluator (evaluator.evaluator_for chose it), each objective's `members` evaluates the minibatch's whole
     population in one call, and the Stepper takes that path."""
     out = []

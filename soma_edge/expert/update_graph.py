@@ -36,15 +36,14 @@ import onnx
 from onnx import TensorProto, helper
 
 from soma_edge.config import ModelConfig, SPSAConfig
+from soma_edge.expert.builder import GraphBuilder, entries
 from soma_edge.expert.graph import OPSET
 from soma_edge.expert.params import Layout, layout
 from soma_edge.expert.population_graph import (
-    GraphBuilder,
     Noise,
     NoiseInput,
     bits_slices,
     core_shape,
-    entries,
     expand_bits,
     is_matrix,
     noise_inputs,
@@ -298,7 +297,7 @@ def write_back(
     model: ModelConfig, cfg: SPSAConfig, state: optim.State, outs: dict[str, np.ndarray], decoder: bool
 ) -> None:
     """Put an update's outputs into a host State and advance its counters as spsa.optim.apply_update does (the step; the
-    Adam count when Adam ran), so the State equals the one _apply would have left."""
+    Adam count when Adam ran), so the State equals the one apply_update would have left."""
     store(model, cfg, state, {name[len("new.") :]: value for name, value in outs.items()}, decoder)
     advance(cfg, state, decoder)
 

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from bench import gpu_budget, gpu_cells, gpu_check, gpu_checks, gpu_targets
+from bench import gpu_cells, gpu_check, gpu_checks, gpu_clock, gpu_memory, gpu_prices, gpu_targets
 from bench.common import ROOT
-from bench.gpu_report import Evaluator, Report, Row
+from bench.gpu_report import Report, Row, RowKind
 from bench.sizes import SIZES
 from bench.spsa_throughput import BoundPopulation, body_tensors, population_setup
 from soma_edge import devices
@@ -152,18 +152,18 @@ def test_cpu_dry_run_of_the_throughput_table(tmp_path):
 def test_a_cell_priced_past_the_deadline_is_skipped_for_time_and_one_over_free_memory_for_memory(monkeypatch):
     report = Report(ROOT / "runs" / "unused", "cpu", "ort", 10.0)
     monkeypatch.setattr(report, "save", lambda: None)
-    memory = gpu_budget.Memory()
-    c = gpu_cells.Cells("cpu", report, gpu_budget.Clock(10.0), memory, 8, 1.0, 2, gpu_budget.Builds())
+    memory = gpu_memory.Memory()
+    c = gpu_cells.Cells("cpu", report, gpu_clock.Clock(10.0), memory, 8, 1.0, 2, gpu_prices.Builds())
     n, loss = params.count(SIZES["124K"]), build(SIZES["124K"], "loss")
-    first = Row("124K", n, 2, None, Evaluator.LOOP)
+    first = Row("124K", n, 2, None, RowKind.LOOP)
     nodes = len(loss.graph.node)
-    first_build = gpu_cells.SAFETY * nodes * gpu_budget.FIRST_BUILD_S_PER_NODE
+    first_build = gpu_cells.SAFETY * nodes * gpu_prices.FIRST_BUILD_S_PER_NODE
     assert c.estimate(first, [loss]) == pytest.approx(1.0 + first_build)
     c.run(first, [(loss, 2)], lambda: "session", lambda s: 10.0)  # 10 calls/s of B = 2: 0.05 s a member-row
     assert first.evals_per_s == 10.0 and c.builds.measured
     # the loss graph's next build is priced at the last one's seconds per node (here a few microseconds)
-    assert c.builds.price([loss]) < nodes * gpu_budget.FIRST_BUILD_S_PER_NODE
-    slow = Row("124K", n, 2, 8, Evaluator.POPULATION)  # 17 members x 2 rows x 0.05 s: warm-up and last call
+    assert c.builds.price([loss]) < nodes * gpu_prices.FIRST_BUILD_S_PER_NODE
+    slow = Row("124K", n, 2, 8, RowKind.POPULATION)  # 17 members x 2 rows x 0.05 s: warm-up and last call
 
     def never(_) -> float:
         raise AssertionError("a cell past the deadline by its price must not start")
@@ -174,7 +174,7 @@ def test_a_cell_priced_past_the_deadline_is_skipped_for_time_and_one_over_free_m
     assert slow.evals_per_s is None and slow.note.startswith("skipped: time (needs ~5.4 s, ")
     c.clock.end = time.perf_counter() + 100
     monkeypatch.setattr(memory, "free_mib", lambda: 100)  # MiB: far less than the graph's price
-    big = Row("124K", n, 64, None, Evaluator.LOOP)
+    big = Row("124K", n, 64, None, RowKind.LOOP)
     c.run(big, [(loss, 4096)], lambda: None, never)
     assert big.note.startswith(f"skipped: memory (priced {big.price:,} MiB, 100 MiB free)") and big.price > 100
     assert [r.note[:15] for r in report.rows] == ["", "skipped: time (", "skipped: memory"]
@@ -186,11 +186,11 @@ def test_a_graphs_memory_price_follows_its_tensors():
     m = SIZES["124K"]
     small, wide = (build_population(m, k, body_tensors(m), Noise.BITS, True, 16) for k in (2, 8))
     assert (
-        gpu_budget.graph_mib(small, 16, 16) < gpu_budget.graph_mib(small, 64, 16) < gpu_budget.graph_mib(wide, 64, 16)
+        gpu_prices.graph_mib(small, 16, 16) < gpu_prices.graph_mib(small, 64, 16) < gpu_prices.graph_mib(wide, 64, 16)
     )
     big = SIZES["L"]
     graph = build_population(big, 64, body_tensors(big), Noise.BITS, True, 128)
-    assert gpu_budget.graph_mib(graph, 64, 128) > 40_000
+    assert gpu_prices.graph_mib(graph, 64, 128) > 40_000
 
 
 def test_the_deadline_stops_the_run_and_says_so(tmp_path):
@@ -273,8 +273,8 @@ def test_the_cuda_rows_are_laid_out_as_on_a_gpu(tmp_path, monkeypatch):
     priced = {(r["evaluator"], r["K"], r["density"]): r["price"] for r in record["throughput"]}
     m = SIZES["124K"]
     graph = build_population(m, 1, body_tensors(m), Noise.BITS, True, 8)
-    on_cuda = gpu_budget.graph_mib(graph, 2, 8, gpu_budget.ARENA_CUDA)
-    assert on_cuda > gpu_budget.graph_mib(graph, 2, 8) and priced[("population", 1, 1.0)] == on_cuda
+    on_cuda = gpu_prices.graph_mib(graph, 2, 8, gpu_prices.ARENA_CUDA)
+    assert on_cuda > gpu_prices.graph_mib(graph, 2, 8) and priced[("population", 1, 1.0)] == on_cuda
     assert not any(v["cpu"] for v in record["targets"])
     assert not any("cuda_graph: not measured" in n for n in record["throughput_notes"])
 
@@ -309,16 +309,16 @@ def test_a_node_off_the_device_fails_the_placement_check_and_the_run(tmp_path, m
 def _rows() -> list[Row]:
     n = {name: params.count(m) for name, m in SIZES.items()}
     return [
-        Row("124K", n["124K"], 16, 8, Evaluator.POPULATION, 1.0, 600.0, vs_loop=4.0),
-        Row("124K", n["124K"], 16, 8, Evaluator.RESIDENT, 1.0, 900.0, vs_loop=6.0, host_share=0.05),
-        Row("124K", n["124K"], 16, 8, Evaluator.RESIDENT, 0.5, 450.0, vs_loop=3.0, host_share=0.15),
-        Row("124K", n["124K"], 64, 8, Evaluator.POPULATION, 1.0, 900.0, vs_loop=9.0),  # another B: not the target's
-        Row("S", n["S"], 16, 8, Evaluator.POPULATION, 1.0, 99.0, vs_loop=5.5),
-        Row("L", n["L"], 16, 8, Evaluator.RESIDENT, 1.0, note="skipped: time (needs ~40 s, 3 s left)"),
-        Row("124K", n["124K"], 16, 64, Evaluator.CUDA_GRAPH, 1.0, 9000.0, vs_loop=16.0),
-        Row("S", n["S"], 16, 64, Evaluator.POPULATION, 1.0, 990.0, vs_loop=14.9),
-        Row("124K", n["124K"], 16, 8, Evaluator.RANK1_RESIDENT, 1.0, 800.0, vs_clean=1.4, host_share=0.08),
-        Row("S", n["S"], 16, 8, Evaluator.RANK1_RESIDENT, 1.0, 80.0, vs_clean=1.6, host_share=0.25),
+        Row("124K", n["124K"], 16, 8, RowKind.POPULATION, 1.0, 600.0, vs_loop=4.0),
+        Row("124K", n["124K"], 16, 8, RowKind.RESIDENT, 1.0, 900.0, vs_loop=6.0, host_share=0.05),
+        Row("124K", n["124K"], 16, 8, RowKind.RESIDENT, 0.5, 450.0, vs_loop=3.0, host_share=0.15),
+        Row("124K", n["124K"], 64, 8, RowKind.POPULATION, 1.0, 900.0, vs_loop=9.0),  # another B: not the target's
+        Row("S", n["S"], 16, 8, RowKind.POPULATION, 1.0, 99.0, vs_loop=5.5),
+        Row("L", n["L"], 16, 8, RowKind.RESIDENT, 1.0, note="skipped: time (needs ~40 s, 3 s left)"),
+        Row("124K", n["124K"], 16, 64, RowKind.CUDA_GRAPH, 1.0, 9000.0, vs_loop=16.0),
+        Row("S", n["S"], 16, 64, RowKind.POPULATION, 1.0, 990.0, vs_loop=14.9),
+        Row("124K", n["124K"], 16, 8, RowKind.RANK1_RESIDENT, 1.0, 800.0, vs_clean=1.4, host_share=0.08),
+        Row("S", n["S"], 16, 8, RowKind.RANK1_RESIDENT, 1.0, 80.0, vs_clean=1.6, host_share=0.25),
     ]
 
 
@@ -379,14 +379,14 @@ def test_after_a_sticky_cuda_error_no_cell_runs(monkeypatch):
     as on the H200 once a cell ran it out of memory): the cells after it are skipped, saying why."""
     report = Report(ROOT / "runs" / "unused", "cpu", "ort", 10.0)
     monkeypatch.setattr(report, "save", lambda: None)
-    c = gpu_cells.Cells("cpu", report, gpu_budget.Clock(60.0), gpu_budget.Memory(), 8, 0.1, 2, gpu_budget.Builds())
+    c = gpu_cells.Cells("cpu", report, gpu_clock.Clock(60.0), gpu_memory.Memory(), 8, 0.1, 2, gpu_prices.Builds())
     n, loss = params.count(SIZES["124K"]), build(SIZES["124K"], "loss")
 
     def crash(_) -> float:
         raise RuntimeError("CUDA error cudaErrorIllegalAddress:an illegal memory access was encountered")
 
-    c.run(Row("124K", n, 2, None, Evaluator.LOOP), [(loss, 2)], lambda: None, crash)
-    c.run(Row("124K", n, 2, None, Evaluator.LOOP_RESIDENT), [(loss, 2)], lambda: None, lambda _: 1.0)
+    c.run(Row("124K", n, 2, None, RowKind.LOOP), [(loss, 2)], lambda: None, crash)
+    c.run(Row("124K", n, 2, None, RowKind.LOOP_RESIDENT), [(loss, 2)], lambda: None, lambda _: 1.0)
     first, second = report.rows
     assert first.note.startswith("failed: RuntimeError: CUDA error cudaErrorIllegalAddress")
     assert second.evals_per_s is None and second.note == (
@@ -398,8 +398,8 @@ def test_the_watchdog_writes_the_cell_it_stopped_and_the_checks_it_never_ran(tmp
     report = Report(tmp_path, "cpu", "ort", 10.0)
     report.add_check(gpu_checks.Check("placement", True, "fine"))
     report.current = "throughput 124K B=2 K=- loop_resident"
-    report.running = Row("124K", params.count(SIZES["124K"]), 2, None, Evaluator.LOOP_RESIDENT)
-    assert gpu_check.at_deadline(report, gpu_budget.Memory(), ["placement", "numerics"]) == 3
+    report.running = Row("124K", params.count(SIZES["124K"]), 2, None, RowKind.LOOP_RESIDENT)
+    assert gpu_check.at_deadline(report, gpu_memory.Memory(), ["placement", "numerics"]) == 3
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     assert record["status"] == "stopped at the deadline (10 s) during throughput 124K B=2 K=- loop_resident"
     assert [(c["name"], c["skipped"]) for c in record["checks"]] == [("placement", ""), ("numerics", "time")]
