@@ -40,7 +40,7 @@ from soma_edge.errors import SomaError
 from soma_edge.processes.logs import role_logger
 from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
-from soma_edge.rundir.state import RunState
+from soma_edge.rundir.state import PrepareSummary, RunState
 from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
@@ -135,6 +135,28 @@ class Coordinator:
             self.run.write_status(records.status("failed", cfg, None, {}, **why).to_dict())
 
 
+def bench_short_shards(cfg: Config, prep: PrepareSummary, ledger: Ledger) -> None:
+    """Leave out, in one line, the experts whose train shards cannot hold one window (seq_len + 1 bytes):
+    every worker would fail them every round."""
+    sizes, need = prep.shard_sizes(), cfg.data.seq_len + 1
+    short = {}
+    for e in ledger.trainable_ids():
+        hashes = seed_mod.shards(cfg, prep, e, "train")
+        got = sum(sizes.get(h, 0) for h in hashes) + len(SEPARATOR) * max(len(hashes) - 1, 0)
+        if got < need and ledger.bench(e, f"its train shards hold {got} bytes, fewer than seq_len + 1 = {need}"):
+            short[e] = got
+    if short:
+        listed = ", ".join(f"expert {e}: {n}" for e, n in sorted(short.items())[:8])
+        log.warning(
+            "%d expert(s) cannot train, left out of the run: their train shards hold fewer than seq_len + 1 = %d "
+            "bytes (%s%s)",
+            len(short),
+            need,
+            listed,
+            ", ..." if len(short) > 8 else "",
+        )
+
+
 class Loop:
     """The rounds of one run, from its committed state to its last round."""
 
@@ -180,7 +202,7 @@ class Loop:
             )
             if self.ledger.fan_out():  # a seed that finished in a round whose commit never happened
                 run.save_state(state.to_dict())
-            self.bench_short_shards()
+            bench_short_shards(self.cfg, self.prep, self.ledger)
             self.fleet.wait_for_nodes(fed.min_nodes, grace=fed.join_grace, stoppable=True)
             return self.rounds()
         finally:
@@ -213,28 +235,6 @@ class Loop:
                 self.round_status(nxt)
             rnd = nxt
         return "complete"
-
-    def bench_short_shards(self) -> None:
-        """Leave out, in one line, the experts whose train shards cannot hold one window (seq_len + 1 bytes):
-        every worker would fail them every round."""
-        sizes, need = self.prep.shard_sizes(), self.cfg.data.seq_len + 1
-        short = {}
-        for e in self.ledger.trainable_ids():
-            hashes = seed_mod.shards(self.cfg, self.prep, e, "train")
-            got = sum(sizes.get(h, 0) for h in hashes) + len(SEPARATOR) * max(len(hashes) - 1, 0)
-            if got < need and self.ledger.bench(
-                e, f"its train shards hold {got} bytes, fewer than seq_len + 1 = {need}"
-            ):
-                short[e] = got
-        if short:
-            log.warning(
-                "%d expert(s) cannot train, left out of the run: their train shards hold fewer than seq_len + 1 = %d "
-                "bytes (%s)",
-                len(short),
-                need,
-                ", ".join(f"expert {e}: {n}" for e, n in sorted(short.items())[:8])
-                + (", ..." if len(short) > 8 else ""),
-            )
 
     def why_stop(self, r: int) -> str | None:
         """Why no round r should start: a stop request, or no steps left in a fixed budget (None: none);
