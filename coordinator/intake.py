@@ -82,6 +82,13 @@ class Intake:
         rnd.compute[node.id] = rnd.compute.get(node.id, 0.0) + secs
         for err in body.get("errors") or []:
             log.warning("round %d: node %s (%s) reports: %s", rnd.r, o.node, node.name, err)
+        for f in body.get("failed") or []:  # checked: experts of this request, each once
+            e, why = f["expert"], f["reason"]
+            rnd.failed[e] = f"node {node.label}: {why}"
+            if e not in seen and self.ledger.bench(e, f"node {node.label}: {why}"):
+                log.warning(
+                    "expert %d cannot train (node %s): %s; left out of the rounds that follow", e, node.label, why
+                )
         missing = body.get("missing") or {}
         node.weights -= set(missing.get("weights") or [])
         node.shards -= set(missing.get("shards") or [])

@@ -44,6 +44,8 @@ class Ledger:
             log.warning("%s", run.fallback)
         self.state: RunState = self._init_state() if state is None else state
         self.committed = self.kept()  # what state.msgpack holds: the fallback once the next round commits
+        self.started = {e: self.expert(e).version for e in self.expert_ids()}  # to tell who advanced in this run
+        self.last_failure: dict[int, str] = {}  # each expert's last round failure, for the run's last word
 
     def resume(self, locked_at: float) -> None:
         """Before the first round of this coordinator: best versions checked, what a crash left undone
@@ -55,6 +57,8 @@ class Ledger:
         self.prune(self.kept_in(run.prev_state_path))  # a prune that a crash after the commit cut short
         run.truncate_metrics(self.state.round)
         run.clear_stop(before=locked_at)  # a stop addresses the coordinator that held the lock then
+        for e in self.expert_ids():  # a new coordinator tries every expert again: workers or code may differ
+            self.expert(e).cannot_train = None
 
     # --- a new run, and the best versions --------------------------------------------------------------
 
@@ -149,6 +153,28 @@ class Ledger:
 
     def expert_ids(self) -> list[int]:
         return self.state.expert_ids()
+
+    def trainable_ids(self) -> list[int]:
+        """The experts the rounds hand out: all but those that cannot train (`bench`)."""
+        return [e for e in self.expert_ids() if self.expert(e).cannot_train is None]
+
+    def bench(self, e: int, reason: str) -> bool:
+        """Leave expert e out of the rounds that follow, saying why in state.msgpack (`soma-coord status`
+        shows it); True the first time, so the caller reports it once."""
+        rec = self.expert(e)
+        if rec.cannot_train is not None:
+            return False
+        rec.cannot_train = reason
+        return True
+
+    def never_advanced(self) -> dict[int, str]:
+        """The experts without a new version since this coordinator started, with why where it is known."""
+        out = {}
+        for e in self.expert_ids():
+            rec = self.expert(e)
+            if rec.version == self.started.get(e, rec.version):
+                out[e] = rec.cannot_train or self.last_failure.get(e) or "never handed out (no worker had time)"
+        return out
 
     def expert(self, e: int) -> ExpertRecord:
         """Expert e's entry in state.msgpack."""

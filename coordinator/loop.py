@@ -35,15 +35,25 @@ from coordinator.ledger import Bases, Ledger
 from coordinator.planning import Planner
 from coordinator.round import Round
 from soma_edge.config import Config, expert_steps
+from soma_edge.corpus.documents import SEPARATOR
 from soma_edge.errors import SomaError
 from soma_edge.processes.logs import role_logger
+from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
-from soma_edge.rundir.state import RunState
+from soma_edge.rundir.state import PrepareSummary, RunState
 from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
 
 STOPPED = "stopped (soma-coord stop)"
+
+
+class NoTrainableExpert(RuntimeError):
+    """Every expert of the run is left out: the run cannot go on (an internal failure, exit 1, not the
+    user's input: the corpus was prepared, and workers said why)."""
+
+    def __init__(self, left_out: dict[int, str]) -> None:
+        super().__init__(f"no expert can train: {records.reasons(left_out)}")
 
 
 class Coordinator:
@@ -106,8 +116,16 @@ class Coordinator:
                 self.run.root,
             )
         else:
-            loop.status("done")
+            left = loop.ledger.never_advanced()
+            loop.status("done", never_advanced={str(e): why for e, why in left.items()})
             log.info("run complete: %d rounds", state.round)
+            if left:
+                log.warning(
+                    "%d of %d experts never advanced in this run: %s",
+                    len(left),
+                    len(state.experts),
+                    records.reasons(left),
+                )
 
     def _failed(self, cfg: Config, e: Exception) -> None:
         why = {"message": f"{type(e).__name__}: {e}", "user_error": isinstance(e, SomaError)}
@@ -115,6 +133,28 @@ class Coordinator:
             self.loop.status("failed", **why)
         else:  # the run state did not load
             self.run.write_status(records.status("failed", cfg, None, {}, **why).to_dict())
+
+
+def bench_short_shards(cfg: Config, prep: PrepareSummary, ledger: Ledger) -> None:
+    """Leave out, in one line, the experts whose train shards cannot hold one window (seq_len + 1 bytes):
+    every worker would fail them every round."""
+    sizes, need = prep.shard_sizes(), cfg.data.seq_len + 1
+    short = {}
+    for e in ledger.trainable_ids():
+        hashes = seed_mod.shards(cfg, prep, e, "train")
+        got = sum(sizes.get(h, 0) for h in hashes) + len(SEPARATOR) * max(len(hashes) - 1, 0)
+        if got < need and ledger.bench(e, f"its train shards hold {got} bytes, fewer than seq_len + 1 = {need}"):
+            short[e] = got
+    if short:
+        listed = ", ".join(f"expert {e}: {n}" for e, n in sorted(short.items())[:8])
+        log.warning(
+            "%d expert(s) cannot train, left out of the run: their train shards hold fewer than seq_len + 1 = %d "
+            "bytes (%s%s)",
+            len(short),
+            need,
+            listed,
+            ", ..." if len(short) > 8 else "",
+        )
 
 
 class Loop:
@@ -162,6 +202,7 @@ class Loop:
             )
             if self.ledger.fan_out():  # a seed that finished in a round whose commit never happened
                 run.save_state(state.to_dict())
+            bench_short_shards(self.cfg, self.prep, self.ledger)
             self.fleet.wait_for_nodes(fed.min_nodes, grace=fed.join_grace, stoppable=True)
             return self.rounds()
         finally:
@@ -196,7 +237,11 @@ class Loop:
         return "complete"
 
     def why_stop(self, r: int) -> str | None:
-        """Why no round r should start: a stop request, or no steps left in a fixed budget (None: none)."""
+        """Why no round r should start: a stop request, or no steps left in a fixed budget (None: none);
+        NoTrainableExpert where every expert is left out."""
+        if not self.ledger.trainable_ids():
+            self.run.save_state(self.ledger.state.to_dict())  # with why each is left out: `status` shows it
+            raise NoTrainableExpert(self.ledger.never_advanced())
         if self.run.stop_requested():
             log.info(
                 "stop requested (soma-coord stop): stopping after round %d of %d", r - 1, self.cfg.federation.rounds
@@ -326,6 +371,7 @@ class Loop:
         labels = {nid: n.label for nid, n in self.fleet.nodes.items()}
         lines = records.commit_lines(rnd, self.cfg, state, labels, mix, round_total, t_next is not None)
         line = lines[-1]  # the round's
+        self.ledger.last_failure.update(rnd.failed)
         self.ledger.commit(r, {str(e): labels[n] for e, n in rnd.plan.assignment.items()}, lines, self.board)
         log.info(
             "round %d/%d committed: %d/%d experts advanced, mean val %.4f, routed val %s nats/byte, %.1f s, "

@@ -26,7 +26,7 @@ class Planner:
         """The round's plan from the bases each expert trains from, and each node's experts."""
         rates = {nid: n.rate for nid, n in active.items()}
         plan = scheduler.plan(
-            self.ledger.expert_ids(),
+            self.ledger.trainable_ids(),
             rates,
             self.previous(active, bases),
             self.cfg.federation.round_seconds,

@@ -15,6 +15,7 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from coordinator import records
 from soma_edge import cli
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir
@@ -74,7 +75,9 @@ def experts_table(s: dict[str, Any], status: Status | None = None) -> Table:
         title += ", seed run (the experts start from it)"
     elif s.get("mixture_val_loss") is not None:
         title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
-    t = Table(title=title, title_justify="left")
+    left_out = {int(e): x["cannot_train"] for e, x in s["experts"].items() if x.get("cannot_train")}
+    caption = f"left out, cannot train: {records.reasons(left_out)}" if left_out else None
+    t = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col in EXPERT_COLUMNS:
         t.add_column(col, justify="left" if col in ("sha256", "node") else "right", no_wrap=col == "sha256")
     for row in expert_rows(s, status):

@@ -166,9 +166,10 @@ def commit_lines(
     for e in ids:
         if e in rnd.accepted:
             lines.append(rnd.accepted[e])
-        else:
+        elif e in rnd.plan.assignment:
             why = rnd.failed.get(e, "not trained this round")
             lines.append(missed_line(rnd.r, e, state.expert(e), why, labels[rnd.plan.assignment[e]]))
+        # else: left out of the round (it cannot train: state.msgpack's `cannot_train` says why)
     vals = [v for v in (state.expert(e).val_loss for e in ids) if v is not None]
     lines.append(round_line(rnd, cfg, state, vals, mix, labels, round_total, ahead))
     return lines
@@ -231,3 +232,20 @@ def status(phase: str, cfg: Config, state: RunState | None, nodes: dict[int, Any
         },
     )
     return dataclasses.replace(status, **extra)  # the phase's own fields, or a round other than the committed one
+
+
+def reasons(experts: dict[int, str], most: int = 4) -> str:
+    """Experts and why, grouped by reason, in one line that stays short at any N."""
+    by: dict[str, list[int]] = {}
+    for e, why in sorted(experts.items()):
+        by.setdefault(why, []).append(e)
+    parts = [f"{_ids(es)}: {why}" for why, es in sorted(by.items(), key=lambda kv: -len(kv[1]))]
+    return "; ".join(parts[:most]) + (f"; and {len(parts) - most} other reasons" if len(parts) > most else "")
+
+
+def _ids(es: list[int]) -> str:
+    return (
+        f"expert {es[0]}"
+        if len(es) == 1
+        else f"{len(es)} experts ({', '.join(map(str, es[:6]))}{', ...' * (len(es) > 6)})"
+    )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator import launcher, remote, runconfig
+from coordinator import launcher, records, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
 from soma_edge import checkpoint
@@ -250,7 +250,10 @@ def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) 
                 break
             if fresh and status.phase == "failed":
                 why = f"the coordinator (ServerApp) failed: {status.message}; see {run.logs / 'coordinator.log'}"
-                raise SomaError(why) if status.user_error else RuntimeError(why)
+                if status.user_error:
+                    raise SomaError(why)
+                print(f"error: {why}", file=sys.stderr, flush=True)  # an internal failure: one line, exit 1
+                return 1
             for p in procs.procs:
                 if p.name == "superlink" and not p.alive():
                     raise SomaError(f"the SuperLink exited (code {p.popen.returncode}); see {p.log}")
@@ -266,6 +269,12 @@ def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) 
                     _fail(run, f"the ServerApp did not start within {STATUS_GRACE:.0f} s")
             time.sleep(1.0)
     view.final()
+    if status.never_advanced:
+        print(
+            f"warning: {len(status.never_advanced)} of {len(status.experts)} experts never advanced in this run: "
+            + records.reasons({int(e): why for e, why in status.never_advanced.items()}),
+            flush=True,
+        )
     if status.stopped:
         print(
             f"stopped after round {status.round} of {status.rounds} (soma-coord stop); "

@@ -248,7 +248,7 @@ def train(msg: Message, context: Context) -> Message:
     _, errors = _store_pieces(cache, body.get("pieces", []))
 
     key = _key(body, context.node_id, reply_dtype) if s.speculate else None
-    results = _claimed(s, key, body)
+    results, failed = _claimed(s, key, body), []
     missing: protocol.Inventory = {"weights": [], "shards": []}
     if results is None:
         runnable, missing = _runnable(cache, cfg, body["tasks"], run_id, errors)
@@ -259,7 +259,7 @@ def train(msg: Message, context: Context) -> Message:
                 len(missing["weights"]),
                 len(missing["shards"]),
             )
-        results = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), body)
+        results, failed = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), body)
         if key is not None and len(runnable) == 1 and results:
             _speculate(s, key, runnable[0][0], results[0], body)
     protect = {r["sha256"] for r in results} | {h for t in body["tasks"] for h in t["shards"]}
@@ -269,6 +269,7 @@ def train(msg: Message, context: Context) -> Message:
         "results": results,
         "missing": missing,
         "errors": errors,
+        "failed": failed,
         "seconds_total": time.perf_counter() - t_start,
     }
     return _reply(msg, reply, protocol.KIND_REPLY)
@@ -365,11 +366,12 @@ def _train_all(
     reply_dtype: str,
     budget: float,
     body: dict[str, Any],
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[protocol.Failure]]:
     """Train each runnable task in turn within the round's `budget` seconds of compute (shared out evenly
-    among the tasks left), cache each new version, and return their results."""
+    among the tasks left), cache each new version, and return their results, and the experts that could not
+    train with why: a failure belongs to its expert, and the others of the request still train."""
     if not runnable:
-        return []
+        return [], []
     # The capability query measured (and cached) which evaluator this box trains with under "auto".
     caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
     evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel, probe.chosen(caps))
@@ -380,10 +382,14 @@ def _train_all(
     # (the message's decode, its pieces, building the sessions) took all of a 4 s budget on a loaded box,
     # which then trained one step a round; the deadline's slack, not the compute, pays for it.
     t_start = time.perf_counter()
-    results = []
+    results, failed = [], []
     for i, (t, state, shards) in enumerate(runnable):
         remaining = budget - (time.perf_counter() - t_start)
         cap = max(0.01, remaining / (len(runnable) - i))  # at least one step per expert
         data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
-        results.append(task.run(t, cfg, state, data, evaluator, cap, reply_dtype, cache, run_id))
-    return results
+        try:
+            results.append(task.run(t, cfg, state, data, evaluator, cap, reply_dtype, cache, run_id))
+        except Exception as e:  # its shard too short, a graph error, anything: this expert's, not the request's
+            failed.append(protocol.failure(t["expert"], f"{type(e).__name__}: {e}"))
+            log.warning("round %s: expert %d cannot train: %s", body["round"], t["expert"], failed[-1]["reason"])
+    return results, failed

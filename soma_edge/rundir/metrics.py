@@ -297,7 +297,8 @@ def _nodes(d: Any, where: str) -> dict[Any, NodeEntry]:
 @dataclass(kw_only=True)
 class Status(Record):
     """status.json. The fields after `nodes` are the phase's own: `message` (waiting, failed), `user_error`
-    (failed), `stopped` (done), `started`, `deadline_in` and `assignment` (a round in progress)."""
+    (failed), `stopped` and `never_advanced` (done), `started`, `deadline_in` and `assignment` (a round in
+    progress)."""
 
     phase: str  # starting | waiting | round | committed | done | failed
     pid: int | None = None
@@ -313,6 +314,7 @@ class Status(Record):
     started: float | None = None  # when the round in progress began (time.time())
     deadline_in: float | None = None  # seconds from `time` to its deadline
     assignment: dict[str, str] | None = None  # expert -> node label, for the round in progress
+    never_advanced: dict[str, str] | None = None  # done: expert -> why it has no new version from this run
 
     KEYS: ClassVar = ("phase", "pid", "time", "round", "rounds", "round_seconds", "experts", "nodes")
 

@@ -66,7 +66,8 @@ class GuardBar(Record):
 class ExpertRecord(Record):
     """An expert's entry in state.msgpack: its current version and where it is stored. `best` and the plateau
     rule's state (`lr_scale`, `best_val`, `best_step`) came later, and the guard's `bar` later still: older
-    runs lack them. `expert` is set only in the finished seed's record (state.msgpack's `seed`)."""
+    runs lack them, and `cannot_train` is written only for an expert the run left out. `expert` is set only in
+    the finished seed's record (state.msgpack's `seed`)."""
 
     version: int
     sha256: str
@@ -81,6 +82,7 @@ class ExpertRecord(Record):
     best_step: int = 0
     expert: int | None = None
     bar: GuardBar | None = None
+    cannot_train: str | None = None  # why the coordinator stopped handing it out (its shard, a worker's error)
 
     KEYS: ClassVar = (
         "version",

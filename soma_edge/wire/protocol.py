@@ -271,6 +271,23 @@ class Inventory(TypedDict):
     shards: list[str]
 
 
+class Failure(TypedDict):
+    """One expert of a train request that its worker could not train (a reply's `failed`): the expert, and
+    why, in one line of at most MAX_REASON characters. The other experts of the request train and return."""
+
+    expert: int
+    reason: str
+
+
+MAX_REASON = 300  # characters of a failure's reason: one console line, bounded like every other field
+
+
+def failure(expert: int, reason: str) -> Failure:
+    """A Failure, its reason made one line and cut to MAX_REASON."""
+    one = " ".join(str(reason).split())
+    return {"expert": int(expert), "reason": one if len(one) <= MAX_REASON else one[: MAX_REASON - 3] + "..."}
+
+
 class Capabilities(TypedDict, total=False):
     """A worker's capability reply (`worker.client_app.capabilities`). It comes from the network: any key
     may be missing or of the wrong type until `check_caps` has passed it."""
@@ -400,7 +417,7 @@ def _check_hash_lists(value: Any, what: str) -> None:
 
 def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> None:
     """The parts of a reply that concern the whole message: whose it is, which round, and the fields the
-    coordinator records or acts on (torch_importable, missing, errors), so that none of them can crash it."""
+    coordinator records or acts on (torch_importable, missing, errors, failed), so that none of them can crash it."""
     if src_node != exp.node or not _is_int(body.get("node")) or body["node"] != exp.node:
         raise ValidationError(
             f"reply for node {exp.node} came from node {src_node} claiming node {_short(body.get('node'))}"
@@ -415,6 +432,26 @@ def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> No
     errors = body.get("errors")
     if errors is not None and (not isinstance(errors, list) or not all(isinstance(x, str) for x in errors)):
         raise ValidationError("errors is not a list of strings")
+    check_failures(body.get("failed"), exp)
+
+
+def check_failures(failed: Any, exp: Expected) -> None:
+    """A reply's `failed` (absent in replies of workers before it): a list of Failure, each for an expert of
+    the request, once, with a reason of at most MAX_REASON characters."""
+    if failed is None:
+        return
+    if not isinstance(failed, list):
+        raise ValidationError("failed is not a list")
+    seen = set()
+    for f in failed:
+        if not isinstance(f, dict) or set(f) != {"expert", "reason"}:
+            raise ValidationError("failed holds an entry that is not {expert, reason}")
+        e, why = f["expert"], f["reason"]
+        if not _is_int(e) or e not in exp.tasks or e in seen:
+            raise ValidationError(f"failed names expert {_short(e)}, not one of the request's, or twice")
+        if not isinstance(why, str) or len(why) > MAX_REASON:
+            raise ValidationError(f"expert {e}'s failure reason is not a string of at most {MAX_REASON} characters")
+        seen.add(e)
 
 
 def check_caps(caps: Capabilities) -> float:
