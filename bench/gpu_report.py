@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from bench import gpu_targets
 from bench.common import machine, md_head, md_row
 from bench.gpu_memory import Peaks
+from soma_edge.checkpoint import atomic_write
 
 SCHEMA = 2  # 2: checks carry "skipped"; rows carry density and priced memory; status and memory peaks
 
@@ -140,8 +140,10 @@ class Report:
             if self.closed:
                 return
             self.out.mkdir(parents=True, exist_ok=True)
-            _atomic(self.out / "gpu_check.md", self.markdown())
-            _atomic(self.out / "gpu_check.json", json.dumps(self.record(), indent=1, default=float) + "\n")
+            # world-readable, as a report is: atomic_write's default is owner-only
+            atomic_write(self.out / "gpu_check.md", self.markdown().encode(), 0o644)
+            record = json.dumps(self.record(), indent=1, default=float) + "\n"
+            atomic_write(self.out / "gpu_check.json", record.encode(), 0o644)
 
     def record(self) -> dict:
         return {
@@ -171,12 +173,6 @@ class Report:
         if self.rows:
             md += throughput_md(self.rows, self.notes)
         return md
-
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _memory_line(memory: Peaks) -> str:
