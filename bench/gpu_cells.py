@@ -182,8 +182,8 @@ def clean_cell(c: Cells, name: str, w: np.ndarray, k: int) -> None:
 
 
 def resident_cell(c: Cells, name: str, w: np.ndarray, k: int, noise: Noise) -> None:
-    """Resident.step as a worker trains on a device (bench.gpu_targets.resident_timing), at the targets' B,
-    with its host share: full-rank at density 0.5 (SPARSE_BITS) or 1.0 (BITS), or rank-1."""
+    """Resident.step as a worker trains on a device (bench.gpu_targets.resident_runner, then runner_timing),
+    at the targets' B, with its host share: full-rank at density 0.5 (SPARSE_BITS) or 1.0 (BITS), or rank-1."""
     m, b = SIZES[name], c.target_b
     ev = RowKind.RANK1_RESIDENT if noise is Noise.RANK1 else RowKind.RESIDENT
     row = Row(name, params.count(m), b, k, ev, density=DENSITY[noise])

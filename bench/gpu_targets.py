@@ -133,11 +133,6 @@ def runner_timing(runner, x: np.ndarray, seconds: float) -> StepTiming:
     return StepTiming(n / wall, max(0.0, 1.0 - sum(inside) / wall))
 
 
-def resident_timing(population, cfg: Config, w: np.ndarray, x: np.ndarray, seconds: float) -> StepTiming:
-    """Resident.step on `population` from the weights w, for about `seconds` after two warm-up steps."""
-    return runner_timing(resident_runner(population, cfg, w, x), x, seconds)
-
-
 def _fmt_x(v: float) -> str:
     return f"{v:.2f}x"
 

@@ -366,10 +366,10 @@ def test_the_host_share_of_a_resident_step_grows_with_the_hosts_work(monkeypatch
     m, x = SIZES["124K"], np.random.default_rng(0).integers(0, 256, (2, 8)).astype(np.int64)
     pop, _ = population_setup(m, 1, Noise.SIGNS, 8)
     cfg, w = gpu_targets.resident_config(m, 1, Noise.SIGNS, x, "cpu"), params.init(m, 0)
-    quick = gpu_targets.resident_timing(pop, cfg, w, x, 0.1)
+    quick = gpu_targets.runner_timing(gpu_targets.resident_runner(pop, cfg, w, x), x, 0.1)
     real = pop.noise_of
     monkeypatch.setattr(pop, "noise_of", lambda probes: time.sleep(0.02) or real(probes))
-    slow = gpu_targets.resident_timing(pop, cfg, w, x, 0.1)
+    slow = gpu_targets.runner_timing(gpu_targets.resident_runner(pop, cfg, w, x), x, 0.1)
     assert 0 <= quick.host_share < slow.host_share and slow.host_share > 0.5
     assert slow.steps_per_s < quick.steps_per_s
 
