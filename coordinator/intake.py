@@ -85,7 +85,7 @@ class Intake:
         for f in body.get("failed") or []:  # checked: experts of this request, each once
             e, why = f["expert"], f["reason"]
             rnd.failed[e] = f"node {node.label}: {why}"
-            if e not in seen and self.ledger.bench(e, f"node {node.label}: {why}"):
+            if e not in seen and self.ledger.bench(e, rnd.failed[e]):
                 log.warning(
                     "expert %d cannot train (node %s): %s; left out of the rounds that follow", e, node.label, why
                 )
