@@ -18,7 +18,7 @@ from coordinator.prepare import prepare, print_summary
 from coordinator.progress import experts_table, summary
 from coordinator.progress import watch as watch_run
 from soma_edge.cli import absolute, console, entry, make_app, path_argument, path_option
-from soma_edge.config import MAX_SEED
+from soma_edge.config import MAX_SEED, DataConfig
 from soma_edge.corpus.sources import DEBIAN
 from soma_edge.engine import runtime
 from soma_edge.errors import CheckpointError, ConfigError, SomaError
@@ -57,10 +57,16 @@ def prepare_cmd(
     seed: int = typer.Option(
         0, "--seed", min=0, max=MAX_SEED, help="Seed of the fit: same corpus and seed, same router and shards."
     ),
+    seq_len: int = typer.Option(
+        DataConfig.seq_len,
+        "--seq-len",
+        min=1,
+        help="Training window length (data.seq_len): every expert gets 8 val and 8 test windows of it.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print prepare.json instead of the summary table."),
 ) -> None:
     """Fit the router (hashed byte n-gram tf-idf, balanced k-means) and write per-cluster shards."""
-    prep = prepare(corpus, experts, out, seed=seed, clusters=clusters, progress=not as_json)
+    prep = prepare(corpus, experts, out, seed=seed, clusters=clusters, progress=not as_json, seq_len=seq_len)
     if as_json:
         print(json.dumps(prep))
     else:

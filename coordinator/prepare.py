@@ -4,8 +4,14 @@ Output (into a run directory, see soma_edge/rundir/):
 - `router.msgpack`: the fitted router (soma_edge.corpus.router);
 - `shards/<sha256>.bin`: for each cluster and split, its documents' bytes joined by corpus.documents.SEPARATOR,
   named by the sha256 of those bytes (workers cache shards by that name);
-- `prepare.json`: clusters (expert, documents, bytes and shard hash per split), the domain-by-cluster
-  table, purity, seconds.
+- `prepare.json`: clusters (expert, documents, bytes and shard hash per split, held-out windows cut from
+  train documents), the domain-by-cluster table, purity, seconds.
+
+Every cluster gets its quota of text (corpus.holdout): train bytes, and val and test windows. When the
+documents split by hash leave some cluster short (many experts on a small corpus), prepare fits again with
+the ends of train documents set aside, moves documents to the clusters that lack text, and cuts their
+missing held-out windows from those ends. When nothing is short (the demo's 4 experts on the default corpus)
+the first fit stands: same router, same shards as before quotas existed.
 
 Everything is built in a temporary directory beside `out` and renamed into place, so an interrupted
 prepare leaves nothing half-written. Into an existing run directory, prepare.json is removed first and
@@ -31,7 +37,8 @@ from rich.table import Table
 from coordinator import debian_corpus
 from soma_edge import cli
 from soma_edge.checkpoint import atomic_write
-from soma_edge.corpus import documents, sources
+from soma_edge.config import DataConfig
+from soma_edge.corpus import documents, holdout, sources
 from soma_edge.corpus import router as routing
 from soma_edge.errors import ConfigError, CorpusError
 from soma_edge.rundir.layout import RunDir
@@ -120,8 +127,11 @@ def prepare(
     clusters: int | None = None,
     progress: bool = True,
     own_lock: bool = False,
+    seq_len: int = DataConfig.seq_len,
 ) -> dict:
-    """Fit the router and write router.msgpack, prepare.json and shards/ into `out`; returns prepare.json."""
+    """Fit the router and write router.msgpack, prepare.json and shards/ into `out`; returns prepare.json.
+
+    `seq_len`: the training windows' length, which sizes the held-out windows every cluster is given."""
     t0 = time.perf_counter()
     out = Path(out)
     if experts < 1:
@@ -139,25 +149,14 @@ def prepare(
     with bar or nullcontext():
         task = bar.add_task("loading corpus", total=None) if bar else None
         docs = sources.load_documents(corpus)
-        if experts > len(docs) or n_clusters > len(docs):
-            what = f"--experts {experts}" if experts > len(docs) else f"--clusters {n_clusters}"
-            raise CorpusError(
-                f"corpus {corpus} has {_n(len(docs), 'document')} (texts cut into pieces of at most "
-                f"{documents.CHUNK // 1024} KiB), fewer than {what}"
-            )
 
         def report(phase: str, done: int, total: int) -> None:
             if bar:
                 bar.update(task, description=phase, completed=done, total=total)
 
-        texts = [d.text for d in docs]
-        train = [i for i, d in enumerate(docs) if d.split == "train"]  # held-out text never shapes the router
-        if n_clusters > len(train):
-            raise CorpusError(
-                f"corpus {corpus} has {_n(len(train), 'training document')} (of {len(docs)}), fewer than "
-                f"{n_clusters} clusters: use fewer experts or more text"
-            )
-        router, labels = routing.fit(texts, experts, n_clusters, seed, fit_on=train, progress=report)
+        quota = holdout.Quota(seq_len)
+        _check_size(corpus, docs, experts, n_clusters, quota)
+        router, labels, cuts = _fit(docs, experts, n_clusters, seed, quota, report)
         report("writing shards", 0, n_clusters)
         tmp = _make_tmp(out)
         try:
@@ -165,7 +164,8 @@ def prepare(
             def on_cluster(k):
                 return report("writing shards", k, n_clusters)
 
-            summary = _write(tmp, corpus, seed, experts, docs, router, labels, on_cluster)
+            summary = _write(tmp, corpus, seed, experts, docs, router, labels, cuts, quota.window, on_cluster)
+            summary.seq_len = seq_len
             summary.seconds = round(time.perf_counter() - t0, 3)
             atomic_write(tmp / "prepare.json", (json.dumps(summary.to_dict(), indent=1) + "\n").encode())
             _check_untrained(out, own_lock)  # again: a coordinator may have started while the router was fitted
@@ -173,6 +173,69 @@ def prepare(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return summary.to_dict()
+
+
+def _check_size(corpus: str, docs: list[documents.Document], experts: int, clusters: int, quota: holdout.Quota) -> None:
+    """Refuse a corpus too small for the experts asked for, naming the most it supports."""
+    total = sum(len(d.text) for d in docs)
+    train = sum(1 for d in docs if d.split == "train")
+    most = min(total // quota.per_expert, train)
+    supports = f"it supports at most {most} experts" if most else "it is too small for one expert"
+    what = f"--experts {experts}" if clusters == experts else f"--clusters {clusters}"
+    if clusters > train:
+        raise CorpusError(
+            f"corpus {corpus} has {_n(train, 'training document')} (of {len(docs)}, texts cut into pieces of "
+            f"at most {documents.CHUNK // 1024} KiB), fewer than {what}: {supports}"
+        )
+    if total < clusters * quota.per_expert:
+        raise CorpusError(
+            f"corpus {corpus} has {total:,} bytes, fewer than {what} x {quota.per_expert:,} (each expert's "
+            f"{quota.train_bytes:,} train bytes and {2 * holdout.HELD_OUT_WINDOWS} held-out windows of "
+            f"{quota.window} bytes): {supports}"
+        )
+
+
+def _fit(
+    docs: list[documents.Document], experts: int, clusters: int, seed: int, quota: holdout.Quota, report
+) -> tuple[routing.Router, np.ndarray, list[holdout.Cut]]:
+    """The router, every document's cluster, and the held-out windows cut from train documents.
+
+    The router learns from train documents only. If that leaves a cluster short of its quota, fit again on
+    train documents without the ends they set aside, moving documents to the clusters that lack text."""
+    texts = [d.text for d in docs]
+    train = [i for i, d in enumerate(docs) if d.split == "train"]  # held-out text never shapes the router
+    router, labels = routing.fit(texts, experts, clusters, seed, fit_on=train, progress=report)
+    lengths, splits = [len(t) for t in texts], [d.split for d in docs]
+    if not holdout.shortfall(holdout.Docs.of(lengths, splits, None), labels, clusters, quota).short.any():
+        return router, labels, []
+    aside = holdout.Docs.of(lengths, splits, quota)
+    fit_texts = [t[: len(t) - int(r) * quota.window] for t, r in zip(texts, aside.reserved.tolist())]
+
+    def rebalance(labels: np.ndarray, d2: np.ndarray) -> np.ndarray:
+        return holdout.rebalance(aside, labels, d2, quota)
+
+    router, labels = routing.fit(fit_texts, experts, clusters, seed, fit_on=train, progress=report, adjust=rebalance)
+    return router, labels, holdout.cut(aside, labels, clusters, quota)
+
+
+def _cluster_texts(
+    docs: list[documents.Document], members: list[int], cuts: dict[int, holdout.Cut], window: int
+) -> dict[str, list[bytes]]:
+    """A cluster's texts per split, in document order; a cut train document gives its end to val and test."""
+    out: dict[str, list[bytes]] = {split: [] for split in documents.SPLITS}
+    for i in members:
+        text = docs[i].text
+        c = cuts.get(i)
+        if c is None:
+            out[docs[i].split].append(text)
+            continue
+        start = len(text) - c.windows * window
+        mid = start + c.val * window
+        out["train"].append(text[:start])
+        for split, piece in (("val", text[start:mid]), ("test", text[mid:])):
+            if piece:
+                out[split].append(piece)
+    return out
 
 
 def _write(
@@ -183,19 +246,25 @@ def _write(
     docs: list[documents.Document],
     router: routing.Router,
     labels: np.ndarray,
+    cuts: list[holdout.Cut],
+    window: int,
     on_cluster: Callable[[int], None],
 ) -> PrepareSummary:
     router_bytes = router.to_bytes()
     atomic_write(tmp / "router.msgpack", router_bytes)
     (tmp / "shards").mkdir()
     sizes = np.array([len(d.text) for d in docs], dtype=np.float64)
-    splits = [d.split for d in docs]
+    by_doc = {c.doc: c for c in cuts}
     clusters = []
     for k in range(router.n_clusters):
         members = np.flatnonzero(labels == k).tolist()
         entry = ClusterShards(id=k, expert=int(router.cluster_expert[k]), docs=len(members), bytes={}, shards={})
+        texts = _cluster_texts(docs, members, by_doc, window)
+        mine = [by_doc[i] for i in members if i in by_doc]
+        if mine:  # windows this cluster's train documents gave to its held-out splits
+            entry.cut = {"val": sum(c.val for c in mine), "test": sum(c.windows - c.val for c in mine)}
         for split in documents.SPLITS:
-            data = documents.SEPARATOR.join(docs[i].text for i in members if splits[i] == split)
+            data = documents.SEPARATOR.join(texts[split])
             digest = hashlib.sha256(data).hexdigest()
             path = tmp / "shards" / f"{digest}.bin"
             if not path.exists():
@@ -249,15 +318,43 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f}"
 
 
+TABLE_ROWS = 16  # a prepare of more clusters prints their spread, not a row each
+
+
 def print_summary(summary: dict, out: Path) -> None:
-    """A short table of clusters on stdout: expert, documents, MB per split, largest domain."""
+    """A short table of clusters on stdout: expert, documents, MB per split, largest domain; beyond TABLE_ROWS
+    clusters, the smallest, median and largest of each column instead (prepare.json has every cluster)."""
+    table = _cluster_table(summary) if len(summary["clusters"]) <= TABLE_ROWS else _spread_table(summary)
+    console = cli.console()
+    console.print(table)
+    purity = "n/a (unlabelled)" if summary["purity"] is None else f"{summary['purity']:.3f}"
+    cut = [c for c in summary["clusters"] if c.get("cut")]
+    if cut:
+        windows = sum(sum(c["cut"].values()) for c in cut)
+        console.print(
+            f"{len(cut)} of {len(summary['clusters'])} clusters had too few held-out documents: {windows} windows "
+            f"of {summary['seq_len'] + 1} bytes were cut from the ends of their train documents",
+            highlight=False,
+        )
+    console.print(
+        f"{summary['documents']} documents, {_mb(summary['bytes'])} MB, purity {purity}, "
+        f"router {summary['router']['bytes'] / 1024:.0f} KiB, {summary['seconds']:.1f} s -> {out}",
+        highlight=False,
+    )
+
+
+def _title(summary: dict) -> str:
+    return f"prepare {summary['corpus']}: {summary['experts']} experts, seed {summary['seed']}"
+
+
+def _cluster_table(summary: dict) -> Table:
     top: dict[int, tuple[str, float]] = {}
     for k in range(len(summary["clusters"])):
         col = {name: row.get(str(k), 0) for name, row in summary["domains"].items()}
         total = sum(col.values())
         name = max(sorted(col), key=lambda n: col[n])
         top[k] = (name, col[name] / total if total else 0.0)
-    table = Table(title=f"prepare {summary['corpus']}: {summary['experts']} experts, seed {summary['seed']}")
+    table = Table(title=_title(summary))
     for col in ("cluster", "expert", "docs", "train MB", "val MB", "test MB", "top domain"):
         table.add_column(col, justify="left" if col == "top domain" else "right")
     for c in summary["clusters"]:
@@ -272,11 +369,21 @@ def print_summary(summary: dict, out: Path) -> None:
             _mb(b["test"]),
             f"{name} ({share:.0%})",
         )
-    console = cli.console()
-    console.print(table)
-    purity = "n/a (unlabelled)" if summary["purity"] is None else f"{summary['purity']:.3f}"
-    console.print(
-        f"{summary['documents']} documents, {_mb(summary['bytes'])} MB, purity {purity}, "
-        f"router {summary['router']['bytes'] / 1024:.0f} KiB, {summary['seconds']:.1f} s -> {out}",
-        highlight=False,
-    )
+    return table
+
+
+def _spread_table(summary: dict) -> Table:
+    table = Table(title=f"{_title(summary)}: {len(summary['clusters'])} clusters")
+    for col in ("per cluster", "smallest", "median", "largest"):
+        table.add_column(col, justify="left" if col == "per cluster" else "right")
+    columns = {
+        "documents": ([c["docs"] for c in summary["clusters"]], str),
+        **{
+            f"{split} KB": ([c["bytes"][split] for c in summary["clusters"]], lambda n: f"{n / 1e3:.1f}")
+            for split in ("train", "val", "test")
+        },
+    }
+    for name, (values, fmt) in columns.items():
+        v = np.sort(np.asarray(values))
+        table.add_row(name, fmt(int(v[0])), fmt(int(v[v.size // 2])), fmt(int(v[-1])))
+    return table

@@ -122,4 +122,12 @@ def ensure_prepared(
             )
         return
     print(f"preparing {cfg.federation.corpus} into {run.root} ({cfg.federation.experts} experts)", flush=True)
-    prepare(cfg.federation.corpus, cfg.federation.experts, run.root, seed=cfg.seed, progress=True, own_lock=own_lock)
+    prepare(
+        cfg.federation.corpus,
+        cfg.federation.experts,
+        run.root,
+        seed=cfg.seed,
+        progress=True,
+        own_lock=own_lock,
+        seq_len=cfg.data.seq_len,
+    )

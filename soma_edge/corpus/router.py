@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -43,6 +43,9 @@ ROUTE_WINDOW = 256  # routing centroids are fitted on windows this long: the kin
 ROUTE_WINDOWS_PER_DOC = 16
 MAX_FIT_DOCS = 16384  # k-means runs on a seeded sample of at most this many documents; all are assigned
 MAX_ROUTER_BYTES = 64 * 1024 * 1024
+
+# (labels [n], d2 float32 [n, C]) -> labels: prepare's quotas, applied to the balanced assignment
+Adjust = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 # ---------------------------------------------------------------- the router
@@ -260,6 +263,7 @@ def fit(
     dim: int = DIM,
     fit_on: Sequence[int] | None = None,
     progress: Progress | None = None,
+    adjust: Adjust | None = None,
 ) -> tuple[Router, np.ndarray]:
     """Fit the router; returns it and every document's cluster (the balanced assignment).
 
@@ -267,7 +271,8 @@ def fit(
     held-out text never shapes the router that will route it). Steps:
     1. idf and document features on (a seeded sample of at most MAX_FIT_DOCS of) those documents;
     2. balanced k-means on the document features;
-    3. every document, held-out ones included, assigned to a cluster with the same byte cap;
+    3. every document, held-out ones included, assigned to a cluster with the same byte cap, then moved
+       by `adjust` if given (prepare gives every cluster its quota of text: corpus.holdout);
     4. routing centroids: the mean direction of ROUTE_WINDOW-byte windows of each cluster's documents.
        Inference scores short contexts, and a short context is far from every whole-document centroid
        (measured: 128-byte contexts matched their document's expert 49% of the time against document
@@ -291,7 +296,7 @@ def fit(
     doc_cent, _, _ = balanced_kmeans(x, lengths[sample], c, seed, progress=report)
 
     # 3. every document to a cluster, under the same byte cap.
-    labels = _assign_documents(router, texts, lengths, sample, x, doc_cent, report)
+    labels = _assign_documents(router, texts, lengths, sample, x, doc_cent, report, adjust)
 
     # 4. routing centroids from windows of the sample documents.
     router.centroids = _window_centroids(router, texts, sample, labels, doc_cent, report)
@@ -362,6 +367,7 @@ def _assign_documents(
     x: np.ndarray,
     doc_cent: np.ndarray,
     report: Progress,
+    adjust: Adjust | None,
 ) -> np.ndarray:
     """Every document's cluster (held-out ones too), balanced under a byte cap; no cluster left empty.
     Sets the router's centroids to `doc_cent` to featurize the documents outside the sample."""
@@ -380,7 +386,7 @@ def _assign_documents(
         if not np.any(labels == k):
             movable = np.bincount(labels, minlength=c)[labels] > 1
             labels[int(np.argmin(np.where(movable, d2[:, k], np.inf)))] = k
-    return labels
+    return labels if adjust is None else adjust(labels, d2)
 
 
 def _window_centroids(

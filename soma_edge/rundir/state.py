@@ -167,6 +167,7 @@ class ClusterShards(Record):
     docs: int = 0
     bytes: dict[str, int] = field(default_factory=dict)  # split -> bytes
     shards: dict[str, str]  # split -> sha256 of the shard (RUN/shards/<sha256>.bin)
+    cut: dict[str, int] = field(default_factory=dict)  # split -> held-out windows cut from train documents
 
     KEYS: ClassVar = ("id", "expert", "docs", "bytes", "shards")
 
@@ -221,6 +222,7 @@ class PrepareSummary(Record):
     purity: float | None = None  # byte-weighted, against the corpus's domains (None: unlabelled)
     domains: dict[str, dict[str, int]] = field(default_factory=dict)  # domain -> cluster -> bytes
     seconds: float | None = None
+    seq_len: int | None = None  # the window length the held-out quotas were cut for (None: before quotas)
 
     KEYS: ClassVar = (
         "schema",

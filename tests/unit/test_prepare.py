@@ -63,10 +63,18 @@ def test_shards_are_content_addressed_and_complete(prepared, default_docs):
             data = (run / "shards" / f"{c['shards'][split]}.bin").read_bytes()
             assert hashlib.sha256(data).hexdigest() == c["shards"][split]
             assert len(data) == c["bytes"][split]
-    # Shard bytes = document bytes + one separator between consecutive documents of a shard.
-    n_nonempty = sum(1 for c in s["clusters"] for sp in documents.SPLITS if c["bytes"][sp])
-    shard_bytes = sum(c["bytes"][sp] for c in s["clusters"] for sp in documents.SPLITS)
-    assert shard_bytes == s["bytes"] + len(documents.SEPARATOR) * (s["documents"] - n_nonempty)
+    # Shard bytes = document bytes + one separator between consecutive pieces of a shard: the cluster's
+    # documents, and where a train document gave windows to val and test (only 11 documents of this corpus
+    # are held out: tests/unit/test_holdout.py), its end, one piece more per split it gave to.
+    for c in s["clusters"]:
+        doc_bytes = sum(row.get(str(c["id"]), 0) for row in s["domains"].values())
+        nonempty = sum(1 for sp in documents.SPLITS if c["bytes"][sp])
+        pieces = c["docs"] + sum(1 for v in c.get("cut", {}).values() if v)  # at least one more per split
+        seps = sum(c["bytes"].values()) - doc_bytes
+        if not c.get("cut"):
+            assert seps == len(documents.SEPARATOR) * (pieces - nonempty)
+        else:
+            assert seps >= len(documents.SEPARATOR) * (pieces - nonempty)
     # Splits follow corpus.split_of: every held-out byte is in a val/test shard.
     docs = corpus_sources.load_documents(base / "four.jsonl")
     held = sum(len(d.text) for d in docs if d.split != "train")
@@ -261,7 +269,8 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["bindir", "--experts", "2"], "blob.dat"),
         (["prog", "--experts", "2"], "prog: a binary file"),
         (["bad.jsonl", "--experts", "2"], "bad.jsonl:3: not JSON"),
-        (["small.txt", "--experts", "2"], "has 1 document ("),
+        (["small.txt", "--experts", "2"], "has 1 training document (of 1, "),
+        (["small.txt", "--experts", "1"], "too small for one expert"),
         (["small.txt", "--experts", "0"], "--experts"),
         (["small.txt", "--experts", "1", "--clusters", "0"], "--clusters"),
         (["nowhere", "--experts", "1"], "nowhere: no such file"),
