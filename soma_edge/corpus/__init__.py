@@ -8,6 +8,7 @@
 - `kmeans`: balanced spherical k-means (`balanced_kmeans`);
 - `router`: the predetermined router (`Router`, `fit`, `load`): clusters to experts, top-k routing;
 - `mixture`: the routed mixture of experts' held-out loss over a byte stream;
+- `holdout`: every cluster's quota of text (`Quota`), and held-out windows cut within documents (`cut`);
 - `__main__`: `python -m soma_edge.corpus fetch`.
 
 Depends on the basics only.
