@@ -39,9 +39,9 @@ class Evaluation:
     def val_stream(self, e: int) -> np.ndarray:
         data = [self.run.shard(h) for h in seed_mod.shards(self.cfg, self.prep, e, "val")]
         stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)
-        # Prepare gives every expert 8 val windows; a run prepared before it did may have a cluster with almost
-        # no held-out text: judge that one on every cluster's val text rather than on nothing.
-        if stream.size <= self.cfg.data.seq_len + 1:
+        # Prepare gives every expert 8 val windows; a run prepared before it did may have a cluster with
+        # less than 2: judge that one on every cluster's val text (the guard needs 2 windows for a spread).
+        if stream.size < 2 * self.cfg.data.seq_len + 1:
             fed = self.cfg.federation
             data = [self.run.shard(h) for x in range(fed.experts) for h in self.prep.shards(x, "val")]
             stream = np.frombuffer(SEPARATOR.join(data), dtype=np.uint8)

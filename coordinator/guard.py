@@ -14,6 +14,12 @@ At the defaults (0.01 and 3) a version no worse than the bar in truth is refused
 Phi(-3) = 0.13%, and on the 64 windows of a 124K expert (standard error ~0.006-0.011 between rounds) one
 that raises the val loss by 0.05 is refused (docs/RELIABILITY.md, "The guard, measured").
 
+Few windows cannot estimate their own spread: one window has none, and 2-8 windows give an estimate so
+unsure that Student's t widens it 5-235 fold. Under POOL_BELOW windows the spread is also taken from the
+other experts' last accepted versions (`Spread`, `pool`: the median of their per-window spreads, with the sum
+of their degrees of freedom), the larger of the two counting: the error is never 0, and the quantile is
+the pooled estimate's (close to the normal's at N >= 4). prepare gives every expert at least 8 val windows.
+
 The bar moves only to a version that beats it by more than `guard_sigmas` standard errors: a lucky
 measurement never raises the bar that honest versions after it must meet. Bounding by the bar, not the
 current version, is what stops a node that drifts the expert by just under one margin per round: the
@@ -45,6 +51,40 @@ from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.state import GuardBar
 
 
+POOL_BELOW = 16  # under this many val windows, an expert's spread is pooled with the other experts'
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Per-window standard deviations of a judgement: of the paired differences (version - bar) and of the
+    bar's losses, with the degrees of freedom they were estimated with."""
+
+    diff_sd: float
+    bar_sd: float
+    dof: int
+
+
+def spread_of(windows: np.ndarray, bar: GuardBar) -> Spread | None:
+    """The spread of one judgement (None with fewer than 2 windows: it has none)."""
+    base = np.asarray(bar.windows, np.float64)
+    d = np.asarray(windows, np.float64) - base
+    if d.size < 2 or not np.all(np.isfinite(d)):
+        return None
+    return Spread(float(d.std(ddof=1)), float(base.std(ddof=1)), int(d.size - 1))
+
+
+def pool(spreads: list[Spread]) -> Spread | None:
+    """Spreads pooled over experts: the median of each (a few liars' uneven damage cannot widen everyone's
+    margin), with the sum of the degrees of freedom. None without any."""
+    if not spreads:
+        return None
+    return Spread(
+        float(np.median([s.diff_sd for s in spreads])),
+        float(np.median([s.bar_sd for s in spreads])),
+        sum(s.dof for s in spreads),
+    )
+
+
 @dataclass
 class Verdict:
     refused: str | None  # why the version is refused (None: accepted)
@@ -52,23 +92,34 @@ class Verdict:
     margin: float  # how much worse than the bar it could have been: tolerance + sigmas x standard error
 
 
-def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float) -> Verdict:
+def judge(
+    windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float, pooled: Spread | None = None
+) -> Verdict:
     """The guard's verdict on a version whose loss on each val window is `windows` (the bar's windows, in
     the same order). The standard error of the paired difference is capped by the bar's own (the standard
     error of its val loss): a liar that spreads its damage unevenly over the windows cannot widen the
-    margin beyond what the val estimate's noise is."""
+    margin beyond what the val estimate's noise is. Under POOL_BELOW windows, `pooled` (the other experts'
+    spread) sets a floor under both spreads; one window cannot be judged without it."""
     base = np.asarray(bar.windows, np.float64)
     d = np.asarray(windows, np.float64) - base
-    mean = float(d.mean())
-    se = min(_standard_error(d), _standard_error(base))
-    # The error comes from the same few windows: Student's t, not the normal, at sigmas' confidence.
-    margin = tolerance + t_quantile(sigmas, d.size - 1) * se
+    n, mean = d.size, float(d.mean())
+    own = spread_of(windows, bar) or Spread(0.0, 0.0, 0)
+    if n < POOL_BELOW and pooled is not None and pooled.dof > own.dof:
+        diff_sd, bar_sd, dof = max(own.diff_sd, pooled.diff_sd), max(own.bar_sd, pooled.bar_sd), pooled.dof
+        how = f"its standard error, pooled with {pooled.dof} degrees of freedom of other experts,"
+    elif n >= 2:
+        diff_sd, bar_sd, dof, how = own.diff_sd, own.bar_sd, own.dof, "its standard error"
+    else:
+        raise ValueError("one val window and no other expert's spread: the guard cannot estimate an error")
+    se = min(diff_sd, bar_sd) / math.sqrt(n)
+    # The error comes from a few windows: Student's t, not the normal, at sigmas' confidence.
+    margin = tolerance + t_quantile(sigmas, dof) * se
     refused = None
     if not mean <= margin:  # NaN too
         refused = (
             f"val loss {float(np.mean(windows)):.4f} is worse than the guard's bar {bar.val_loss:.4f} "
             f"(v{bar.version}) by {mean:.4f}, more than federation.guard_tolerance {tolerance:g} + "
-            f"guard_sigmas {sigmas:g} x its standard error {se:.4f}"
+            f"guard_sigmas {sigmas:g} x {how} {se:.4f}"
         )
     return Verdict(refused=refused, raises_bar=mean < -(margin - tolerance), margin=margin)
 
@@ -93,10 +144,6 @@ def t_quantile(sigmas: float, dof: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if area(mid) < target else (lo, mid)
     return hi
-
-
-def _standard_error(x: np.ndarray) -> float:
-    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
 
 
 def bar_of(version: int, windows: np.ndarray) -> GuardBar:

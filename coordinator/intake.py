@@ -55,6 +55,8 @@ class Intake:
         self.status = status  # writes status.json (`Loop.status`)
         self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
         self.auditor: Any = None  # the audit's loss session, made on first use (onnxruntime)
+        self.spreads: dict[int, guard.Spread] = {}  # each expert's last accepted judgement's spread, pooled
+        # for the experts with too few val windows to estimate their own (`guard.judge`)
 
     def on_train(self, mid: str, reply: Any, o: Outgoing, rnd: Round) -> None:
         node, exp = self.fleet.nodes[o.node], o.expected
@@ -233,11 +235,15 @@ class Intake:
         res, e, fed = c.res, c.res["expert"], self.cfg.federation
         windows = self.evaluation.window_losses(e, protocol.decode_weights(w))
         val, bar = float(np.mean(windows)), self.ledger.bar(e, len(windows))
-        verdict = guard.judge(windows, bar, fed.guard_tolerance, fed.guard_sigmas)
+        pooled = guard.pool([sp for x, sp in sorted(self.spreads.items()) if x != e])
+        verdict = guard.judge(windows, bar, fed.guard_tolerance, fed.guard_sigmas, pooled)
         if verdict.refused is not None:
             why, slower = verdict.refused, self.ledger.slow_down(e)
             self.reject(rnd, node, [e], why, guard=True, val_loss=val, guard_margin=verdict.margin, **slower)
             return
+        spread = guard.spread_of(windows, bar)
+        if spread is not None:
+            self.spreads[e] = spread
         if verdict.raises_bar:
             bar = guard.bar_of(res["version"], windows)
         best = self.ledger.expert(e).best_or_current()

@@ -390,7 +390,7 @@ def _check_federation(cfg: Config) -> None:
     _check(f.reply_dtype in ("float32", "float16"), "federation.reply_dtype", "'float32' or 'float16'", f.reply_dtype)
     _check(f.deadline_factor >= 1, "federation.deadline_factor", ">= 1", f.deadline_factor)
     _check(f.deadline_slack >= 0, "federation.deadline_slack", ">= 0", f.deadline_slack)
-    _check(f.val_windows >= 1, "federation.val_windows", ">= 1", f.val_windows)
+    _check(f.val_windows >= 2, "federation.val_windows", ">= 2 (the guard needs 2 windows for a spread)", f.val_windows)
     _check(bool(f.corpus), "federation.corpus", "a corpus name or path", f.corpus)
     _check(f.max_steps >= 0, "federation.max_steps", ">= 0", f.max_steps)
     _check(0 <= f.seed_steps < 2**40, "federation.seed_steps", ">= 0", f.seed_steps)

@@ -217,6 +217,36 @@ def test_the_guard_judges_window_by_window_with_a_margin_that_follows_the_noise(
     assert guard.t_quantile(3.0, 3) == pytest.approx(9.22, abs=0.01) and guard.t_quantile(3.0, 0) == 0.0
 
 
+def test_few_windows_take_their_spread_from_the_other_experts():
+    rng = np.random.default_rng(1)
+    others = []
+    for _ in range(5):  # five experts' last accepted judgements on 64 windows: spread 0.02 of differences
+        b = guard.bar_of(1, 3.0 + rng.standard_normal(64) * 0.3)
+        others.append(guard.spread_of(np.asarray(b.windows) + rng.standard_normal(64) * 0.02, b))
+    liar = guard.Spread(diff_sd=5.0, bar_sd=9.0, dof=63)  # uneven damage, accepted once: the median ignores it
+    pooled = guard.pool(others + [liar])
+    assert pooled.dof == 6 * 63 and 0.015 < pooled.diff_sd < 0.025 and 0.2 < pooled.bar_sd < 0.4
+    t = guard.t_quantile(3.0, pooled.dof)
+    for n in (1, 2, 4, 8):
+        bar = guard.bar_of(2, 3.0 + rng.standard_normal(n) * 0.3)
+        base = np.asarray(bar.windows)
+        same = guard.judge(base + 0.01, bar, 0.01, 3.0, pooled)  # no spread of its own (one window: none)
+        assert same.margin == pytest.approx(0.01 + t * pooled.diff_sd / np.sqrt(n))  # never the floor alone
+        assert same.refused is None
+        assert guard.judge(base + 0.1, bar, 0.01, 3.0, pooled).refused  # past 0.01 + 3.0 x 0.02 / sqrt(n)
+        if n >= 2:  # its own spread counts where it is the larger
+            wide = base + np.resize([0.04, -0.04], n)
+            own = np.std(wide - base, ddof=1)
+            assert guard.judge(wide, bar, 0.01, 3.0, pooled).margin == pytest.approx(0.01 + t * own / np.sqrt(n))
+    with pytest.raises(ValueError, match="one val window"):
+        guard.judge(np.array([3.0]), guard.bar_of(1, np.array([3.0])), 0.01, 3.0)
+    # From POOL_BELOW windows on, an expert's own spread is all that counts.
+    bar = guard.bar_of(2, 3.0 + rng.standard_normal(16))
+    noisy = np.asarray(bar.windows) + rng.standard_normal(16) * 0.01
+    assert guard.judge(noisy, bar, 0.01, 3.0, pooled).margin == guard.judge(noisy, bar, 0.01, 3.0).margin
+    assert guard.pool([]) is None and guard.spread_of(np.array([1.0]), guard.bar_of(0, np.array([1.0]))) is None
+
+
 def test_strikes_count_and_forgive():
     strikes: dict = {}
     assert [guard.strike(strikes, "key:ab", "w", "x", r) for r in (1, 2)] == [1, 2]
