@@ -8,9 +8,10 @@ them) side by side with the shipped recipe, `--steps` SPSA steps a round, and af
 coordinator's own guard judges each new version exactly as in a run: `coordinator.evaluation` scores it on
 the expert's val windows, `coordinator.guard.judge` compares it with the bar at the default
 `guard_tolerance` and `guard_sigmas`, with the spread pooled over the job's other experts (`guard.pool`)
-where the windows are too few to estimate their own (spreads the driving count measured). The largest `--windows` count (64, the shipped
-`federation.val_windows`) drives the run: a version it refuses is dropped and the expert retrains from
-the kept one at the plateau factor's lr (`Ledger.slow_down`); the plateau rule runs at each round boundary.
+where the windows are too few to estimate their own (spreads the driving count measured). The largest
+`--windows` count (64, the shipped `federation.val_windows`) drives the run: a version it refuses is
+dropped and the expert retrains from the kept one at the plateau factor's lr (`Ledger.slow_down`); the
+plateau rule runs at each round boundary.
 Each smaller count (1, 2, 4, 8: prepare's guarantee is 8) judges the same versions against its own bar,
 raised by its own verdicts, as a coordinator that had only that many windows would. Each judgement is one
 honest decision. The rule before this one (refuse when the val loss exceeds the best so far by more than

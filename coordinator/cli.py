@@ -250,6 +250,9 @@ def status_cmd(
         help="Follow the running coordinator (events and live table, as `start` shows them) until it stops.",
     ),
     every: float = typer.Option(1.0, "--every", min=0.1, help="With --watch: seconds between redraws."),
+    every_expert: bool = typer.Option(
+        False, "--all", help="A row for every expert (beyond 16, the table shows the 5 best and 5 worst)."
+    ),
 ) -> None:
     """The experts table of a run, from its checkpoint (no server needed)."""
     rd = rundir.existing(run)
@@ -266,7 +269,7 @@ def status_cmd(
     if as_json:
         print(json.dumps(s, default=str))
     else:
-        console().print(experts_table(s))
+        console().print(experts_table(s, every=every_expert))
 
 
 def _warn_fallback(rd: RunDir) -> None:

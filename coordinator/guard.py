@@ -50,7 +50,6 @@ from soma_edge.errors import ConfigError
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.state import GuardBar
 
-
 POOL_BELOW = 16  # under this many val windows, an expert's spread is pooled with the other experts'
 
 
@@ -92,9 +91,7 @@ class Verdict:
     margin: float  # how much worse than the bar it could have been: tolerance + sigmas x standard error
 
 
-def judge(
-    windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float, pooled: Spread | None = None
-) -> Verdict:
+def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float, pooled: Spread | None = None) -> Verdict:
     """The guard's verdict on a version whose loss on each val window is `windows` (the bar's windows, in
     the same order). The standard error of the paired difference is capped by the bar's own (the standard
     error of its val loss): a liar that spreads its damage unevenly over the windows cannot widen the

@@ -110,7 +110,7 @@ class Intake:
                 rnd.r,
                 o.node,
                 node.name,
-                sorted(o.expected.tasks),
+                records.expert_set(o.expected.tasks),
             )
         else:
             log.warning(

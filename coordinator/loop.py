@@ -275,9 +275,9 @@ class Loop:
             "round %d/%d: %s (predicted compute %.1f s; moved: %s%s)",
             r,
             self.cfg.federation.rounds,
-            ", ".join(f"{self.fleet.nodes[n].label}<-{es}" for n, es in by_node.items()),
+            ", ".join(f"{self.fleet.nodes[n].label}<-{records.expert_set(es)}" for n, es in by_node.items()),
             plan.makespan,
-            plan.moved or "none",
+            records.expert_set(plan.moved) if plan.moved else "none",
             "; before round %d's checks" % (r - 1) if ahead else "",
         )
         rnd = Round(
@@ -343,7 +343,7 @@ class Loop:
                 rnd.r,
                 nid,
                 node.name,
-                sorted(tasks),
+                records.expert_set(tasks),
             )
             node.status = NodeStatus.PROBATION
             for e in tasks:

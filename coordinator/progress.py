@@ -69,20 +69,40 @@ def _f(v: Any, digits: int = 4) -> str:
     return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def experts_table(s: dict[str, Any], status: Status | None = None) -> Table:
+TABLE_ROWS = 16  # more experts than this: the table shows the best and worst (`status --all`: every one)
+EDGE_ROWS = 5  # ... this many of each
+
+
+def experts_table(s: dict[str, Any], status: Status | None = None, every: bool = False) -> Table:
+    """The experts table of a `summary`; beyond TABLE_ROWS experts (unless `every`), the EDGE_ROWS lowest
+    and highest val losses only."""
     title = f"{s['run']}: round {s['round']}/{s['rounds'] or '?'}"
     if s.get("phase") == "seed":
         title += ", seed run (the experts start from it)"
     elif s.get("mixture_val_loss") is not None:
         title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
     left_out = {int(e): x["cannot_train"] for e, x in s["experts"].items() if x.get("cannot_train")}
-    caption = f"left out, cannot train: {records.reasons(left_out)}" if left_out else None
-    t = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    notes = [f"left out, cannot train: {records.reasons(left_out)}"] if left_out else []
+    rows = expert_rows(s, status)
+    shown = rows if every or len(rows) <= TABLE_ROWS else _edges(s, rows)
+    if len(shown) < len(rows):
+        title += f"; {len(rows)} experts, the {EDGE_ROWS} lowest and {EDGE_ROWS} highest val losses"
+        notes.append(f"every expert: soma-coord status {s['run']} --all")
+    t = Table(title=title, title_justify="left", caption="\n".join(notes) or None, caption_justify="left")
     for col in EXPERT_COLUMNS:
         t.add_column(col, justify="left" if col in ("sha256", "node") else "right", no_wrap=col == "sha256")
-    for row in expert_rows(s, status):
+    for row in shown:
         t.add_row(*row)
     return t
+
+
+def _edges(s: dict[str, Any], rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The rows of the EDGE_ROWS lowest and highest val losses (experts without one count as highest)."""
+    ids = list(s["experts"])
+    val = [s["experts"][e].get("val_loss") for e in ids]
+    order = sorted(range(len(ids)), key=lambda i: (val[i] is None, val[i] if val[i] is not None else 0.0, i))
+    keep = order[:EDGE_ROWS] + [i for i in order[-EDGE_ROWS:] if i not in order[:EDGE_ROWS]]
+    return [rows[i] for i in keep]
 
 
 EXPERT_COLUMNS = ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s")
