@@ -31,3 +31,17 @@ def write_stdlib_corpus(folder: Path) -> Path:
     for name in STDLIB_SAMPLE:
         (folder / f"{name}.txt").write_bytes((lib / name).read_bytes())
     return folder
+
+
+def write_many_documents_corpus(folder: Path, total: int = 1_500_000) -> Path:
+    """The standard library's top-level modules, in name order, up to `total` bytes as .txt files: ~100
+    documents of at most 16 KiB, enough to prepare 64 experts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lib, written = Path(sysconfig.get_paths()["stdlib"]), 0
+    for path in sorted(lib.glob("*.py")):
+        if written >= total:
+            break
+        data = path.read_bytes()
+        (folder / f"{path.name}.txt").write_bytes(data)
+        written += len(data)
+    return folder
