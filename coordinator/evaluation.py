@@ -7,7 +7,7 @@ result) and coordinator.loop (each commit's mixture loss).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -27,6 +27,24 @@ log = role_logger("soma.coord")
 
 VAL_BATCH = 64  # val windows per ORT call (64 x 128 x 256 float32 log-probs: 8 MiB)
 MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-1 when N = 1)
+
+
+class Versions(Mapping[int, Callable[[np.ndarray], np.ndarray]]):
+    """Each expert's current version as a log-prob function, loaded when the mixture asks for it: the mixture
+    runs one expert at a time, so the coordinator never holds every expert's weights at once."""
+
+    def __init__(self, evaluation: "Evaluation", state: RunState) -> None:
+        self.evaluation, self.state = evaluation, state
+
+    def __getitem__(self, e: int) -> Callable[[np.ndarray], np.ndarray]:
+        stored = self.evaluation.run.load_expert(self.state.expert(e).path)
+        return self.evaluation.logprobs(protocol.decode_weights(stored["weights"]))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.state.expert_ids())
+
+    def __len__(self) -> int:
+        return len(self.state.expert_ids())
 
 
 class Evaluation:
@@ -54,19 +72,26 @@ class Evaluation:
         every weight and runs a batch-1 recurrence), and the coordinator evaluates every version it commits."""
         if e not in self.windows:
             self.windows[e] = eval_windows(self.val_stream(e), self.cfg.data.seq_len, self.cfg.federation.val_windows)
-        if self.session is None:
-            from soma_edge.expert.graph import build  # onnx: heavy, see _logprobs
-
-            # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
-            self.session = make_session(build(self.cfg.model, "logprobs"), "cpu", 1, False)
         x, y = self.windows[e]
-        feeds = params.layout(self.cfg.model).views(weights)
+        logprobs = self.logprobs(weights)
         out = []
         for i in range(0, len(x), VAL_BATCH):
-            (lp,) = self.session.run(["logprobs"], {**feeds, "x": x[i : i + VAL_BATCH]})
+            lp = logprobs(x[i : i + VAL_BATCH])
             picked = np.take_along_axis(lp, y[i : i + VAL_BATCH, :, None], axis=2)[..., 0]
             out.append(-picked.mean(axis=1, dtype=np.float64))
         return np.concatenate(out)
+
+    def logprobs(self, weights: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        """fn(x) -> log-probs of an expert with `weights`, on the one session every expert shares (weights are
+        its inputs: at N = 256 a session per expert at every commit cost more than the round)."""
+        if self.session is None:
+            # soma_edge.expert.graph imports onnx (heavy) at its top: loaded only where a version is scored.
+            from soma_edge.expert.graph import build
+
+            # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
+            self.session = make_session(build(self.cfg.model, "logprobs"), "cpu", 1, False)
+        feeds = params.layout(self.cfg.model).views(weights)
+        return lambda x: self.session.run(["logprobs"], {**feeds, "x": x})[0]
 
     def val_loss(self, e: int, weights: np.ndarray) -> float:
         """The mean of `window_losses`: the val loss the guard, the plateau rule and the metrics report."""
@@ -82,17 +107,9 @@ class Evaluation:
             per = self.cfg.federation.val_windows * seq
             ids = state.expert_ids()
             data = np.concatenate([self.val_stream(e)[:per] for e in ids])
-            fns = {e: self._logprobs(state.expert(e).path) for e in ids}
-            top_k = min(MIXTURE_TOP_K, len(fns))
+            fns = Versions(self, state)
+            top_k = min(MIXTURE_TOP_K, len(ids))
             return float(mixture.evaluate(self.router, fns, data, seq, top_k, self.router.temperature).nats_per_byte)
         except (SomaError, AttributeError, ValueError, OSError) as e:
             log.warning("routed-mixture val loss failed: %s", e)
             return None
-
-    def _logprobs(self, path: str) -> Callable[[np.ndarray], np.ndarray]:
-        # soma_edge.expert.graph imports onnx (heavy) at its top: loaded only where a commit scores the mixture.
-        from soma_edge.expert.graph import build
-
-        w = protocol.decode_weights(self.run.load_expert(path)["weights"])
-        sess = make_session(build(self.cfg.model, "logprobs", weights=w), "cpu", 1, False)
-        return lambda x: sess.run(None, {"x": x})[0]
