@@ -60,6 +60,7 @@ class Node:
     query_sent: float = 0.0
     identity: str = ""  # who strikes count against (`coordinator.guard.identity`), set when it answers a query
     advised: float | None = None  # the heartbeat interval last sent to it
+    link_free: float = 0.0  # when its link last finished an exchange that was timed (a reply came in)
 
     @property
     def who(self) -> str:
@@ -325,7 +326,12 @@ class Fleet:
         if node is None:
             return
         nbytes = o.bytes_down + protocol.payload_bytes(reply.content)
-        node.link = scheduler.link_rate(node.link, nbytes, self.clock() - o.sent_at, compute)
+        # An exchange is timed from when the link was free for it: messages pushed together queue behind one
+        # another, and timing each from its push drove the rate down piece after piece (1 Mbit/s measured as
+        # ever less, and the heartbeat advice up to 25 minutes, during one download).
+        now = self.clock()
+        node.link = scheduler.link_rate(node.link, nbytes, now - max(o.sent_at, node.link_free), compute)
+        node.link_free = now
         self.advise(o.node)
 
     def advise(self, nid: int) -> None:

@@ -13,6 +13,7 @@ import math
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -603,6 +604,36 @@ def test_link_rate_is_measured_from_large_messages_only():
     assert seen == pytest.approx(400_000)
     assert scheduler.link_rate(seen, 1_000_000, 7.0, 5.0) == pytest.approx(0.5 * 400_000 + 0.5 * 1_000_000 / 0.5)
     assert scheduler.link_rate(seen, 1_000_000, float("nan"), 5.0) == seen
+
+
+def test_heartbeat_advice_holds_while_queued_pieces_come_back_one_by_one(run):
+    """A 1 Mbit/s link: 20 shard pieces of 5 s each and a 1M expert's version are pushed at once, and the
+    pieces' replies come back one after another (5 s on the wire + Flower's 4.5 s each). Timed from their
+    push, the pieces measured the link ever slower and the advice rose to 25 minutes, so that a worker killed
+    then went unnoticed for most of an hour. Timed from when the link was free, the rate holds and the advice
+    stays where the first piece put it."""
+    from coordinator.fleet import Fleet, Node, NodeStatus, Outgoing, Sent
+
+    now = [0.0]
+    piece, version, link = 625_000, 12_600_000, 125_000.0
+    fleet = Fleet(None, run, run.load_config(), None, version, lambda **kw: None, clock=lambda: now[0])
+    fleet.advise = lambda nid: None  # no grid to push advice on: the advised interval is read below
+    fleet.nodes[7] = Node(id=7, status=NodeStatus.ACTIVE)
+    reply = SimpleNamespace(content=RecordDict())  # a stored piece's acknowledgement: no payload
+    outs = [Outgoing(node=7, kind=Sent.PIECES, bytes_down=piece, sent_at=0.0) for _ in range(20)]
+    advice = []
+    for k, o in enumerate(outs, start=1):
+        now[0] = k * (piece / link + scheduler.FLOWER_SECONDS)
+        fleet.time_link(o, reply, 0.0)
+        advice.append(fleet.heartbeat(7))
+    assert fleet.nodes[7].link == pytest.approx(link)
+    assert max(advice) == min(advice) == heartbeat_mod.interval(version, run.load_config().federation.piece_bytes, link)
+    assert max(advice) <= 150  # two intervals, under 5 minutes
+    # Each timed from its push, as before: the measured rate falls piece after piece, the advice climbs.
+    old = None
+    for k in range(1, 21):
+        old = scheduler.link_rate(old, piece, k * (piece / link + scheduler.FLOWER_SECONDS), 0.0)
+    assert old < link / 5
 
 
 def test_a_round_deadline_prices_the_reply_up_a_measured_link(run, tmp_path):
