@@ -1,6 +1,7 @@
 """What the worker's heartbeat interval costs, and how soon a dead worker is noticed.
 
     sudo .venv/bin/python -m bench.heartbeat [--intervals 10,30] [--idle-seconds 60] [--mbit 1]
+    sudo .venv/bin/python -m bench.heartbeat --kill-during-download 124K,1M [--mbit 1]
 
 For each interval, on simulated boxes (tests/helpers/netboxes.py): a coordinator in one network namespace
 that waits for a second worker (so no training traffic), one `soma-worker join --heartbeat S` in another.
@@ -10,12 +11,19 @@ link is limited and saturated in both directions by bulk TCP transfers for `--id
 upload or download would), and we note whether the coordinator lost the node meanwhile (its heartbeats
 queue behind the bulk data); then every process in the worker's namespace gets SIGKILL, and the time
 until the coordinator logs that the node left. Needs root.
+
+`--kill-during-download SIZES`: for each expert size, a run at the shipped settings but the model size
+(one expert, one worker behind `--mbit`, default 1 Mbit/s): once round 1's shard pieces are on their way
+and the first has timed the link, plus KILL_AFTER seconds, every process in the worker's namespace gets
+SIGKILL; we note the heartbeat advice the coordinator sent until then, and the time from the kill until it
+declares the node gone (target: 5 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,14 +144,76 @@ def one(interval: float, args, work: Path) -> tuple[float, float, float, float, 
     return (b1 - b0) / args.idle_seconds, (p1 - p0) / args.idle_seconds, busy, noticed, lost
 
 
+SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}  # (embed, hidden), as bench/slow_link.py
+KILL_AFTER = 20.0  # seconds after the first piece timed the link: the rest of the pieces are in flight
+GONE = ("left the federation", "is gone (no heartbeat)")
+
+
+def killed_in_download(size: str, mbit: float, work: Path) -> tuple[list[float], float, float]:
+    """(advice seconds sent until the kill, seconds from round 1's plan to the kill, kill -> gone seconds)."""
+    embed, hidden = SIZES[size]
+    cfg = work / f"kill-{size}.toml"
+    cfg.write_text(f"[model]\nembed = {embed}\nhidden = {hidden}\n[federation]\nexperts = 1\nmin_nodes = 1\n")
+    run, port = work / f"run-kill-{size}", free_port()
+    boxes = netboxes.Boxes()
+    try:
+        coord = boxes.add("coord")
+        w = boxes.add("w", link_to=coord, mbit=mbit)
+        boxes.popen(coord, coordinator_cmd(run, cfg, port), work / f"kill-{size}.log", env=dict(os.environ), cwd=ROOT)
+        boxes.popen(
+            w,
+            worker_cmd(f"{w.peer}:{port}", "w", work / f"cache-kill-{size}"),
+            work / f"kill-{size}-w.log",
+            env=dict(os.environ),
+            cwd=ROOT,
+        )
+        log = run / "logs" / "coordinator.log"
+        t_plan = _wait_for(log, "round 1/", 600)
+        if _wait_for(log, "link timed at", 600) is None or t_plan is None:
+            raise SystemExit(f"{size}: round 1's first piece never timed the link; see {work}")
+        time.sleep(KILL_AFTER)
+        t_kill = time.monotonic()
+        advice = [float(x) for x in re.findall(r"heartbeat advice now ([0-9.]+) s", log.read_text(errors="replace"))]
+        for pid in boxes.pids(w):
+            os.kill(pid, signal.SIGKILL)
+        t_gone = _wait_any(log, GONE, 1800)
+        return advice, t_kill - t_plan, (t_gone - t_kill) if t_gone else float("nan")
+    finally:
+        boxes.close()
+
+
+def _wait_any(path: Path, texts: tuple[str, ...], timeout: float) -> float | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and any(t in path.read_text(errors="replace") for t in texts):
+            return time.monotonic()
+        time.sleep(0.5)
+    return None
+
+
+def kill_arm(sizes: list[str], mbit: float) -> None:
+    print(f"{platform_line()}; link {mbit:g} Mbit/s; shipped settings, one expert, one worker")
+    print(f"{'size':>5} {'advice sent until the kill (s)':>32} {'plan -> kill s':>14} {'kill -> gone s':>14}")
+    work = Path(tempfile.mkdtemp(prefix="soma-heartbeat-kill-"))
+    for size in sizes:
+        advice, before, gone = killed_in_download(size, mbit, work)
+        sent = ", ".join(f"{a:g}" for a in advice) or "-"
+        print(f"{size:>5} {sent:>32} {before:>14.1f} {gone:>14.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--intervals", default="10,30")
     ap.add_argument("--idle-seconds", type=float, default=60.0)
-    ap.add_argument("--mbit", type=float, default=0.0, help="limit the link, and saturate it for --idle-seconds")
+    ap.add_argument("--mbit", type=float, default=None, help="limit the link, and saturate it for --idle-seconds")
+    ap.add_argument("--kill-during-download", default="", metavar="SIZES", help="e.g. 124K,1M (see above)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, veth)")
+    if args.kill_during_download:
+        kill_arm(args.kill_during_download.split(","), args.mbit or 1.0)
+        return
+    args.mbit = args.mbit or 0.0
     print(f"{platform_line()}; {args.idle_seconds:g} s idle per interval")
     print(
         f"{'heartbeat s':>11} {'idle B/s':>9} {'packets/s':>9} {'saturated B/s':>13} {'lost then':>9} "
