@@ -367,9 +367,10 @@ class Loop:
         round's plan when that went ahead of this commit (`t_next`), else to now: spans tile the run."""
         r, fed, state = rnd.r, self.cfg.federation, self.ledger.state
         mix = None if self.ledger.seeding() else self.evaluation.mixture_val_loss(state)
+        settle = self.clock() - rnd.t_done  # the checks, the guard's val losses and the mixture's, since the last reply
         round_total = (self.clock() if t_next is None else t_next) - rnd.t_round
         labels = {nid: n.label for nid, n in self.fleet.nodes.items()}
-        lines = records.commit_lines(rnd, self.cfg, state, labels, mix, round_total, t_next is not None)
+        lines = records.commit_lines(rnd, self.cfg, state, labels, mix, round_total, t_next is not None, settle)
         line = lines[-1]  # the round's
         self.ledger.last_failure.update(rnd.failed)
         self.ledger.commit(r, {str(e): labels[n] for e, n in rnd.plan.assignment.items()}, lines, self.board)

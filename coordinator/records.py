@@ -158,6 +158,7 @@ def commit_lines(
     mix: float | None,
     round_total: float,
     ahead: bool,
+    settle: float | None = None,
 ) -> list[Line]:
     """What round `rnd` (a coordinator.round.Round) appends to metrics.jsonl: last round's late versions, a
     line per expert, accepted or not, then the round's line."""
@@ -171,7 +172,9 @@ def commit_lines(
             lines.append(missed_line(rnd.r, e, state.expert(e), why, labels[rnd.plan.assignment[e]]))
         # else: left out of the round (it cannot train: state.msgpack's `cannot_train` says why)
     vals = [v for v in (state.expert(e).val_loss for e in ids) if v is not None]
-    lines.append(round_line(rnd, cfg, state, vals, mix, labels, round_total, ahead))
+    line = round_line(rnd, cfg, state, vals, mix, labels, round_total, ahead)
+    line.settle_seconds = settle
+    lines.append(line)
     return lines
 
 

@@ -190,6 +190,7 @@ class RoundLine(Record):
     time: float | None = None
     next_round_ahead: bool = False  # the next round was planned before this one's checks (pipelining)
     seed_done: SeedDone | None = None
+    settle_seconds: float | None = None  # last reply in (or the deadline) to the commit: checks, guard, mixture
 
     KEYS: ClassVar = (
         "type",
