@@ -25,8 +25,16 @@ class Planner:
     def plan(self, active: dict[int, Node], bases: Bases) -> tuple[scheduler.Plan, dict[int, list[int]]]:
         """The round's plan from the bases each expert trains from, and each node's experts."""
         rates = {nid: n.rate for nid, n in active.items()}
-        plan = scheduler.plan(
+        fed = self.cfg.federation
+        ids = in_turn(
             self.ledger.trainable_ids(),
+            {e: bases.base(e).step for e in self.ledger.trainable_ids()},
+            len(active),
+            fed.round_seconds,
+            fed.min_expert_seconds,
+        )
+        plan = scheduler.plan(
+            ids,
             rates,
             self.previous(active, bases),
             self.cfg.federation.round_seconds,
@@ -87,6 +95,18 @@ class Planner:
         weights = vbytes if mode in (ReplyMode.WEIGHTS, ReplyMode.BOTH) else 0
         logs = (ReplyMode.LOG, ReplyMode.BOTH)
         return sum(weights + (log_bytes(phase, steps[e]) if mode in logs else 0) for e in experts) / link(node)
+
+
+def in_turn(ids: list[int], steps: dict[int, int], nodes: int, round_seconds: float, least: float) -> list[int]:
+    """The experts a round trains: every one, unless `nodes` nodes cannot give each `least` seconds of their
+    `round_seconds`; then as many as they can, those with the fewest `steps` so far (ties to the lower id), so
+    that every expert trains in turn with a useful budget rather than all in slivers."""
+    if least <= 0:
+        return ids
+    slots = nodes * max(1, int(round_seconds // least))
+    if len(ids) <= slots:
+        return ids
+    return sorted(sorted(ids, key=lambda e: (steps[e], e))[:slots])
 
 
 def link(node: Node) -> float:

@@ -115,6 +115,9 @@ class FederationConfig:
     experts: int = 4
     rounds: int = 3
     round_seconds: float = 60.0
+    # When there are more experts than the nodes can give this much compute each in a round, a round trains
+    # only that many, those with the fewest steps so far (every expert in turn); 0: every expert every round.
+    min_expert_seconds: float = 0.0
     local_workers: int = 0  # SuperNodes that `soma-coord start` launches on this box
     min_nodes: int = 1  # round 1 waits (up to `wait_seconds`) for this many live nodes
     wait_seconds: float = 120.0  # later rounds: how long after the last live node stopped working (coordinator.late)
@@ -382,6 +385,7 @@ def _check_federation(cfg: Config) -> None:
     _check(1 <= f.experts <= 4096, "federation.experts", "between 1 and 4096", f.experts)
     _check(f.rounds >= 0, "federation.rounds", ">= 0", f.rounds)
     _check(f.round_seconds > 0, "federation.round_seconds", "> 0", f.round_seconds)
+    _check(f.min_expert_seconds >= 0, "federation.min_expert_seconds", ">= 0", f.min_expert_seconds)
     _check(0 <= f.local_workers <= 64, "federation.local_workers", "between 0 and 64", f.local_workers)
     _check(f.min_nodes >= 1, "federation.min_nodes", ">= 1", f.min_nodes)
     _check(f.wait_seconds > 0, "federation.wait_seconds", "> 0", f.wait_seconds)
