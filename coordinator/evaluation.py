@@ -27,6 +27,8 @@ log = role_logger("soma.coord")
 
 VAL_BATCH = 64  # val windows per ORT call (64 x 128 x 256 float32 log-probs: 8 MiB)
 MIXTURE_TOP_K = 2  # the per-round routed val loss mixes the top-2 experts (top-1 when N = 1)
+MIXTURE_WINDOWS = 1024  # val windows it scores in all, shared out among the experts' val streams (64 each up
+# to N = 16): at N = 64, every expert's 64 took 3.5-6.7 s of each commit, and the cost grows with N
 
 
 class Versions(Mapping[int, Callable[[np.ndarray], np.ndarray]]):
@@ -104,8 +106,8 @@ class Evaluation:
             if self.router is None:
                 self.router = router.load(self.run.router)
             seq = self.cfg.data.seq_len
-            per = self.cfg.federation.val_windows * seq
             ids = state.expert_ids()
+            per = max(1, min(self.cfg.federation.val_windows, MIXTURE_WINDOWS // len(ids))) * seq
             data = np.concatenate([self.val_stream(e)[:per] for e in ids])
             fns = Versions(self, state)
             top_k = min(MIXTURE_TOP_K, len(ids))
