@@ -9,6 +9,7 @@ Called by coordinator.loop: `on_train` for each train reply it pulls, `settle` w
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -35,6 +36,8 @@ from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
 
+STATUS_SECONDS = 1.0  # status.json at most this often while results come in: a live view redraws each second,
+# and at N = 256 one write per accepted result (200 KB of JSON each) cost seconds of every commit
 NODE_UNAVAILABLE = 5  # flwr's ErrorCode: the node missed two heartbeats
 
 
@@ -55,6 +58,7 @@ class Intake:
         self.status = status  # writes status.json (`Loop.status`)
         self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
         self.auditor: Any = None  # the audit's loss session, made on first use (onnxruntime)
+        self.status_at = -math.inf  # when `accept` last wrote status.json (`STATUS_SECONDS`)
         self.spreads: dict[int, guard.Spread] = {}  # each expert's last accepted judgement's spread, pooled
         # for the experts with too few val windows to estimate their own (`guard.judge`)
 
@@ -280,4 +284,6 @@ class Intake:
             res["steps"],
             res["seconds"],
         )
-        self.status("round", round=rnd.r)
+        if self.fleet.clock() - self.status_at >= STATUS_SECONDS:
+            self.status_at = self.fleet.clock()
+            self.status("round", round=rnd.r)
