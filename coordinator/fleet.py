@@ -326,9 +326,8 @@ class Fleet:
         if node is None:
             return
         nbytes = o.bytes_down + protocol.payload_bytes(reply.content)
-        # An exchange is timed from when the link was free for it: messages pushed together queue behind one
-        # another, and timing each from its push drove the rate down piece after piece (1 Mbit/s measured as
-        # ever less, and the heartbeat advice up to 25 minutes, during one download).
+        # Timed from when the link was free for it: pieces pushed together queue, and timing each from its push
+        # measured the link ever slower (the heartbeat advice rose to 25 minutes during one download).
         now = self.clock()
         node.link = scheduler.link_rate(node.link, nbytes, now - max(o.sent_at, node.link_free), compute)
         node.link_free = now
