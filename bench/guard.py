@@ -72,8 +72,9 @@ class Trajectory:
     shape: str
     seed: int
     decisions: list[Decision] = field(default_factory=list)
+    # per kind of lie, (val windows, refused?) for each count that judged it
     attacks: dict[str, list[tuple[int, bool]]] = field(default_factory=lambda: {"reverse": [], "noise": []})
-    seconds: float = 0.0  # (windows, refused?) per lie
+    seconds: float = 0.0
 
 
 def shape_config(shape: str, seed: int) -> Config:
@@ -100,14 +101,14 @@ def bisect_harm(score, make, target: float, iters: int = 14) -> np.ndarray:
 
 
 class Guards:
-    """The guard at each window count: its evaluation, and per cluster its bar and last accepted spread."""
+    """The guard at each window count: its evaluation and, per cluster, its bar; and each cluster's last spread
+    accepted by the driving (largest) count, which every count pools from."""
 
-    def __init__(self, rd, cfg: Config, counts: list[int], clusters: list[int]) -> None:
+    def __init__(self, rd, cfg: Config, counts: list[int]) -> None:
         self.counts, self.fed = counts, cfg.federation
         self.evs = {n: Evaluation(rd, _with_windows(cfg, n), rd.read_prepare()) for n in counts}
         self.bars: dict[int, dict[int, Any]] = {n: {} for n in counts}
-        self.spreads: dict[int, dict[int, guard.Spread]] = {n: {} for n in counts}
-        self.clusters = clusters
+        self.spreads: dict[int, guard.Spread] = {}
 
     def start(self, c: int, w: np.ndarray) -> None:
         for n in self.counts:
@@ -118,7 +119,7 @@ class Guards:
         windows = self.evs[n].window_losses(c, w)
         # The other experts' spreads as the driving count measured them: in a run of many experts they come
         # from experts with 8 or more windows, and the per-window spread does not depend on how many there are.
-        pooled = guard.pool([sp for x, sp in sorted(self.spreads[self.counts[-1]].items()) if x != c])
+        pooled = guard.pool([sp for x, sp in sorted(self.spreads.items()) if x != c])
         if n < 2 and pooled is None:
             return windows, None
         return windows, guard.judge(windows, self.bars[n][c], self.fed.guard_tolerance, self.fed.guard_sigmas, pooled)
@@ -146,8 +147,8 @@ class Guards:
             )
             if v.refused is None:
                 sp = guard.spread_of(windows, bar)
-                if sp is not None:
-                    self.spreads[n][c] = sp
+                if sp is not None and n == self.counts[-1]:
+                    self.spreads[c] = sp
                 if v.raises_bar:
                     self.bars[n][c] = guard.bar_of(r, windows)
         return out
@@ -173,7 +174,7 @@ def trajectory(job: tuple[str, int, int, int, int, tuple[int, ...], tuple[int, .
     shape, seed, rounds, steps, attack_every, clusters, counts = job
     t0, cfg = time.perf_counter(), shape_config(shape, seed)
     rd = prepared("default", WORK, 0)
-    guards, drive = Guards(rd, cfg, sorted(counts), list(clusters)), max(counts)
+    guards, drive = Guards(rd, cfg, sorted(counts)), max(counts)
     trainer = evaluator_for(cfg, "cpu", threads=1, parallel=1)
     experts, out, rng = [], Trajectory(shape, seed), np.random.default_rng(seed)
     for c in clusters:
