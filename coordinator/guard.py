@@ -15,10 +15,11 @@ Phi(-3) = 0.13%, and on the 64 windows of a 124K expert (standard error ~0.006-0
 that raises the val loss by 0.05 is refused (docs/RELIABILITY.md, "The guard, measured").
 
 Few windows cannot estimate their own spread: one window has none, and 2-8 windows give an estimate so
-unsure that Student's t widens it 5-235 fold. Under POOL_BELOW windows the spread is also taken from the
-other experts' last accepted versions (`Spread`, `pool`: the median of their per-window spreads, with the sum
-of their degrees of freedom), the larger of the two counting: the error is never 0, and the quantile is
-the pooled estimate's (close to the normal's at N >= 4). prepare gives every expert at least 8 val windows.
+unsure that Student's t widens it 5-235 fold. Under POOL_BELOW windows the margin is the wider of the
+expert's own (its spread, at its own t quantile) and the other experts' (`Spread`, `pool`: the median of
+their last accepted per-window spreads, at the quantile of their summed degrees of freedom), so the error is
+never 0 and an expert noisier than the rest keeps its own margin. prepare gives every expert at least 8
+val windows.
 
 The bar moves only to a version that beats it by more than `guard_sigmas` standard errors: a lucky
 measurement never raises the bar that honest versions after it must meet. Bounding by the bar, not the
@@ -96,21 +97,23 @@ def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float, p
     the same order). The standard error of the paired difference is capped by the bar's own (the standard
     error of its val loss): a liar that spreads its damage unevenly over the windows cannot widen the
     margin beyond what the val estimate's noise is. Under POOL_BELOW windows, `pooled` (the other experts'
-    spread) sets a floor under both spreads; one window cannot be judged without it."""
+    spread) gives a second margin and the wider one counts; one window cannot be judged without it."""
     base = np.asarray(bar.windows, np.float64)
     d = np.asarray(windows, np.float64) - base
     n, mean = d.size, float(d.mean())
-    own = spread_of(windows, bar) or Spread(0.0, 0.0, 0)
-    if n < POOL_BELOW and pooled is not None and pooled.dof > own.dof:
-        diff_sd, bar_sd, dof = max(own.diff_sd, pooled.diff_sd), max(own.bar_sd, pooled.bar_sd), pooled.dof
-        how = f"its standard error, pooled with {pooled.dof} degrees of freedom of other experts,"
-    elif n >= 2:
-        diff_sd, bar_sd, dof, how = own.diff_sd, own.bar_sd, own.dof, "its standard error"
-    else:
+    if n < 2 and pooled is None:
         raise ValueError("one val window and no other expert's spread: the guard cannot estimate an error")
-    se = min(diff_sd, bar_sd) / math.sqrt(n)
+    own = spread_of(windows, bar) or Spread(0.0, 0.0, 0)
     # The error comes from a few windows: Student's t, not the normal, at sigmas' confidence.
-    margin = tolerance + t_quantile(sigmas, dof) * se
+    se = min(own.diff_sd, own.bar_sd) / math.sqrt(n)
+    noise, how = t_quantile(sigmas, own.dof) * se, "its standard error"
+    if n < POOL_BELOW and pooled is not None and pooled.dof > own.dof:
+        pooled_se = min(pooled.diff_sd, pooled.bar_sd) / math.sqrt(n)
+        if t_quantile(sigmas, pooled.dof) * pooled_se > noise:  # the wider of the two: an expert noisier
+            # than the others keeps its own margin, one with no spread of its own gets theirs
+            se, noise = pooled_se, t_quantile(sigmas, pooled.dof) * pooled_se
+            how = f"the other experts' standard error ({pooled.dof} degrees of freedom) for {n} windows,"
+    margin = tolerance + noise
     refused = None
     if not mean <= margin:  # NaN too
         refused = (

@@ -234,10 +234,11 @@ def test_few_windows_take_their_spread_from_the_other_experts():
         assert same.margin == pytest.approx(0.01 + t * pooled.diff_sd / np.sqrt(n))  # never the floor alone
         assert same.refused is None
         assert guard.judge(base + 0.1, bar, 0.01, 3.0, pooled).refused  # past 0.01 + 3.0 x 0.02 / sqrt(n)
-        if n >= 2:  # its own spread counts where it is the larger
+        if n >= 2:  # its own margin counts where it is the wider (its own t quantile: few windows, wide)
             wide = base + np.resize([0.04, -0.04], n)
-            own = np.std(wide - base, ddof=1)
-            assert guard.judge(wide, bar, 0.01, 3.0, pooled).margin == pytest.approx(0.01 + t * own / np.sqrt(n))
+            own = guard.t_quantile(3.0, n - 1) * np.std(wide - base, ddof=1) / np.sqrt(n)
+            assert own > t * pooled.diff_sd / np.sqrt(n)
+            assert guard.judge(wide, bar, 0.01, 3.0, pooled).margin == pytest.approx(0.01 + own)
     with pytest.raises(ValueError, match="one val window"):
         guard.judge(np.array([3.0]), guard.bar_of(1, np.array([3.0])), 0.01, 3.0)
     # From POOL_BELOW windows on, an expert's own spread is all that counts.
