@@ -85,7 +85,7 @@ def serverapp_hwm(run: Path) -> float:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"flwr-serverapp" not in cmd and b"serverapp" not in cmd.lower():
+            if b"serverapp" not in cmd.lower():  # flwr-serverapp, or a ServerApp named otherwise
                 continue
             if str(run).encode() not in cmd and not os.readlink(f"/proc/{pid}/cwd").startswith(str(run)):
                 continue

@@ -284,6 +284,7 @@ class Intake:
             res["steps"],
             res["seconds"],
         )
-        if self.fleet.clock() - self.status_at >= STATUS_SECONDS:
-            self.status_at = self.fleet.clock()
+        now = self.fleet.clock()
+        if now - self.status_at >= STATUS_SECONDS:
+            self.status_at = now
             self.status("round", round=rnd.r)

@@ -7,6 +7,8 @@ Called by coordinator.loop (`Loop.start_round`).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from coordinator import scheduler
 from coordinator.dispatch import log_bytes, reply_mode
 from coordinator.fleet import Fleet, Node
@@ -28,7 +30,7 @@ class Planner:
         fed = self.cfg.federation
         ids = in_turn(
             self.ledger.trainable_ids(),
-            {e: bases.base(e).step for e in self.ledger.trainable_ids()},
+            lambda e: bases.base(e).step,
             len(active),
             fed.round_seconds,
             fed.min_expert_seconds,
@@ -37,7 +39,7 @@ class Planner:
             ids,
             rates,
             self.previous(active, bases),
-            self.cfg.federation.round_seconds,
+            fed.round_seconds,
             evals_per_step(self.ledger.phase_config().spsa),
             lambda e, nid: self.transfer_seconds(e, nid, bases),
         )
@@ -97,16 +99,17 @@ class Planner:
         return sum(weights + (log_bytes(phase, steps[e]) if mode in logs else 0) for e in experts) / link(node)
 
 
-def in_turn(ids: list[int], steps: dict[int, int], nodes: int, round_seconds: float, least: float) -> list[int]:
+def in_turn(ids: list[int], step: Callable[[int], int], nodes: int, round_seconds: float, least: float) -> list[int]:
     """The experts a round trains: every one, unless `nodes` nodes cannot give each `least` seconds of their
-    `round_seconds`; then as many as they can, those with the fewest `steps` so far (ties to the lower id), so
-    that every expert trains in turn with a useful budget rather than all in slivers."""
+    `round_seconds`; then as many as they can, those with the fewest steps so far (`step(e)`, asked only
+    then; ties to the lower id), so that every expert trains in turn with a useful budget rather than all in
+    slivers."""
     if least <= 0:
         return ids
     slots = nodes * max(1, int(round_seconds // least))
     if len(ids) <= slots:
         return ids
-    return sorted(sorted(ids, key=lambda e: (steps[e], e))[:slots])
+    return sorted(sorted(ids, key=lambda e: (step(e), e))[:slots])
 
 
 def link(node: Node) -> float:
