@@ -12,7 +12,7 @@ turn). Per arm it prints:
 - experts advanced per round, and those never advanced (still at version 0 at the end);
 - failed tasks (experts planned but not advanced, for any reason but the guard) and honest guard refusals
   (there is no liar), with how many of those were judged on a zero standard error;
-- compute share over rounds 2-4 (the round lines' `compute_share`);
+- compute share over rounds 2-4, counted by when the training happened (soma_edge.wire.compute_share);
 - worker steps/s: all SPSA steps over all worker training seconds, and its ratio to the first N's;
 - the coordinator's settle seconds per round (last reply in to the commit: checks, guard, mixture), as a
   share of round_seconds, and the ServerApp's peak RSS (VmHWM, polled while it runs);
@@ -36,6 +36,7 @@ from pathlib import Path
 from bench.common import ROOT, md_head, md_row, platform_line, say
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir
+from soma_edge.wire import compute_share
 
 
 @dataclass
@@ -147,7 +148,7 @@ def measure(n: int, least: float | None, args, work: Path) -> Result:
     ]
     steps = sum(m.steps or 0 for m in experts if m.accepted)
     secs = sum(m.seconds or 0.0 for m in experts if m.accepted)
-    mid = [r.compute_share for r in rounds if 2 <= r.round <= 4 and r.compute_share is not None]
+    mid = [share for r, share in compute_share.shares(rounds).items() if 2 <= r <= 4]
     size = sum(p.stat().st_size for p in run.rglob("*") if p.is_file() and "deploy" not in p.parts)
     return Result(
         experts=n,

@@ -10,9 +10,10 @@ behind `--mbit` Mbit/s, `--experts` experts (all on that worker). A reply mode (
 with `spsa.decoder = "spsa"` (no dense decoder) and the flags' round timing; mode `default` runs the shipped
 settings (the delta-rule decoder, reply = auto, 60 s rounds, the default deadlines), setting only the model
 size, experts, rounds and min_nodes. Prints, per round, the round's wall time, the worker's compute
-seconds, the compute share, and the bytes down and up; then the mean share of the rounds after the first,
-and of those before the last (with pipelined rounds, a round's span ends where the next one starts; the
-last one's ends after its checks, which no next round overlaps). Needs root.
+seconds, the compute share counted by when the training happened (a round's span runs from its plan to
+the next one's, the last one's to its commit: soma_edge.wire.compute_share), the share counted by the round
+each reply answered (the round line's, which counts seconds trained before a round's plan in that round),
+and the bytes down and up; then the mean share of the rounds after the first. Needs root.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from soma_edge.processes.launch import free_port
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.metrics import RoundLine
+from soma_edge.wire import compute_share
 from tests.helpers import netboxes
 
 SIZES = {"124K": (32, 128), "1M": (64, 448), "8M": (128, 1280)}
@@ -109,30 +111,28 @@ def main() -> None:
     )
     print(
         f"{'expert':>6} {'mode':>7} {'round':>5} {'wall s':>7} {'compute s':>9}"
-        f" {'share':>6} {'down B':>11} {'up B':>11}"
+        f" {'share':>6} {'by reply':>8} {'down B':>11} {'up B':>11}"
     )
     work = Path(tempfile.mkdtemp(prefix="soma-slow-link-"))
     for size in args.sizes.split(","):
         for mode in args.modes.split(","):
             t0 = time.time()
             rounds = one(size, mode, args, work)
+            spans = compute_share.shares(rounds)
             for r in rounds:
                 comp = sum((r.compute_seconds or {}).values())
                 print(
                     f"{size:>6} {mode:>7} {r.round:>5} {r.round_seconds_total:>7.1f} {comp:>9.1f} "
-                    f"{100 * r.compute_share:>5.1f}% {r.bytes_down:>11,} {r.bytes_up:>11,}",
+                    f"{100 * spans.get(r.round, 0.0):>5.1f}% {100 * r.compute_share:>7.1f}% "
+                    f"{r.bytes_down:>11,} {r.bytes_up:>11,}",
                     flush=True,
                 )
-            later = rounds[1:] or rounds
-            share = sum(r.compute_share for r in later) / len(later)
+            later = [spans.get(r.round, 0.0) for r in rounds[1:] or rounds]
             print(
-                f"{size:>6} {mode:>7} rounds 2+: compute share {100 * share:.1f}% ({time.time() - t0:.0f} s)",
+                f"{size:>6} {mode:>7} rounds 2+: compute share {100 * sum(later) / len(later):.1f}% "
+                f"({time.time() - t0:.0f} s)",
                 flush=True,
             )
-            steady = rounds[1:-1]  # the last round's checks have no next round to overlap (pipelining)
-            if steady:
-                share = sum(r.compute_share for r in steady) / len(steady)
-                print(f"{size:>6} {mode:>7} rounds 2..{len(rounds) - 1}: compute share {100 * share:.1f}%", flush=True)
 
 
 if __name__ == "__main__":

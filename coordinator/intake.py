@@ -150,6 +150,7 @@ class Intake:
                 continue
             seen.add(e)  # checked for what it claims; its replay, audit and val loss come in settle
             rnd.claims[e] = Claim(node.id, res, w, opt, o.per_expert.get(e, {}), body, ulog)
+            rnd.trained.setdefault(node.id, []).extend(res.get("trained") or [])
             node.shards |= set(seed_mod.shards(self.cfg, self.prep, e, "train"))  # whatever its result's checks say
             evals += res["forward_evals"]
             secs += float(res["seconds"])

@@ -259,7 +259,7 @@ class Loop:
         node that made it, which holds it; a node given an expert whose claimed version it does not hold
         gets its request only once round r - 1 has committed (`Dispatcher.send_deferred`). None: no worker was left
         and a stop was requested while waiting for one."""
-        t_round = self.clock()
+        t_round, planned_at = self.clock(), time.time()
         late = self.collect_late(r)
         self.fleet.query_new_nodes()
         self.fleet.pull(lambda mid, reply, o: None)
@@ -286,6 +286,8 @@ class Loop:
             deadline=self.planner.deadline(r, plan, by_node),
             t_sent=self.clock(),
             t_round=t_round,
+            planned_at=planned_at,
+            trained=late.trained,
             late=list(late.accepted.values()),
             rejected=late.rejected,
             excluded=late.excluded,

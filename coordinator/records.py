@@ -24,6 +24,7 @@ from soma_edge.rundir.metrics import ExpertLine, Line, NodeEntry, RoundLine, Sta
 from soma_edge.rundir.state import BestVersion, ExpertRecord, GuardBar, RunState
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
+from soma_edge.wire import compute_share
 
 
 def run_state(cfg: Config, experts: dict[str, ExpertRecord], seeded: bool) -> RunState:
@@ -212,6 +213,8 @@ def round_line(
         bytes_up=rnd.bytes_up,
         nodes=nodes,
         time=time.time(),
+        planned_at=rnd.planned_at or None,
+        trained={labels[n]: compute_share.record(spans) for n, spans in rnd.trained.items()},
         next_round_ahead=ahead,
     )
 

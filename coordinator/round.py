@@ -63,5 +63,7 @@ class Round:
     claims: dict[int, Claim] = field(default_factory=dict)  # expert -> a result in, its checks to come
     deferred: dict[int, list[int]] = field(default_factory=dict)  # node -> experts sent once the last round commits
     t_round: float = 0.0  # when the round began: its plan
+    planned_at: float = 0.0  # the same, in seconds since the epoch (compute share's spans)
+    trained: dict[int, list] = field(default_factory=dict)  # node id -> when its results of this round trained
     bytes_down: int = 0
     bytes_up: int = 0

@@ -17,7 +17,7 @@ from soma_edge.processes.logs import role_logger
 from soma_edge.spsa import quant
 from soma_edge.spsa.log import code_decoder, record_log
 from soma_edge.spsa.optim import OptState, State
-from soma_edge.wire import protocol
+from soma_edge.wire import compute_share, protocol
 from soma_edge.wire.protocol import ReplyMode
 from worker.cache import Cache
 from worker.trainer import TrainReport
@@ -91,6 +91,7 @@ def finish(
         "seconds": rep.seconds,
         "train_loss": rep.loss,
         "evaluator": rep.evaluator.value,
+        "trained": compute_share.record(rep.spans),
         "sha256": sha,
         "weights": out,
         "opt": state.opt.to_record(),

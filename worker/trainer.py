@@ -27,6 +27,7 @@ class TrainReport:
     evaluator: Evaluator = Evaluator.LOOP  # how the steps' losses were evaluated
     grads: list[np.ndarray] = field(default_factory=list)  # per step, the scalars that replay its body update
     decoder_grads: list[np.ndarray] = field(default_factory=list)  # per step, with keep_decoder_grads
+    spans: list[tuple[float, float]] = field(default_factory=list)  # when it trained: seconds since the epoch
 
     def add(self, more: "TrainReport") -> None:
         """Count a later stretch of the same round's training (`train` called again on the same state)."""
@@ -37,6 +38,7 @@ class TrainReport:
         self.evaluator = more.evaluator
         self.grads += more.grads
         self.decoder_grads += more.decoder_grads
+        self.spans += more.spans
 
     @property
     def steps_per_s(self) -> float:
@@ -73,7 +75,7 @@ def train(
         runner = resident.for_training(cfg, evaluator.population, expert, state)
     stepper = None if runner is not None else make_stepper(cfg, expert, evaluator.parallel)
     report = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0, evaluator=evaluator_kind(evaluator))
-    t0 = time.perf_counter()
+    t0, began = time.perf_counter(), time.time()
     loss_sum = 0.0
     try:
         while (
@@ -97,5 +99,7 @@ def train(
         else:
             stepper.close()
     report.seconds = time.perf_counter() - t0
+    if report.steps:
+        report.spans.append((began, time.time()))  # compute share is counted by when training happened
     report.loss = loss_sum / max(report.steps, 1)
     return report

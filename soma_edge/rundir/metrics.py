@@ -191,6 +191,8 @@ class RoundLine(Record):
     next_round_ahead: bool = False  # the next round was planned before this one's checks (pipelining)
     seed_done: SeedDone | None = None
     settle_seconds: float | None = None  # last reply in (or the deadline) to the commit: checks, guard, mixture
+    planned_at: float | None = None  # the round's plan, seconds since the epoch (soma_edge.wire.compute_share)
+    trained: dict[str, list[list[float]]] = field(default_factory=dict)  # node label -> when its results trained
 
     KEYS: ClassVar = (
         "type",

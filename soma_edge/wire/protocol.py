@@ -36,6 +36,7 @@ from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.expert.params import count
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
+from soma_edge.wire import compute_share
 
 # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces; 4: a log's
 # decoder as int8 codes, and without its Adam moments)
@@ -539,9 +540,22 @@ def _check_tail(res: dict[str, Any], e: int) -> None:
         raise ValidationError(f"expert {e}: seconds {seconds!r} is not a finite duration")
     if not _is_sha256(res.get("sha256")):
         raise ValidationError(f"expert {e}: weights do not match the sha256 the worker claims")
+    _check_trained(res.get("trained"), e)
     how = res.get("evaluator")  # absent from a worker of an earlier version
     if how is not None and not (isinstance(how, str) and how in TRAINED_BY):
         raise ValidationError(f"expert {e}: evaluator {_short(how)} is not one of {list(TRAINED_BY)}")
+
+
+def _check_trained(spans: Any, e: int) -> None:
+    """A result's `trained` (absent from a worker of an earlier version): at most MAX_SPANS [start, end]
+    pairs of finite seconds, each ending after it starts (soma_edge.wire.compute_share)."""
+    if spans is None:
+        return
+    if not isinstance(spans, list) or len(spans) > compute_share.MAX_SPANS:
+        raise ValidationError(f"expert {e}: trained is not a list of at most {compute_share.MAX_SPANS} stretches")
+    for s in spans:
+        if not (isinstance(s, list) and len(s) == 2 and all(_is_number(x) for x in s) and s[0] <= s[1]):
+            raise ValidationError(f"expert {e}: trained holds {_short(s)}, not a [start, end] pair of seconds")
 
 
 def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:
