@@ -247,8 +247,8 @@ def train(msg: Message, context: Context) -> Message:
     run_id = str(body.get("run_id"))  # versions are pruned per run: a cache serves many runs
     _, errors = _store_pieces(cache, body.get("pieces", []))
 
-    key = _key(body, context.node_id, reply_dtype) if s.speculate else None
-    results, failed = _claimed(s, key, body), []
+    keys = _keys(body, context.node_id, reply_dtype) if s.speculate else []
+    results, failed = _claimed(s, keys, body), []
     missing: protocol.Inventory = {"weights": [], "shards": []}
     if results is None:
         runnable, missing = _runnable(cache, cfg, body["tasks"], run_id, errors)
@@ -260,8 +260,8 @@ def train(msg: Message, context: Context) -> Message:
                 len(missing["shards"]),
             )
         results, failed = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), body)
-        if key is not None and len(runnable) == 1 and results:
-            _speculate(s, key, runnable[0][0], results[0], body)
+        if keys and results:
+            _speculate(s, keys, runnable, results, body)
     protect = {r["sha256"] for r in results} | {h for t in body["tasks"] for h in t["shards"]}
     cache.evict(protect)
     reply = {
@@ -275,36 +275,39 @@ def train(msg: Message, context: Context) -> Message:
     return _reply(msg, reply, protocol.KIND_REPLY)
 
 
-def _key(body: dict[str, Any], node: int, reply_dtype: str) -> speculation.Key | None:
-    """The speculation key of a request of one task (None for several: the trainer runs one expert)."""
-    tasks = body["tasks"]
-    return speculation.key_of(node, body["run_id"], body["config"], reply_dtype, tasks[0]) if len(tasks) == 1 else None
+def _keys(body: dict[str, Any], node: int, reply_dtype: str) -> list[speculation.Key]:
+    """The speculation key of each task of a request, in its order."""
+    return [speculation.key_of(node, body["run_id"], body["config"], reply_dtype, t) for t in body["tasks"]]
 
 
-def _claimed(s: Settings, key: speculation.Key | None, body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The round, trained by this worker's speculating trainer where it ran from the task's base; None:
+def _claimed(s: Settings, keys: list[speculation.Key], body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The round, trained by this worker's speculating trainer where it ran every task from its base; None:
     train it here."""
-    if key is None:
+    if not keys:
         return None
-    if speculation.brings_base(body["tasks"][0]):
+    if any(speculation.brings_base(t) for t in body["tasks"]):
         speculation.stop(s.cache)  # whatever it trains, this round starts elsewhere
         return None
     t0 = time.perf_counter()
-    res = speculation.claim(s.cache, key, body["tasks"][0], float(body["max_seconds"]))
-    if res is None:
+    results = speculation.claim(s.cache, keys, body["tasks"], float(body["max_seconds"]))
+    if results is None:
         return None
+    seconds = sum(r["seconds"] for r in results)
     log.info(
-        "round %s: expert %d trained while the last reply went up (%.1f s of its %.1f s before this request)",
+        "round %s: experts %s trained while the last reply went up (%.1f s of their %.1f s before this request)",
         body["round"],
-        key.expert,
-        max(0.0, res["seconds"] - (time.perf_counter() - t0)),
-        res["seconds"],
+        [k.expert for k in keys],
+        max(0.0, seconds - (time.perf_counter() - t0)),
+        seconds,
     )
-    return [res]
+    return results
 
 
-def _speculate(s: Settings, key: speculation.Key, t: protocol.Task, res: dict[str, Any], body: dict[str, Any]) -> None:
-    """Start the speculating trainer on the round after t, from the version `res` that it just cached."""
+def _speculate(
+    s: Settings, keys: list[speculation.Key], runnable: list[Runnable], results: list[dict[str, Any]], body: dict
+) -> None:
+    """Start the speculating trainer on the round after this one, for each expert that trained, from the
+    version it just cached."""
     settings = {
         "cache": str(s.cache),
         "cache_bytes": s.cache_bytes,
@@ -314,7 +317,10 @@ def _speculate(s: Settings, key: speculation.Key, t: protocol.Task, res: dict[st
         "parallel": s.parallel,
         "probe_seconds": s.probe_seconds,
     }
-    speculation.spawn(s.cache, key, t, res, body["config"], float(body["max_seconds"]), settings)
+    key_of = {k.expert: k for k in keys}
+    task_of = {t["expert"]: t for t, *_ in runnable}
+    done = [(key_of[r["expert"]], task_of[r["expert"]], r) for r in results]
+    speculation.spawn(s.cache, done, body["config"], float(body["max_seconds"]), settings)
 
 
 Runnable = tuple[protocol.Task, State, list[bytes]]  # a task, its base state, its shards' bytes

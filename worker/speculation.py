@@ -4,19 +4,22 @@ Flower starts a fresh ClientApp process for every message, so between two rounds
 reply went up, the coordinator took it and sent the next request, a new process started and built its
 sessions. On a 1 Mbit/s link that was ~10 s of a 60 s round at 8M.
 
-So the ClientApp that finishes a round of one expert starts this trainer (`soma-worker join` enables it;
-`--no-speculate` does not). It goes on from the version just sent, as the next round will most likely
-ask: the same expert, shards, config, lr scale and reply dtype, from the next version and step. The next
-request's ClientApp claims the round when its task has that key, and the trainer finishes it: the steps
-it ran before the request came are the ones a fresh process would have run from that base (their noise
-and batches come from the step's keys), and the round's budget counts its training seconds from there.
-A task with another key (the coordinator refused the version, moved the expert, changed the lr scale)
-stops the trainer, and the ClientApp trains from the base itself, as without speculation: nothing but
-idle compute is lost. After a claimed round the trainer goes on from its new version in the same way,
-with its sessions and state kept, so it starts once per run.
+So the ClientApp that finishes a round starts this trainer (`soma-worker join` enables it; `--no-speculate`
+does not). It goes on from the versions just sent, as the next round will most likely ask: the same
+experts, shards, config, lr scales and reply dtype, from the next versions and steps. It trains them in the
+order the request named them, each for its share of the round's budget as the ClientApp shares it out, and
+the same experts' sessions serve round after round. The next request's ClientApp claims the round when
+each of its tasks has the key of one the trainer holds, and the trainer finishes them: the steps it ran
+before the request came are the ones a fresh process would have run from that base (their noise and
+batches come from the step's keys), and the round's budget counts its training seconds from there. A
+request with a task of another key (the coordinator refused a version, moved an expert, changed an lr
+scale) or one that brings its own base stops the trainer, and the ClientApp trains from the bases itself,
+as without speculation: nothing but idle compute is lost, and the next trainer starts from its results.
+After a claimed round the trainer goes on from the new versions of the experts claimed, so with a stable
+assignment it starts once per run.
 
 One trainer per cache folder, under <cache>/speculation: `current.json` names the one wanted (none after
-a mismatched claim or the run's end), which holds `lock` for its life and says which round it trains in
+a mismatched claim or the run's end), which holds `lock` for its life and says which rounds it trains in
 `state.json`; a ClientApp claims with `claim.json` and gets `result-<nonce>.msgpack` back. A trainer
 stops when it is no longer the one wanted, when the SuperExec that started its ClientApp is gone, or when
 no claim came for IDLE_SECONDS.
@@ -38,7 +41,7 @@ import json
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,70 +180,74 @@ def _ready(folder: Path) -> dict[str, Any] | None:
     return None
 
 
-def claim(root: Path, key: Key, t: protocol.Task, budget: float) -> dict[str, Any] | None:
-    """Task t's result (as sent), trained by this cache's trainer where it ran from t's base for t's key,
-    within `budget` seconds of training and t's step cap; None if it did not (any trainer is then
-    stopped), and the ClientApp trains t."""
+def claim(root: Path, keys: list[Key], tasks: list[protocol.Task], budget: float) -> list[dict[str, Any]] | None:
+    """The results of `tasks` (as sent, in their order), trained by this cache's trainer where it holds
+    each task's key (`keys`, in the same order), within `budget` seconds of training shared out among them
+    and each task's step cap; None if it does not (any trainer is then stopped), and the ClientApp trains
+    the tasks."""
     folder = root / FOLDER
     state = _ready(folder)
-    if state is None or state.get("key") != key.record():
+    held = state.get("keys") if state is not None else None
+    if not isinstance(held, list) or any(k.record() not in held for k in keys):
         stop(root)
         return None
     nonce = uuid.uuid4().hex
-    request = {"nonce": nonce, "key": key.record(), "budget": float(budget), "steps": int(t["steps"]), "task": t}
+    request = {"nonce": nonce, "keys": [k.record() for k in keys], "budget": float(budget), "tasks": tasks}
     atomic_write(folder / "claim.json", json.dumps(request).encode())
     path, give_up = folder / f"result-{nonce}.msgpack", time.monotonic() + budget + RESULT_SLACK
     while time.monotonic() < give_up:
         if path.exists():
-            res = _result(path, key)
+            res = _result(path, keys)
             if res is None:
                 stop(root)
             return res
         if not _held(folder) or not pid_alive(state["pid"]):
-            log.warning("expert %d: the speculating trainer stopped before its result; training here", key.expert)
+            log.warning("the speculating trainer stopped before its results; training here")
             return None
         time.sleep(POLL)
     stop(root)
-    log.warning("expert %d: no result from the speculating trainer in %.0f s; training here", key.expert, budget)
+    log.warning("no results from the speculating trainer in %.0f s; training here", budget)
     return None
 
 
-def _result(path: Path, key: Key) -> dict[str, Any] | None:
-    """The trainer's answer to a claim: its result, or None (it refused, or the answer does not read)."""
+def _result(path: Path, keys: list[Key]) -> list[dict[str, Any]] | None:
+    """The trainer's answer to a claim: a result per key, in order, or None (it refused, or the answer
+    does not read)."""
     try:
-        res = codec.decode(path.read_bytes(), RESULT_KIND)
+        body = codec.decode(path.read_bytes(), RESULT_KIND)
     except (OSError, SomaError) as e:
-        res = {"refused": f"its answer does not read: {e}"}
+        body = {"refused": f"its answer does not read: {e}"}
     finally:
         path.unlink(missing_ok=True)
-    if not isinstance(res, dict):
-        res = {"refused": "its answer is not a map"}
-    elif "refused" not in res and (res.get("expert"), res.get("base_sha256")) != (key.expert, key.base_sha256):
-        res = {"refused": "its answer is the result of another round"}
-    if "refused" in res:
-        log.info(
-            "expert %d: the speculating trainer did not give the round (%s); training here", key.expert, res["refused"]
-        )
+    if not isinstance(body, dict):
+        body = {"refused": "its answer is not a map"}
+    elif "refused" not in body:
+        got = body.get("results")
+        ok = isinstance(got, list) and len(got) == len(keys) and all(isinstance(r, dict) for r in got)
+        if not ok or [(r.get("expert"), r.get("base_sha256")) for r in got] != [
+            (k.expert, k.base_sha256) for k in keys
+        ]:
+            body = {"refused": "its answer is the result of another round"}
+    if "refused" in body:
+        log.info("the speculating trainer did not give the round (%s); training here", body["refused"])
         return None
-    return res
+    return body["results"]
 
 
 def spawn(
     root: Path,
-    key: Key,
-    t: protocol.Task,
-    res: dict[str, Any],
+    done: list[tuple[Key, protocol.Task, dict[str, Any]]],
     config: dict[str, Any],
     budget: float,
     settings: dict[str, Any],
 ) -> None:
-    """Start a trainer on the round after `t`, from its result `res`, whose version is in the cache; any
-    trainer before it stops."""
+    """Start a trainer on the round after each (key, task, result) in `done`, from the result's version,
+    which is in the cache; any trainer before it stops."""
     folder = root / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    key, nt = _next(key, t, res)
+    jobs = [dict(zip(("key", "task"), (k.record(), t))) for k, t in (_next(k, t, res) for k, t, res in done)]
     ident = uuid.uuid4().hex
-    spec = {"id": ident, "key": key.record(), "task": nt, "config": config, "budget": budget}
+    spec = {"id": ident, "jobs": jobs, "config": config, "budget": budget}
     spec.update(settings=settings, watch=os.getppid())
     path = folder / f"spec-{ident}.msgpack"
     atomic_write(path, codec.encode(spec, SPEC_KIND))
@@ -256,17 +263,34 @@ def spawn(
 # --- the trainer ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Job:
+    """One expert the trainer holds: the round it trains (key and task), its state and shards, and what
+    that round has run so far."""
+
+    key: Key
+    task: dict[str, Any]
+    state: State
+    data: np.ndarray
+    start: int = 0  # its step as the round began
+    base_decoder: np.ndarray | None = None
+    rep: TrainReport = field(default_factory=lambda: TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0))
+
+    def begin(self, cfg: Config) -> None:
+        self.start, self.base_decoder = self.state.step, task.decoder_base(cfg, self.state)
+        self.rep = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
+
+    @property
+    def cap(self) -> int:
+        return int(self.task["steps"])
+
+
 class Trainer:
-    """Trains one expert round after round, each from the version it last sent, until a round is not
+    """Trains its experts round after round, each from the version it last sent, until a round is not
     claimed or it is told to stop."""
 
-    def __init__(
-        self, folder: Path, spec: dict[str, Any], cfg: Config, cache: Cache, state: State, data: np.ndarray, evaluator
-    ) -> None:
-        self.folder, self.cfg, self.cache, self.state, self.data = folder, cfg, cache, state, data
-        self.evaluator = evaluator
-        self.key = Key.from_record(spec["key"])
-        self.task: dict[str, Any] = spec["task"]
+    def __init__(self, folder: Path, spec: dict[str, Any], cfg: Config, cache: Cache, jobs: list[Job], evaluator):
+        self.folder, self.cfg, self.cache, self.jobs, self.evaluator = folder, cfg, cache, jobs, evaluator
         self.budget, self.watch, self.id = float(spec["budget"]), int(spec["watch"]), str(spec["id"])
         self.claimed: dict[str, Any] | None = None
 
@@ -288,29 +312,53 @@ class Trainer:
         return c if isinstance(c, dict) and isinstance(c.get("nonce"), str) else None
 
     def _advertise(self) -> None:
-        """Say which round this trainer trains: a claim must have its key."""
-        body = {"id": self.id, "pid": os.getpid(), "key": self.key.record()}
+        """Say which rounds this trainer trains: a claim must have their keys."""
+        body = {"id": self.id, "pid": os.getpid(), "keys": [j.key.record() for j in self.jobs]}
         atomic_write(self.folder / "state.json", json.dumps(body).encode())
 
-    def _refusal(self, c: dict[str, Any], done: int) -> str | None:
-        if c.get("key") != self.key.record():
-            return "it trained another round"
-        if not isinstance(c.get("steps"), int) or not isinstance(c.get("budget"), (int, float)):
+    def _adopt(self, c: dict[str, Any]) -> str | None:
+        """Take claim `c`: its tasks become the round's, in its order (the experts it does not name are
+        dropped). Why not, if it cannot be."""
+        keys, tasks = c.get("keys"), c.get("tasks")
+        if not isinstance(keys, list) or not isinstance(tasks, list) or len(keys) != len(tasks) or not keys:
             return "a malformed claim"
-        if c["steps"] < done:
-            return f"it ran {done} steps, over the task's {c['steps']}"
+        if not isinstance(c.get("budget"), (int, float)):
+            return "a malformed claim"
+        held = {json.dumps(j.key.record(), sort_keys=True): j for j in self.jobs}
+        chosen = []
+        for k, t in zip(keys, tasks):
+            j = held.get(json.dumps(k, sort_keys=True))
+            if j is None:
+                return "it trained another round"
+            if not isinstance(t, dict) or not isinstance(t.get("steps"), int):
+                return "a malformed claim"
+            if t["steps"] < j.rep.steps:
+                return f"it ran {j.rep.steps} steps of expert {j.key.expert}, over the task's {t['steps']}"
+            j.task = t
+            chosen.append(j)
+        self.jobs, self.claimed = chosen, c
         return None
 
     def _answer(self, nonce: str, body: dict[str, Any]) -> None:
         atomic_write(self.folder / f"result-{nonce}.msgpack", codec.encode(body, RESULT_KIND))
 
+    def _turn(self, budget: float) -> tuple[Job, float] | None:
+        """The expert to train next and for how long: the first whose share of `budget` is not spent (the
+        ClientApp's rule: what is left over the experts left, at least one step each), or None."""
+        spent = 0.0
+        for i, j in enumerate(self.jobs):
+            share = max(0.01, (budget - spent) / (len(self.jobs) - i))
+            if j.rep.steps < j.cap and (j.rep.seconds < share or not j.rep.steps):
+                return j, max(share - j.rep.seconds, 0.01)
+            spent += j.rep.seconds
+        return None
+
     def _round(self) -> bool:
-        """Train one round from the current version until it is claimed and done; False to stop."""
+        """Train one round from the current versions until it is claimed and done; False to stop."""
         self._advertise()
-        start, base_decoder = self.state.step, task.decoder_base(self.cfg, self.state)
-        rep = TrainReport(steps=0, seconds=0.0, loss=0.0, forward_evals=0)
-        budget, cap, idle_from = self.budget, int(self.task["steps"]), time.monotonic()
-        self.claimed = None
+        for j in self.jobs:
+            j.begin(self.cfg)
+        budget, idle_from, self.claimed = self.budget, time.monotonic(), None
         while True:
             if self._gone():
                 return False
@@ -318,24 +366,25 @@ class Trainer:
                 c = self._take_claim()
                 if c is None:
                     continue
-                why = self._refusal(c, rep.steps)
+                why = self._adopt(c)
                 if why:
                     self._answer(c["nonce"], {"refused": why})
                     return False
-                self.claimed, budget, cap = c, float(c["budget"]), int(c["steps"])
-            left, steps_left = budget - rep.seconds, cap - rep.steps
-            if left > 0 and steps_left > 0:
+                budget = float(c["budget"])
+            turn = self._turn(budget)
+            if turn is not None:
+                j, seconds = turn
                 more = task.train_loop(
-                    self.state,
-                    self.data,
+                    j.state,
+                    j.data,
                     self.cfg,
                     self.evaluator,
-                    expert=self.key.expert,
-                    steps=steps_left,
-                    seconds=left,
+                    expert=j.key.expert,
+                    steps=j.cap - j.rep.steps,
+                    seconds=seconds,
                     stop=self._interrupt,
                 )
-                rep.add(more)
+                j.rep.add(more)
                 if more.steps:
                     idle_from = time.monotonic()
                 continue
@@ -344,31 +393,45 @@ class Trainer:
             if time.monotonic() - idle_from > IDLE_SECONDS:
                 return False
             time.sleep(POLL)
-        t = self.claimed["task"]
-        res = task.finish(t, self.cfg, self.state, start, base_decoder, rep, self.key.reply_dtype)
-        self._answer(self.claimed["nonce"], task.as_reply(t, res))
-        self.key, self.task = _next(self.key, t, res)
-        self._advertise()  # before the cache write (0.5 s at 8M): a claim may come from then on
-        task.keep(self.cache, res, self.key.run_id)
-        self.budget = budget
-        self.state = task.base_state(self.task, res["weights"], res["opt"])  # as the next ClientApp would load it
+        self._finish(budget)
         return True
+
+    def _finish(self, budget: float) -> None:
+        """Answer the claim with each expert's result, then go on from the new versions."""
+        results = [
+            task.finish(j.task, self.cfg, j.state, j.start, j.base_decoder, j.rep, j.key.reply_dtype) for j in self.jobs
+        ]
+        self._answer(self.claimed["nonce"], {"results": [task.as_reply(j.task, r) for j, r in zip(self.jobs, results)]})
+        for j, res in zip(self.jobs, results):
+            j.key, j.task = _next(j.key, j.task, res)
+        self._advertise()  # before the cache writes (0.5 s an expert at 8M): a claim may come from then on
+        for j, res in zip(self.jobs, results):
+            task.keep(self.cache, res, j.key.run_id)
+            j.state = task.base_state(j.task, res["weights"], res["opt"])  # as the next ClientApp would load it
+        self.budget = budget
 
 
 def _start(folder: Path, spec: dict[str, Any]) -> Trainer | None:
-    """The trainer of `spec`, with its base version and shards from the cache (None where one is gone)."""
-    s, cfg, t = spec["settings"], config_mod.from_dict(spec["config"]), spec["task"]
+    """The trainer of `spec`, with each expert's base version and shards from the cache (an expert whose
+    are gone is left out; None if every one is)."""
+    s, cfg = spec["settings"], config_mod.from_dict(spec["config"])
     cache = Cache(Path(s["cache"]), max_bytes=int(s["cache_bytes"]), keep_versions=cfg.federation.keep_versions)
-    hit = cache.get_weights(t["base_sha256"])
-    shards = [cache.get_shard(h) for h in t["shards"]]
-    if hit is None or any(x is None for x in shards):
+    jobs = []
+    for job in spec["jobs"]:
+        t = job["task"]
+        hit = cache.get_weights(t["base_sha256"])
+        shards = [cache.get_shard(h) for h in t["shards"]]
+        if hit is None or any(x is None for x in shards):
+            continue
+        state = task.base_state(t, hit["weights"], hit.get("opt"))
+        data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
+        jobs.append(Job(Key.from_record(job["key"]), t, state, data))
+    if not jobs:
         return None
-    state = task.base_state(t, hit["weights"], hit.get("opt"))
-    data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
     device, threads, spin, parallel = s["device"], int(s["threads"]), bool(s["spin"]), int(s["parallel"])
     caps = probe.capabilities(cfg, cache, device, threads, spin, parallel, float(s["probe_seconds"]))
     evaluator = probe.make_evaluator(cfg, device, threads, spin, parallel, probe.chosen(caps))
-    return Trainer(folder, spec, cfg, cache, state, data, evaluator)
+    return Trainer(folder, spec, cfg, cache, jobs, evaluator)
 
 
 def _lock(folder: Path):
@@ -411,9 +474,9 @@ def main(argv: list[str]) -> int:
         trainer = _start(folder, spec)
         if trainer is not None:
             log.info(
-                "expert %d: training on from version %d while the reply goes up",
-                trainer.key.expert,
-                trainer.key.version,
+                "experts %s: training on from versions %s while the reply goes up",
+                [j.key.expert for j in trainer.jobs],
+                [j.key.version for j in trainer.jobs],
             )
             trainer.run()
     except (CheckpointError, SomaError, OSError, ValueError, KeyError, TypeError) as e:

@@ -13,29 +13,33 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from coordinator.loop import Coordinator
 from soma_edge import codec
 from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed, step_budgets_bind
 from worker import speculation
 
-NODES = ["a", "b", "c", "d"]  # one expert each: the trainer runs nodes of one expert
+NODES = ["a", "b", "c", "d"]  # the run's 4 experts, one on each node
 
 
 def _no_trainer_left(root: Path, within: float = 20.0) -> bool:
     until = time.monotonic() + within
     while time.monotonic() < until:
-        if not any(speculation.running(root / n) for n in NODES):
+        if not any(speculation.running(p) for p in root.iterdir() if p.is_dir()):
             return True
         time.sleep(0.1)
     return False
 
 
-def _with_and_without(run, tmp_path, monkeypatch, rounds: int, request=None) -> tuple[dict, dict, list[bool]]:
-    """The experts' final hashes with speculation on and off, from one prepared run, and whether each
-    claim got the trainer's result. Each expert takes exactly its step budget (`step_budgets_bind`);
+def _with_and_without(
+    run, tmp_path, monkeypatch, rounds: int, request=None, nodes=NODES
+) -> tuple[dict, dict, list[bool]]:
+    """The experts' final hashes with speculation on and off, from one prepared run on `nodes`, and whether
+    each claim got the trainer's results. Each expert takes exactly its step budget (`step_budgets_bind`);
     `request(body)`, where given, edits every train request's body."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=rounds, min_nodes=4, deadline_slack=60.0)
+    set_fed(run, rounds=rounds, min_nodes=len(nodes), deadline_slack=60.0)
     cfg = run.load_config()
     cfg.spsa.plateau = False  # the lr scale stays, so every round's key is the one its trainer ran
     run.save_config(cfg)
@@ -52,7 +56,7 @@ def _with_and_without(run, tmp_path, monkeypatch, rounds: int, request=None) -> 
     for speculate in (1, 0):
         rd = type(run)(tmp_path / f"copy-{speculate}")
         shutil.copytree(run.root, rd.root)
-        grid = FakeGrid(tmp_path / f"nodes-{speculate}", NODES)
+        grid = FakeGrid(tmp_path / f"nodes-{speculate}", nodes)
         for node in grid.nodes.values():
             node["speculate"] = speculate
         step_budgets_bind(grid, request)
@@ -62,13 +66,15 @@ def _with_and_without(run, tmp_path, monkeypatch, rounds: int, request=None) -> 
     return ends[1], ends[0], claims
 
 
-def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, monkeypatch):
-    """From round 2 on, every round is trained by the trainer the round before started (claims), the
-    experts end bit for bit where workers without speculation end, and the run's end stops every trainer."""
-    on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=4)
+@pytest.mark.parametrize("nodes", [NODES, ["a", "b"]], ids=["one-expert-each", "two-experts-each"])
+def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, monkeypatch, nodes):
+    """From round 2 on, every round is trained by the trainer the round before started (claims), whether a
+    node holds one expert or several; the experts end bit for bit where workers without speculation end,
+    and the run's end stops every trainer."""
+    on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=4, nodes=nodes)
     assert on == off
-    # Round 1 brings version 0's optimizer state (no claim asked); rounds 2, 3 and 4 of 4 nodes are claimed.
-    assert claims.count(True) == 12, claims
+    # Round 1 brings version 0's optimizer state (no claim asked); rounds 2, 3 and 4 of every node are claimed.
+    assert claims == [True] * 3 * len(nodes), claims
     assert _no_trainer_left(tmp_path / "nodes-1")
 
 
@@ -98,12 +104,12 @@ def test_a_claim_on_no_live_trainer_trains_here_and_stops_it(tmp_path):
     folder = tmp_path / speculation.FOLDER
     folder.mkdir()
     (folder / "current.json").write_text(json.dumps({"id": "x", "pid": os.getpid()}))
-    (folder / "state.json").write_text(json.dumps({"id": "x", "pid": os.getpid(), "key": _key().record()}))
+    (folder / "state.json").write_text(json.dumps({"id": "x", "pid": os.getpid(), "keys": [_key().record()]}))
     t0 = time.monotonic()
-    assert speculation.claim(tmp_path, _key(), {"steps": 5}, 1.0) is None
+    assert speculation.claim(tmp_path, [_key()], [{"steps": 5}], 1.0) is None
     assert time.monotonic() - t0 < 2.0
     assert json.loads((folder / "current.json").read_text()) == {}
-    assert speculation.claim(tmp_path / "none", _key(), {"steps": 5}, 1.0) is None
+    assert speculation.claim(tmp_path / "none", [_key()], [{"steps": 5}], 1.0) is None
 
 
 def test_a_trainer_that_is_not_wanted_or_cannot_read_its_spec_exits(tmp_path):
@@ -137,7 +143,7 @@ def _fake_trainer(folder: Path, then: str) -> subprocess.Popen:
     trainer = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE)
     assert trainer.stdout.readline().strip() == b"1"
     (folder / "current.json").write_text(json.dumps({"id": "x", "pid": trainer.pid}))
-    (folder / "state.json").write_text(json.dumps({"id": "x", "pid": trainer.pid, "key": _key().record()}))
+    (folder / "state.json").write_text(json.dumps({"id": "x", "pid": trainer.pid, "keys": [_key().record()]}))
     return trainer
 
 
@@ -149,13 +155,13 @@ def test_a_trainer_whose_answer_does_not_read_gives_the_round_back(tmp_path):
     for then in (
         "(folder / f\"result-{claim['nonce']}.msgpack\").write_bytes(b'\\x00garbage')",
         "import numpy; from soma_edge import codec\n"
-        "body = codec.encode({'expert': 9, 'base_sha256': 'f' * 64}, 'speculated_result')\n"
+        "body = codec.encode({'results': [{'expert': 9, 'base_sha256': 'f' * 64}]}, 'speculated_result')\n"
         "(folder / f\"result-{claim['nonce']}.msgpack\").write_bytes(body)",
     ):
         trainer = _fake_trainer(folder, then)
         try:
             t0 = time.monotonic()
-            assert speculation.claim(tmp_path, _key(), {"steps": 5}, 30.0) is None
+            assert speculation.claim(tmp_path, [_key()], [{"steps": 5}], 30.0) is None
             assert time.monotonic() - t0 < 5.0
             assert json.loads((folder / "current.json").read_text()) == {}
         finally:
@@ -173,7 +179,7 @@ def test_a_trainer_killed_mid_round_gives_the_round_back(tmp_path):
         killer = threading.Timer(1.0, trainer.kill)
         killer.start()
         t0 = time.monotonic()
-        assert speculation.claim(tmp_path, _key(), {"steps": 5}, 30.0) is None
+        assert speculation.claim(tmp_path, [_key()], [{"steps": 5}], 30.0) is None
         assert 0.9 < time.monotonic() - t0 < 5.0
         assert not (folder / "claim.json").exists()  # the claim was made, and taken
     finally:
