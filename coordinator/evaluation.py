@@ -83,15 +83,19 @@ class Evaluation:
             out.append(-picked.mean(axis=1, dtype=np.float64))
         return np.concatenate(out)
 
-    def logprobs(self, weights: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-        """fn(x) -> log-probs of an expert with `weights`, on the one session every expert shares (weights are
-        its inputs: at N = 256 a session per expert at every commit cost more than the round)."""
+    def ready(self) -> None:
+        """Make the shared session now (threads that check results side by side then share it)."""
         if self.session is None:
             # soma_edge.expert.graph imports onnx (heavy) at its top: loaded only where a version is scored.
             from soma_edge.expert.graph import build
 
             # One thread, no spinning: on a coordinator box that also hosts workers, this must not steal cores.
             self.session = make_session(build(self.cfg.model, "logprobs"), "cpu", 1, False)
+
+    def logprobs(self, weights: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        """fn(x) -> log-probs of an expert with `weights`, on the one session every expert shares (weights are
+        its inputs: at N = 256 a session per expert at every commit cost more than the round)."""
+        self.ready()
         feeds = params.layout(self.cfg.model).views(weights)
         return lambda x: self.session.run(["logprobs"], {**feeds, "x": x})[0]
 

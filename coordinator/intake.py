@@ -15,23 +15,20 @@ from typing import Any, Callable
 import numpy as np
 
 from coordinator import guard, records, scheduler
-from coordinator import replay as replay_mod
+from coordinator.checks import Checks
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluation
 from coordinator.fleet import Fleet, Node, NodeStatus, Outgoing
 from coordinator.ledger import Ledger
 from coordinator.round import Claim, Round
-from soma_edge.config import Config, Evaluator
-from soma_edge.corpus.documents import SEPARATOR
-from soma_edge.engine.evaluator import evaluator_for
+from soma_edge.config import Config
 from soma_edge.errors import CodecError, ValidationError
 from soma_edge.processes.logs import role_logger
 from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.metrics import Rejection
-from soma_edge.rundir.state import PrepareSummary
-from soma_edge.spsa.log import UpdateLog
-from soma_edge.spsa.optim import OptState, State, plateau, schedule
+from soma_edge.rundir.state import GuardBar, PrepareSummary
+from soma_edge.spsa.optim import OptState, plateau, schedule
 from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
@@ -57,7 +54,7 @@ class Intake:
         self.evaluation, self.dispatcher = evaluation, dispatcher
         self.status = status  # writes status.json (`Loop.status`)
         self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
-        self.auditor: Any = None  # the audit's loss session, made on first use (onnxruntime)
+        self.checks = Checks(run, cfg, ledger, prep, evaluation)
         self.status_at = -math.inf  # when `accept` last wrote status.json (`STATUS_SECONDS`)
         self.spreads: dict[int, guard.Spread] = {}  # each expert's last accepted judgement's spread, pooled
         # for the experts with too few val windows to estimate their own (`guard.judge`)
@@ -136,6 +133,8 @@ class Intake:
                 if e in exp.tasks:
                     rnd.failed.setdefault(e, f"node {node.label} is excluded")
                 continue
+            if e in exp.tasks:  # compute share counts every result sent, checked or not (wire.compute_share)
+                rnd.trained.setdefault(node.id, []).extend(protocol.trained_of(res))
             if e in exp.tasks and exp.tasks[e]["base_sha256"] in self.refused:
                 seen.add(e)  # trained on from a claimed version that its checks then refused (pipelining)
                 rnd.failed.setdefault(e, f"trained from v{exp.tasks[e]['version']}, which was refused")
@@ -150,7 +149,6 @@ class Intake:
                 continue
             seen.add(e)  # checked for what it claims; its replay, audit and val loss come in settle
             rnd.claims[e] = Claim(node.id, res, w, opt, o.per_expert.get(e, {}), body, ulog)
-            rnd.trained.setdefault(node.id, []).extend(res.get("trained") or [])
             node.shards |= set(seed_mod.shards(self.cfg, self.prep, e, "train"))  # whatever its result's checks say
             evals += res["forward_evals"]
             secs += float(res["seconds"])
@@ -164,16 +162,17 @@ class Intake:
         if node.status == NodeStatus.EXCLUDED:  # struck out by an earlier result of the same node
             rnd.failed.setdefault(e, f"node {node.label} is excluded")
         else:
-            try:
-                w, opt = (c.w, c.opt) if c.ulog is None else self.from_log(c.res, c.ulog, c.w, c.opt)
-            except ValidationError as err:
-                self.reject(rnd, node, [e], str(err))
+            checked = c.checked or self.checks.check(c)
+            if isinstance(checked, ValidationError):
+                self.reject(rnd, node, [e], str(checked))
             else:
-                self.accept(rnd, node, c, w, opt)
+                self.accept(rnd, node, c, *checked)
         if e not in rnd.accepted:
             self.refused.add(c.res["sha256"])
 
     def settle_all(self, rnd: Round) -> None:
+        """Settle every claim left, in order, their costly checks run side by side first (`Checks.ahead`)."""
+        self.checks.ahead([c for c in rnd.claims.values() if c.checked is None])
         while rnd.claims:
             self.settle(rnd, next(iter(rnd.claims)))
 
@@ -206,40 +205,13 @@ class Intake:
             node.status = NodeStatus.EXCLUDED
             rnd.excluded.append(node.label)
 
-    def from_log(
-        self, res: dict, ulog: UpdateLog, w: np.ndarray | None, opt: OptState | None
-    ) -> tuple[np.ndarray, OptState]:
-        """The version a log reply stands for: the replay of its log from the current version, which must
-        hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first."""
-        e, cfg, fed = res["expert"], self.ledger.phase_config(), self.cfg.federation
-        x = self.ledger.expert(e)
-        stored = self.run.load_expert(x.path)
-        weights = protocol.decode_weights(stored["weights"])
-        base = State(weights, step=int(x.step), opt=self.ledger.checked_opt(stored, x.path))
-        if fed.audit_steps:
-            picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, cfg.seed, e, int(res["version"]))
-            shards = seed_mod.shards(self.cfg, self.prep, e, "train")
-            data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in shards), dtype=np.uint8)
-            replay_mod.audit(cfg, base, ulog, e, data, self._audit_evaluator(cfg), picks)
-        got = replay_mod.rebuild(cfg, base, ulog, e)
-        if w is None:
-            if protocol.weights_sha256(got.weights) != res["sha256"]:
-                raise ValidationError(f"expert {e}: its update log replays to other weights than the sha256 it claims")
-            return got.weights, got.opt
-        if got.weights.astype(w.dtype).tobytes() != w.tobytes():
-            raise ValidationError(f"expert {e}: the weights it sent are not what its update log replays to")
-        return w, opt
-
-    def _audit_evaluator(self, cfg: Config) -> Any:
-        if self.auditor is None:  # one thread, no spinning, as for the val loss; the audit recomputes probe by probe
-            self.auditor = evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1, evaluator=Evaluator.LOOP)
-        return self.auditor
-
-    def accept(self, rnd: Round, node: Node, c: Claim, w: np.ndarray, opt: OptState) -> None:
-        """The guard's verdict on a checked result, by its val loss; then the ledger stores it."""
+    def accept(
+        self, rnd: Round, node: Node, c: Claim, w: np.ndarray, opt: OptState, windows: np.ndarray, bar: GuardBar
+    ) -> None:
+        """The guard's verdict on a checked result, by its val loss on each window against its expert's bar;
+        then the ledger stores it."""
         res, e, fed = c.res, c.res["expert"], self.cfg.federation
-        windows = self.evaluation.window_losses(e, protocol.decode_weights(w))
-        val, bar = float(np.mean(windows)), self.ledger.bar(e, len(windows))
+        val = float(np.mean(windows))
         pooled = guard.pool([sp for x, sp in sorted(self.spreads.items()) if x != e])
         verdict = guard.judge(windows, bar, fed.guard_tolerance, fed.guard_sigmas, pooled)
         if verdict.refused is not None:

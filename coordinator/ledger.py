@@ -74,12 +74,14 @@ class Ledger:
 
     def _version0(self, e: int, w: np.ndarray) -> ExpertRecord:
         """Write version 0 of expert `e` with weights `w`, fresh optimizer state and step 0; its state entry.
-        Its val loss is the first best that the guard measures replies against."""
+        Its val loss is the first best that the guard measures replies against, and its losses window by
+        window the guard's first bar (made here, before round 1, not in round 1's checks)."""
         sha = protocol.weights_sha256(w)
-        val = self.evaluation.val_loss(e, protocol.decode_weights(w))
+        windows = self.evaluation.window_losses(e, protocol.decode_weights(w))
+        val = float(np.mean(windows))
         rel = self.run.save_expert(records.expert_body(e, 0, sha, self.cfg, 0, w, None, val))
         best = BestVersion(version=0, sha256=sha, path=rel, val_loss=val)
-        return records.expert_record(0, sha, rel, 0, None, val, None, best, OptState())
+        return records.expert_record(0, sha, rel, 0, None, val, None, best, OptState(), guard.bar_of(0, windows))
 
     def check_best(self) -> None:
         """Every expert's best version loads and matches its hash; else (corrupt, or a run from before

@@ -14,8 +14,12 @@ import numpy as np
 
 from coordinator import scheduler
 from soma_edge.rundir.metrics import ExpertLine, Rejection
+from soma_edge.rundir.state import GuardBar
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
+
+# a claim's version (weights, optimizer state), its val loss on each window, and its expert's guard bar
+Checked = tuple[np.ndarray, OptState, np.ndarray, GuardBar]
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Claim:
     sent: dict[str, int]  # weight and shard bytes sent down for it
     reply: dict[str, Any]
     ulog: UpdateLog | None
+    checked: Any = None  # its costly checks' outcome once run ahead of its verdict (Checked or ValidationError)
 
 
 @dataclass

@@ -13,7 +13,6 @@ Starting again on the same RUN resumes from its last committed round.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -25,7 +24,7 @@ from coordinator import launcher, records, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
 from soma_edge import checkpoint
-from soma_edge.config import Config
+from soma_edge.config import Config, local_worker_threads
 from soma_edge.engine import runtime
 from soma_edge.errors import ConfigError, SomaError
 from soma_edge.processes.launch import free_port
@@ -221,7 +220,7 @@ def launch_workers(
 ) -> None:
     """Start the --local-workers SuperNodes w0..w{n-1} on the config's `device`. On the CPU they split this
     box's cores; on one GPU each holds its own session and the GPU interleaves their kernels."""
-    threads = 0 if n == 1 else max(1, (os.cpu_count() or 1) // max(n, 1))
+    threads = local_worker_threads(n)
     for i in range(n):
         procs.worker(
             f"w{i}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -156,6 +157,10 @@ class FederationConfig:
     # while the coordinator replays, audits and evaluates them; a version its checks refuse costs its
     # expert the next round too. false: each round waits for the last one's checks and commit.
     pipeline: bool = True
+    # Threads for the coordinator's checks of a round's results (val losses, replays, audits), run side by
+    # side once the last reply is in; 0: the cores this box's local workers leave (at least 1), every core
+    # when it has none.
+    check_threads: int = 0
     tensorboard: bool = True  # RUN/tb/: TensorBoard event files of the metrics (`tensorboard --logdir runs/`)
 
 
@@ -385,6 +390,7 @@ def _check_federation(cfg: Config) -> None:
     _check(1 <= f.experts <= 4096, "federation.experts", "between 1 and 4096", f.experts)
     _check(f.rounds >= 0, "federation.rounds", ">= 0", f.rounds)
     _check(f.round_seconds > 0, "federation.round_seconds", "> 0", f.round_seconds)
+    _check(0 <= f.check_threads <= 256, "federation.check_threads", "between 0 and 256", f.check_threads)
     _check(f.min_expert_seconds >= 0, "federation.min_expert_seconds", ">= 0", f.min_expert_seconds)
     _check(0 <= f.local_workers <= 64, "federation.local_workers", "between 0 and 64", f.local_workers)
     _check(f.min_nodes >= 1, "federation.min_nodes", ">= 1", f.min_nodes)
@@ -424,3 +430,18 @@ def _check_federation(cfg: Config) -> None:
     f.log_decoder = LogDecoder(f.log_decoder)
     _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)
+
+
+def local_worker_threads(n: int) -> int:
+    """ORT threads of each of `n` local workers on a CPU box (0: ORT's own choice, for a worker alone): they
+    split the cores between them."""
+    return 0 if n == 1 else max(1, (os.cpu_count() or 1) // max(n, 1))
+
+
+def check_threads(fed: FederationConfig) -> int:
+    """The threads the coordinator checks results with (`FederationConfig.check_threads`, 0 resolved)."""
+    if fed.check_threads:
+        return fed.check_threads
+    cores, n = os.cpu_count() or 1, fed.local_workers
+    taken = 0 if n == 0 else cores if n == 1 else n * local_worker_threads(n)
+    return max(1, cores - taken)

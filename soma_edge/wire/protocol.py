@@ -546,6 +546,15 @@ def _check_tail(res: dict[str, Any], e: int) -> None:
         raise ValidationError(f"expert {e}: evaluator {_short(how)} is not one of {list(TRAINED_BY)}")
 
 
+def trained_of(res: dict[str, Any]) -> list[list[float]]:
+    """When a result says it trained (its `trained`), or [] where that is absent or malformed."""
+    try:
+        _check_trained(res.get("trained"), -1)
+    except ValidationError:
+        return []
+    return res.get("trained") or []
+
+
 def _check_trained(spans: Any, e: int) -> None:
     """A result's `trained` (absent from a worker of an earlier version): at most MAX_SPANS [start, end]
     pairs of finite seconds, each ending after it starts (soma_edge.wire.compute_share)."""

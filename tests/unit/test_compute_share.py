@@ -12,7 +12,7 @@ from soma_edge.config import from_dict
 from soma_edge.expert import params
 from soma_edge.rundir.metrics import RoundLine
 from soma_edge.spsa import optim
-from soma_edge.wire import compute_share
+from soma_edge.wire import compute_share, protocol
 from worker import probe, task
 from worker.trainer import train
 
@@ -64,3 +64,9 @@ def test_a_worker_result_says_when_it_trained():
     spans = res["trained"]  # to the millisecond
     assert len(spans) in (1, 2) and before - 0.001 <= spans[0][0] and spans[-1][1] <= after + 0.001, spans
     assert sum(b - a for a, b in res["trained"]) == pytest.approx(rep.seconds, abs=0.05)
+
+
+def test_the_coordinator_reads_when_any_result_trained_and_ignores_a_malformed_claim_of_it():
+    assert protocol.trained_of({"trained": [[1.0, 2.0]]}) == [[1.0, 2.0]]
+    assert protocol.trained_of({}) == []  # a worker of an earlier version
+    assert protocol.trained_of({"trained": [[2.0, 1.0]]}) == []  # refused by check_result; counted as nothing
