@@ -116,6 +116,12 @@ def ensure_prepared(
                 f"{run.root} is prepared from corpus {prep.get('corpus')!r}, not "
                 f"{cfg.federation.corpus!r} (use a new --run directory)"
             )
+        cut = prep.get("seq_len")  # absent from a run prepared before the held-out quotas
+        if isinstance(cut, int) and cfg.data.seq_len > cut:
+            raise ConfigError(
+                f"{run.root} is prepared for data.seq_len <= {cut} (its held-out windows are {cut + 1} bytes), "
+                f"not {cfg.data.seq_len}: longer windows leave experts too few of them (use a new --run directory)"
+            )
         if "seed" in given and prep.get("seed") != cfg.seed:
             raise ConfigError(
                 f"{run.root} is prepared with seed {prep.get('seed')!r}, not {cfg.seed!r} (use a new --run directory)"

@@ -810,6 +810,12 @@ def test_prepare_refuses_a_trained_or_running_run_and_start_refuses_another_corp
     cfg.federation.corpus, cfg.seed = prep["corpus"], prep["seed"] + 1
     with pytest.raises(ConfigError, match="prepared with seed 0"):
         ensure_prepared(run, cfg, {"seed"})
+    cfg.seed = prep["seed"]
+    cfg.data.seq_len = prep["seq_len"] + 1  # windows longer than the held-out ones it was cut for
+    with pytest.raises(ConfigError, match=f"prepared for data.seq_len <= {prep['seq_len']}"):
+        ensure_prepared(run, cfg)
+    cfg.data.seq_len = prep["seq_len"] // 2  # shorter ones fit: more of them
+    ensure_prepared(run, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- seed run
