@@ -1,13 +1,14 @@
 """Many experts on a few workers: N = 8, 64 and 256 tiny experts, the same run otherwise.
 
     .venv/bin/python -m bench.scale [--experts 8,64,256,256:5] [--workers 4] [--rounds 5] [--round-seconds 60]
-        [--embed 16] [--hidden 64] [--json]
+        [--embed 16] [--hidden 64] [--top-k 4] [--json]
 
 For each N: `soma-coord start --local-workers W` on 127.0.0.1 (a real SuperLink, W SuperNodes, the
 ServerApp and ClientApps), on the default corpus, at the shipped settings but the model size; then
 `soma-export onnx` and `soma-export eval` on every cluster's test shard. An arm `N:S` also sets
 `federation.min_expert_seconds = S` (a round trains the experts the workers can give S seconds each, in
-turn). Per arm it prints:
+turn); an arm `N@ExH` trains experts of embed E and hidden H (`8@64x513`: 8 experts with as many
+parameters in all as 256 of the tiny ones). Per arm it prints:
 
 - experts advanced per round, and those never advanced (still at version 0 at the end);
 - failed tasks (experts planned but not advanced, for any reason but the guard) and honest guard refusals
@@ -17,6 +18,12 @@ turn). Per arm it prints:
 - the coordinator's settle seconds per round (last reply in to the commit: checks, guard, mixture), as a
   share of round_seconds, and the ServerApp's peak RSS (VmHWM, polled while it runs);
 - the run directory's bytes, and the routed held-out nats/byte of the exported model (top-2).
+
+Then a second table, routed inference: every arm's exported model on the same held-out text (256 KiB in
+4 KiB pieces spread over the test documents of the corpus's hash split, which no arm trains on whatever its
+N), top-k routed: its nats/byte, and its bytes/s (the CPU time of the scoring thread, one ORT thread per
+session, best of 3), beside the arm's worker training seconds (the same budget for every arm: workers x
+rounds x round_seconds).
 
 The targets at N = 256 are in docs/BENCHMARKS.md, "Many experts".
 """
@@ -33,16 +40,44 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from bench import routed_inference
 from bench.common import ROOT, md_head, md_row, platform_line, say
+from export.infer import Deployment
+from soma_edge.config import ModelConfig
+from soma_edge.corpus import documents, sources
+from soma_edge.expert import params
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir
 from soma_edge.wire import compute_share
+
+HELDOUT_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Arm:
+    experts: int
+    min_expert_seconds: float | None = None
+    embed: int | None = None  # None: --embed, --hidden
+    hidden: int | None = None
+
+    @property
+    def name(self) -> str:
+        least = "" if self.min_expert_seconds is None else f":{self.min_expert_seconds:g}"
+        size = "" if self.embed is None else f"@{self.embed}x{self.hidden}"
+        return f"{self.experts}{least}{size}"
 
 
 @dataclass
 class Result:
     experts: int
     min_expert_seconds: float | None = None
+    arm: str = ""
+    params_per_expert: int = 0
+    train_seconds: float = 0.0  # worker training seconds of the accepted versions
+    routed_nats_per_byte: float | None = None  # on the common held-out text, top-k
+    routed_bytes_per_s: float | None = None
     advanced: list[int] = field(default_factory=list)  # per round
     never_advanced: int = 0
     failed: int = 0
@@ -57,25 +92,30 @@ class Result:
     seconds: float = 0.0
 
 
-def config(n: int, least: float | None, args) -> str:
+def model_of(arm: Arm, args) -> ModelConfig:
+    return ModelConfig(embed=arm.embed or args.embed, hidden=arm.hidden or args.hidden)
+
+
+def config(arm: Arm, args) -> str:
+    m = model_of(arm, args)
     return (
-        f"[model]\nembed = {args.embed}\nhidden = {args.hidden}\n"
-        f"[federation]\nexperts = {n}\nrounds = {args.rounds}\nround_seconds = {args.round_seconds}\n"
-        + ("" if least is None else f"min_expert_seconds = {least}\n")
+        f"[model]\nembed = {m.embed}\nhidden = {m.hidden}\n"
+        f"[federation]\nexperts = {arm.experts}\nrounds = {args.rounds}\nround_seconds = {args.round_seconds}\n"
+        + ("" if arm.min_expert_seconds is None else f"min_expert_seconds = {arm.min_expert_seconds}\n")
     )
 
 
-def arms(text: str) -> list[tuple[int, float | None]]:
-    """ "8,256:5" -> [(8, None), (256, 5.0)]."""
+def arms(text: str) -> list[Arm]:
+    """ "8,256:5,8@64x513" -> the arms: N, N with min_expert_seconds S, N with experts of embed E, hidden H."""
     out = []
     for item in text.split(","):
+        item, _, size = item.partition("@")
         n, _, least = item.partition(":")
-        out.append((int(n), float(least) if least else None))
+        embed, _, hidden = size.partition("x")
+        out.append(
+            Arm(int(n), float(least) if least else None, int(embed) if size else None, int(hidden) if size else None)
+        )
     return out
-
-
-def name(n: int, least: float | None) -> str:
-    return str(n) if least is None else f"{n}:{least:g}"
 
 
 def serverapp_hwm(run: Path) -> float:
@@ -98,11 +138,11 @@ def serverapp_hwm(run: Path) -> float:
     return best
 
 
-def train(n: int, least: float | None, args, work: Path) -> tuple[Path, float]:
+def train(arm: Arm, args, work: Path) -> tuple[Path, float]:
     """Start the run and wait for it, polling the ServerApp's peak RSS; (run dir, peak MB)."""
-    arm = name(n, least).replace(":", "-")
-    run, cfg = work / f"run-{arm}", work / f"n{arm}.toml"
-    cfg.write_text(config(n, least, args))
+    tag = arm.name.replace(":", "-").replace("@", "-")
+    run, cfg = work / f"run-{tag}", work / f"n{tag}.toml"
+    cfg.write_text(config(arm, args))
     cmd = [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--config", str(cfg)]
     cmd += ["--local-workers", str(args.workers), "--port", "0"]
     peak = 0.0
@@ -112,7 +152,7 @@ def train(n: int, least: float | None, args, work: Path) -> tuple[Path, float]:
             peak = max(peak, serverapp_hwm(run))
             time.sleep(1.0)
     if proc.returncode != 0:
-        raise SystemExit(f"N = {arm}: start exited {proc.returncode}; see {work / f'start-{arm}.log'}")
+        raise SystemExit(f"N = {arm.name}: start exited {proc.returncode}; see {work / f'start-{tag}.log'}")
     return run, peak
 
 
@@ -132,9 +172,24 @@ def heldout(run: Path) -> float:
     return float(json.loads(out.stdout)["nats_per_byte"])
 
 
-def measure(n: int, least: float | None, args, work: Path) -> Result:
+def routed(run: Path, data: np.ndarray, top_k: int) -> tuple[float, float]:
+    """The exported model's routed top-k nats/byte on `data`, and its bytes/s (scoring thread's CPU time,
+    one ORT thread per session, best of 3)."""
+    dep = Deployment(run / "deploy", device="cpu", threads=1)
+    k = min(top_k, dep.bundle.n_experts)
+    dep.score(data[: 8 * 128], k)  # warm-up: sessions made and run once
+    best, nats = 0.0, None
+    for _ in range(3):
+        t0 = time.thread_time()
+        got = dep.score(data, k)
+        best, nats = max(best, got.bytes / (time.thread_time() - t0)), got.nats_per_byte
+    return float(nats), best
+
+
+def measure(arm: Arm, args, work: Path, data: np.ndarray) -> Result:
+    n, least = arm.experts, arm.min_expert_seconds
     t0 = time.perf_counter()
-    run, peak = train(n, least, args, work)
+    run, peak = train(arm, args, work)
     lines = metrics.read_lines(RunDir(run))
     rounds = metrics.round_lines(lines)
     experts = metrics.expert_lines(lines)
@@ -150,7 +205,7 @@ def measure(n: int, least: float | None, args, work: Path) -> Result:
     secs = sum(m.seconds or 0.0 for m in experts if m.accepted)
     mid = [share for r, share in compute_share.shares(rounds).items() if 2 <= r <= 4]
     size = sum(p.stat().st_size for p in run.rglob("*") if p.is_file() and "deploy" not in p.parts)
-    return Result(
+    result = Result(
         experts=n,
         min_expert_seconds=least,
         advanced=[r.accepted for r in rounds],
@@ -165,7 +220,12 @@ def measure(n: int, least: float | None, args, work: Path) -> Result:
         run_bytes=size,
         heldout_nats_per_byte=heldout(run),
         seconds=time.perf_counter() - t0,
+        arm=arm.name,
+        params_per_expert=params.count(model_of(arm, args)),
+        train_seconds=secs,
     )
+    result.routed_nats_per_byte, result.routed_bytes_per_s = routed(run, data, args.top_k)
+    return result
 
 
 def table(results: list[Result], round_seconds: float) -> str:
@@ -178,7 +238,7 @@ def table(results: list[Result], round_seconds: float) -> str:
         rows.append(
             md_row(
                 [
-                    name(r.experts, r.min_expert_seconds),
+                    r.arm,
                     ", ".join(map(str, r.advanced)),
                     str(r.never_advanced),
                     str(r.failed),
@@ -196,14 +256,38 @@ def table(results: list[Result], round_seconds: float) -> str:
     return "\n".join(rows)
 
 
+def inference_table(results: list[Result], top_k: int, n_bytes: int) -> str:
+    heads = ["arm", "params/expert", "total params", "worker train s", f"held-out nats/byte (top-{top_k})"]
+    heads += [f"top-{top_k} B/s", "vs first arm"]
+    rows, base = [md_head(heads)], results[0].routed_bytes_per_s or 1.0
+    for r in results:
+        rows.append(
+            md_row(
+                [
+                    r.arm,
+                    f"{r.params_per_expert:,}",
+                    f"{r.experts * r.params_per_expert:,}",
+                    f"{r.train_seconds:.0f}",
+                    f"{r.routed_nats_per_byte:.4f}",
+                    f"{r.routed_bytes_per_s:,.0f}",
+                    f"{r.routed_bytes_per_s / base:.2f}",
+                ]
+            )
+        )
+    return f"routed inference on {n_bytes:,} held-out bytes\n" + "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--experts", default="8,64,256,256:5", help="arms: N, or N:S (min_expert_seconds S)")
+    ap.add_argument(
+        "--experts", default="8,64,256,256:5", help="arms: N, N:S (min_expert_seconds S), N@ExH (embed E, hidden H)"
+    )
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--round-seconds", type=float, default=60.0)
     ap.add_argument("--embed", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=4, help="experts mixed per window in the routed-inference table")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="soma-scale-"))
@@ -211,11 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform_line()}; {a.workers} local workers, {a.rounds} rounds of {a.round_seconds:g} s, "
         f"experts embed {a.embed} hidden {a.hidden}, default corpus; work in {work}"
     )
+    docs = documents.by_split(sources.default_documents())
+    data = routed_inference.heldout(docs["test"], HELDOUT_BYTES)  # one text for every arm: no arm trained on it
     results = []
-    for n, least in arms(a.experts):
-        results.append(measure(n, least, a, work))
-        say(f"  N = {name(n, least)}: {results[-1].seconds:.0f} s")
+    for arm in arms(a.experts):
+        results.append(measure(arm, a, work, data))
+        say(f"  N = {arm.name}: {results[-1].seconds:.0f} s")
     print(table(results, a.round_seconds))
+    print(inference_table(results, a.top_k, data.size))
     if a.json:
         print(json.dumps({"results": [asdict(r) for r in results]}))
     return 0
