@@ -20,6 +20,7 @@ from soma_edge import cli
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.metrics import ExpertLine, Line, RoundLine, Status
+from soma_edge.wire import compute_share
 
 
 def last_expert_lines(lines: list[Line]) -> dict[int, ExpertLine]:
@@ -58,6 +59,9 @@ def summary(run: RunDir) -> dict[str, Any]:
         "mixture_val_loss": lr.mixture_val_loss if lr else None,
         "val_loss_mean": lr.val_loss_mean if lr else None,
         "compute_share": lr.compute_share if lr else None,
+        # by when the training happened, per round (soma_edge.wire.compute_share); the last one's span is
+        # still open while the run goes on
+        "compute_shares": {str(r): v for r, v in compute_share.shares(metrics.round_lines(lines)).items()},
         "running": run.is_locked(),
         "phase": state.phase if state else "experts",  # "seed" while the seed run trains
         # the finished seed's version, once the experts started from it

@@ -128,6 +128,19 @@ def _table(s: dict[str, Any]) -> str:
     return f"<table><tr>{head}</tr>{rows}</table>"
 
 
+def _shares(s: dict[str, Any]) -> str:
+    """The compute share of each round's span (plan to next plan), counted by when the training happened."""
+    shares = s.get("compute_shares") or {}
+    if not shares:
+        return ""
+    cells = "".join(f"<tr><td>{r}</td><td>{100 * v:.1f}%</td></tr>" for r, v in shares.items())
+    return (
+        "<h2>Compute share</h2><p>Training on the planned nodes that fell inside each round's span, from its "
+        "plan to the next round's (the last round's, to its commit), over the nodes times the span.</p>"
+        f"<table><tr><th>round</th><th>compute share</th></tr>{cells}</table>"
+    )
+
+
 def write(run: RunDir, out: Path | None = None) -> Report:
     """Write OUT/report.html (default RUN/report/) and its PNGs; returns their paths."""
     lines = metrics.read_lines(run)
@@ -156,7 +169,7 @@ def write(run: RunDir, out: Path | None = None) -> Report:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}img{max-width:100%}</style></head>"
-        f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}<h2>Experts</h2>{_table(s)}</body></html>"
+        f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}{_shares(s)}<h2>Experts</h2>{_table(s)}</body></html>"
     )
     page_path = out / "report.html"
     checkpoint.atomic_write(page_path, page.encode(), mode=0o644)

@@ -327,6 +327,9 @@ def test_resumed_watched_stopped_with_tensorboard_and_report(fed):
         assert img.format == "PNG" and img.size[0] > 400
         img.load()
     assert "<table>" in page and f"round {state.round} of 50" in page
+    # Its compute share per round's span, counted by when the training happened: some work, never past 100%.
+    shares = [float(x) for x in re.findall(r"<tr><td>\d+</td><td>([0-9.]+)%</td></tr>", page)]
+    assert len(shares) == state.round and all(0 <= x <= 100 for x in shares) and max(shares) > 0, shares
 
 
 SECURE_CONFIG = """
