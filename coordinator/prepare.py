@@ -198,16 +198,18 @@ def _check_size(corpus: str, docs: list[documents.Document], experts: int, clust
 def _fit(
     docs: list[documents.Document], experts: int, clusters: int, seed: int, quota: holdout.Quota, report
 ) -> tuple[routing.Router, np.ndarray, list[holdout.Cut]]:
-    """The router, every document's cluster, and the held-out windows cut from train documents.
+    """The router, every document's cluster, and the held-out windows cut from within documents.
 
     The router learns from train documents only. If that leaves a cluster short of its quota, fit again on
-    train documents without the ends they set aside, moving documents to the clusters that lack text."""
+    train documents without the ends they set aside, moving documents to the clusters that lack text. Val
+    documents that outweigh a quarter of their cluster's train text join it (`holdout.heavy_val`)."""
     texts = [d.text for d in docs]
     train = [i for i, d in enumerate(docs) if d.split == "train"]  # held-out text never shapes the router
     router, labels = routing.fit(texts, experts, clusters, seed, fit_on=train, progress=report)
     lengths, splits = [len(t) for t in texts], [d.split for d in docs]
-    if not holdout.shortfall(holdout.Docs.of(lengths, splits, None), labels, clusters, quota).short.any():
-        return router, labels, []
+    plain = holdout.Docs.of(lengths, splits, None)
+    if not holdout.shortfall(plain, labels, clusters, quota).short.any():
+        return router, labels, holdout.heavy_val(plain, labels, clusters, quota)
     aside = holdout.Docs.of(lengths, splits, quota)
     fit_texts = [t[: len(t) - int(r) * quota.window] for t, r in zip(texts, aside.reserved.tolist())]
 
@@ -215,7 +217,9 @@ def _fit(
         return holdout.rebalance(aside, labels, d2, quota)
 
     router, labels = routing.fit(fit_texts, experts, clusters, seed, fit_on=train, progress=report, adjust=rebalance)
-    return router, labels, holdout.cut(aside, labels, clusters, quota)
+    cuts = holdout.cut(aside, labels, clusters, quota)
+    cuts += holdout.heavy_val(aside, labels, clusters, quota)
+    return router, labels, sorted(cuts, key=lambda c: c.doc)
 
 
 def _cluster_texts(
@@ -332,8 +336,9 @@ def print_summary(summary: dict, out: Path) -> None:
     if cut:
         windows = sum(sum(c["cut"].values()) for c in cut)
         console.print(
-            f"{len(cut)} of {len(summary['clusters'])} clusters had too few held-out documents: {windows} windows "
-            f"of {summary['seq_len'] + 1} bytes were cut from the ends of their train documents",
+            f"{len(cut)} of {len(summary['clusters'])} clusters had too few held-out documents, or val documents "
+            f"heavier than a quarter of their train text: {windows} windows of {summary['seq_len'] + 1} bytes were "
+            "cut from the ends of their documents",
             highlight=False,
         )
     console.print(

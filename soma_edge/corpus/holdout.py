@@ -10,6 +10,10 @@ held-out document at all. The SOMA paper splits each shard by sequence instead; 
   use. Set-aside bytes are left out of the router's fit, so val and test bytes never shape the router; the
   windows a cluster does not need go back to its train shard;
 - a window is cut whole, at a window boundary, so none reaches two splits.
+- a cluster's val documents weigh at most 1/HEAVY_VAL_SHARE of its train text. Heavier (a small cluster that
+  one large val document routed to), they join its train text and its val windows are cut from the end of
+  the largest of them (`heavy_val`): its expert is judged on text of its own documents, as the paper's split
+  by sequence does, not on a document that outweighs what it trains on. Test documents always stay test.
 
 `shortfall` says what each cluster lacks, `rebalance` moves documents to clusters that lack text (the nearest
 first, never from a cluster that would then lack), and `cut` takes each cluster's missing windows from the
@@ -27,6 +31,7 @@ from soma_edge.errors import CorpusError
 HELD_OUT_WINDOWS = 8  # val windows, and test windows, every expert gets
 TRAIN_WINDOWS = 32  # train text every expert gets, in windows of seq_len + 1 bytes (4,128 bytes at 128)
 RESERVE_SHARE = 4  # a train document sets aside at most this fraction (1/4) of its bytes for held-out windows
+HEAVY_VAL_SHARE = 4  # a cluster's val documents weigh at most 1/4 of its train text, or they join it (heavy_val)
 SEPARATOR_BYTES = 2  # len(corpus.documents.SEPARATOR), the bytes between two documents of a shard
 
 
@@ -157,7 +162,9 @@ def _best_move(docs: Docs, labels: np.ndarray, d2: np.ndarray, k: int, need: int
 
 @dataclass(frozen=True)
 class Cut:
-    """A train document's last `windows` windows, given to held-out splits: the first `val` of them to val."""
+    """A document's last `windows` windows, given to held-out splits (the first `val` of them to val), the
+    rest of it to train: a train document's reserve (`cut`), or a val document that joins train (`heavy_val`,
+    possibly with 0 windows)."""
 
     doc: int
     windows: int
@@ -180,3 +187,20 @@ def cut(docs: Docs, labels: np.ndarray, c: int, quota: Quota) -> list[Cut]:
         if val + test:
             raise CorpusError(f"cluster {k} lacks {val + test} held-out windows after rebalancing (a bug)")
     return sorted(out, key=lambda x: x.doc)
+
+
+def heavy_val(docs: Docs, labels: np.ndarray, c: int, quota: Quota) -> list[Cut]:
+    """Where a cluster's val documents weigh more than 1/HEAVY_VAL_SHARE of its train documents, they all join
+    its train text, the largest giving its last HELD_OUT_WINDOWS windows to val (no more than a quarter of it;
+    where it is too short, the cluster stays as it is). None of them was in the router's fit, which sees train
+    documents only."""
+    train = np.bincount(labels[docs.split == 0], weights=docs.lengths[docs.split == 0], minlength=c)
+    val = np.bincount(labels[docs.split == 1], weights=docs.lengths[docs.split == 1], minlength=c)
+    out = []
+    for k in np.flatnonzero(val * HEAVY_VAL_SHARE > train).tolist():
+        members = np.flatnonzero((labels == k) & (docs.split == 1)).tolist()
+        big = max(members, key=lambda j: (int(docs.lengths[j]), -j))
+        if docs.lengths[big] < RESERVE_SHARE * HELD_OUT_WINDOWS * quota.window:
+            continue
+        out += [Cut(j, HELD_OUT_WINDOWS, HELD_OUT_WINDOWS) if j == big else Cut(j, 0, 0) for j in members]
+    return out

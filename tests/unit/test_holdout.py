@@ -74,6 +74,18 @@ def test_cut_takes_whole_windows_from_the_ends_of_train_documents():
     assert cuts == [holdout.Cut(0, 10, 5), holdout.Cut(1, 3, 0)]
 
 
+def test_val_documents_heavier_than_a_quarter_of_the_train_text_join_it():
+    # Cluster 0: 40 windows of train, a 40-window val document and a small one: both join train, and the large
+    # one's last 8 windows are its val. Cluster 1: 400 windows of train, the same val: it stays val. Test
+    # documents never move.
+    d = docs_of([40 * W, 40 * W, 3 * W, 40 * W, 400 * W, 40 * W], ["train", "val", "val", "test", "train", "val"], None)
+    labels = np.array([0, 0, 0, 0, 1, 1])
+    assert holdout.heavy_val(d, labels, 2, Q) == [holdout.Cut(1, 8, 8), holdout.Cut(2, 0, 0)]
+    # A val document too short to give 8 windows from its last quarter leaves its cluster as it is.
+    short = docs_of([10 * W, 20 * W], ["train", "val"], None)
+    assert holdout.heavy_val(short, np.array([0, 0]), 1, Q) == []
+
+
 # ---------------------------------------------------------------- prepare at many experts
 
 
