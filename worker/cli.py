@@ -159,8 +159,8 @@ def join_cmd(
     no_speculate: bool = typer.Option(
         False,
         "--no-speculate",
-        help="Do not train an expert on while its reply is in flight (the next request takes those steps "
-        "when it asks for the same expert from the version just sent).",
+        help="Do not train experts on while their reply is in flight (the next request takes those steps "
+        "when it asks for the same experts from the versions just sent).",
     ),
     parallel: int = typer.Option(
         0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."
