@@ -146,7 +146,7 @@ def train(arm: Arm, args, work: Path) -> tuple[Path, float]:
     cmd = [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--config", str(cfg)]
     cmd += ["--local-workers", str(args.workers), "--port", "0"]
     peak = 0.0
-    with open(work / f"start-{arm}.log", "wb") as log:
+    with open(work / f"start-{tag}.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         while proc.poll() is None:
             peak = max(peak, serverapp_hwm(run))

@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import records, scheduler
+from coordinator import scheduler
 from coordinator.fleet import Fleet, Node, Outgoing, Sent, message
 from coordinator.ledger import Bases, Ledger
 from coordinator.round import Round, Waiting
 from soma_edge.config import Config, LogDecoder, ReplyPolicy, evals_per_step
 from soma_edge.errors import CheckpointError, CorpusError
 from soma_edge.expert import params
+from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
 from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
@@ -157,7 +158,7 @@ class Dispatcher:
             self.fleet.nodes[nid].label,
             sum(map(len, shards.values())) / 2**20,
             "a first piece times its link" if timing else f"{len(pieces) + 1} pieces go",
-            records.expert_set(experts),
+            logs.expert_set(experts),
         )
 
     def push_pieces(self, nid: int, wait: Waiting, messages: list[list[dict[str, Any]]]) -> None:
@@ -203,7 +204,7 @@ class Dispatcher:
                 self.fleet.nodes[o.node].label,
                 f"timed at {8 * link / 1e6:.1f} Mbit/s" if link else "still untimed (a piece too small to tell)",
                 "1 more piece goes" if not messages else f"{len(messages) + 1} more pieces go",
-                records.expert_set(wait.experts),
+                logs.expert_set(wait.experts),
             )
         if wait.mids:
             return
@@ -304,7 +305,7 @@ class Dispatcher:
         scale = left / (fed.round_seconds * fed.deadline_factor)
         steps = {e: max(1, int(rnd.plan.steps[e] * min(1.0, scale))) for e in experts}
         log.info(
-            "round %d: resending %s to node %s with their payload (cache miss)", rnd.r, records.expert_set(experts), nid
+            "round %d: resending %s to node %s with their payload (cache miss)", rnd.r, logs.expert_set(experts), nid
         )
         bases = Bases(self.ledger, self.fleet.nodes)
         self.send_train(rnd, nid, experts, steps, bases, max_seconds=min(left, fed.round_seconds))
@@ -347,7 +348,7 @@ class Dispatcher:
         log.info(
             "round %d: idle experts %s go to %s, which has no work this round",
             rnd.r,
-            records.expert_set(steps),
+            logs.expert_set(steps),
             nodes[nid].label,
         )
         self.send_train(rnd, nid, sorted(steps), steps, bases, max_seconds=fed.round_seconds)

@@ -23,6 +23,7 @@ from coordinator.ledger import Ledger
 from coordinator.round import Claim, Round
 from soma_edge.config import Config
 from soma_edge.errors import CodecError, ValidationError
+from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
 from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
@@ -111,7 +112,7 @@ class Intake:
                 rnd.r,
                 o.node,
                 node.name,
-                records.expert_set(o.expected.tasks),
+                logs.expert_set(o.expected.tasks),
             )
         else:
             log.warning(

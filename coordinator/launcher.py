@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from soma_edge.processes.launch import die_with_parent, flower_bin, flower_env
 
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
 CONNECTION = "soma"
+LOCAL_WORKER_NICE = 5  # `start --local-workers` runs its workers at this niceness (coordinator first)
 
 
 @dataclass
@@ -200,6 +202,9 @@ class Launcher:
         cmd += [] if spin else ["--no-spin"]
         cmd += ["--root-certificates", str(tls.ca)] if tls and tls.enabled else []
         cmd += ["--auth-key", str(auth_key)] if auth_key else []
+        # A local worker yields to the coordinator beside it: where they share too few cores, the round's
+        # checks (its commit) would otherwise wait behind the workers' training of the next round.
+        cmd = ["nice", "-n", str(LOCAL_WORKER_NICE), *cmd] if shutil.which("nice") else cmd
         p = spawn(name, cmd, self.logs / f"{name}.log", flower_env(self.flwr_home))
         self.procs.append(p)
         return p

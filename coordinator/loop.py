@@ -37,6 +37,7 @@ from coordinator.round import Round
 from soma_edge.config import Config, expert_steps
 from soma_edge.corpus.documents import SEPARATOR
 from soma_edge.errors import SomaError
+from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
 from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
@@ -275,9 +276,9 @@ class Loop:
             "round %d/%d: %s (predicted compute %.1f s; moved: %s%s)",
             r,
             self.cfg.federation.rounds,
-            ", ".join(f"{self.fleet.nodes[n].label}<-{records.expert_set(es)}" for n, es in by_node.items()),
+            ", ".join(f"{self.fleet.nodes[n].label}<-{logs.expert_set(es)}" for n, es in by_node.items()),
             plan.makespan,
-            records.expert_set(plan.moved) if plan.moved else "none",
+            logs.expert_set(plan.moved) if plan.moved else "none",
             "; before round %d's checks" % (r - 1) if ahead else "",
         )
         rnd = Round(
@@ -345,7 +346,7 @@ class Loop:
                 rnd.r,
                 nid,
                 node.name,
-                records.expert_set(tasks),
+                logs.expert_set(tasks),
             )
             node.status = NodeStatus.PROBATION
             for e in tasks:

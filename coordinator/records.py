@@ -249,22 +249,6 @@ def reasons(experts: dict[int, str], most: int = 4) -> str:
     return "; ".join(parts[:most]) + (f"; and {len(parts) - most} other reasons" if len(parts) > most else "")
 
 
-def expert_set(es: Any, most: int = 8) -> str:
-    """Expert ids for a log line, short at any N: the list up to `most`, else the count and its runs of
-    consecutive ids ("40 experts: 0-31, 40-47"; after 4 runs, "...")."""
-    ids = sorted(int(e) for e in es)
-    if len(ids) <= most:
-        return str(ids)
-    runs: list[list[int]] = []
-    for e in ids:
-        if runs and e == runs[-1][1] + 1:
-            runs[-1][1] = e
-        else:
-            runs.append([e, e])
-    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs[:4])
-    return f"{len(ids)} experts: {text}{', ...' if len(runs) > 4 else ''}"
-
-
 def _ids(es: list[int]) -> str:
     return (
         f"expert {es[0]}"

@@ -37,6 +37,7 @@ from soma_edge.corpus.documents import SEPARATOR
 from soma_edge.corpus.sources import cache_dir
 from soma_edge.errors import CheckpointError, SomaError, ValidationError
 from soma_edge.expert import steps
+from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState, State
@@ -296,7 +297,7 @@ def _claimed(s: Settings, keys: list[speculation.Key], body: dict[str, Any]) -> 
     log.info(
         "round %s: experts %s trained while the last reply went up (%.1f s of their %.1f s before this request)",
         body["round"],
-        [k.expert for k in keys],
+        logs.expert_set(k.expert for k in keys),
         max(0.0, seconds - (time.perf_counter() - t0)),
         seconds,
     )
@@ -382,7 +383,10 @@ def _train_all(
     caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
     evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel, probe.chosen(caps))
     log.info(
-        "round %s: training experts %s for up to %.0f s", body["round"], [t["expert"] for t, *_ in runnable], budget
+        "round %s: training experts %s for up to %.0f s",
+        body["round"],
+        logs.expert_set(t["expert"] for t, *_ in runnable),
+        budget,
     )
     # The budget is the compute the coordinator planned; it starts here, once the sessions are built. Set-up
     # (the message's decode, its pieces, building the sessions) took all of a 4 s budget on a loaded box,

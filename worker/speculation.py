@@ -53,6 +53,7 @@ from soma_edge.checkpoint import atomic_write
 from soma_edge.config import Config
 from soma_edge.corpus.documents import SEPARATOR
 from soma_edge.errors import CheckpointError, SomaError
+from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
 from soma_edge.processes.pids import pid_alive
 from soma_edge.spsa.optim import State
@@ -474,9 +475,8 @@ def main(argv: list[str]) -> int:
         trainer = _start(folder, spec)
         if trainer is not None:
             log.info(
-                "experts %s: training on from versions %s while the reply goes up",
-                [j.key.expert for j in trainer.jobs],
-                [j.key.version for j in trainer.jobs],
+                "experts %s: training on from the versions just sent while the reply goes up",
+                logs.expert_set(j.key.expert for j in trainer.jobs),
             )
             trainer.run()
     except (CheckpointError, SomaError, OSError, ValueError, KeyError, TypeError) as e:

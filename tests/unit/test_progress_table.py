@@ -1,7 +1,7 @@
 """What the console shows at many experts: id sets as runs, the experts table as its best and worst rows."""
 
-from coordinator import records
 from coordinator.progress import EDGE_ROWS, TABLE_ROWS, experts_table
+from soma_edge.processes import logs
 
 
 def summary_of(n: int) -> dict:
@@ -28,7 +28,7 @@ def test_a_table_of_many_experts_shows_the_best_and_worst_and_says_how_to_see_al
 
 
 def test_expert_sets_print_as_runs_of_ids_beyond_eight():
-    assert records.expert_set({3, 1, 2}) == "[1, 2, 3]"
-    assert records.expert_set(range(64)) == "64 experts: 0-63"
-    assert records.expert_set([*range(32), *range(40, 48), 50]) == "41 experts: 0-31, 40-47, 50"
-    assert records.expert_set(range(0, 256, 2)) == "128 experts: 0, 2, 4, 6, ..."
+    assert logs.expert_set({3, 1, 2}) == "[1, 2, 3]"
+    assert logs.expert_set(range(64)) == "64 experts: 0-63"
+    assert logs.expert_set([*range(32), *range(40, 48), 50]) == "41 experts: 0-31, 40-47, 50"
+    assert logs.expert_set(range(0, 256, 2)) == "128 experts: 0, 2, 4, 6, ..."
