@@ -71,6 +71,7 @@ LOCK_WAIT = 10.0  # a new trainer waits this long for the one it replaces to sto
 IDLE_SECONDS = 1800.0  # an unclaimed trainer stops after this long: a 91 MB weights reply takes 12 min at 1 Mbit/s
 RESULT_SLACK = 60.0  # a claimed round's result is given up on this long past its budget
 START_SECONDS = 20.0  # a claim waits this long for a trainer that is still starting
+STARTED_UNDER = os.getppid()  # the process that started this one (the ClientApp's: its SuperExec)
 
 
 @dataclass(frozen=True)
@@ -243,13 +244,18 @@ def spawn(
     settings: dict[str, Any],
 ) -> None:
     """Start a trainer on the round after each (key, task, result) in `done`, from the result's version,
-    which is in the cache; any trainer before it stops."""
+    which is in the cache; any trainer before it stops. None starts where the SuperExec that started this
+    ClientApp is gone (the worker is stopping, and this process was handed to another parent): no request
+    would come, and a trainer watching that other parent would outlive the worker."""
+    if os.getppid() != STARTED_UNDER or STARTED_UNDER <= 1:
+        stop(root)
+        return
     folder = root / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     jobs = [dict(zip(("key", "task"), (k.record(), t))) for k, t in (_next(k, t, res) for k, t, res in done)]
     ident = uuid.uuid4().hex
     spec = {"id": ident, "jobs": jobs, "config": config, "budget": budget}
-    spec.update(settings=settings, watch=os.getppid())
+    spec.update(settings=settings, watch=STARTED_UNDER)
     path = folder / f"spec-{ident}.msgpack"
     atomic_write(path, codec.encode(spec, SPEC_KIND))
     atomic_write(folder / "current.json", json.dumps({"id": ident, "pid": os.getpid()}).encode())  # before it looks
@@ -301,7 +307,7 @@ class Trainer:
 
     def _gone(self) -> bool:
         """Told to stop (another trainer is wanted, or none), or the SuperExec of our ClientApp is gone."""
-        return _current(self.folder).get("id") != self.id or not pid_alive(self.watch)
+        return _current(self.folder).get("id") != self.id or self.watch <= 1 or not pid_alive(self.watch)
 
     def _interrupt(self) -> bool:
         return self._gone() or (self.claimed is None and (self.folder / "claim.json").exists())

@@ -185,3 +185,15 @@ def test_a_trainer_killed_mid_round_gives_the_round_back(tmp_path):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_a_clientapp_whose_superexec_is_gone_starts_no_trainer(tmp_path, monkeypatch):
+    """A ClientApp that finishes its round after its worker was stopped (its SuperExec gone, the process
+    handed to another parent) starts no trainer: none would be claimed, and one would watch the wrong parent
+    and outlive the worker (seen after a kill -9 of `soma-coord start`)."""
+    monkeypatch.setattr(speculation.os, "getppid", lambda: 1)
+    res = {"version": 3, "sha256": "d" * 64, "step": 12}
+    t = {"expert": 0, "version": 2, "base_sha256": "a" * 64, "step": 10, "steps": 5}
+    speculation.spawn(tmp_path, [(_key(), t, res)], {}, 1.0, {})
+    folder = tmp_path / speculation.FOLDER
+    assert not list(folder.glob("spec-*")) and not speculation.running(tmp_path)
