@@ -19,7 +19,7 @@ parameters in all as 256 of the tiny ones). Per arm it prints:
   share of round_seconds, and the ServerApp's peak RSS (VmHWM, polled while it runs);
 - the run directory's bytes, and the routed held-out nats/byte of the exported model (top-2).
 
-Then a second table, routed inference: every arm's exported model on the same held-out text (256 KiB in
+Then a second table, routed inference: every arm's exported model on the same held-out text (up to 256 KiB in
 4 KiB pieces spread over the test documents of the corpus's hash split, which no arm trains on whatever its
 N), top-k routed: its nats/byte, and its bytes/s (the CPU time of the scoring thread, one ORT thread per
 session, best of 3), beside the arm's worker training seconds (the same budget for every arm: workers x
