@@ -109,9 +109,10 @@ def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float, p
     noise, how = t_quantile(sigmas, own.dof) * se, "its standard error"
     if n < POOL_BELOW and pooled is not None and pooled.dof > own.dof:
         pooled_se = min(pooled.diff_sd, pooled.bar_sd) / math.sqrt(n)
-        if t_quantile(sigmas, pooled.dof) * pooled_se > noise:  # the wider of the two: an expert noisier
-            # than the others keeps its own margin, one with no spread of its own gets theirs
-            se, noise = pooled_se, t_quantile(sigmas, pooled.dof) * pooled_se
+        pooled_noise = t_quantile(sigmas, pooled.dof) * pooled_se
+        if pooled_noise > noise:  # the wider of the two: an expert noisier than the others keeps its own
+            # margin, one with no spread of its own gets theirs
+            se, noise = pooled_se, pooled_noise
             how = f"the other experts' standard error ({pooled.dof} degrees of freedom) for {n} windows,"
     margin = tolerance + noise
     refused = None

@@ -51,8 +51,8 @@ class Intake:
         dispatcher: Dispatcher,
         status: Callable[..., None],
     ) -> None:
-        self.run, self.cfg, self.ledger, self.fleet, self.prep = run, cfg, ledger, fleet, prep  # prep: the shards
-        self.evaluation, self.dispatcher = evaluation, dispatcher
+        self.cfg, self.ledger, self.fleet, self.prep = cfg, ledger, fleet, prep  # prep: the shards
+        self.dispatcher = dispatcher
         self.status = status  # writes status.json (`Loop.status`)
         self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
         self.checks = Checks(run, cfg, ledger, prep, evaluation)
