@@ -57,6 +57,7 @@ class RunDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self.fallback: str | None = None  # why the last read_state fell back to state.prev.msgpack
+        self.unsynced: set[Path] = set()  # versions and logs written since the last commit, not yet durable
 
     # --- paths ----------------------------------------------------------------------------------------
     run_toml = property(lambda self: self.root / "run.toml")
@@ -130,9 +131,14 @@ class RunDir:
     # --- experts --------------------------------------------------------------------------------------
 
     def save_expert(self, body: dict[str, Any]) -> str:
+        """Write a version; it becomes durable with the next `save_state`, the commit that names it."""
         rel = self.expert_rel(body["expert"], body["version"])
-        checkpoint.save(self.root / rel, body, EXPERT_KIND)
+        self._save_unsynced(self.root / rel, body, EXPERT_KIND)
         return rel
+
+    def _save_unsynced(self, path: Path, body: dict[str, Any], kind: str) -> None:
+        checkpoint.save(path, body, kind, durable=False)
+        self.unsynced.add(path)
 
     def load_expert(self, rel: str) -> dict[str, Any]:
         return checkpoint.load(self.root / rel, EXPERT_KIND)
@@ -141,8 +147,9 @@ class RunDir:
         return self.root / "experts" / str(expert) / f"l{version}.msgpack"
 
     def save_log(self, expert: int, version: int, body: dict[str, Any]) -> None:
-        """The update log that made `version` from the version before it (`from_sha256`)."""
-        checkpoint.save(self.log_path(expert, version), body, LOG_KIND)
+        """The update log that made `version` from the version before it (`from_sha256`); durable with the
+        next `save_state`."""
+        self._save_unsynced(self.log_path(expert, version), body, LOG_KIND)
 
     def load_log(self, expert: int, version: int) -> dict[str, Any] | None:
         """That log, or None when there is none (weights replies) or it does not load (it is an optimization)."""
@@ -213,7 +220,10 @@ class RunDir:
 
     def save_state(self, state: dict[str, Any]) -> None:
         """Commit `state` (a `RunState.to_dict()`); the state it replaces stays as state.prev.msgpack, the
-        fallback of `read_state` (a crash between the two steps leaves that fallback, which it then uses)."""
+        fallback of `read_state` (a crash between the two steps leaves that fallback, which it then uses).
+        The versions and logs written since the last commit become durable first, all together."""
+        checkpoint.sync(sorted(self.unsynced))
+        self.unsynced.clear()
         if self.state_path.exists():
             os.replace(self.state_path, self.prev_state_path)
         checkpoint.save(self.state_path, state, STATE_KIND)

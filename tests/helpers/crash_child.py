@@ -11,8 +11,8 @@ after writing what it crashed on to --info. Phases and points (see `POINTS`):
 
   experts  (an `atomic_write` of experts/<e>/v<n>.msgpack)
       before_tmp     at the entry of the atomic write: nothing of it on disk yet
-      after_tmp      the temp file written and fsynced, before its os.replace onto the target
-      after_replace  right after that os.replace, before the folder's fsync
+      after_tmp      the temp file written, before its os.replace onto the target
+      after_replace  right after that os.replace (the version is made durable with the next commit)
       after_write    after the atomic write returned
   metrics  (`RunDir.append_metrics`: a commit's lines appended to metrics.jsonl)
       before_append  nothing of the commit's lines written yet
@@ -138,11 +138,11 @@ class Injector:
             inj.unlinks_this_commit = 0
             return real_commit(self, rnd, t_next)
 
-        def _atomic_write(path, data, mode=None):
+        def _atomic_write(path, data, mode=None, durable=True):
             mine = inj.phase in ("experts", "metrics", "state") and inj.target(path)
             if mine and inj.point == "before_tmp":
                 inj.hit(f"atomic_write {path}")
-            real_atomic(path, data, mode)
+            real_atomic(path, data, mode, durable)
             if mine and inj.point == "after_write":
                 inj.hit(f"atomic_write {path} returned")
 

@@ -1,3 +1,5 @@
+import os
+
 import msgpack
 import numpy as np
 import pytest
@@ -67,3 +69,31 @@ def test_unwritable_path_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="cannot write"):
         checkpoint.atomic_write(tmp_path, b"data")  # a folder where the file should go
     assert blocker.read_bytes() == b"x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_versions_become_durable_with_the_commit_that_names_them(tmp_path, monkeypatch):
+    from soma_edge.rundir.layout import RunDir
+
+    run = RunDir(tmp_path)
+    synced: list = []
+    monkeypatch.setattr(checkpoint, "sync", lambda paths: synced.append(list(paths)))
+    rel = run.save_expert({"expert": 3, "version": 1, "weights": b"w"})
+    run.save_log(3, 1, {"log": b"l"})
+    assert synced == [] and run.unsynced == {run.root / rel, run.log_path(3, 1)}
+    run.save_state({"round": 1})
+    assert synced == [sorted([run.root / rel, run.log_path(3, 1)])] and not run.unsynced
+    run.save_state({"round": 2})
+    assert synced[-1] == []  # nothing written since: nothing to wait for
+
+
+def test_sync_makes_files_durable_and_skips_removed_ones(tmp_path, monkeypatch):
+    a, b = tmp_path / "x" / "a", tmp_path / "y" / "b"
+    checkpoint.atomic_write(a, b"1", durable=False)
+    checkpoint.atomic_write(b, b"2", durable=False)
+    assert a.read_bytes() == b"1" and not list(tmp_path.glob("*/.*.tmp"))
+    fsynced: list = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsynced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    b.unlink()
+    checkpoint.sync([a, b])
+    assert sorted(fsynced) == sorted([str(a), str(a.parent), str(b.parent)])
