@@ -11,8 +11,8 @@ with `spsa.decoder = "spsa"` (no dense decoder) and the flags' round timing; mod
 settings (the delta-rule decoder, reply = auto, 60 s rounds, the default deadlines), setting only the model
 size, experts, rounds and min_nodes. Prints, per round, the round's wall time, the worker's compute
 seconds, the compute share counted by when the training happened (a round's span runs from its plan to
-the next one's, the last one's to its commit: soma_edge.wire.compute_share), the share counted by the round
-each reply answered (the round line's, which counts seconds trained before a round's plan in that round),
+the next one's, the last one's to its commit: soma_edge.wire.compute_share), the same share as far as the
+round's commit knew (the round line's: without what the next round's results trained inside its span),
 and the bytes down and up; then the mean share of the rounds after the first. Needs root.
 """
 
@@ -111,7 +111,7 @@ def main() -> None:
     )
     print(
         f"{'expert':>6} {'mode':>7} {'round':>5} {'wall s':>7} {'compute s':>9}"
-        f" {'share':>6} {'by reply':>8} {'down B':>11} {'up B':>11}"
+        f" {'share':>6} {'at commit':>9} {'down B':>11} {'up B':>11}"
     )
     work = Path(tempfile.mkdtemp(prefix="soma-slow-link-"))
     for size in args.sizes.split(","):
@@ -123,7 +123,7 @@ def main() -> None:
                 comp = sum((r.compute_seconds or {}).values())
                 print(
                     f"{size:>6} {mode:>7} {r.round:>5} {r.round_seconds_total:>7.1f} {comp:>9.1f} "
-                    f"{100 * spans.get(r.round, 0.0):>5.1f}% {100 * r.compute_share:>7.1f}% "
+                    f"{100 * spans.get(r.round, 0.0):>5.1f}% {100 * r.compute_share:>8.1f}% "
                     f"{r.bytes_down:>11,} {r.bytes_up:>11,}",
                     flush=True,
                 )

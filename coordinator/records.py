@@ -206,7 +206,7 @@ def round_line(
         wall_seconds=wall,
         round_seconds_total=round_total,
         compute_seconds={labels[n]: s for n, s in sorted(rnd.compute.items())},
-        compute_share=(sum(rnd.compute.values()) / (len(planned) * round_total)) if nodes else 0.0,
+        compute_share=share_at_commit(rnd, round_total),
         predicted_makespan=rnd.plan.makespan,
         moved=rnd.plan.moved,
         bytes_down=rnd.bytes_down,
@@ -217,6 +217,15 @@ def round_line(
         trained={labels[n]: compute_share.record(spans) for n, spans in rnd.trained.items()},
         next_round_ahead=ahead,
     )
+
+
+def share_at_commit(rnd: Any, round_total: float) -> float:
+    """Round `rnd`'s compute share as far as its commit knows (soma_edge.wire.compute_share): the training its
+    results (and last round's late ones) report inside its span, on the nodes it planned. What the next
+    round's results trained inside this span (a worker training on while its reply was in flight) is not in
+    yet; `soma-coord report` recounts with it."""
+    planned = set(rnd.plan.assignment.values())  # node ids
+    return compute_share.share(rnd.trained, planned, rnd.planned_at, rnd.planned_at + round_total)
 
 
 def status(phase: str, cfg: Config, state: RunState | None, nodes: dict[int, Any], **extra: Any) -> Status:

@@ -181,7 +181,7 @@ class RoundLine(Record):
     wall_seconds: float | None = None  # first request out to last reply in
     round_seconds_total: float | None = None  # plan to commit (or to the next round's plan, if it went ahead)
     compute_seconds: dict[str, float] = field(default_factory=dict)  # node label -> compute seconds
-    compute_share: float | None = None
+    compute_share: float | None = None  # as far as the commit knew (coordinator.records.share_at_commit)
     predicted_makespan: float | None = None
     moved: list[int] = field(default_factory=list)  # experts that changed node
     bytes_down: int = 0

@@ -13,7 +13,7 @@ disagree the stretches move by the difference.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 Span = tuple[float, float]
 
@@ -45,6 +45,16 @@ def busy(spans: Iterable[Sequence[float]], lo: float, hi: float) -> float:
     return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged(spans, most=1 << 30))
 
 
+def share(
+    trained: Mapping[Hashable, Iterable[Sequence[float]]], nodes: Iterable[Hashable], lo: float, hi: float
+) -> float:
+    """The share of [lo, hi] that `nodes` spent training, by the stretches in `trained` (node -> spans)."""
+    nodes = set(nodes)
+    if hi <= lo or not nodes:
+        return 0.0
+    return sum(busy(trained.get(n, []), lo, hi) for n in nodes) / (len(nodes) * (hi - lo))
+
+
 def shares(rounds: Sequence[object]) -> dict[int, float]:
     """Each round's compute share as this module's docstring counts it, from the round lines of a run
     (soma_edge.rundir.metrics.RoundLine, in order); rounds whose lines predate `planned_at` are left out."""
@@ -59,6 +69,5 @@ def shares(rounds: Sequence[object]) -> dict[int, float]:
         hi = timed[i + 1].planned_at if i + 1 < len(timed) else r.time
         if hi is None or hi <= lo or not r.nodes:
             continue
-        work = sum(busy(by_node.get(n, []), lo, hi) for n in set(r.nodes))
-        out[r.round] = work / (len(set(r.nodes)) * (hi - lo))
+        out[r.round] = share(by_node, r.nodes, lo, hi)
     return out

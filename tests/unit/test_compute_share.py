@@ -70,3 +70,17 @@ def test_the_coordinator_reads_when_any_result_trained_and_ignores_a_malformed_c
     assert protocol.trained_of({"trained": [[1.0, 2.0]]}) == [[1.0, 2.0]]
     assert protocol.trained_of({}) == []  # a worker of an earlier version
     assert protocol.trained_of({"trained": [[2.0, 1.0]]}) == []  # refused by check_result; counted as nothing
+
+
+def test_the_share_at_commit_counts_only_training_inside_the_round_span():
+    """The console's share at a commit: seconds its results trained before its plan (speculation, counted in
+    the round before) are left out, so it never passes 100% as the reply-seconds count did."""
+    from coordinator.records import share_at_commit
+    from coordinator.round import Round
+    from coordinator.scheduler import Plan
+
+    rnd = Round(r=2, plan=Plan({0: 7, 1: 8}, {}, 0.0, []), deadline=0.0, t_sent=0.0, planned_at=100.0)
+    rnd.trained = {7: [[90.0, 160.0]], 8: [[100.0, 130.0]], 9: [[100.0, 160.0]]}  # node 9 was not planned
+    assert share_at_commit(rnd, 60.0) == pytest.approx((60 + 30) / (2 * 60))
+    rnd.trained = {7: [[40.0, 170.0]], 8: [[95.0, 161.0]]}
+    assert share_at_commit(rnd, 60.0) == pytest.approx(1.0)
