@@ -24,7 +24,7 @@ import tomli_w
 
 from soma_edge.checkpoint import atomic_write
 from soma_edge.errors import SomaError
-from soma_edge.processes.launch import die_with_parent, flower_bin, flower_env
+from soma_edge.processes.launch import flower_bin, flower_env, session_child
 
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
 CONNECTION = "soma"
@@ -135,7 +135,7 @@ def spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path |
             env=env,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=session_child,
         )
     finally:
         f.close()
@@ -203,7 +203,8 @@ class Launcher:
         cmd += ["--root-certificates", str(tls.ca)] if tls and tls.enabled else []
         cmd += ["--auth-key", str(auth_key)] if auth_key else []
         # A local worker yields to the coordinator beside it: where they share too few cores, the round's
-        # checks (its commit) would otherwise wait behind the workers' training of the next round.
+        # checks (its commit) would otherwise wait behind the workers' training of the next round. Its
+        # SuperNode's session keeps the niceness (processes.launch.session_child).
         cmd = ["nice", "-n", str(LOCAL_WORKER_NICE), *cmd] if shutil.which("nice") else cmd
         p = spawn(name, cmd, self.logs / f"{name}.log", flower_env(self.flwr_home))
         self.procs.append(p)

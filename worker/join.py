@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from soma_edge.errors import ConfigError, LinkError
-from soma_edge.processes.launch import die_with_parent
+from soma_edge.processes.launch import session_child
 from soma_edge.wire.protocol import RUN_ENDED
 
 # How long the coordinator may not answer before `join` gives up (Flower itself would retry forever).
@@ -118,7 +118,7 @@ def _serve_once(j: Join) -> tuple[int, "Relay"]:
         proc = subprocess.Popen(
             j.cmd,
             env=j.env,
-            preexec_fn=die_with_parent,
+            preexec_fn=session_child,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -43,3 +43,27 @@ def test_local_workers_take_the_configs_device(tmp_path: Path) -> None:
 def test_an_unknown_device_is_refused_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="device"):
         runconfig.resolve_config(RunDir(tmp_path / "run"), None, {"device": "tpu9"})
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no scheduling autogroups on this kernel")
+def test_a_niced_worker_s_own_session_keeps_its_niceness_across_scheduling_groups() -> None:
+    """`nice soma-worker join` starts its SuperNode in a session of its own: a new scheduling group, which
+    Linux would run at niceness 0 against the coordinator's group whatever the worker's own niceness."""
+    import subprocess
+    import sys
+
+    child = (
+        "import subprocess, sys\n"
+        "from soma_edge.processes.launch import die_with_parent, session_child\n"
+        "pre = session_child if sys.argv[1] == 'kept' else die_with_parent\n"
+        "cat = ['cat', '/proc/self/autogroup']\n"
+        "print(subprocess.run(cat, start_new_session=True, preexec_fn=pre, capture_output=True, text=True).stdout)"
+    )
+    seen = {
+        how: subprocess.run(
+            ["nice", "-n", "7", sys.executable, "-c", child, how], capture_output=True, text=True, check=True
+        ).stdout
+        for how in ("kept", "plain")
+    }
+    assert seen["kept"].strip().endswith("nice 7")
+    assert seen["plain"].strip().endswith("nice 0")  # what the SuperNode's group got before
