@@ -143,7 +143,7 @@ class Dispatcher:
         pieces = protocol.split_pieces(shards, self.fleet.piece_bytes(nid))
         if len(pieces) <= 1:
             last = pieces[0] if pieces else []
-            self.push_train(rnd, self.train_request(rnd.r, nid, experts, steps, bases, max_seconds, last, shard_bytes))
+            self.push_train(rnd, self.train_request(rnd, nid, experts, steps, bases, max_seconds, last, shard_bytes))
             return
         # An unmeasured link is priced low: time it with the first piece, and the rest wait to go in pieces
         # sized by what it measured, unless federation.piece_bytes already caps them at the feared size.
@@ -213,12 +213,12 @@ class Dispatcher:
         # Never more than round_seconds: the deadline also holds the time its reply takes up the link.
         budget = min(fed.round_seconds, max(rnd.deadline - self.fleet.clock() - fed.deadline_slack, 1.0))
         bases = Bases(self.ledger, self.fleet.nodes)  # the committed versions (requests planned ahead defer)
-        item = self.train_request(rnd.r, o.node, wait.experts, wait.steps, bases, budget, wait.last, wait.shard_bytes)
+        item = self.train_request(rnd, o.node, wait.experts, wait.steps, bases, budget, wait.last, wait.shard_bytes)
         self.push_train(rnd, item)
 
     def train_request(
         self,
-        r: int,
+        rnd: Round,
         nid: int,
         experts: list[int],
         steps: dict[int, int],
@@ -227,8 +227,8 @@ class Dispatcher:
         pieces: list[dict[str, Any]],
         shard_bytes: dict[int, int],
     ) -> tuple[Any, Outgoing]:
-        """Node `nid`'s train request for round r, and what it expects back."""
-        node, fed, phase = self.fleet.nodes[nid], self.cfg.federation, self.ledger.phase_config()
+        """Node `nid`'s train request for round `rnd`, and what it expects back."""
+        r, node, fed, phase = rnd.r, self.fleet.nodes[nid], self.cfg.federation, self.ledger.phase_config()
         most = max((steps[e] for e in experts), default=0)
         mode = reply_mode(self.cfg, phase, node, r, most, self.ledger.version_bytes(), len(experts))
         tasks, per_expert, exp_tasks = [], {}, {}
@@ -246,11 +246,23 @@ class Dispatcher:
             tasks=tasks,
             pieces=pieces,
             heartbeat=self.fleet.advised(nid),
+            # the experts in turn change next round: name this node's, for its speculating trainer
+            **(self.following(nid, rnd.following.get(nid, []), experts, steps, bases, mode) if rnd.following else {}),
         )
         size = self.ledger.size
         expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=size, reply_dtype=fed.reply_dtype)
         msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
+
+    def following(
+        self, nid: int, nxt: list[int], experts: list[int], steps: dict[int, int], bases: Bases, mode: ReplyMode
+    ) -> dict[str, Any]:
+        """A request's `next_experts` (the node's experts next round, `nxt`) and `next_tasks`: the task each
+        of those this round does not train would get now, from the version the node holds (one it does not
+        hold, or version 0, which brings its own optimizer state, cannot be trained ahead)."""
+        node, fewest = self.fleet.nodes[nid], min((steps[e] for e in experts), default=0)
+        ahead = [e for e in nxt if e not in experts and bases.holds(nid, e) and bases.base(e).version > 0]
+        return {"next_experts": list(nxt), "next_tasks": [self._task(e, node, fewest, bases, mode)[0] for e in ahead]}
 
     def _task(
         self, e: int, node: Node, steps: int, bases: Bases, mode: ReplyMode
@@ -283,14 +295,7 @@ class Dispatcher:
             reply=mode,
             base_log=base_log,
         )
-        expected = {
-            "version": x.version,
-            "base_sha256": x.sha256,
-            "step": x.step,
-            "steps": steps,
-            "lr_scale": scale,
-            "reply": mode,
-        }
+        expected = {k: task[k] for k in protocol.SentTask.__annotations__}  # what its result must match
         opt_bytes = stored.nbytes() if stored is not None else 0
         return task, expected, {"weights": log_nbytes if w is None else w.nbytes + opt_bytes}
 

@@ -294,6 +294,7 @@ class Loop:
             excluded=late.excluded,
             bytes_up=late.bytes_up,
             bytes_down=late.bytes_down,
+            following=self.planner.following(active, bases, plan),
         )
         self.dispatcher.send_round(rnd, by_node, bases, ahead)
         self.round_status(rnd)

@@ -52,6 +52,29 @@ class Planner:
                 by_node.setdefault(nid, []).append(e)
         return plan, by_node
 
+    def following(self, active: dict[int, Node], bases: Bases, plan: scheduler.Plan) -> dict[int, list[int]]:
+        """Each node's experts in the round after `plan`, as its plan will most likely give them: the experts
+        in turn once this round's steps are taken, each on the node that trains it now or holds its version
+        (a worker's speculating trainer trains those while its reply is in flight). {} where the next round
+        trains the same experts as this one."""
+        fed = self.cfg.federation
+        ids = in_turn(
+            self.ledger.trainable_ids(),
+            lambda e: bases.base(e).step + plan.steps.get(e, 0),
+            len(active),
+            fed.round_seconds,
+            fed.min_expert_seconds,
+        )
+        if set(ids) == set(plan.steps):
+            return {}
+        held = self.previous(active, bases)
+        out: dict[int, list[int]] = {}
+        for e in ids:
+            nid = plan.assignment.get(e, held.get(e))
+            if nid is not None:
+                out.setdefault(nid, []).append(e)
+        return out
+
     def deadline(self, r: int, plan: scheduler.Plan, by_node: dict[int, list[int]]) -> float:
         """When round r's replies are due. A node on a slow link gets the time to fetch what it lacks
         (weights, shards) and to send its reply, one after the other, both priced at `link`."""

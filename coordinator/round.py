@@ -67,6 +67,7 @@ class Round:
     pending_resend: set[int] = field(default_factory=set)
     claims: dict[int, Claim] = field(default_factory=dict)  # expert -> a result in, its checks to come
     deferred: dict[int, list[int]] = field(default_factory=dict)  # node -> experts sent once the last round commits
+    following: dict[int, list[int]] = field(default_factory=dict)  # node -> its experts next round ({}: the same)
     t_round: float = 0.0  # when the round began: its plan
     planned_at: float = 0.0  # the same, in seconds since the epoch (compute share's spans)
     trained: dict[int, list] = field(default_factory=dict)  # node id -> when its results of this round trained

@@ -249,7 +249,8 @@ def train(msg: Message, context: Context) -> Message:
     _, errors = _store_pieces(cache, body.get("pieces", []))
 
     keys = _keys(body, context.node_id, reply_dtype) if s.speculate else []
-    results, failed = _claimed(s, keys, body), []
+    nxt = speculation.following(body) if keys else None  # the experts its trainer trains after this round
+    results, failed = _claimed(s, keys, body, nxt), []
     missing: protocol.Inventory = {"weights": [], "shards": []}
     if results is None:
         runnable, missing = _runnable(cache, cfg, body["tasks"], run_id, errors)
@@ -262,8 +263,10 @@ def train(msg: Message, context: Context) -> Message:
             )
         results, failed = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), body)
         if keys and results:
-            _speculate(s, keys, runnable, results, body)
-    protect = {r["sha256"] for r in results} | {h for t in body["tasks"] for h in t["shards"]}
+            _speculate(s, keys, runnable, results, body, nxt)
+    ahead = nxt[1] if nxt else []  # what the trainer may start from next round
+    protect = {r["sha256"] for r in results} | {t["base_sha256"] for t in ahead}
+    protect |= {h for t in [*body["tasks"], *ahead] for h in t["shards"]}
     cache.evict(protect)
     reply = {
         **header,
@@ -281,7 +284,9 @@ def _keys(body: dict[str, Any], node: int, reply_dtype: str) -> list[speculation
     return [speculation.key_of(node, body["run_id"], body["config"], reply_dtype, t) for t in body["tasks"]]
 
 
-def _claimed(s: Settings, keys: list[speculation.Key], body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _claimed(
+    s: Settings, keys: list[speculation.Key], body: dict[str, Any], nxt: speculation.Following | None
+) -> list[dict[str, Any]] | None:
     """The round, trained by this worker's speculating trainer where it ran every task from its base; None:
     train it here."""
     if not keys:
@@ -290,7 +295,7 @@ def _claimed(s: Settings, keys: list[speculation.Key], body: dict[str, Any]) -> 
         speculation.stop(s.cache)  # whatever it trains, this round starts elsewhere
         return None
     t0 = time.perf_counter()
-    results = speculation.claim(s.cache, keys, body["tasks"], float(body["max_seconds"]))
+    results = speculation.claim(s.cache, keys, body["tasks"], float(body["max_seconds"]), nxt)
     if results is None:
         return None
     seconds = sum(r["seconds"] for r in results)
@@ -305,10 +310,15 @@ def _claimed(s: Settings, keys: list[speculation.Key], body: dict[str, Any]) -> 
 
 
 def _speculate(
-    s: Settings, keys: list[speculation.Key], runnable: list[Runnable], results: list[dict[str, Any]], body: dict
+    s: Settings,
+    keys: list[speculation.Key],
+    runnable: list[Runnable],
+    results: list[dict[str, Any]],
+    body: dict,
+    nxt: speculation.Following | None,
 ) -> None:
-    """Start the speculating trainer on the round after this one, for each expert that trained, from the
-    version it just cached."""
+    """Start the speculating trainer on the round after this one: for each expert that trained, from the
+    version it just cached, or for the experts the request names for the next round (`next_experts`)."""
     settings = {
         "cache": str(s.cache),
         "cache_bytes": s.cache_bytes,
@@ -321,7 +331,7 @@ def _speculate(
     key_of = {k.expert: k for k in keys}
     task_of = {t["expert"]: t for t, *_ in runnable}
     done = [(key_of[r["expert"]], task_of[r["expert"]], r) for r in results]
-    speculation.spawn(s.cache, done, body["config"], float(body["max_seconds"]), settings)
+    speculation.spawn(s.cache, done, body["config"], float(body["max_seconds"]), settings, nxt)
 
 
 Runnable = tuple[protocol.Task, State, list[bytes]]  # a task, its base state, its shards' bytes

@@ -16,7 +16,9 @@ request with a task of another key (the coordinator refused a version, moved an 
 scale) or one that brings its own base stops the trainer, and the ClientApp trains from the bases itself,
 as without speculation: nothing but idle compute is lost, and the next trainer starts from its results.
 After a claimed round the trainer goes on from the new versions of the experts claimed, so with a stable
-assignment it starts once per run.
+assignment it starts once per run. Where the experts train in turn (`federation.min_expert_seconds`), a
+request names the node's experts of the next round (`following`: those it trains now go on from their
+results, the others start from the versions the node holds), and the trainer trains those instead.
 
 One trainer per cache folder, under <cache>/speculation: `current.json` names the one wanted (none after
 a mismatched claim or the run's end), which holds `lock` for its life and says which rounds it trains in
@@ -119,6 +121,45 @@ def key_of(node: int, run_id: str, config: dict[str, Any], reply_dtype: str, t: 
     )
 
 
+def key_for(template: Key, t: protocol.Task) -> Key:
+    """Task t's key in the round whose other keys are like `template` (node, run, reply dtype, config)."""
+    return replace(
+        template,
+        expert=int(t["expert"]),
+        version=int(t["version"]),
+        base_sha256=str(t["base_sha256"]),
+        step=int(t["step"]),
+        lr_scale=float(t["lr_scale"]),
+        shards=tuple(str(h) for h in t["shards"]),
+    )
+
+
+Following = tuple[list[int], list[protocol.Task]]
+
+
+def following(body: dict[str, Any]) -> Following | None:
+    """A request's `next_experts` (the node's experts next round, in order) and `next_tasks` (for those it
+    does not train this round: their task from a version the node holds); None where it names none (the
+    same experts next round) or names them malformed (then the same experts too)."""
+    order, tasks = body.get("next_experts"), body.get("next_tasks", [])
+    if order is None:
+        return None
+    fields = (("expert", int), ("version", int), ("step", int), ("steps", int), ("lr_scale", float))
+    ok = isinstance(order, list) and all(isinstance(e, int) for e in order) and isinstance(tasks, list)
+    ok = ok and all(
+        isinstance(t, dict)
+        and all(isinstance(t.get(k), kind) for k, kind in fields)
+        and isinstance(t.get("base_sha256"), str)
+        and isinstance(t.get("shards"), list)
+        and not brings_base(t)
+        for t in tasks
+    )
+    if not ok:
+        log.warning("a request's next_experts or next_tasks are malformed: training on the same experts")
+        return None
+    return order, tasks
+
+
 def _next(key: Key, t: protocol.Task, res: dict[str, Any]) -> tuple[Key, dict[str, Any]]:
     """The key and task of the round after `t`, whose result is `res`, as the coordinator will most likely send it."""
     key = replace(key, version=res["version"], base_sha256=res["sha256"], step=res["step"])
@@ -182,11 +223,13 @@ def _ready(folder: Path) -> dict[str, Any] | None:
     return None
 
 
-def claim(root: Path, keys: list[Key], tasks: list[protocol.Task], budget: float) -> list[dict[str, Any]] | None:
+def claim(
+    root: Path, keys: list[Key], tasks: list[protocol.Task], budget: float, nxt: Following | None = None
+) -> list[dict[str, Any]] | None:
     """The results of `tasks` (as sent, in their order), trained by this cache's trainer where it holds
     each task's key (`keys`, in the same order), within `budget` seconds of training shared out among them
     and each task's step cap; None if it does not (any trainer is then stopped), and the ClientApp trains
-    the tasks."""
+    the tasks. `nxt`: the experts the trainer trains after this round (`following`; None: the same)."""
     folder = root / FOLDER
     state = _ready(folder)
     held = state.get("keys") if state is not None else None
@@ -195,6 +238,8 @@ def claim(root: Path, keys: list[Key], tasks: list[protocol.Task], budget: float
         return None
     nonce = uuid.uuid4().hex
     request = {"nonce": nonce, "keys": [k.record() for k in keys], "budget": float(budget), "tasks": tasks}
+    if nxt is not None:
+        request.update(next_experts=nxt[0], next_tasks=nxt[1])
     atomic_write(folder / "claim.json", json.dumps(request).encode())
     path, give_up = folder / f"result-{nonce}.msgpack", time.monotonic() + budget + RESULT_SLACK
     while time.monotonic() < give_up:
@@ -242,17 +287,28 @@ def spawn(
     config: dict[str, Any],
     budget: float,
     settings: dict[str, Any],
+    nxt: Following | None = None,
 ) -> None:
     """Start a trainer on the round after each (key, task, result) in `done`, from the result's version,
-    which is in the cache; any trainer before it stops. None starts where the SuperExec that started this
-    ClientApp is gone (the worker is stopping, and this process was handed to another parent): no request
-    would come, and a trainer watching that other parent would outlive the worker."""
-    if os.getppid() != STARTED_UNDER or STARTED_UNDER <= 1:
+    which is in the cache; any trainer before it stops. With `nxt` (`following`), on the experts it names
+    instead, in its order: those in `done` from their result, the others from their task. None starts where
+    the SuperExec that started this ClientApp is gone (the worker is stopping, and this process was handed
+    to another parent): no request would come, and a trainer watching that other parent would outlive the
+    worker."""
+    if os.getppid() != STARTED_UNDER or STARTED_UNDER <= 1 or not done:
+        stop(root)
+        return
+    pairs = [_next(k, t, res) for k, t, res in done]
+    if nxt is not None:
+        order, ahead = nxt
+        pairs += [(key_for(pairs[0][0], t), t) for t in ahead if t["expert"] not in {k.expert for k, _ in pairs}]
+        pairs = sorted((p for p in pairs if p[0].expert in order), key=lambda p: order.index(p[0].expert))
+    if not pairs:
         stop(root)
         return
     folder = root / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [dict(zip(("key", "task"), (k.record(), t))) for k, t in (_next(k, t, res) for k, t, res in done)]
+    jobs = [{"key": k.record(), "task": t} for k, t in pairs]
     ident = uuid.uuid4().hex
     spec = {"id": ident, "jobs": jobs, "config": config, "budget": budget}
     spec.update(settings=settings, watch=STARTED_UNDER)
@@ -400,22 +456,30 @@ class Trainer:
             if time.monotonic() - idle_from > IDLE_SECONDS:
                 return False
             time.sleep(POLL)
-        self._finish(budget)
-        return True
+        return self._finish(budget)
 
-    def _finish(self, budget: float) -> None:
-        """Answer the claim with each expert's result, then go on from the new versions."""
+    def _finish(self, budget: float) -> bool:
+        """Answer the claim with each expert's result, then go on from the new versions: of the experts the
+        claim names for the next round, where it names them (`following`). False: none is left to train."""
         results = [
             task.finish(j.task, self.cfg, j.state, j.start, j.base_decoder, j.rep, j.key.reply_dtype) for j in self.jobs
         ]
         self._answer(self.claimed["nonce"], {"results": [task.as_reply(j.task, r) for j, r in zip(self.jobs, results)]})
         for j, res in zip(self.jobs, results):
             j.key, j.task = _next(j.key, j.task, res)
+        done, nxt = list(zip(self.jobs, results)), following(self.claimed)
+        if nxt is not None:
+            order, ahead = nxt
+            kept = [j for j in self.jobs if j.key.expert in order]
+            held = {j.key.expert for j in kept}
+            fresh = [_job(self.cache, key_for(self.jobs[0].key, t), t) for t in ahead if t["expert"] not in held]
+            self.jobs = sorted(kept + [j for j in fresh if j], key=lambda j: order.index(j.key.expert))
         self._advertise()  # before the cache writes (0.5 s an expert at 8M): a claim may come from then on
-        for j, res in zip(self.jobs, results):
+        for j, res in done:  # every result, trained on or not: the coordinator takes the node to hold them
             task.keep(self.cache, res, j.key.run_id)
             j.state = task.base_state(j.task, res["weights"], res["opt"])  # as the next ClientApp would load it
         self.budget = budget
+        return bool(self.jobs)
 
 
 def _start(folder: Path, spec: dict[str, Any]) -> Trainer | None:
@@ -423,22 +487,23 @@ def _start(folder: Path, spec: dict[str, Any]) -> Trainer | None:
     are gone is left out; None if every one is)."""
     s, cfg = spec["settings"], config_mod.from_dict(spec["config"])
     cache = Cache(Path(s["cache"]), max_bytes=int(s["cache_bytes"]), keep_versions=cfg.federation.keep_versions)
-    jobs = []
-    for job in spec["jobs"]:
-        t = job["task"]
-        hit = cache.get_weights(t["base_sha256"])
-        shards = [cache.get_shard(h) for h in t["shards"]]
-        if hit is None or any(x is None for x in shards):
-            continue
-        state = task.base_state(t, hit["weights"], hit.get("opt"))
-        data = np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8)
-        jobs.append(Job(Key.from_record(job["key"]), t, state, data))
+    jobs = [j for j in (_job(cache, Key.from_record(job["key"]), job["task"]) for job in spec["jobs"]) if j]
     if not jobs:
         return None
     device, threads, spin, parallel = s["device"], int(s["threads"]), bool(s["spin"]), int(s["parallel"])
     caps = probe.capabilities(cfg, cache, device, threads, spin, parallel, float(s["probe_seconds"]))
     evaluator = probe.make_evaluator(cfg, device, threads, spin, parallel, probe.chosen(caps))
     return Trainer(folder, spec, cfg, cache, jobs, evaluator)
+
+
+def _job(cache: Cache, key: Key, t: dict[str, Any]) -> Job | None:
+    """Task t as a job, from its base version and shards in the cache (None where either is gone)."""
+    hit = cache.get_weights(t["base_sha256"])
+    shards = [cache.get_shard(h) for h in t["shards"]]
+    if hit is None or any(x is None for x in shards):
+        return None
+    state = task.base_state(t, hit["weights"], hit.get("opt"))
+    return Job(key, t, state, np.frombuffer(SEPARATOR.join(shards), dtype=np.uint8))
 
 
 def _lock(folder: Path):

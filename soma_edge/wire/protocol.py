@@ -144,10 +144,14 @@ def train_request(
     tasks: list[Task],
     pieces: list[dict[str, Any]],
     heartbeat: float = HEARTBEAT_SLOW,
+    next_experts: list[int] | None = None,
+    next_tasks: list[Task] | None = None,
 ) -> dict[str, Any]:
     """One node's work for one round. `pieces` holds the last piece of the shard bytes the node lacked;
-    `heartbeat` is the interval the node's SuperNode should report from now on (`join --heartbeat auto`)."""
+    `heartbeat` is the interval the node's SuperNode should report from now on (`join --heartbeat auto`).
+    `next_experts`, `next_tasks`: its experts next round, where they change (worker.speculation.following)."""
     return {
+        **({} if next_experts is None else {"next_experts": next_experts, "next_tasks": next_tasks or []}),
         "soma_version": __version__,
         "round": round,
         "node": node,

@@ -33,13 +33,14 @@ def _no_trainer_left(root: Path, within: float = 20.0) -> bool:
 
 
 def _with_and_without(
-    run, tmp_path, monkeypatch, rounds: int, request=None, nodes=NODES
+    run, tmp_path, monkeypatch, rounds: int, request=None, nodes=NODES, per_round: int = 4, **fed
 ) -> tuple[dict, dict, list[bool]]:
     """The experts' final hashes with speculation on and off, from one prepared run on `nodes`, and whether
     each claim got the trainer's results. Each expert takes exactly its step budget (`step_budgets_bind`);
-    `request(body)`, where given, edits every train request's body."""
+    `request(body)`, where given, edits every train request's body; `fed`: more federation settings, under
+    which `per_round` experts advance each round."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=rounds, min_nodes=len(nodes), deadline_slack=60.0)
+    set_fed(run, rounds=rounds, min_nodes=len(nodes), deadline_slack=60.0, **fed)
     cfg = run.load_config()
     cfg.spsa.plateau = False  # the lr scale stays, so every round's key is the one its trainer ran
     run.save_config(cfg)
@@ -62,7 +63,7 @@ def _with_and_without(
         step_budgets_bind(grid, request)
         state = Coordinator(grid, rd).main()
         ends[speculate] = {e: x.sha256 for e, x in state.experts.items()}
-        assert all(m["accepted"] == 4 for m in rd.read_metrics() if m["type"] == "round")
+        assert all(m["accepted"] == per_round for m in rd.read_metrics() if m["type"] == "round")
     return ends[1], ends[0], claims
 
 
@@ -75,6 +76,26 @@ def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, mo
     assert on == off
     # Round 1 brings version 0's optimizer state (no claim asked); rounds 2, 3 and 4 of every node are claimed.
     assert claims == [True] * 3 * len(nodes), claims
+    assert _no_trainer_left(tmp_path / "nodes-1")
+
+
+def test_the_trainer_trains_the_experts_the_request_names_for_the_next_round(run, tmp_path, monkeypatch):
+    """Experts in turn (min_expert_seconds = round_seconds: 2 of the 4 a round, one on each node): rounds
+    alternate {0, 1} and {2, 3}. Each request names the node's expert of the next round, from the version
+    the node made two rounds before, and the trainer trains that one, not the one it just sent: every round
+    from round 3 on is claimed (rounds 1 and 2 bring version 0's optimizer state), bit for bit."""
+    cfg = run.load_config()
+    on, off, claims = _with_and_without(
+        run,
+        tmp_path,
+        monkeypatch,
+        rounds=5,
+        nodes=["a", "b"],
+        per_round=2,
+        min_expert_seconds=cfg.federation.round_seconds,
+    )
+    assert on == off
+    assert claims == [True] * 3 * 2, claims
     assert _no_trainer_left(tmp_path / "nodes-1")
 
 
@@ -197,3 +218,17 @@ def test_a_clientapp_whose_superexec_is_gone_starts_no_trainer(tmp_path, monkeyp
     speculation.spawn(tmp_path, [(_key(), t, res)], {}, 1.0, {})
     folder = tmp_path / speculation.FOLDER
     assert not list(folder.glob("spec-*")) and not speculation.running(tmp_path)
+
+
+def test_a_request_s_next_experts_are_read_only_when_well_formed():
+    task = {"expert": 3, "version": 2, "base_sha256": "a" * 64, "step": 40, "steps": 20, "lr_scale": 1.0}
+    task["shards"] = ["b" * 64]
+    assert speculation.following({}) is None  # none named: the same experts next round
+    assert speculation.following({"next_experts": [3, 1], "next_tasks": [task]}) == ([3, 1], [task])
+    for bad in (
+        {"next_experts": "3"},
+        {"next_experts": [3], "next_tasks": [{**task, "step": "40"}]},
+        {"next_experts": [3], "next_tasks": [{**task, "weights": [1.0]}]},  # a base of its own: not trained ahead
+        {"next_experts": [3], "next_tasks": {"expert": 3}},
+    ):
+        assert speculation.following(bad) is None, bad

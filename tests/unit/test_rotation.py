@@ -21,3 +21,31 @@ def test_experts_train_in_turn_when_the_nodes_cannot_give_each_its_least_seconds
         7,
         8,
     ]  # a round shorter than the least: one each
+
+
+def test_a_round_names_each_node_s_experts_of_the_next_one():
+    """Planner.following: the experts in turn once this round's steps are taken, each on the node that trains
+    it now or holds its version; nothing where every expert trains every round."""
+    from types import SimpleNamespace
+
+    from coordinator import scheduler
+    from soma_edge.config import FederationConfig
+
+    steps = {e: 0 for e in range(6)}
+    holder = {0: 1, 1: 2, 2: 1, 3: 2, 4: 1, 5: 2}  # node holding each expert's version
+    ledger = SimpleNamespace(trainable_ids=lambda: list(range(6)), expert_ids=lambda: list(range(6)))
+    bases = SimpleNamespace(
+        base=lambda e: SimpleNamespace(step=steps[e]),
+        last_assignment=lambda: {},
+        holds=lambda nid, e: holder[e] == nid,
+    )
+    planner = planning.Planner.__new__(planning.Planner)
+    planner.ledger = ledger
+    planner.cfg = SimpleNamespace(federation=FederationConfig(round_seconds=60.0, min_expert_seconds=30.0))
+    active = {n: SimpleNamespace(label=f"w{n}") for n in (1, 2)}  # 2 nodes x 2 slots: 4 of the 6 a round
+    plan = scheduler.Plan({0: 1, 1: 2, 2: 1, 3: 2}, {0: 50, 1: 50, 2: 50, 3: 50}, 0.0, [])
+    # Next round: 4 and 5 (no steps yet) and then 0 and 1 (fewest once this round's 50 are taken, lower ids).
+    assert planner.following(active, bases, plan) == {1: [0, 4], 2: [1, 5]}
+    planner.cfg.federation.min_expert_seconds = 0.0  # every expert every round: the next round is this one's
+    every = scheduler.Plan({e: holder[e] for e in range(6)}, {e: 50 for e in range(6)}, 0.0, [])
+    assert planner.following(active, bases, every) == {}
