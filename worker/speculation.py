@@ -104,34 +104,27 @@ def brings_base(t: protocol.Task) -> bool:
     return any(t.get(k) is not None for k in ("weights", "opt", "base_log"))
 
 
+def _task_fields(t: protocol.Task) -> dict[str, Any]:
+    """The fields of a key that its task sets."""
+    return {
+        "expert": int(t["expert"]),
+        "version": int(t["version"]),
+        "base_sha256": str(t["base_sha256"]),
+        "step": int(t["step"]),
+        "lr_scale": float(t["lr_scale"]),
+        "shards": tuple(str(h) for h in t["shards"]),
+    }
+
+
 def key_of(node: int, run_id: str, config: dict[str, Any], reply_dtype: str, t: protocol.Task) -> Key:
     """Task t's key."""
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    return Key(
-        node=int(node),
-        run_id=str(run_id),
-        expert=int(t["expert"]),
-        version=int(t["version"]),
-        base_sha256=str(t["base_sha256"]),
-        step=int(t["step"]),
-        lr_scale=float(t["lr_scale"]),
-        shards=tuple(str(h) for h in t["shards"]),
-        reply_dtype=str(reply_dtype),
-        config=digest,
-    )
+    return Key(node=int(node), run_id=str(run_id), reply_dtype=str(reply_dtype), config=digest, **_task_fields(t))
 
 
 def key_for(template: Key, t: protocol.Task) -> Key:
     """Task t's key in the round whose other keys are like `template` (node, run, reply dtype, config)."""
-    return replace(
-        template,
-        expert=int(t["expert"]),
-        version=int(t["version"]),
-        base_sha256=str(t["base_sha256"]),
-        step=int(t["step"]),
-        lr_scale=float(t["lr_scale"]),
-        shards=tuple(str(h) for h in t["shards"]),
-    )
+    return replace(template, **_task_fields(t))
 
 
 Following = tuple[list[int], list[protocol.Task]]
