@@ -46,7 +46,7 @@ class Checks:
     def ahead(self, claims: list[Claim]) -> None:
         """Check `claims` side by side, each outcome kept in its `checked` (one thread, or one claim: left to
         be checked as it settles)."""
-        threads = check_threads(self.cfg.federation)
+        threads = check_threads(self.cfg)
         if threads < 2 or len(claims) < 2:
             return
         self.evaluation.ready()  # its session, and the auditor, made once before the threads share them

@@ -438,10 +438,16 @@ def local_worker_threads(n: int) -> int:
     return 0 if n == 1 else max(1, (os.cpu_count() or 1) // max(n, 1))
 
 
-def check_threads(fed: FederationConfig) -> int:
-    """The threads the coordinator checks results with (`FederationConfig.check_threads`, 0 resolved)."""
+def check_threads(cfg: Config) -> int:
+    """The threads the coordinator checks results with (`FederationConfig.check_threads`, 0 resolved): the
+    cores its local workers leave. On the CPU they take the cores they split; on a GPU (`device` cuda or
+    TensorRT) one each, the thread that feeds it."""
+    fed = cfg.federation
     if fed.check_threads:
         return fed.check_threads
     cores, n = os.cpu_count() or 1, fed.local_workers
-    taken = 0 if n == 0 else cores if n == 1 else n * local_worker_threads(n)
+    if cfg.device.strip().lower().startswith(("cuda", "tensorrt")):
+        taken = n
+    else:
+        taken = 0 if n == 0 else cores if n == 1 else n * local_worker_threads(n)
     return max(1, cores - taken)

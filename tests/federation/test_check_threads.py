@@ -48,8 +48,14 @@ def test_checks_on_threads_give_what_one_thread_gives(run, tmp_path, monkeypatch
 
 def test_the_default_leaves_local_workers_their_cores(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    fed = config_mod.FederationConfig
-    assert config_mod.check_threads(fed(local_workers=0)) == 16  # a coordinator box alone: every core
-    assert config_mod.check_threads(fed(local_workers=1)) == 1  # one local worker takes every core
-    assert config_mod.check_threads(fed(local_workers=3)) == 1  # 3 x 5 threads: one core left
-    assert config_mod.check_threads(fed(local_workers=3, check_threads=6)) == 6  # set: as set
+
+    def threads(device: str = "cpu", **fed) -> int:
+        return config_mod.check_threads(config_mod.Config(device=device, federation=config_mod.FederationConfig(**fed)))
+
+    assert threads(local_workers=0) == 16  # a coordinator box alone: every core
+    assert threads(local_workers=1) == 1  # one local worker takes every core
+    assert threads(local_workers=3) == 1  # 3 x 5 threads: one core left
+    assert threads("auto", local_workers=3) == 1  # auto may be the CPU: counted as the CPU
+    assert threads(local_workers=3, check_threads=6) == 6  # set: as set
+    assert threads("cuda:0", local_workers=3) == 13  # on a GPU a worker takes the one core that feeds it
+    assert threads("CUDAExecutionProvider", local_workers=1) == 15
