@@ -446,7 +446,7 @@ def check_threads(cfg: Config) -> int:
     if fed.check_threads:
         return fed.check_threads
     cores, n = os.cpu_count() or 1, fed.local_workers
-    if cfg.device.strip().lower().startswith(("cuda", "tensorrt")):
+    if devices.parse(cfg.device).provider in devices.NVIDIA:
         taken = n
     else:
         taken = 0 if n == 0 else cores if n == 1 else n * local_worker_threads(n)

@@ -17,12 +17,11 @@ from soma_edge.errors import ConfigError
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
+NVIDIA = ("NvTensorRTRTXExecutionProvider", "TensorrtExecutionProvider", CUDA)  # providers that run on an NVIDIA GPU
 # ONNX Runtime's `get_all_providers()` (every provider it knows of, built in or not; onnxruntime 1.31), in its
 # order: the names a device may give. Whether this build can run one is the session's check (runtime).
 EXECUTION_PROVIDERS = (
-    "NvTensorRTRTXExecutionProvider",
-    "TensorrtExecutionProvider",
-    CUDA,
+    *NVIDIA,
     "MIGraphXExecutionProvider",
     "OpenVINOExecutionProvider",
     "DnnlExecutionProvider",

@@ -153,6 +153,17 @@ def following(body: dict[str, Any]) -> Following | None:
     return order, tasks
 
 
+def _named(keys: list[Key], nxt: Following) -> list[tuple[Key, protocol.Task | None]]:
+    """The experts a trainer trains after a round whose next keys are `keys`, as `nxt` names them, in its
+    order: (key, None) for one it trains on from its result, (key, task) for one it starts from the version
+    the node holds."""
+    order, ahead = nxt
+    out: list[tuple[Key, protocol.Task | None]] = [(k, None) for k in keys if k.expert in order]
+    held = {k.expert for k, _ in out}
+    out += [(key_for(keys[0], t), t) for t in ahead if t["expert"] in order and t["expert"] not in held]
+    return sorted(out, key=lambda p: order.index(p[0].expert))
+
+
 def _next(key: Key, t: protocol.Task, res: dict[str, Any]) -> tuple[Key, dict[str, Any]]:
     """The key and task of the round after `t`, whose result is `res`, as the coordinator will most likely send it."""
     key = replace(key, version=res["version"], base_sha256=res["sha256"], step=res["step"])
@@ -293,9 +304,8 @@ def spawn(
         return
     pairs = [_next(k, t, res) for k, t, res in done]
     if nxt is not None:
-        order, ahead = nxt
-        pairs += [(key_for(pairs[0][0], t), t) for t in ahead if t["expert"] not in {k.expert for k, _ in pairs}]
-        pairs = sorted((p for p in pairs if p[0].expert in order), key=lambda p: order.index(p[0].expert))
+        tasks = {k.expert: t for k, t in pairs}
+        pairs = [(k, tasks[k.expert] if t is None else t) for k, t in _named([k for k, _ in pairs], nxt)]
     if not pairs:
         stop(root)
         return
@@ -462,11 +472,12 @@ class Trainer:
             j.key, j.task = _next(j.key, j.task, res)
         done, nxt = list(zip(self.jobs, results)), following(self.claimed)
         if nxt is not None:
-            order, ahead = nxt
-            kept = [j for j in self.jobs if j.key.expert in order]
-            held = {j.key.expert for j in kept}
-            fresh = [_job(self.cache, key_for(self.jobs[0].key, t), t) for t in ahead if t["expert"] not in held]
-            self.jobs = sorted(kept + [j for j in fresh if j], key=lambda j: order.index(j.key.expert))
+            jobs = {j.key.expert: j for j in self.jobs}
+            named = [
+                jobs[k.expert] if t is None else _job(self.cache, k, t)
+                for k, t in _named([j.key for j in self.jobs], nxt)
+            ]
+            self.jobs = [j for j in named if j is not None]
         self._advertise()  # before the cache writes (0.5 s an expert at 8M): a claim may come from then on
         for j, res in done:  # every result, trained on or not: the coordinator takes the node to hold them
             task.keep(self.cache, res, j.key.run_id)

@@ -59,3 +59,4 @@ def test_the_default_leaves_local_workers_their_cores(monkeypatch):
     assert threads(local_workers=3, check_threads=6) == 6  # set: as set
     assert threads("cuda:0", local_workers=3) == 13  # on a GPU a worker takes the one core that feeds it
     assert threads("CUDAExecutionProvider", local_workers=1) == 15
+    assert threads("tensorrt", local_workers=3) == 13

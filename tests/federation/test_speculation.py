@@ -232,3 +232,15 @@ def test_a_request_s_next_experts_are_read_only_when_well_formed():
         {"next_experts": [3], "next_tasks": {"expert": 3}},
     ):
         assert speculation.following(bad) is None, bad
+
+
+def test_the_trainer_goes_on_with_the_named_experts_in_their_order():
+    """After a round of experts 0 and 2: next round names 5, 2 (and a task for 5, from the node's version);
+    0 is dropped, and a task for an expert the list does not name is ignored."""
+    task = {"expert": 5, "version": 3, "base_sha256": "d" * 64, "step": 30, "steps": 20, "lr_scale": 1.0}
+    task["shards"] = ["e" * 64]
+    stray = {**task, "expert": 7}
+    keys = [_key(expert=0), _key(expert=2)]
+    named = speculation._named(keys, ([5, 2], [task, stray]))
+    assert [(k.expert, t) for k, t in named] == [(5, task), (2, None)]
+    assert named[0][0] == speculation.key_for(keys[0], task)
