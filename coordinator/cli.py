@@ -132,6 +132,7 @@ def start_cmd(
     auth: bool = typer.Option(
         False, "--auth", help="Admit only workers whose keys `add-worker` registered (needs --tls)."
     ),
+    reopen: bool = typer.Option(False, "--reopen", help="Resume with the finished experts training again."),
 ) -> None:
     """Run or resume federated training: embedded SuperLink (+ local workers), or submit to --superlink."""
     overrides = _given(
@@ -150,9 +151,7 @@ def start_cmd(
     if superlink is None:
         runtime.load_ort()  # its ServerApp audits and evaluates on ONNX Runtime: say what to install now
     tls = _tls(ssl_ca_certfile, ssl_certfile, ssl_keyfile, tls_dir)
-    opts = start_mod.Options(
-        run=run, config=config, overrides=overrides, superlink=superlink, host=host, port=port, tls=tls, auth=auth
-    )
+    opts = start_mod.Options(run, config, overrides, superlink, host, port, tls, auth, reopen)  # in field order
     raise typer.Exit(start_mod.start(opts))
 
 

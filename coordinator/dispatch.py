@@ -29,6 +29,7 @@ from soma_edge.rundir.state import PrepareSummary
 from soma_edge.spsa import quant
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
+from soma_edge.wire import pieces as pieces_mod
 from soma_edge.wire import protocol
 from soma_edge.wire.protocol import ReplyMode
 
@@ -140,7 +141,7 @@ class Dispatcher:
         Where the node's link is not yet measured, the first piece goes alone: its exchange times the link
         (`on_pieces`), and the rest go in messages sized for the link as measured, not as feared."""
         shards, shard_bytes = missing_shards(self.run, self.cfg, self.prep, self.fleet.nodes[nid], experts)
-        pieces = protocol.split_pieces(shards, self.fleet.piece_bytes(nid))
+        pieces = pieces_mod.split_pieces(shards, self.fleet.piece_bytes(nid))
         if len(pieces) <= 1:
             last = pieces[0] if pieces else []
             self.push_train(rnd, self.train_request(rnd, nid, experts, steps, bases, max_seconds, last, shard_bytes))
@@ -194,7 +195,7 @@ class Dispatcher:
         wait.mids.discard(mid)
         if wait.rest:  # the first piece is in: the rest, in messages sized by the link it measured
             rest, wait.rest = wait.rest, []
-            messages = protocol.group_pieces(rest, self.fleet.piece_bytes(o.node))
+            messages = pieces_mod.group_pieces(rest, self.fleet.piece_bytes(o.node))
             wait.last = messages.pop()  # rides in the train request
             self.push_pieces(o.node, wait, messages)
             link = self.fleet.nodes[o.node].link
@@ -294,6 +295,7 @@ class Dispatcher:
             opt=opt,
             reply=mode,
             base_log=base_log,
+            keep_sha256=None if x.sha256 == self.ledger.expert(e).sha256 else self.ledger.expert(e).sha256,
         )
         expected = {k: task[k] for k in protocol.SentTask.__annotations__}  # what its result must match
         opt_bytes = stored.nbytes() if stored is not None else 0
@@ -315,6 +317,7 @@ class Dispatcher:
         bases = Bases(self.ledger, self.fleet.nodes)
         self.send_train(rnd, nid, experts, steps, bases, max_seconds=min(left, fed.round_seconds))
         rnd.pending_resend |= set(experts)
+        rnd.resent |= set(experts)
 
     def give_idle(self, rnd: Round) -> None:
         """Experts left idle this round, because their node left or failed, go at once to a node without

@@ -26,13 +26,25 @@ measurement never raises the bar that honest versions after it must meet. Boundi
 current version, is what stops a node that drifts the expert by just under one margin per round: the
 second such step is past it. (The expert's `best`, what export takes, is still its lowest val loss.)
 
-Every rejected result (by this bound or by the protocol checks) is a strike against the node's
-identity; at `federation.max_strikes` strikes the node is excluded for the rest of the run. A version that
-raises its expert's bar takes one strike off its node, so an honest node whose step overshot now
-and then is not excluded over a long run, while one that never improves anything is. The identity
-is the worker's registered key (`key:<fingerprint>`, from RUN/workers.json, with `soma-coord start
---auth`), which survives restarts of the worker and of the coordinator. Without authentication it is the
-Flower node id (`node:<id>`), which a restarted worker does not keep: its strikes start again.
+A result refused by the protocol checks (a malformed result, a log that does not replay, a failed audit) is a
+strike against the node's identity at once: an honest worker never sends one. A guard refusal is not proof
+of a lie: SPSA on a small shard overshoots or overfits now and then, and a node that trains 60 experts a
+round will see a few of them refused. So the guard's verdicts on a node's results are judged together, once
+the round's verdicts are in (`round_strikes`): one near miss a round (a version worse than its bar by at
+most FAR margins, beside others accepted) is forgiven as honest noise; more refusals, or a far one, are
+one strike for the round, and one strike per refusal when most of its versions were refused (nothing
+honest about that); a round that earns no strike and raised a bar takes one strike off. At
+`federation.max_strikes` strikes the node is excluded for the rest of the run. A liar cannot hide behind its
+honest work: what it is allowed is one near miss a round, however many honest versions it sends, so a
+node that poisons even one expert a round (a lie refused far from the bar) is struck every round, never
+forgiven, and out after max_strikes rounds; what it can get away with unstruck, a near miss a round, is
+refused all the same and costs one expert one round, what an honest overshoot costs. An honest node is
+struck only in a round with two refusals or a far one, and out only when such rounds outnumber its clean
+ones by max_strikes, which the plateau rule (each refusal halves the expert's lr) and finished experts
+(coordinator.finish) make rare. A node is struck by its identity: the worker's registered key
+(`key:<fingerprint>`, from RUN/workers.json, with `soma-coord start --auth`), which survives restarts of
+the worker and of the coordinator. Without authentication it is the Flower node id (`node:<id>`), which
+a restarted worker does not keep: its strikes start again.
 
 The strike table lives in state.msgpack (`strikes`), so it commits with the round it was counted in.
 """
@@ -41,7 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +61,7 @@ import numpy as np
 from coordinator import workers
 from soma_edge.errors import ConfigError
 from soma_edge.rundir.layout import RunDir
+from soma_edge.rundir.metrics import Rejection
 from soma_edge.rundir.state import GuardBar
 
 POOL_BELOW = 16  # under this many val windows, an expert's spread is pooled with the other experts'
@@ -90,6 +103,7 @@ class Verdict:
     refused: str | None  # why the version is refused (None: accepted)
     raises_bar: bool  # it beat the bar beyond the noise: it is the new bar
     margin: float  # how much worse than the bar it could have been: tolerance + sigmas x standard error
+    worse: float = 0.0  # how much worse than the bar it is (mean over the windows; < 0: better)
 
 
 def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float, pooled: Spread | None = None) -> Verdict:
@@ -122,7 +136,7 @@ def judge(windows: np.ndarray, bar: GuardBar, tolerance: float, sigmas: float, p
             f"(v{bar.version}) by {mean:.4f}, more than federation.guard_tolerance {tolerance:g} + "
             f"guard_sigmas {sigmas:g} x {how} {se:.4f}"
         )
-    return Verdict(refused=refused, raises_bar=mean < -(margin - tolerance), margin=margin)
+    return Verdict(refused=refused, raises_bar=mean < -(margin - tolerance), margin=margin, worse=mean)
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,10 +193,43 @@ def strike(strikes: dict[str, Any], who: str, label: str, reason: str, round_: i
     return rec["count"]
 
 
+FAR = 2.0  # a refusal worse than the bar by more than this many margins is no near miss
+
+
+@dataclass
+class Tally:
+    """A node's guard verdicts since it was last judged (`judge_round`): the refused versions' rejections,
+    how many of them were far (`FAR`), and its accepted versions, of which `raised` raised their bars."""
+
+    refused: list[Rejection] = field(default_factory=list)
+    far: int = 0
+    accepted: int = 0
+    raised: int = 0
+
+
+def round_strikes(t: Tally) -> int:
+    """The strikes a node's guard verdicts of one round earn, judged together: none without a refusal, nor
+    for one near miss (worse than its bar by at most FAR margins: what honest SPSA does now and then, at
+    any number of experts); else one for the round, or one per refusal when those were most of its versions."""
+    n = len(t.refused)
+    if n == 0 or (n == 1 and t.far == 0 and t.accepted > 0):
+        return 0
+    return n if n > t.accepted else 1
+
+
+def judge_round(strikes: dict[str, Any], who: str, label: str, t: Tally, round_: int) -> list[int]:
+    """Strike or forgive `who` (named `label`) for its guard verdicts of one round, taken together; a round
+    that earns no strike and raised a bar takes one off. The strike counts after each strike it took."""
+    n = round_strikes(t)
+    if n == 0 and t.raised:
+        forgive(strikes, who)
+    return [strike(strikes, who, label, rej.reason, round_) for rej in t.refused[:n]]
+
+
 def forgive(strikes: dict[str, Any], who: str) -> None:
-    """A version from `who` that raised its expert's bar takes one strike off: honest overshoots are
-    forgiven by good work (beyond the noise: luck earns nothing), a node that never improves anything is
-    not."""
+    """A round with no refusal of `who`'s versions, in which one raised its expert's bar, takes one strike
+    off: honest overshoots are forgiven by good work (beyond the noise: luck earns nothing), a node that
+    never improves anything, or that makes something worse every round, is not."""
     rec = strikes.get(who)
     if rec and int(rec["count"]) > 0:
         rec["count"] = int(rec["count"]) - 1

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from coordinator import guard, records, scheduler
+from coordinator import finish, guard, records, scheduler, strikes
 from coordinator.checks import Checks
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluation
@@ -27,7 +27,6 @@ from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
 from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
-from soma_edge.rundir.metrics import Rejection
 from soma_edge.rundir.state import GuardBar, PrepareSummary
 from soma_edge.spsa.optim import OptState, plateau, schedule
 from soma_edge.wire import protocol
@@ -57,6 +56,7 @@ class Intake:
         self.refused: set[str] = set()  # version hashes claimed by results that their checks refused
         self.checks = Checks(run, cfg, ledger, prep, evaluation)
         self.status_at = -math.inf  # when `accept` last wrote status.json (`STATUS_SECONDS`)
+        self.last_refused: set[int] = set()  # experts whose last verdict was the guard's refusal (`settle_suspects`)
         self.spreads: dict[int, guard.Spread] = {}  # each expert's last accepted judgement's spread, pooled
         # for the experts with too few val windows to estimate their own (`guard.judge`)
 
@@ -98,7 +98,12 @@ class Intake:
         node.shards -= set(missing.get("shards") or [])
         redo = [e for e in exp.tasks if e not in seen and e not in rnd.failed]
         if redo and (missing.get("weights") or missing.get("shards")):
-            self.dispatcher.resend(rnd, o.node, redo)
+            for e in redo:  # at most one resend an expert a round: a second miss is the node's, not the cache's
+                if e in rnd.resent:
+                    rnd.failed[e] = f"node {node.label} lacked its base again after a resend"
+            redo = [e for e in redo if e not in rnd.resent]
+            if redo:
+                self.dispatcher.resend(rnd, o.node, redo)
         for e in redo:
             if e not in rnd.accepted and e not in rnd.failed and e not in rnd.pending_resend:
                 rnd.failed[e] = f"node {node.label} returned no result"
@@ -162,6 +167,8 @@ class Intake:
         node = self.fleet.nodes[c.node]
         if node.status == NodeStatus.EXCLUDED:  # struck out by an earlier result of the same node
             rnd.failed.setdefault(e, f"node {node.label} is excluded")
+        elif self.ledger.expert(e).finished is not None:  # in a round planned before it finished
+            rnd.failed.setdefault(e, "finished")
         else:
             checked = c.checked or self.checks.check(c)
             if isinstance(checked, ValidationError):
@@ -170,41 +177,50 @@ class Intake:
                 self.accept(rnd, node, c, *checked)
         if e not in rnd.accepted:
             self.refused.add(c.res["sha256"])
+        self.last_refused.discard(e)
+        if any(rej.expert == e and rej.guard for rej in rnd.rejected):
+            self.last_refused.add(e)
+
+    def settle_suspects(self, rnd: Round) -> list[int]:
+        """Before the next round is planned ahead of this one's checks: settle the claims most likely to be
+        refused, so that round trains those experts from what the guard decides, not from a version it then
+        refuses (which would cost the expert that round too). A claim is suspect when its expert's last
+        verdict was a refusal, or when its train loss rose over the round (the mark of an overshoot). The
+        experts settled."""
+        suspects = [e for e, c in rnd.claims.items() if e in self.last_refused or self._rose(e, c)]
+        self.checks.ahead([rnd.claims[e] for e in suspects if rnd.claims[e].checked is None])
+        for e in suspects:
+            self.settle(rnd, e)
+        return suspects
+
+    def _rose(self, e: int, c: Claim) -> bool:
+        before, after = self.ledger.expert(e).train_loss, c.res.get("train_loss")
+        return before is not None and protocol.is_number(after) and float(after) > before
 
     def settle_all(self, rnd: Round) -> None:
         """Settle every claim left, in order, their costly checks run side by side first (`Checks.ahead`)."""
         self.checks.ahead([c for c in rnd.claims.values() if c.checked is None])
         while rnd.claims:
             self.settle(rnd, next(iter(rnd.claims)))
+        strikes.judge_nodes(rnd, self.fleet.nodes, self.cfg.federation, self.ledger.state.strikes)
 
-    def reject(self, rnd: Round, node: Node, experts: list, reason: str, **extra: Any) -> None:
-        """Refuse these results (the current versions stay) and count a strike for each against the node."""
-        fed, strikes = self.cfg.federation, self.ledger.state.strikes
-        for e in experts:
-            n = guard.strike(strikes, node.who, node.label, reason, rnd.r)
-            log.warning(
-                "round %d: rejected expert %s from node %s (%s), strike %d of %s: %s",
-                rnd.r,
-                e,
-                node.id,
-                node.name,
-                n,
-                fed.max_strikes or "unlimited",
-                reason,
-            )
-            rnd.rejected.append(Rejection(expert=e, node=node.label, node_id=node.id, reason=reason, strike=n, **extra))
-            if isinstance(e, int) and e in rnd.plan.assignment:
-                rnd.failed.setdefault(e, f"rejected: {reason}")
-        if node.status != NodeStatus.EXCLUDED and guard.excluded(strikes, node.who, fed.max_strikes):
-            log.warning(
-                "round %d: node %s (%s) has %d strikes (federation.max_strikes): excluded for the rest of the run",
-                rnd.r,
-                node.id,
-                node.name,
-                fed.max_strikes,
-            )
-            node.status = NodeStatus.EXCLUDED
-            rnd.excluded.append(node.label)
+    def reject(self, rnd: Round, node: Node, experts: list, reason: str) -> None:
+        """Refuse these results by the protocol checks: a strike each against the node (coordinator.strikes)."""
+        strikes.reject(rnd, node, experts, reason, self.cfg.federation, self.ledger.state.strikes)
+
+    def _finished(self, rnd: Round, e: int, why: str | None) -> None:
+        if why is None:
+            return
+        rnd.finished[e] = why
+        best = self.ledger.expert(e).best_or_current()
+        log.info(
+            "round %d: expert %d finished, %s; it keeps its best version v%s (val %.4f) and leaves the plans",
+            rnd.r,
+            e,
+            why,
+            best.version if best else "?",
+            best.val_loss if best else float("nan"),
+        )
 
     def accept(
         self, rnd: Round, node: Node, c: Claim, w: np.ndarray, opt: OptState, windows: np.ndarray, bar: GuardBar
@@ -217,13 +233,18 @@ class Intake:
         verdict = guard.judge(windows, bar, fed.guard_tolerance, fed.guard_sigmas, pooled)
         if verdict.refused is not None:
             why, slower = verdict.refused, self.ledger.slow_down(e)
-            self.reject(rnd, node, [e], why, guard=True, val_loss=val, guard_margin=verdict.margin, **slower)
+            far = verdict.worse > guard.FAR * verdict.margin
+            strikes.refuse(rnd, node, e, why, far, val_loss=val, guard_margin=verdict.margin, **slower)
+            self._finished(rnd, e, finish.after_refusal(self.ledger.expert(e), fed))
             return
         spread = guard.spread_of(windows, bar)
         if spread is not None:
             self.spreads[e] = spread
+        tally = rnd.tallies.setdefault(node.id, guard.Tally())
+        tally.accepted += 1
         if verdict.raises_bar:
             bar = guard.bar_of(res["version"], windows)
+            tally.raised += 1
         best = self.ledger.expert(e).best_or_current()
         # The plateau counters are the coordinator's own (never the worker's): restore them, then decide the
         # next round's lr scale from this version's val loss.
@@ -239,11 +260,13 @@ class Intake:
                 opt.lr_scale,
             )
         best = self.ledger.store(res, w, opt, val, c.ulog, best, node, bar)
+        self._finished(rnd, e, finish.after_accept(self.ledger.expert(e), val, fed))
         lr, eps = schedule(self.ledger.phase_config().spsa, res["step"] - 1, trained_at)  # at the round's last step
         node.weights.add(res["sha256"])
         self.refused.discard(res["sha256"])  # the same version made again and accepted (refused for its node)
         line = records.expert_line(rnd.r, res, node, val, w, opt, c.ulog, c.sent, c.reply, trained_at, best, lr, eps)
         line.bar_version, line.guard_margin = bar.version, verdict.margin
+        line.epochs = records.epochs(self.ledger.phase_config(), self.prep, e, res["step"])
         rnd.accepted[e] = line
         rnd.failed.pop(e, None)
         rnd.pending_resend.discard(e)

@@ -63,7 +63,9 @@ class Late:
                 line.version,
                 line.node,
             )
-            self.fleet.nodes[line.node_id].status = NodeStatus.ACTIVE  # it answered after all
+            node = self.fleet.nodes[line.node_id]
+            if node.status != NodeStatus.EXCLUDED:  # struck out by the same poll's verdicts: it stays out
+                node.status = NodeStatus.ACTIVE  # it answered after all
         return self.busy()
 
     def pull(self, rnd: Round) -> None:

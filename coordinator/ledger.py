@@ -157,8 +157,12 @@ class Ledger:
         return self.state.expert_ids()
 
     def trainable_ids(self) -> list[int]:
-        """The experts the rounds hand out: all but those that cannot train (`bench`)."""
-        return [e for e in self.expert_ids() if self.expert(e).cannot_train is None]
+        """The experts the rounds hand out: all but those that cannot train (`bench`) or are finished."""
+        return [e for e in self.expert_ids() if self.expert(e).cannot_train is None and self.expert(e).finished is None]
+
+    def finished(self) -> dict[int, str]:
+        """The finished experts (coordinator.finish), with why."""
+        return {e: self.expert(e).finished for e in self.expert_ids() if self.expert(e).finished is not None}
 
     def bench(self, e: int, reason: str) -> bool:
         """Leave expert e out of the rounds that follow, saying why in state.msgpack (`soma-coord status`
@@ -225,8 +229,7 @@ class Ledger:
         bar: GuardBar,
     ) -> BestVersion:
         """Store an accepted version (and the log it replays from) and make it expert e's current one; its
-        best too when its val loss is lower; `bar`: the guard's bar after it (a new bar forgives the node a
-        strike). Returns the expert's best."""
+        best too when its val loss is lower; `bar`: the guard's bar after it. Returns the expert's best."""
         e = res["expert"]
         body = records.expert_body(e, res["version"], res["sha256"], self.cfg, res["step"], w, opt, val)
         rel = self.run.save_expert(body)
@@ -235,11 +238,13 @@ class Ledger:
             self.run.save_log(e, res["version"], rec)
         if val < best.val_loss:
             best = BestVersion(version=res["version"], sha256=res["sha256"], path=rel, val_loss=val)
-        if bar.version == res["version"]:
-            guard.forgive(self.state.strikes, node.who)
-        self.state.experts[str(e)] = records.expert_record(
+        old = self.expert(e)
+        new = records.expert_record(
             res["version"], res["sha256"], rel, res["step"], float(res["train_loss"]), val, node.label, best, opt, bar
         )
+        # coordinator.finish's counts go on; a run from before them starts its mark at the version it trained from
+        new.mark, new.stale, new.refusals = old.val_loss if old.mark is None else old.mark, old.stale, old.refusals
+        self.state.experts[str(e)] = new
         return best
 
     # --- commit and pruning ---------------------------------------------------------------------------

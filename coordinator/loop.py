@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from coordinator import records, scheduler
+from coordinator import finish, records, scheduler
 from coordinator.board import Board
 from coordinator.dispatch import Dispatcher
 from coordinator.evaluation import Evaluation
@@ -47,6 +47,7 @@ from soma_edge.wire import protocol
 log = role_logger("soma.coord")
 
 STOPPED = "stopped (soma-coord stop)"
+FINISHED = "every expert is finished"
 
 
 class NoTrainableExpert(RuntimeError):
@@ -114,6 +115,16 @@ class Coordinator:
                 "run stopped after round %d of %d: `soma-coord start --run %s` resumes it",
                 state.round,
                 fed.rounds,
+                self.run.root,
+            )
+        elif why == FINISHED:
+            loop.status("done")
+            log.info(
+                "run over after round %d of %d: every expert is finished (%s); `soma-coord start --run %s "
+                "--reopen` trains them again",
+                state.round,
+                fed.rounds,
+                records.reasons({e: finish.rule_of(w) for e, w in loop.ledger.finished().items()}),
                 self.run.root,
             )
         else:
@@ -227,7 +238,8 @@ class Loop:
                     )
                     return STOPPED
             self.collect(rnd)  # replies until all are in or the deadline passes; each result's cheap checks
-            # Where it can, the next round goes out now, ahead of this one's costly checks (pipelining).
+            if self.pipelines(rnd):  # the next round goes out now, ahead of this one's costly checks, once
+                self.intake.settle_suspects(rnd)  # the claims most likely to be refused are checked
             nxt = self.start_round(r + 1, ahead=rnd) if self.pipelines(rnd) else None
             self.intake.settle_all(rnd)  # the costly checks: a log's replay and audit, the guard's val loss
             self.commit(rnd, nxt.t_round if nxt else None)  # metrics lines, then state.msgpack
@@ -241,6 +253,8 @@ class Loop:
         """Why no round r should start: a stop request, or no steps left in a fixed budget (None: none);
         NoTrainableExpert where every expert is left out."""
         if not self.ledger.trainable_ids():
+            if len(self.ledger.finished()) == len(self.ledger.expert_ids()):
+                return FINISHED
             self.run.save_state(self.ledger.state.to_dict())  # with why each is left out: `status` shows it
             raise NoTrainableExpert(self.ledger.never_advanced())
         if self.run.stop_requested():
@@ -362,7 +376,7 @@ class Loop:
             return False
         if self.run.stop_requested():
             return False
-        if not self.fleet.active():
+        if not self.fleet.active() or not self.ledger.trainable_ids():
             return False
         return not self.ledger.capped() or bool(self.ledger.steps_left(Bases(self.ledger, self.fleet.nodes, rnd)))
 

@@ -15,8 +15,9 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator import records
+from coordinator import finish, records
 from soma_edge import cli
+from soma_edge.config import expert_config
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.metrics import ExpertLine, Line, RoundLine, Status
@@ -43,13 +44,17 @@ def summary(run: RunDir) -> dict[str, Any]:
     cfg = run.load_config() if run.has_config() else None
     last = last_expert_lines(lines)
     lr = last_round(lines)
+    prep = run.read_prepare() if cfg is not None and run.prepare_json.exists() else None
     experts = {}
     for e in state.expert_ids() if state else []:
-        m = last.get(e)
+        m, x = last.get(e), state.expert(e)
+        seeding = state.phase == "seed"
         experts[str(e)] = {
-            **state.expert(e).to_dict(),
+            **x.to_dict(),
             "steps_per_s": m.steps_per_s if m else None,
             "last_round": m.round if m else None,
+            # its train text read how many times over (the seed's: every expert's text)
+            "epochs": records.epochs(cfg if seeding else expert_config(cfg), prep, e, x.step) if prep else None,
         }
     return {
         "run": str(run.root),
@@ -87,6 +92,9 @@ def experts_table(s: dict[str, Any], status: Status | None = None, every: bool =
         title += f", routed val {s['mixture_val_loss']:.4f} nats/byte"
     left_out = {int(e): x["cannot_train"] for e, x in s["experts"].items() if x.get("cannot_train")}
     notes = [f"left out, cannot train: {records.reasons(left_out)}"] if left_out else []
+    done = {int(e): finish.rule_of(x["finished"]) for e, x in s["experts"].items() if x.get("finished")}
+    if done:
+        notes.append(f"finished (federation.finish_*), on their best versions: {records.reasons(done)}")
     rows = expert_rows(s, status)
     shown = rows if every or len(rows) <= TABLE_ROWS else _edges(s, rows)
     if len(shown) < len(rows):
@@ -109,7 +117,7 @@ def _edges(s: dict[str, Any], rows: list[tuple[str, ...]]) -> list[tuple[str, ..
     return [rows[i] for i in keep]
 
 
-EXPERT_COLUMNS = ("expert", "version", "sha256", "step", "train loss", "val loss", "node", "steps/s")
+EXPERT_COLUMNS = ("expert", "version", "sha256", "step", "epochs", "train loss", "val loss", "node", "steps/s")
 
 
 def expert_rows(s: dict[str, Any], status: Status | None = None) -> list[tuple[str, ...]]:
@@ -122,9 +130,10 @@ def expert_rows(s: dict[str, Any], status: Status | None = None) -> list[tuple[s
             str(x["version"]),
             x["sha256"][:12],
             str(x.get("step", "-")),
+            _f(x.get("epochs"), 1),
             _f(x.get("train_loss")),
             _f(x.get("val_loss")),
-            live_nodes.get(e) or x.get("node") or "-",
+            "finished" if x.get("finished") else live_nodes.get(e) or x.get("node") or "-",
             _f(x.get("steps_per_s"), 2),
         )
         for e, x in s["experts"].items()

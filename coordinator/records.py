@@ -20,8 +20,9 @@ import numpy as np
 
 from soma_edge import __version__
 from soma_edge.config import Config
+from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.metrics import ExpertLine, Line, NodeEntry, RoundLine, Status
-from soma_edge.rundir.state import BestVersion, ExpertRecord, GuardBar, RunState
+from soma_edge.rundir.state import BestVersion, ExpertRecord, GuardBar, PrepareSummary, RunState
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
 from soma_edge.wire import compute_share
@@ -85,6 +86,14 @@ def expert_body(
         "opt": opt.to_record() if opt is not None else None,
         "val_loss": val,
     }
+
+
+def epochs(cfg: Config, prep: PrepareSummary, e: int, step: int) -> float | None:
+    """How many times expert e's steps have read its train text: the bytes of `step` steps' batches
+    (data.batch windows of data.seq_len bytes) over its train shards' bytes (None: it has none)."""
+    sizes = prep.shard_sizes()
+    total = sum(sizes.get(h, 0) for h in seed_mod.shards(cfg, prep, e, "train"))
+    return step * cfg.data.batch * cfg.data.seq_len / total if total else None
 
 
 def expert_line(
@@ -216,6 +225,7 @@ def round_line(
         planned_at=rnd.planned_at or None,
         trained={labels[n]: compute_share.record(spans) for n, spans in rnd.trained.items()},
         next_round_ahead=ahead,
+        finished={str(e): why for e, why in sorted(rnd.finished.items())},
     )
 
 

@@ -141,6 +141,18 @@ def _shares(s: dict[str, Any]) -> str:
     )
 
 
+def _finished(s: dict[str, Any]) -> str:
+    """The finished experts (coordinator.finish) and the rule that finished each."""
+    done = [(e, x["finished"]) for e, x in s["experts"].items() if x.get("finished")]
+    if not done:
+        return ""
+    cells = "".join(f"<tr><td>{html.escape(str(e))}</td><td>{html.escape(why)}</td></tr>" for e, why in done)
+    return (
+        "<h2>Finished experts</h2><p>Experts that could no longer improve: they left the plans, and export "
+        f"takes their best versions.</p><table><tr><th>expert</th><th>why</th></tr>{cells}</table>"
+    )
+
+
 def write(run: RunDir, out: Path | None = None) -> Report:
     """Write OUT/report.html (default RUN/report/) and its PNGs; returns their paths."""
     lines = metrics.read_lines(run)
@@ -169,7 +181,7 @@ def write(run: RunDir, out: Path | None = None) -> Report:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}img{max-width:100%}</style></head>"
-        f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}{_shares(s)}<h2>Experts</h2>{_table(s)}</body></html>"
+        f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}{_shares(s)}<h2>Experts</h2>{_table(s)}{_finished(s)}</body></html>"
     )
     page_path = out / "report.html"
     checkpoint.atomic_write(page_path, page.encode(), mode=0o644)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from coordinator import scheduler
+from coordinator.guard import Tally
 from soma_edge.rundir.metrics import ExpertLine, Rejection
 from soma_edge.rundir.state import GuardBar
 from soma_edge.spsa.log import UpdateLog
@@ -65,6 +66,9 @@ class Round:
     train_mids: set[str] = field(default_factory=set)  # every train request of the round, resends included
     waiting: dict[int, Waiting] = field(default_factory=dict)  # node -> its train request, held for pieces
     pending_resend: set[int] = field(default_factory=set)
+    resent: set[int] = field(default_factory=set)  # experts resent once this round: a second miss is not resent
+    tallies: dict[int, Tally] = field(default_factory=dict)  # node id -> its guard verdicts, judged together
+    finished: dict[int, str] = field(default_factory=dict)  # experts finished by this round's verdicts, and why
     claims: dict[int, Claim] = field(default_factory=dict)  # expert -> a result in, its checks to come
     deferred: dict[int, list[int]] = field(default_factory=dict)  # node -> experts sent once the last round commits
     following: dict[int, list[int]] = field(default_factory=dict)  # node -> its experts next round ({}: the same)

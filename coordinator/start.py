@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator import launcher, records, remote, runconfig
+from coordinator import finish, launcher, records, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
 from soma_edge import checkpoint
 from soma_edge.config import Config, local_worker_threads
 from soma_edge.engine import runtime
 from soma_edge.errors import ConfigError, SomaError
+from soma_edge.processes import logs
 from soma_edge.processes.launch import free_port
 from soma_edge.processes.pids import pid_alive
 from soma_edge.rundir import metrics
@@ -46,12 +47,15 @@ class Options:
     port: int = 9092
     tls: launcher.TLS | None = None
     auth: bool = False  # only workers whose keys the run registered may join (needs tls)
+    reopen: bool = False  # train the run's finished experts again (coordinator.finish)
 
 
 def start(opts: Options) -> int:
     """The whole of `soma-coord start`: check the options, then run embedded or submit to --superlink."""
     check_options(opts)
     if opts.superlink:
+        if opts.reopen:
+            reopen_finished(RunDir(opts.run))
         return start_external(opts)
     run = RunDir(opts.run)
     made = first_missing(run.root)
@@ -63,6 +67,8 @@ def start(opts: Options) -> int:
     except BaseException:  # a config or corpus refused, an interrupted prepare: leave no empty run behind
         remove_made(run, made)
         raise
+    if opts.reopen:
+        reopen_finished(run)
     state = run.read_state()
     if state and state.round >= cfg.federation.rounds:
         print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
@@ -89,6 +95,23 @@ def start(opts: Options) -> int:
         return 130
     finally:
         procs.stop_all()
+
+
+def reopen_finished(run: RunDir) -> list[int]:
+    """Train a resumed run's finished experts again (`--reopen`), committed before any round runs; the experts
+    reopened."""
+    with run.lock(wait=5.0):
+        state = run.read_state() if run.root.is_dir() else None
+        if state is None:
+            raise ConfigError(f"--reopen: {run.root} holds no committed run on this box (nothing to reopen)")
+        opened = [e for e in state.expert_ids() if finish.reopen(state.expert(e))]
+        if opened:
+            run.save_state(state.to_dict())
+    print(
+        f"reopened {len(opened)} finished expert(s): {logs.expert_set(opened)}" if opened else "no expert is finished",
+        flush=True,
+    )
+    return opened
 
 
 def first_missing(path: Path) -> Path | None:

@@ -134,11 +134,20 @@ class FederationConfig:
     # Guarded updates (coordinator.guard): a new version is refused when its val loss exceeds the guard's
     # bar (the expert's last version that beat the one before beyond the noise) by more than
     # `guard_tolerance` (nats/byte) plus `guard_sigmas` standard errors (a confidence, as Student's t) of
-    # that difference, measured window by window; each refused result is a strike against the node's key,
-    # and a node with `max_strikes` strikes takes no part in the rest of the run (0: never excluded).
+    # that difference, measured window by window. A result the protocol checks refuse is a strike against
+    # the node's key; the guard's refusals are judged per node once a round's verdicts are in (one strike
+    # for a round that refused some of its versions, one each when most were refused), and a node with
+    # `max_strikes` strikes takes no part in the rest of the run (0: never excluded).
     guard_tolerance: float = 0.01
     guard_sigmas: float = 3.0
     max_strikes: int = 3
+    # Finished experts (coordinator.finish): an expert stops training, on its best version, after
+    # `finish_patience` accepted versions in a row that did not bring its val loss `finish_min_delta`
+    # (nats/byte) below its last such gain, or after `finish_refusals` guard refusals with no such gain
+    # between them (0: that rule is off).
+    finish_patience: int = 6
+    finish_min_delta: float = 0.001
+    finish_refusals: int = 3
     piece_bytes: int = 32 << 20  # shard bytes a node lacks travel in messages of at most this many (<= 32 MiB)
     # What a worker returns: weights (and optimizer state), log (the round's update log: the SPSA scalars,
     # which the coordinator replays bit for bit), or auto: per node and round, the weights where its measured
@@ -417,6 +426,10 @@ def _check_federation(cfg: Config) -> None:
         0 <= f.guard_tolerance <= 100, "federation.guard_tolerance", "between 0 and 100 nats/byte", f.guard_tolerance
     )
     _check(0 <= f.guard_sigmas <= 10, "federation.guard_sigmas", "between 0 and 10", f.guard_sigmas)
+    _check(0 <= f.finish_patience <= 10**6, "federation.finish_patience", "between 0 and 1000000", f.finish_patience)
+    delta = f.finish_min_delta
+    _check(0 <= delta <= 10, "federation.finish_min_delta", "between 0 and 10 nats/byte", delta)
+    _check(0 <= f.finish_refusals <= 10**6, "federation.finish_refusals", "between 0 and 1000000", f.finish_refusals)
     _check(
         1 << 16 <= f.piece_bytes <= 32 << 20,
         "federation.piece_bytes",

@@ -5,9 +5,13 @@ rounds. With this cache an unchanged assignment costs no transfer: the coordinat
 hashes and the base version hash, and the worker finds both here. Entries are content-addressed and
 verified on read; a corrupt entry is dropped and reported missing rather than trained on.
 
-Bounded two ways: at most `keep_versions` weight versions per expert of each run (oldest by version
-pruned; version numbers of different runs are unrelated, and one cache folder serves every run a worker
-joins), and at most `max_bytes` in all (least recently used dropped first). All writes are atomic, so two workers
+Bounded two ways: at most `keep_versions` weight versions per expert of each run besides its pinned ones
+(the oldest written pruned; version numbers of different runs are unrelated, and one cache folder serves
+every run a worker joins), and at most `max_bytes` in all (least recently used dropped first). An expert's
+pinned versions are those its last task named (`pin`): the version it trains from and, for a round planned
+ahead of the last one's checks, the accepted version under it. A version the guard may still refuse can
+then never push out the one the expert would train from again: every result is cached before it is
+judged, and a refused one, retrained, shares its version number with the next. All writes are atomic, so two workers
 sharing one cache folder cannot see half a file.
 """
 
@@ -41,7 +45,7 @@ class Cache:
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
-        for sub in ("shards", "weights", "probe", "parts"):
+        for sub in ("shards", "weights", "probe", "parts", "pins"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     # --- shards -------------------------------------------------------------------------------------
@@ -189,9 +193,37 @@ class Cache:
                 continue
         return out
 
+    def _pins_path(self, run_id: str | None, expert: int) -> Path:
+        run = hashlib.sha256(str(run_id).encode()).hexdigest()[:16]  # a run id is not a file name
+        return self.root / "pins" / f"{run}-{int(expert)}.json"
+
+    def pin(self, run_id: str | None, expert: int, shas: list[str]) -> None:
+        """Keep these versions of `expert` (its last task's base, and the accepted version under a base that is
+        still to be judged) whatever else is cached after them; the expert's earlier pins go."""
+        want = sorted({s for s in shas if isinstance(s, str)})
+        path = self._pins_path(run_id, expert)
+        if self.pinned(run_id, expert) != set(want):
+            checkpoint.atomic_write(path, json.dumps(want).encode(), durable=False)
+
+    def pinned(self, run_id: str | None, expert: int) -> set[str]:
+        try:
+            got = json.loads(self._pins_path(run_id, expert).read_text())
+        except (OSError, ValueError):
+            return set()
+        return {s for s in got if isinstance(s, str)} if isinstance(got, list) else set()
+
     def _prune_versions(self, run_id: str | None, expert: int) -> None:
-        mine = sorted((v, p) for r, e, v, p in self._index() if r == run_id and e == expert)
-        for _, p in mine[: max(0, len(mine) - self.keep_versions)]:
+        pinned = self.pinned(run_id, expert)
+        mine = []
+        for r, e, v, p in self._index():
+            if r == run_id and e == expert and p.stem not in pinned:
+                try:  # newest written first, not highest numbered: after a refusal, the version trained
+                    # again from the accepted one has a lower number than one trained on from the refused
+                    mine.append((p.stat().st_mtime_ns, v, p))
+                except FileNotFoundError:
+                    continue
+        mine.sort()
+        for _, _, p in mine[: max(0, len(mine) - self.keep_versions)]:
             p.unlink(missing_ok=True)
             p.with_suffix(".json").unlink(missing_ok=True)
 

@@ -41,6 +41,7 @@ from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState, State
+from soma_edge.wire import pieces as pieces_mod
 from soma_edge.wire import protocol
 from worker import probe, speculation, task
 from worker.cache import HEARTBEAT_ADVICE, Cache
@@ -167,7 +168,7 @@ def _store_pieces(cache: Cache, pieces: Any) -> tuple[list[str], list[str]]:
     """Put shard pieces into the cache: the shards now complete, and one error line per bad piece (its
     shard is then reported missing and comes again)."""
     try:
-        pieces = protocol.check_pieces(pieces)
+        pieces = pieces_mod.check_pieces(pieces)
     except ValidationError as e:
         return [], [str(e)]
     done, errors = [], []
@@ -252,18 +253,23 @@ def train(msg: Message, context: Context) -> Message:
     nxt = speculation.following(body) if keys else None  # the experts its trainer trains after this round
     results, failed = _claimed(s, keys, body, nxt), []
     missing: protocol.Inventory = {"weights": [], "shards": []}
+    _pin(cache, run_id, body["tasks"], [])
     if results is None:
         runnable, missing = _runnable(cache, cfg, body["tasks"], run_id, errors)
         if missing["weights"] or missing["shards"]:
+            # Say so at once, training nothing: the coordinator resends the request with what was missing
+            # while the round still has its time, and one miss costs a round trip, not the expert's round.
             log.info(
-                "round %s: cache misses: %d weight versions, %d shards",
+                "round %s: cache misses: %d weight versions, %d shards; asking for them before training",
                 body["round"],
                 len(missing["weights"]),
                 len(missing["shards"]),
             )
+            runnable = []
         results, failed = _train_all(runnable, cfg, s, cache, run_id, reply_dtype, float(body["max_seconds"]), body)
         if keys and results:
             _speculate(s, keys, runnable, results, body, nxt)
+    _pin(cache, run_id, body["tasks"], results)
     ahead = nxt[1] if nxt else []  # what the trainer may start from next round
     protect = {r["sha256"] for r in results} | {t["base_sha256"] for t in ahead}
     protect |= {h for t in [*body["tasks"], *ahead] for h in t["shards"]}
@@ -277,6 +283,14 @@ def train(msg: Message, context: Context) -> Message:
         "seconds_total": time.perf_counter() - t_start,
     }
     return _reply(msg, reply, protocol.KIND_REPLY)
+
+
+def _pin(cache: Cache, run_id: str, tasks: list[protocol.Task], results: list[dict[str, Any]]) -> None:
+    """Pin each task's expert's versions that the coordinator may name next: the base it trains from, the
+    accepted version under a base still to be judged, and the result sent (the next base once accepted)."""
+    made = {r.get("expert"): r.get("sha256") for r in results}
+    for t in tasks:
+        cache.pin(run_id, t["expert"], [t["base_sha256"], t.get("keep_sha256"), made.get(t["expert"])])
 
 
 def _keys(body: dict[str, Any], node: int, reply_dtype: str) -> list[speculation.Key]:
@@ -357,6 +371,9 @@ def _runnable(
             hit = cache.get_weights(base) or _from_downstream_log(cache, cfg, t, run_id, errors)
             if hit is None:
                 missing_w.append(base)
+                sent = t.get("base_log")  # the version its log starts from is gone too: not sent again
+                if isinstance(sent, dict) and protocol.is_sha256(sent.get("from_sha256")):
+                    missing_w.append(sent["from_sha256"])
                 continue
             # The task's optimizer state, where it sends one, is the version's (version 0 after a seed hashes
             # like the seed's final weights, which this cache holds with the seed's state).

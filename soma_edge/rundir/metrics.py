@@ -62,6 +62,7 @@ class ExpertLine(Record):
     evaluator: str | None = None  # how the worker evaluated the steps (loop | population); None: not said
     bar_version: int | None = None  # the guard's bar after it (coordinator.guard); None: a run from before bars
     guard_margin: float | None = None  # how much worse than the bar it was allowed to be
+    epochs: float | None = None  # its steps' bytes over its train text's (coordinator.records.epochs)
 
     ACCEPTED: ClassVar = (
         "type",
@@ -193,6 +194,7 @@ class RoundLine(Record):
     settle_seconds: float | None = None  # last reply in (or the deadline) to the commit: checks, guard, mixture
     planned_at: float | None = None  # the round's plan, seconds since the epoch (soma_edge.wire.compute_share)
     trained: dict[str, list[list[float]]] = field(default_factory=dict)  # node label -> when its results trained
+    finished: dict[str, str] = field(default_factory=dict)  # experts finished this round -> why (coordinator.finish)
 
     KEYS: ClassVar = (
         "type",

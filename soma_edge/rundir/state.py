@@ -66,7 +66,8 @@ class GuardBar(Record):
 class ExpertRecord(Record):
     """An expert's entry in state.msgpack: its current version and where it is stored. `best` and the plateau
     rule's state (`lr_scale`, `best_val`, `best_step`) came later, and the guard's `bar` later still: older
-    runs lack them, and `cannot_train` is written only for an expert the run left out. `expert` is set only in
+    runs lack them, and `cannot_train` is written only for an expert the run left out, `finished` only for
+    one that can no longer improve (coordinator.finish). `expert` is set only in
     the finished seed's record (state.msgpack's `seed`)."""
 
     version: int
@@ -83,6 +84,12 @@ class ExpertRecord(Record):
     expert: int | None = None
     bar: GuardBar | None = None
     cannot_train: str | None = None  # why the coordinator stopped handing it out (its shard, a worker's error)
+    # coordinator.finish: the val loss of its last gain of finish_min_delta, the accepted versions and guard
+    # refusals since, and why it finished (None: it trains on). Written only where set: older runs lack them.
+    mark: float | None = None
+    stale: int = 0
+    refusals: int = 0
+    finished: str | None = None
 
     KEYS: ClassVar = (
         "version",

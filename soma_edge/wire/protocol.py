@@ -10,7 +10,7 @@ unpickled. Four exchanges exist, each a Flower message type and the codec kinds 
 - `train`: `train_request` (`train_request`: one per node per round, one `Task` per expert it trains) ->
   `train_reply` (one result per task, or what the worker was missing).
 - `query.shards`: `shard_pieces` (`pieces_request`) -> `shard_ack`. Shard bytes a node lacks travel in
-  pieces of at most PIECE_BYTES (`pieces`): the last piece rides in the train request, any before it go
+  pieces of at most PIECE_BYTES (soma_edge.wire.pieces): the last piece rides in the train request, any before it go
   first as their own messages, so no message of ours carries more than one piece of data besides one
   round's weights.
 - `query.end`: `run_end` (`run_end`: the run is over) -> `shard_ack`; `soma-worker join` exits.
@@ -26,7 +26,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
@@ -179,61 +179,6 @@ def train_request_limit(cfg) -> int:
     return min(codec.MAX_BYTES, (cfg.federation.experts + 1) * per + PIECE_BYTES + SMALL_BYTES)
 
 
-def piece(sha256: str, offset: int, total: int, data: bytes) -> dict[str, Any]:
-    """Bytes [offset, offset + len(data)) of the shard `sha256` of `total` bytes."""
-    return {"sha256": sha256, "offset": int(offset), "total": int(total), "data": bytes(data)}
-
-
-def split_pieces(shards: dict[str, bytes], limit: int | None = None) -> list[list[dict[str, Any]]]:
-    """Shard bytes as messages' worth of pieces, each list at most `limit` (PIECE_BYTES) bytes of data:
-    small shards share a message, a large one is cut across several."""
-    limit = limit or PIECE_BYTES
-    out: list[list[dict[str, Any]]] = [[]]
-    room = limit
-    for sha in sorted(shards):
-        data, offset = shards[sha], 0
-        while True:
-            if room == 0:
-                out.append([])
-                room = limit
-            n = min(room, len(data) - offset)
-            out[-1].append(piece(sha, offset, len(data), data[offset : offset + n]))
-            offset, room = offset + n, room - n
-            if offset >= len(data):
-                break
-    return [p for p in out if p]
-
-
-def group_pieces(pieces: list[dict[str, Any]], limit: int) -> list[list[dict[str, Any]]]:
-    """Pieces (as `split_pieces` cut them) regrouped into messages of at most `limit` bytes of data each,
-    in order; a piece larger than `limit` goes alone."""
-    out: list[list[dict[str, Any]]] = []
-    room = 0
-    for p in pieces:
-        if not out or len(p["data"]) > room:
-            out.append([])
-            room = limit
-        out[-1].append(p)
-        room -= len(p["data"])
-    return out
-
-
-def check_pieces(pieces: Any) -> list[dict[str, Any]]:
-    """The pieces of a request, type-checked (a worker trusts the coordinator's bytes only once they hash)."""
-    if not isinstance(pieces, list):
-        raise ValidationError("pieces is not a list")
-    for p in pieces:
-        if not isinstance(p, dict) or not _is_sha256(p.get("sha256")) or not isinstance(p.get("data"), bytes):
-            raise ValidationError("a piece lacks its sha256 or its bytes")
-        off, total = p.get("offset"), p.get("total")
-        if not (_is_int(off) and _is_int(total) and 0 <= off and off + len(p["data"]) <= total <= MAX_SHARD_BYTES):
-            raise ValidationError(
-                f"piece of shard {p['sha256'][:12]}: offset {off!r} and size {len(p['data'])} do not "
-                f"fit its total {total!r}"
-            )
-    return pieces
-
-
 def pieces_request(run_id: str, node: int, pieces: list[dict[str, Any]]) -> dict[str, Any]:
     return {"soma_version": __version__, "run_id": run_id, "node": node, "pieces": pieces}
 
@@ -267,6 +212,7 @@ class Task(TypedDict):
     opt: dict[str, Any] | None  # spsa.optim.OptState.to_record of the base
     reply: ReplyMode
     base_log: BaseLog | None
+    keep_sha256: NotRequired[str]
 
 
 class Inventory(TypedDict):
@@ -327,12 +273,14 @@ def task(
     opt: dict[str, Any] | None = None,
     reply: ReplyMode = ReplyMode.WEIGHTS,
     base_log: BaseLog | None = None,
+    keep_sha256: str | None = None,
 ) -> Task:
     """Train `expert` from version `version` (identified by `base_sha256`) for `steps` SPSA steps.
 
     `weights` and `opt` (its optimizer state, `spsa.optim.OptState.to_record`) are None when the node already
     holds that version in its cache: an unchanged assignment moves no weights. `lr_scale` is the plateau
-    rule's factor for the whole round, decided by the coordinator; it overrides the cached one."""
+    rule's factor for the whole round, decided by the coordinator; it overrides the cached one. A base still
+    to be judged (planned ahead) names the accepted version under it, `keep_sha256`, for the node to keep."""
     return {
         "expert": expert,
         "version": version,
@@ -345,6 +293,7 @@ def task(
         "opt": opt,
         "reply": reply,
         "base_log": base_log,  # the base is the replay of this log from a version the node has
+        **({} if keep_sha256 is None else {"keep_sha256": keep_sha256}),
     }
 
 

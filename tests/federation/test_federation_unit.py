@@ -28,6 +28,7 @@ from soma_edge import config as config_mod
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.rundir.layout import RunDir, RunLockedError
 from soma_edge.spsa.optim import OptState
+from soma_edge.wire import pieces as pieces_mod
 from soma_edge.wire import protocol
 from tests.helpers.fakegrid import FakeGrid, equal_rates, hold_first_train_reply, set_fed
 from worker import client_app
@@ -1061,11 +1062,11 @@ def test_a_first_piece_times_an_unmeasured_link_and_the_rest_go_in_pieces_it_all
 
 def test_group_pieces_keeps_order_and_bounds():
     data = {"a" * 64: bytes(10_000), "b" * 64: bytes(3_000)}
-    pieces = [p for m in protocol.split_pieces(data, 2_000) for p in m]
-    messages = protocol.group_pieces(pieces, 5_000)
+    pieces = [p for m in pieces_mod.split_pieces(data, 2_000) for p in m]
+    messages = pieces_mod.group_pieces(pieces, 5_000)
     assert [p for m in messages for p in m] == pieces
     assert all(sum(len(p["data"]) for p in m) <= 5_000 for m in messages) and len(messages) == 3
-    assert protocol.group_pieces(pieces, 1_000) == [[p] for p in pieces]  # a piece over the limit goes alone
+    assert pieces_mod.group_pieces(pieces, 1_000) == [[p] for p in pieces]  # a piece over the limit goes alone
 
 
 def test_cache_joins_pieces_in_any_order_and_drops_bad_ones(tmp_path):
@@ -1073,7 +1074,7 @@ def test_cache_joins_pieces_in_any_order_and_drops_bad_ones(tmp_path):
 
     data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
     sha = hashlib.sha256(data).hexdigest()
-    pieces = [p for msg in protocol.split_pieces({sha: data}, 3_000) for p in msg]
+    pieces = [p for msg in pieces_mod.split_pieces({sha: data}, 3_000) for p in msg]
     assert len(pieces) == 4 and sum(len(p["data"]) for p in pieces) == len(data)
     random.Random(1).shuffle(pieces)
     cache = Cache(tmp_path / "c")
@@ -1102,11 +1103,11 @@ def test_cache_joins_pieces_in_any_order_and_drops_bad_ones(tmp_path):
     ],
 )
 def test_malformed_pieces_are_refused(piece, why):
-    good = protocol.piece("a" * 64, 0, 10_000, b"x" * 2_000)
+    good = pieces_mod.piece("a" * 64, 0, 10_000, b"x" * 2_000)
     with pytest.raises(ValidationError, match=why):
-        protocol.check_pieces([{**good, **piece}])
+        pieces_mod.check_pieces([{**good, **piece}])
     with pytest.raises(ValidationError, match="not a list"):
-        protocol.check_pieces({"a": 1})
+        pieces_mod.check_pieces({"a": 1})
 
 
 def test_worker_decodes_no_train_request_beyond_its_runs_model(run, tmp_path):
