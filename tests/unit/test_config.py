@@ -200,3 +200,13 @@ def test_train_names_the_section_it_does_not_read(federation, tmp_path, capsys, 
         assert len(lines) == 1 and lines[0].startswith(f"warning: {path}: [federation]") and "ignored" in lines[0]
     else:
         assert err == ""
+
+
+def test_the_soma_kind_takes_the_tied_decoder_lr_unless_one_is_set():
+    from soma_edge.config import TIED_DECODER_LR, from_dict
+
+    soma = {"model": {"kind": "soma", "embed": 32, "hidden": 32}}
+    assert from_dict(soma).spsa.decoder_lr == TIED_DECODER_LR == 3e-3
+    assert from_dict({**soma, "spsa": {"decoder_lr": 3e-2}}).spsa.decoder_lr == 3e-2
+    assert from_dict({}).spsa.decoder_lr == 3e-2  # the lstm kind's head is untied
+    assert from_dict(from_dict(soma).to_dict()).spsa.decoder_lr == 3e-3  # a resolved config keeps it
