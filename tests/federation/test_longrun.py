@@ -216,3 +216,43 @@ def test_epochs_are_the_steps_bytes_over_the_train_text(run, tmp_path, monkeypat
         if m["type"] == "expert" and m["accepted"]:
             text = sum(sizes[h] for h in prep.shards(m["expert"], "train"))
             assert m["epochs"] == pytest.approx(m["step"] * cfg.data.batch * cfg.data.seq_len / text)
+
+
+def test_a_log_liar_with_made_up_scalars_is_excluded_at_the_defaults(run, tmp_path, monkeypatch):
+    """Node b makes up its logs: the body's scalars turned uphill, the decoder's coded change 50 times its
+    size; it claims the hash its made-up log replays to, so the replay matches. With no audit (the
+    default), the guard's refusals strike it out at the shipped rule, and a's work stands. (Made-up body
+    scalars alone do no harm the guard could see at this size: the exact head learns on regardless.)"""
+    from coordinator import replay as replay_mod
+    from soma_edge.spsa import log as update_log
+    from soma_edge.spsa import optim
+
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=4, reply="log", val_windows=16)  # guard, strikes and audit at their defaults
+    box: list = []
+
+    def lie(nid, body):
+        coord = box[0]
+        for res in body["results"] if nid == 1001 else []:
+            log = update_log.UpdateLog.from_record(res["log"])
+            log.grads[:] = -50 * log.grads
+            log.decoder_scales = log.decoder_scales * np.float32(50)  # the shipped int8-coded decoder
+            x = coord.loop.ledger.expert(res["expert"])
+            stored = coord.run.load_expert(x.path)
+            base = optim.State(
+                protocol.decode_weights(stored["weights"]),
+                step=x.step,
+                opt=coord.loop.ledger.checked_opt(stored, x.path),
+            )
+            got = replay_mod.rebuild(coord.loop.ledger.phase_config(), base, log, res["expert"])
+            res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
+        return body
+
+    coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=lie), run)
+    box.append(coord)
+    state = coord.main()
+    metrics = run.read_metrics()
+    assert state.strikes["node:1001"]["count"] >= MAX and "node:1000" not in state.strikes
+    assert [m["round"] for m in metrics if m["type"] == "round" and m["excluded"] == ["b"]]
+    assert not [m for m in metrics if m["type"] == "expert" and m["node"] == "b" and m["accepted"]]
+    assert all(m["accepted"] for m in metrics if m["type"] == "expert" and m["node"] == "a")
