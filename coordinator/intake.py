@@ -35,6 +35,8 @@ log = role_logger("soma.coord")
 
 STATUS_SECONDS = 1.0  # status.json at most this often while results come in: a live view redraws each second,
 # and at N = 256 one write per accepted result (200 KB of JSON each) cost seconds of every commit
+ROSE = 0.05  # nats/byte: a rise of a round's train loss that marks its claim suspect (`settle_suspects`);
+# the soma kind's diverging experts rose 0.14-0.17, and at N = 256 any rise at all took half the claims
 NODE_UNAVAILABLE = 5  # flwr's ErrorCode: the node missed two heartbeats
 
 
@@ -185,8 +187,8 @@ class Intake:
         """Before the next round is planned ahead of this one's checks: settle the claims most likely to be
         refused, so that round trains those experts from what the guard decides, not from a version it then
         refuses (which would cost the expert that round too). A claim is suspect when its expert's last
-        verdict was a refusal, or when its train loss rose over the round (the mark of an overshoot). The
-        experts settled."""
+        verdict was a refusal, or when its train loss rose over the round by more than ROSE (an overshoot;
+        a round of a few dozen steps moves the mean by a few hundredths either way). The experts settled."""
         suspects = [e for e, c in rnd.claims.items() if e in self.last_refused or self._rose(e, c)]
         self.checks.ahead([rnd.claims[e] for e in suspects if rnd.claims[e].checked is None])
         for e in suspects:
@@ -195,7 +197,7 @@ class Intake:
 
     def _rose(self, e: int, c: Claim) -> bool:
         before, after = self.ledger.expert(e).train_loss, c.res.get("train_loss")
-        return before is not None and protocol.is_number(after) and float(after) > before
+        return before is not None and protocol.is_number(after) and float(after) > before + ROSE
 
     def settle_all(self, rnd: Round) -> None:
         """Settle every claim left, in order, their costly checks run side by side first (`Checks.ahead`)."""

@@ -250,10 +250,10 @@ class Loop:
         return "complete"
 
     def why_stop(self, r: int) -> str | None:
-        """Why no round r should start: a stop request, or no steps left in a fixed budget (None: none);
-        NoTrainableExpert where every expert is left out."""
+        """Why no round r should start: a stop request, no steps left in a fixed budget, or every expert
+        finished (None: none); NoTrainableExpert where every expert is left out and none finished."""
         if not self.ledger.trainable_ids():
-            if len(self.ledger.finished()) == len(self.ledger.expert_ids()):
+            if self.ledger.finished():  # the others cannot train: `status` says why
                 return FINISHED
             self.run.save_state(self.ledger.state.to_dict())  # with why each is left out: `status` shows it
             raise NoTrainableExpert(self.ledger.never_advanced())
@@ -306,6 +306,7 @@ class Loop:
             late=list(late.accepted.values()),
             rejected=late.rejected,
             excluded=late.excluded,
+            finished=late.finished,
             bytes_up=late.bytes_up,
             bytes_down=late.bytes_down,
             following=self.planner.following(active, bases, plan),
