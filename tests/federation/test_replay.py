@@ -384,9 +384,8 @@ def test_auto_asks_for_weights_on_a_fast_link_and_logs_on_a_slow_or_unmeasured_o
 def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypatch):
     """Node b alters one scalar of its log and claims the hash its altered log replays to, so the replay
     alone cannot tell; the audit recomputes that step's losses and refuses the reply."""
-    from coordinator import replay as replay_mod
     from coordinator.loop import Coordinator
-    from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
+    from tests.helpers.fakegrid import FakeGrid, claim_log, equal_rates, set_fed
 
     equal_rates(monkeypatch)
     set_fed(run, rounds=2, reply="log", audit_steps=1024)  # every step: the altered one is surely among them
@@ -397,15 +396,7 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
         for res in body["results"] if nid == 1001 else []:
             log = update_log.UpdateLog.from_record(res["log"])
             log.grads[log.steps // 2, 0] *= 3.0
-            x = coord.loop.ledger.expert(res["expert"])
-            stored = coord.run.load_expert(x.path)
-            base = optim.State(
-                protocol.decode_weights(stored["weights"]),
-                step=x.step,
-                opt=coord.loop.ledger.checked_opt(stored, x.path),
-            )
-            got = replay_mod.rebuild(coord.loop.ledger.phase_config(), base, log, res["expert"])
-            res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
+            claim_log(coord, res, log)
         return body
 
     coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=lie), run)

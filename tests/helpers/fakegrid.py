@@ -186,3 +186,17 @@ def equal_rates(monkeypatch) -> None:
 
     monkeypatch.setitem(client_app.app._registered_funcs, "query.capabilities", equal)
     monkeypatch.setattr(scheduler, "update_rate", lambda old, measured: old)
+
+
+def claim_log(coord, res: dict, log) -> None:
+    """Make result `res` claim update log `log` (an UpdateLog a liar edited) and the hash that log replays
+    to from the expert's current version on coordinator `coord`: the replay alone cannot tell the lie."""
+    from coordinator import replay
+    from soma_edge.spsa import optim
+
+    x = coord.loop.ledger.expert(res["expert"])
+    stored = coord.run.load_expert(x.path)
+    w = protocol.decode_weights(stored["weights"])
+    base = optim.State(w, step=x.step, opt=coord.loop.ledger.checked_opt(stored, x.path))
+    got = replay.rebuild(coord.loop.ledger.phase_config(), base, log, res["expert"])
+    res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
