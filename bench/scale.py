@@ -1,7 +1,7 @@
 """Many experts on a few workers: N = 8, 64 and 256 tiny experts, the same run otherwise.
 
     .venv/bin/python -m bench.scale [--experts 8,64,256,256:5] [--workers 4] [--rounds 5] [--round-seconds 60]
-        [--embed 16] [--hidden 64] [--top-k 4] [--json]
+        [--embed 16] [--hidden 64] [--kind lstm] [--layers 1] [--seed 0] [--paper] [--top-k 4] [--json]
 
 For each N: `soma-coord start --local-workers W` on 127.0.0.1 (a real SuperLink, W SuperNodes, the
 ServerApp and ClientApps), on the default corpus, at the shipped settings but the model size; then
@@ -18,6 +18,11 @@ parameters in all as 256 of the tiny ones). Per arm it prints:
 - the coordinator's settle seconds per round (last reply in to the commit: checks, guard, mixture), as a
   share of round_seconds, and the ServerApp's peak RSS (VmHWM, polled while it runs);
 - the run directory's bytes, and the routed held-out nats/byte of the exported model (top-2).
+
+and a long-run table: each round's compute share, the guard's refusals and the strikes and exclusions
+they cost, the finished experts by rule (coordinator.finish), the mean val loss and routed val after the
+last round. `--kind soma` trains the preprint's expert (embed = hidden); `--paper` runs examples/paper.toml
+(its model, seed run and frozen E) with these experts, rounds and round seconds.
 
 Then a second table, routed inference: every arm's exported model on the same held-out text (up to 256 KiB in
 4 KiB pieces spread over the test documents of the corpus's hash split, which no arm trains on whatever its
@@ -82,6 +87,12 @@ class Result:
     never_advanced: int = 0
     failed: int = 0
     guard_refusals: int = 0
+    shares: list[float] = field(default_factory=list)  # compute share per round, by when the training happened
+    strikes: dict[str, int] = field(default_factory=dict)  # node -> strikes at the end
+    excluded: list[str] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)  # rule -> experts it finished
+    val_mean: float | None = None  # mean val loss after the last round
+    routed_val: float | None = None  # the routed mixture's val loss after the last round
     refusals_on_zero_error: int = 0
     compute_share_2_4: float = 0.0
     steps_per_s: float = 0.0
@@ -98,10 +109,17 @@ def model_of(arm: Arm, args) -> ModelConfig:
 
 def config(arm: Arm, args) -> str:
     m = model_of(arm, args)
+    fed = f"[federation]\nexperts = {arm.experts}\nrounds = {args.rounds}\nround_seconds = {args.round_seconds}\n" + (
+        "" if arm.min_expert_seconds is None else f"min_expert_seconds = {arm.min_expert_seconds}\n"
+    )
+    if args.paper:  # the example's model, seed run and E; these experts, rounds and round seconds
+        text = (ROOT / "examples" / "paper.toml").read_text()
+        keep = text.split("[federation]", 1)[0]
+        seed_steps = [ln for ln in text.split("[federation]", 1)[1].splitlines() if ln.startswith("seed_steps")]
+        return keep + fed + "\n".join(seed_steps) + "\n"
     return (
-        f"[model]\nembed = {m.embed}\nhidden = {m.hidden}\n"
-        f"[federation]\nexperts = {arm.experts}\nrounds = {args.rounds}\nround_seconds = {args.round_seconds}\n"
-        + ("" if arm.min_expert_seconds is None else f"min_expert_seconds = {arm.min_expert_seconds}\n")
+        f'seed = {args.seed}\n[model]\nkind = "{args.kind}"\nembed = {m.embed}\nhidden = {m.hidden}\n'
+        f"layers = {args.layers}\n" + fed
     )
 
 
@@ -213,6 +231,12 @@ def measure(arm: Arm, args, work: Path, data: np.ndarray) -> Result:
         failed=len(failed),
         guard_refusals=len(refused),
         refusals_on_zero_error=sum(1 for x in refused if x.reason.endswith(" 0.0000")),
+        shares=[share for _, share in sorted(compute_share.shares(rounds).items())],
+        strikes={x["name"]: int(x["count"]) for x in state.strikes.values()},
+        excluded=[n for r in rounds for n in r.excluded],
+        finished=_finished_by_rule(state),
+        val_mean=rounds[-1].val_loss_mean if rounds else None,
+        routed_val=rounds[-1].mixture_val_loss if rounds else None,
         compute_share_2_4=sum(mid) / max(len(mid), 1),
         steps_per_s=steps / secs if secs else 0.0,
         settle_seconds=[r.settle_seconds or 0.0 for r in rounds],
@@ -226,6 +250,38 @@ def measure(arm: Arm, args, work: Path, data: np.ndarray) -> Result:
     )
     result.routed_nats_per_byte, result.routed_bytes_per_s = routed(run, data, args.top_k)
     return result
+
+
+def _finished_by_rule(state) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in state.expert_ids():
+        why = state.expert(e).finished
+        if why:
+            rule = why.split(":", 1)[0]
+            out[rule] = out.get(rule, 0) + 1
+    return out
+
+
+def long_table(results: list[Result]) -> str:
+    heads = ["arm", "compute share per round", "guard refusals", "strikes at the end", "excluded"]
+    heads += ["finished (rule: experts)", "mean val", "routed val"]
+    rows = [md_head(heads)]
+    for r in results:
+        rows.append(
+            md_row(
+                [
+                    r.arm,
+                    ", ".join(f"{100 * x:.0f}" for x in r.shares),
+                    str(r.guard_refusals),
+                    ", ".join(f"{k} {v}" for k, v in sorted(r.strikes.items())) or "none",
+                    ", ".join(r.excluded) or "none",
+                    ", ".join(f"{k}: {v}" for k, v in sorted(r.finished.items())) or "none",
+                    "-" if r.val_mean is None else f"{r.val_mean:.4f}",
+                    "-" if r.routed_val is None else f"{r.routed_val:.4f}",
+                ]
+            )
+        )
+    return "\n".join(rows)
 
 
 def table(results: list[Result], round_seconds: float) -> str:
@@ -287,13 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-seconds", type=float, default=60.0)
     ap.add_argument("--embed", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--kind", default="lstm", choices=("lstm", "soma"), help="model.kind (soma: embed = hidden)")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paper", action="store_true", help="examples/paper.toml's model, seed run and E")
     ap.add_argument("--top-k", type=int, default=4, help="experts mixed per window in the routed-inference table")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="soma-scale-"))
     say(
         f"{platform_line()}; {a.workers} local workers, {a.rounds} rounds of {a.round_seconds:g} s, "
-        f"experts embed {a.embed} hidden {a.hidden}, default corpus; work in {work}"
+        + ("examples/paper.toml's experts" if a.paper else f"{a.kind} experts embed {a.embed} hidden {a.hidden}")
+        + f", seed {a.seed}, default corpus; work in {work}"
     )
     docs = documents.by_split(sources.default_documents())
     data = routed_inference.heldout(docs["test"], HELDOUT_BYTES)  # one text for every arm: no arm trained on it
@@ -303,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"  N = {arm.name}: {results[-1].seconds:.0f} s")
     print(table(results, a.round_seconds))
     print(inference_table(results, a.top_k, data.size))
+    print(long_table(results))
     if a.json:
         print(json.dumps({"results": [asdict(r) for r in results]}))
     return 0

@@ -251,3 +251,27 @@ def test_a_log_liar_with_made_up_scalars_is_excluded_at_the_defaults(run, tmp_pa
     assert [m["round"] for m in metrics if m["type"] == "round" and m["excluded"] == ["b"]]
     assert not [m for m in metrics if m["type"] == "expert" and m["node"] == "b" and m["accepted"]]
     assert all(m["accepted"] for m in metrics if m["type"] == "expert" and m["node"] == "a")
+
+
+def test_a_claim_of_an_expert_refused_last_time_is_judged_before_the_next_round_is_planned(run, tmp_path, monkeypatch):
+    """Expert 0's versions of rounds 2 and 4 are lies. Round 3, planned ahead of round 2's checks, trains
+    from the refused version and is lost (the price of pipelining); round 4's claim is then suspect and is
+    judged before round 5 is planned, so round 5 trains from the kept version and is not lost."""
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=5, reply="weights", val_windows=16, max_strikes=0)
+    calls = {"n": 0}
+    honest = task_mod.train_loop
+
+    def lying(state, data, cfg, evaluator, *, expert=0, **kw):
+        rep = honest(state, data, cfg, evaluator, expert=expert, **kw)
+        calls["n"] += expert == 0
+        if expert == 0 and calls["n"] in (2, 4):
+            state.weights[:] = state.weights * 10
+        return rep
+
+    monkeypatch.setattr(task_mod, "train_loop", lying)
+    Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
+    by_round = {m["round"]: m for m in run.read_metrics() if m["type"] == "expert" and m["expert"] == 0}
+    assert not by_round[2]["accepted"] and "which was refused" in by_round[3]["reason"]
+    assert not by_round[4]["accepted"] and by_round[4]["reason"].startswith("rejected:")
+    assert by_round[5]["accepted"] or by_round[5]["reason"].startswith("rejected:"), by_round[5]
