@@ -251,7 +251,8 @@ class Dispatcher:
             **(self.following(nid, rnd.following.get(nid, []), experts, steps, bases, mode) if rnd.following else {}),
         )
         size = self.ledger.size
-        expected = protocol.Expected(node=nid, round=r, tasks=exp_tasks, size=size, reply_dtype=fed.reply_dtype)
+        width = phase.spsa.accumulate * phase.spsa.directions
+        expected = protocol.Expected(nid, r, exp_tasks, size, fed.reply_dtype, width)
         msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
 

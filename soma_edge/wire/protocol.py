@@ -317,6 +317,7 @@ class Expected:
     tasks: dict[int, SentTask]  # expert -> what its task asked
     size: int  # parameters per expert
     reply_dtype: str
+    width: int = 0  # scalars per step of a log reply: spsa.accumulate x spsa.directions (0: not checked)
 
     def max_reply_bytes(self) -> int:
         # weights and up to three optimizer vectors (momentum, Adam's two moments) per task, plus generous
@@ -533,6 +534,11 @@ def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:
         raise ValidationError(str(err)) from None
     if log.steps != res["steps"]:
         raise ValidationError(f"expert {e}: the log holds {log.steps} steps, the result claims {res['steps']}")
+    if exp.width and log.grads.shape[1] != exp.width:  # the audit and the replay index the scalars by it
+        raise ValidationError(
+            f"expert {e}: the log holds {log.grads.shape[1]} scalars a step, the run's config gives each step "
+            f"{exp.width} (spsa.accumulate x spsa.directions)"
+        )
     if log.start != sent["step"]:
         raise ValidationError(
             f"expert {e}: the log starts at step {log.start}, the version it was sent is at step {sent['step']}"

@@ -275,3 +275,27 @@ def test_a_claim_of_an_expert_refused_last_time_is_judged_before_the_next_round_
     assert not by_round[2]["accepted"] and "which was refused" in by_round[3]["reason"]
     assert not by_round[4]["accepted"] and by_round[4]["reason"].startswith("rejected:")
     assert by_round[5]["accepted"] or by_round[5]["reason"].startswith("rejected:"), by_round[5]
+
+
+@pytest.mark.parametrize("audit", [0, 8])
+def test_a_log_of_the_wrong_width_is_one_strike_and_the_run_goes_on(run, tmp_path, monkeypatch, audit):
+    """Node b's logs carry one scalar too many a step (its round 1) or one too few (round 2): refused at
+    arrival with one line and a strike each, the audit and the replay never see them, and the run ends."""
+    from soma_edge.spsa import log as update_log
+
+    equal_rates(monkeypatch)
+    set_fed(run, rounds=3, reply="log", audit_steps=audit, val_windows=16)
+
+    def widen(nid, body):
+        for res in body["results"] if nid == 1001 and body["round"] <= 2 else []:
+            log = update_log.UpdateLog.from_record(res["log"])
+            g = log.grads
+            log.grads = np.ascontiguousarray(np.concatenate([g, g[:, :1]], 1) if body["round"] == 1 else g[:, :1])
+            res["log"] = log.to_record()
+        return body
+
+    state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=widen), run).main()
+    rejected = [x for m in run.read_metrics() if m["type"] == "round" for x in m["rejected"]]
+    assert rejected and all(x["node"] == "b" and "scalars a step" in x["reason"] for x in rejected)
+    assert {x["reason"].split("holds ")[1].split(" ")[0] for x in rejected} <= {"3", "1"}
+    assert state.round == 3 and state.strikes["node:1001"]["count"] == len(rejected)

@@ -653,6 +653,31 @@ HEADER_CASES = [
 ]
 
 
+def _log_result(width: int, steps: int = 3):
+    """A log reply's result for a task of `steps` steps, its scalars `width` a step, and an Expected whose
+    config gives 2 a step (spsa.accumulate 1 x spsa.directions 2)."""
+    res, exp, _ = good_result()
+    exp.tasks[0]["reply"] = protocol.ReplyMode.LOG
+    exp.width = 2
+    grads = np.zeros((steps, width), np.float32)
+    log = {"start": 0, "grads": grads, "lr_scale": 0.5, "decoder": None, "decoder_m": None, "decoder_v": None}
+    return {**res, "steps": steps, "log": log}, exp
+
+
+@pytest.mark.parametrize("width", [0, 1, 3, 64])
+def test_a_log_of_the_wrong_width_is_refused_at_arrival(width):
+    """Narrower, wider or empty scalars a step: one ValidationError line at the cheap checks, before the
+    audit (audit_steps > 0) or the replay (either way) would index them and raise something else."""
+    res, exp = _log_result(width)
+    with pytest.raises(ValidationError) as got:
+        protocol.check_log(res, exp)
+    assert f"holds {width} scalars a step" in one_line(got.value) and "spsa.accumulate x spsa.directions" in str(
+        got.value
+    )
+    ok, exp = _log_result(2)
+    assert protocol.check_log(ok, exp).grads.shape == (3, 2)
+
+
 def test_good_header_and_caps_are_accepted():
     exp = good_result()[1]
     protocol.check_reply_header(good_header(), exp, 5)
