@@ -227,9 +227,9 @@ def judge_round(strikes: dict[str, Any], who: str, label: str, t: Tally, round_:
 
 
 def forgive(strikes: dict[str, Any], who: str) -> None:
-    """A round with no refusal of `who`'s versions, in which one raised its expert's bar, takes one strike
-    off: honest overshoots are forgiven by good work (beyond the noise: luck earns nothing), a node that
-    never improves anything, or that makes something worse every round, is not."""
+    """A round of `who`'s that earned no strike, in which one of its versions raised its expert's bar, takes
+    one strike off: honest overshoots are forgiven by good work (beyond the noise: luck earns nothing), a
+    node that never improves anything, or that makes something worse every round, is not."""
     rec = strikes.get(who)
     if rec and int(rec["count"]) > 0:
         rec["count"] = int(rec["count"]) - 1

@@ -8,11 +8,12 @@ verified on read; a corrupt entry is dropped and reported missing rather than tr
 Bounded two ways: at most `keep_versions` weight versions per expert of each run besides its pinned ones
 (the oldest written pruned; version numbers of different runs are unrelated, and one cache folder serves
 every run a worker joins), and at most `max_bytes` in all (least recently used dropped first). An expert's
-pinned versions are those its last task named (`pin`): the version it trains from and, for a round planned
-ahead of the last one's checks, the accepted version under it. A version the guard may still refuse can
-then never push out the one the expert would train from again: every result is cached before it is
-judged, and a refused one, retrained, shares its version number with the next. All writes are atomic, so two workers
-sharing one cache folder cannot see half a file.
+pinned versions are those the coordinator may name next (`pin`): the base its last task named, the
+accepted version under a base still to be judged (a round planned ahead of the last one's checks), and
+the result sent. A version the guard may still refuse can then never push out the one the expert would
+train from again: every result is cached before it is judged, and a refused one, retrained, shares its
+version number with the next. All writes are atomic, so two workers sharing one cache folder cannot see
+half a file.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ class Cache:
         return self.root / "pins" / f"{run}-{int(expert)}.json"
 
     def pin(self, run_id: str | None, expert: int, shas: list[str]) -> None:
-        """Keep these versions of `expert` (its last task's base, and the accepted version under a base that is
-        still to be judged) whatever else is cached after them; the expert's earlier pins go."""
+        """Keep these versions of `expert` whatever else is cached after them (None entries are skipped); the
+        expert's earlier pins go."""
         want = sorted({s for s in shas if isinstance(s, str)})
         path = self._pins_path(run_id, expert)
         if self.pinned(run_id, expert) != set(want):
