@@ -250,9 +250,8 @@ class Dispatcher:
             # the experts in turn change next round: name this node's, for its speculating trainer
             **(self.following(nid, rnd.following.get(nid, []), experts, steps, bases, mode) if rnd.following else {}),
         )
-        size = self.ledger.size
-        width = phase.spsa.accumulate * phase.spsa.directions
-        expected = protocol.Expected(nid, r, exp_tasks, size, fed.reply_dtype, width)
+        width = phase.spsa.accumulate * phase.spsa.directions  # scalars a step of a log reply
+        expected = protocol.Expected(nid, r, exp_tasks, self.ledger.size, fed.reply_dtype, width)
         msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
 

@@ -53,9 +53,9 @@ class Options:
 def start(opts: Options) -> int:
     """The whole of `soma-coord start`: check the options, then run embedded or submit to --superlink."""
     check_options(opts)
+    if opts.reopen:  # first: it edits the run's last commit, and a path with none is a mistake to say at once
+        reopen_finished(RunDir(opts.run))
     if opts.superlink:
-        if opts.reopen:
-            reopen_finished(RunDir(opts.run))
         return start_external(opts)
     run = RunDir(opts.run)
     made = first_missing(run.root)
@@ -67,8 +67,6 @@ def start(opts: Options) -> int:
     except BaseException:  # a config or corpus refused, an interrupted prepare: leave no empty run behind
         remove_made(run, made)
         raise
-    if opts.reopen:
-        reopen_finished(run)
     state = run.read_state()
     if state and state.round >= cfg.federation.rounds:
         print(f"{run.root}: all {cfg.federation.rounds} rounds are done (raise --rounds to train on)")
@@ -99,12 +97,12 @@ def start(opts: Options) -> int:
 
 def reopen_finished(run: RunDir) -> list[int]:
     """Train a resumed run's finished experts again (`--reopen`), committed before any round runs; the experts
-    reopened."""
+    reopened. A path that holds no committed run on this box is a ConfigError, and is left as it was."""
+    if not (run.state_path.exists() or run.prev_state_path.exists()):
+        raise ConfigError(f"--reopen: {run.root} holds no committed run on this box (nothing to reopen)")
     with run.lock(wait=5.0):
-        state = run.read_state() if run.root.is_dir() else None
-        if state is None:
-            raise ConfigError(f"--reopen: {run.root} holds no committed run on this box (nothing to reopen)")
-        opened = [e for e in state.expert_ids() if finish.reopen(state.expert(e))]
+        state = run.read_state()
+        opened = [e for e in state.expert_ids() if finish.reopen(state.expert(e))] if state else []
         if opened:
             run.save_state(state.to_dict())
     print(

@@ -124,3 +124,22 @@ def test_a_run_with_a_commit_is_never_removed(old_run):
     before = sorted(p.relative_to(old_run) for p in old_run.rglob("*"))
     remove_made(RunDir(old_run), old_run)  # even if start had believed it made the folder
     assert sorted(p.relative_to(old_run) for p in old_run.rglob("*")) == before
+
+
+def test_reopen_refuses_a_path_with_no_run_and_reopens_a_committed_runs_finished_experts(old_run, tmp_path, capsys):
+    from coordinator.start import reopen_finished
+    from soma_edge.rundir.layout import RunDir
+
+    nowhere = tmp_path / "nowhere"
+    rc, out, err = cli(["start", "--run", nowhere, "--reopen", "--port", 0], capsys)
+    assert rc == 2 and "--reopen" in one_line(err, "error: ") and not nowhere.exists()
+    rd = RunDir(old_run)
+    assert reopen_finished(rd) == [] and "no expert is finished" in capsys.readouterr().out
+    state = rd.read_state()
+    state.expert(1).finished, state.expert(1).stale = "patience: 6 versions without a gain", 6
+    rd.save_state(state.to_dict())
+    assert reopen_finished(rd) == [1]
+    again = rd.read_state().expert(1)
+    assert (
+        again.finished is None and again.stale == 0 and "reopened 1 finished expert(s): [1]" in capsys.readouterr().out
+    )
