@@ -167,6 +167,7 @@ class Intake:
         or refuse it. A refused claim's sha256 is remembered: the next round may already train from it."""
         c = rnd.claims.pop(e)
         node = self.fleet.nodes[c.node]
+        self.last_refused.discard(e)  # `accept` puts it back if the guard refuses this one
         if node.status == NodeStatus.EXCLUDED:  # struck out by an earlier result of the same node
             rnd.failed.setdefault(e, f"node {node.label} is excluded")
         elif self.ledger.expert(e).finished is not None:  # in a round planned before it finished
@@ -179,9 +180,6 @@ class Intake:
                 self.accept(rnd, node, c, *checked)
         if e not in rnd.accepted:
             self.refused.add(c.res["sha256"])
-        self.last_refused.discard(e)
-        if any(rej.expert == e and rej.guard for rej in rnd.rejected):
-            self.last_refused.add(e)
 
     def settle_suspects(self, rnd: Round) -> list[int]:
         """Before the next round is planned ahead of this one's checks: settle the claims most likely to be
@@ -237,6 +235,7 @@ class Intake:
             why, slower = verdict.refused, self.ledger.slow_down(e)
             far = verdict.worse > guard.FAR * verdict.margin
             strikes.refuse(rnd, node, e, why, far, val_loss=val, guard_margin=verdict.margin, **slower)
+            self.last_refused.add(e)
             self._finished(rnd, e, finish.after_refusal(self.ledger.expert(e), fed))
             return
         spread = guard.spread_of(windows, bar)

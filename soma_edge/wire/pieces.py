@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from soma_edge.errors import ValidationError
-from soma_edge.wire.protocol import MAX_SHARD_BYTES, PIECE_BYTES, is_sha256
+from soma_edge.wire.protocol import MAX_SHARD_BYTES, PIECE_BYTES, is_int, is_sha256
 
 
 def piece(sha256: str, offset: int, total: int, data: bytes) -> dict[str, Any]:
@@ -64,7 +64,3 @@ def check_pieces(pieces: Any) -> list[dict[str, Any]]:
                 f"fit its total {total!r}"
             )
     return pieces
-
-
-def is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

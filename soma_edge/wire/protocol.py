@@ -94,7 +94,7 @@ def unpack(content, kind: str, max_bytes: int = codec.MAX_BYTES) -> dict[str, An
     body = codec.decode(bytes(arr.data), kind, max_bytes)
     if not isinstance(body, dict):
         raise CodecError(f"{kind}: body is not a map")
-    if not _is_int(body.get("protocol")) or body["protocol"] != PROTOCOL:
+    if not is_int(body.get("protocol")) or body["protocol"] != PROTOCOL:
         raise CodecError(f"{kind}: protocol {body.get('protocol')!r}, this soma-edge speaks {PROTOCOL}")
     return body
 
@@ -128,7 +128,7 @@ def run_end(run_id: str, rounds: int, of: int, why: str) -> dict[str, Any]:
 def end_summary(body: dict[str, Any]) -> str:
     """The worker's one line about a run_end body (fields checked: it came from the network)."""
     rounds, of, why = body.get("rounds"), body.get("of"), body.get("why")
-    if not (_is_int(rounds) and _is_int(of) and isinstance(why, str)):
+    if not (is_int(rounds) and is_int(of) and isinstance(why, str)):
         raise ValidationError("run_end: rounds, of and why must be two integers and a string")
     return f"{rounds}/{of} rounds, {why[:200]}"
 
@@ -326,7 +326,7 @@ class Expected:
         return len(self.tasks) * per + SMALL_BYTES
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -373,11 +373,11 @@ def _check_hash_lists(value: Any, what: str) -> None:
 def check_reply_header(body: dict[str, Any], exp: Expected, src_node: int) -> None:
     """The parts of a reply that concern the whole message: whose it is, which round, and the fields the
     coordinator records or acts on (torch_importable, missing, errors, failed), so that none of them can crash it."""
-    if src_node != exp.node or not _is_int(body.get("node")) or body["node"] != exp.node:
+    if src_node != exp.node or not is_int(body.get("node")) or body["node"] != exp.node:
         raise ValidationError(
             f"reply for node {exp.node} came from node {src_node} claiming node {_short(body.get('node'))}"
         )
-    if not _is_int(body.get("round")) or body["round"] != exp.round:
+    if not is_int(body.get("round")) or body["round"] != exp.round:
         raise ValidationError(f"reply is for round {_short(body.get('round'))}, expected round {exp.round}")
     if not isinstance(body.get("results"), list):
         raise ValidationError("reply has no results list")
@@ -402,7 +402,7 @@ def check_failures(failed: Any, exp: Expected) -> None:
         if not isinstance(f, dict) or set(f) != {"expert", "reason"}:
             raise ValidationError("failed holds an entry that is not {expert, reason}")
         e, why = f["expert"], f["reason"]
-        if not _is_int(e) or e not in exp.tasks or e in seen:
+        if not is_int(e) or e not in exp.tasks or e in seen:
             raise ValidationError(f"failed names expert {_short(e)}, not one of the request's, or twice")
         if not isinstance(why, str) or len(why) > MAX_REASON:
             raise ValidationError(f"expert {e}'s failure reason is not a string of at most {MAX_REASON} characters")
@@ -435,7 +435,7 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
     if not isinstance(res, dict):
         raise ValidationError("result is not a map")
     e = res.get("expert")
-    if not _is_int(e):
+    if not is_int(e):
         raise ValidationError(f"result names no expert ({e!r})")
     if e not in current_sha:
         raise ValidationError(f"unknown expert {e}")
@@ -449,12 +449,12 @@ def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[
             f"expert {e}: stale base version {shown} (sent {sent['base_sha256'][:12]}), current is "
             f"{current_sha[e][:12]}"
         )
-    if not _is_int(res.get("version")) or res["version"] != sent["version"] + 1:
+    if not is_int(res.get("version")) or res["version"] != sent["version"] + 1:
         raise ValidationError(f"expert {e}: version {res.get('version')!r}, expected {sent['version'] + 1}")
     steps = res.get("steps")
-    if not _is_int(steps) or not 1 <= steps <= sent["steps"]:
+    if not is_int(steps) or not 1 <= steps <= sent["steps"]:
         raise ValidationError(f"expert {e}: ran {steps!r} steps, asked for 1..{sent['steps']}")
-    if not _is_int(res.get("step")) or res["step"] != sent["step"] + steps:
+    if not is_int(res.get("step")) or res["step"] != sent["step"] + steps:
         raise ValidationError(f"expert {e}: step counter {res.get('step')!r}, expected {sent['step'] + steps}")
     if sent.get("reply", ReplyMode.WEIGHTS) == ReplyMode.LOG:  # the weights come from the coordinator's replay
         if res.get("weights") is not None or res.get("opt") is not None:
@@ -488,7 +488,7 @@ def _check_tail(res: dict[str, Any], e: int) -> None:
     if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
         raise ValidationError(f"expert {e}: train loss {loss!r} is not finite")
     evals, seconds = res.get("forward_evals"), res.get("seconds")
-    if not _is_int(evals) or evals < 0:
+    if not is_int(evals) or evals < 0:
         raise ValidationError(f"expert {e}: forward_evals {evals!r} is not a count")
     if not _is_number(seconds) or seconds < 0:
         raise ValidationError(f"expert {e}: seconds {seconds!r} is not a finite duration")
