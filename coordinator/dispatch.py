@@ -247,8 +247,7 @@ class Dispatcher:
             tasks=tasks,
             pieces=pieces,
             heartbeat=self.fleet.advised(nid),
-            # the experts in turn change next round: name this node's, for its speculating trainer
-            **(self.following(nid, rnd.following.get(nid, []), experts, steps, bases, mode) if rnd.following else {}),
+            **self.following(rnd, nid, experts, steps, bases, mode),
         )
         width = phase.spsa.accumulate * phase.spsa.directions  # scalars a step of a log reply
         expected = protocol.Expected(nid, r, exp_tasks, self.ledger.size, fed.reply_dtype, width)
@@ -256,12 +255,17 @@ class Dispatcher:
         return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
 
     def following(
-        self, nid: int, nxt: list[int], experts: list[int], steps: dict[int, int], bases: Bases, mode: ReplyMode
+        self, rnd: Round, nid: int, experts: list[int], steps: dict[int, int], bases: Bases, mode: ReplyMode
     ) -> dict[str, Any]:
-        """A request's `next_experts` (the node's experts next round, `nxt`) and `next_tasks`: the task each
-        of those this round does not train would get now, from the version the node holds (one it does not
-        hold, or version 0, which brings its own optimizer state, cannot be trained ahead)."""
-        node, fewest = self.fleet.nodes[nid], min((steps[e] for e in experts), default=0)
+        """A request's `next_experts` (the node's experts next round) and `next_tasks`: the task each of those
+        this round does not train would get now from the version the node holds (not one it lacks, nor version
+        0, which brings its own optimizer state). Named where the experts in turn change; none in the run's
+        last round, whose speculating trainer then trains this round longer, not ahead (worker.speculation)."""
+        if rnd.r >= self.cfg.federation.rounds:
+            return {"next_experts": [], "next_tasks": []}
+        if not rnd.following:
+            return {}
+        nxt, node, fewest = rnd.following.get(nid, []), self.fleet.nodes[nid], min(map(steps.get, experts), default=0)
         ahead = [e for e in nxt if e not in experts and bases.holds(nid, e) and bases.base(e).version > 0]
         return {"next_experts": list(nxt), "next_tasks": [self._task(e, node, fewest, bases, mode)[0] for e in ahead]}
 
@@ -353,10 +357,6 @@ class Dispatcher:
             rnd.plan.assignment[e] = nid
             rnd.plan.moved = sorted(set(rnd.plan.moved) | {e})
         rnd.plan.steps.update(steps)
-        log.info(
-            "round %d: idle experts %s go to %s, which has no work this round",
-            rnd.r,
-            logs.expert_set(steps),
-            nodes[nid].label,
-        )
+        what = (rnd.r, logs.expert_set(steps), nodes[nid].label)
+        log.info("round %d: idle experts %s go to %s, which has no work this round", *what)
         self.send_train(rnd, nid, sorted(steps), steps, bases, max_seconds=fed.round_seconds)

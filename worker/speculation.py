@@ -9,16 +9,22 @@ does not). It goes on from the versions just sent, as the next round will most l
 experts, shards, config, lr scales and reply dtype, from the next versions and steps. It trains them in the
 order the request named them, each for its share of the round's budget as the ClientApp shares it out, and
 the same experts' sessions serve round after round. The next request's ClientApp claims the round when
-each of its tasks has the key of one the trainer holds, and the trainer finishes them: the steps it ran
-before the request came are the ones a fresh process would have run from that base (their noise and
-batches come from the step's keys), and the round's budget counts its training seconds from there. A
-request with a task of another key (the coordinator refused a version, moved an expert, changed an lr
-scale) or one that brings its own base stops the trainer, and the ClientApp trains from the bases itself,
-as without speculation: nothing but idle compute is lost, and the next trainer starts from its results.
+it is of the trainer's run, node, config and reply dtype and no task brings its own base, and the trainer
+finishes it: the steps it ran before the request came are the ones a fresh process would have run from
+that base (their noise and batches come from the step's keys), and the round's budget counts its
+training seconds from there. A task of another key (the coordinator refused a version, moved an expert,
+changed an lr scale), or one whose step cap is below the steps run ahead, starts again from the version
+it names, in the cache; the other experts keep their steps (at 64 experts a node, one changed expert
+used to cost the node every step it ran ahead). Any other request stops the trainer, and the ClientApp
+trains from the bases itself, as without speculation: nothing but idle compute is lost, and the next
+trainer starts from its results.
 After a claimed round the trainer goes on from the new versions of the experts claimed, so with a stable
 assignment it starts once per run. Where the experts train in turn (`federation.min_expert_seconds`), a
 request names the node's experts of the next round (`following`: those it trains now go on from their
-results, the others start from the versions the node holds), and the trainer trains those instead.
+results, the others start from the versions the node holds), and the trainer trains those instead. A
+request that names none (the run's last round) stops it after the round, and the round's budget counts
+from the request, not from the steps ahead of it: a node that trained ahead would otherwise finish first
+and wait for the others, and what it trained after the run's last round would be for a round never sent.
 
 One trainer per cache folder, under <cache>/speculation: `current.json` names the one wanted (none after
 a mismatched claim or the run's end), which holds `lock` for its life and says which rounds it trains in
@@ -120,6 +126,12 @@ def key_of(node: int, run_id: str, config: dict[str, Any], reply_dtype: str, t: 
     """Task t's key."""
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     return Key(node=int(node), run_id=str(run_id), reply_dtype=str(reply_dtype), config=digest, **_task_fields(t))
+
+
+def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Are two key records of the same run, node, config and reply dtype (the trainer's steps of one can
+    then stand for the other's, where their expert, version, step, lr scale and shards match too)?"""
+    return all(a.get(f) == b.get(f) for f in ("node", "run_id", "config", "reply_dtype"))
 
 
 def key_for(template: Key, t: protocol.Task) -> Key:
@@ -230,14 +242,16 @@ def _ready(folder: Path) -> dict[str, Any] | None:
 def claim(
     root: Path, keys: list[Key], tasks: list[protocol.Task], budget: float, nxt: Following | None = None
 ) -> list[dict[str, Any]] | None:
-    """The results of `tasks` (as sent, in their order), trained by this cache's trainer where it holds
-    each task's key (`keys`, in the same order), within `budget` seconds of training shared out among them
-    and each task's step cap; None if it does not (any trainer is then stopped), and the ClientApp trains
-    the tasks. `nxt`: the experts the trainer trains after this round (`following`; None: the same)."""
+    """The results of `tasks` (as sent, in their order; `keys`, each task's key), trained by this cache's
+    trainer where it trains this run for this node, config and reply dtype, within `budget` seconds of
+    training shared out among them and each task's step cap (a task of a key it does not hold starts from
+    its base in the cache); None if it does not (any trainer is then stopped), and the ClientApp trains the
+    tasks. `nxt`: the experts the trainer trains after this round (`following`; None: the same)."""
     folder = root / FOLDER
     state = _ready(folder)
     held = state.get("keys") if state is not None else None
-    if not isinstance(held, list) or any(k.record() not in held for k in keys):
+    ours = isinstance(held, list) and held and isinstance(held[0], dict)  # a trainer of some round, alive
+    if not ours or not all(same_run(held[0], k.record()) for k in keys):
         stop(root)
         return None
     nonce = uuid.uuid4().hex
@@ -390,18 +404,26 @@ class Trainer:
             return "a malformed claim"
         if not isinstance(c.get("budget"), (int, float)):
             return "a malformed claim"
+        if not all(isinstance(k, dict) and same_run(k, self.jobs[0].key.record()) for k in keys):
+            return "it trained another run, node, config or reply dtype"
         held = {json.dumps(j.key.record(), sort_keys=True): j for j in self.jobs}
-        chosen = []
+        chosen, afresh = [], []
         for k, t in zip(keys, tasks):
-            j = held.get(json.dumps(k, sort_keys=True))
-            if j is None:
-                return "it trained another round"
-            if not isinstance(t, dict) or not isinstance(t.get("steps"), int):
+            if not isinstance(t, dict) or not isinstance(t.get("steps"), int) or brings_base(t):
                 return "a malformed claim"
-            if t["steps"] < j.rep.steps:
-                return f"it ran {j.rep.steps} steps of expert {j.key.expert}, over the task's {t['steps']}"
+            j = held.get(json.dumps(k, sort_keys=True))
+            if j is None or t["steps"] < j.rep.steps:
+                # Another version, lr scale or shards, or more steps ahead than the task allows: this expert
+                # alone starts again from the version the task names; the others keep their steps.
+                j = _job(self.cache, Key.from_record(k), t)
+                if j is None:
+                    return f"expert {k.get('expert')}: the version or shards its task names are not in the cache"
+                j.begin(self.cfg)
+                afresh.append(j.key.expert)
             j.task = t
             chosen.append(j)
+        if afresh:
+            log.info("experts %s start again from the versions the request names", logs.expert_set(afresh))
         self.jobs, self.claimed = chosen, c
         return None
 
@@ -437,6 +459,8 @@ class Trainer:
                     self._answer(c["nonce"], {"refused": why})
                     return False
                 budget = float(c["budget"])
+                if c.get("next_experts") == []:  # nothing follows: train this round as long after the request
+                    budget += sum(j.rep.seconds for j in self.jobs)  # as a fresh ClientApp would, not less
             turn = self._turn(budget)
             if turn is not None:
                 j, seconds = turn

@@ -12,13 +12,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from coordinator.loop import Coordinator
 from soma_edge import codec
+from soma_edge.config import Config
 from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed, step_budgets_bind
 from worker import speculation
+from worker.trainer import TrainReport
 
 NODES = ["a", "b", "c", "d"]  # the run's 4 experts, one on each node
 
@@ -71,9 +74,17 @@ def _with_and_without(
 def test_speculated_rounds_end_bit_for_bit_where_fresh_ones_do(run, tmp_path, monkeypatch, nodes):
     """From round 2 on, every round is trained by the trainer the round before started (claims), whether a
     node holds one expert or several; the experts end bit for bit where workers without speculation end,
-    and the run's end stops every trainer."""
-    on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=4, nodes=nodes)
+    and the run's end stops every trainer. The last round's requests name no experts next round (nothing is
+    trained ahead of a round never sent), and no other round's do."""
+    named = []
+
+    def seen(body):
+        named.append((body["round"], body.get("next_experts")))
+        return body
+
+    on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=4, request=seen, nodes=nodes)
     assert on == off
+    assert {r for r, nxt in named if nxt == []} == {4} and all(nxt is None for r, nxt in named if r < 4), named
     # Round 1 brings version 0's optimizer state (no claim asked); rounds 2, 3 and 4 of every node are claimed.
     assert claims == [True] * 3 * len(nodes), claims
     assert _no_trainer_left(tmp_path / "nodes-1")
@@ -111,6 +122,24 @@ def test_a_round_of_another_key_stops_the_trainer_and_trains_fresh(run, tmp_path
     on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=3, request=new_config)
     assert on == off
     assert claims and not any(claims)
+    assert _no_trainer_left(tmp_path / "nodes-1")
+
+
+def test_a_task_of_another_key_starts_again_and_the_others_keep_their_steps(run, tmp_path, monkeypatch):
+    """Round 3 caps expert 0 at 1 step, below what the trainer ran ahead of the request (its node's first
+    expert, trained first; a node's rate measured lower does this, and a refused version or another lr scale
+    is the same case): that expert starts again from the version the task names, in the cache, and the
+    node's other expert keeps the steps it ran ahead. Every round is still claimed, and the experts end bit
+    for bit where workers without speculation end."""
+
+    def capped(body):
+        if body["round"] != 3:
+            return body
+        return {**body, "tasks": [{**t, "steps": 1} if t["expert"] == 0 else t for t in body["tasks"]]}
+
+    on, off, claims = _with_and_without(run, tmp_path, monkeypatch, rounds=4, request=capped, nodes=["a", "b"])
+    assert on == off
+    assert claims == [True] * 3 * 2, claims
     assert _no_trainer_left(tmp_path / "nodes-1")
 
 
@@ -244,3 +273,59 @@ def test_the_trainer_goes_on_with_the_named_experts_in_their_order():
     named = speculation._named(keys, ([5, 2], [task, stray]))
     assert [(k.expert, t) for k, t in named] == [(5, task), (2, None)]
     assert named[0][0] == speculation.key_for(keys[0], task)
+
+
+def _claimed_seconds(tmp_path: Path, monkeypatch, claim_extra: dict) -> tuple[float, bool]:
+    """A trainer of one expert with a budget of 0.3 s trains it ahead (a fake loop: each call runs the
+    seconds it is given at once), then takes a claim of budget 0.3 s; (the seconds its result reports,
+    whether it goes on to another round)."""
+
+    def loop(state, data, cfg, evaluator, *, expert, steps, seconds, stop):
+        return TrainReport(steps=1, seconds=seconds, loss=1.0, forward_evals=3)
+
+    def finish(t, cfg, state, start, base_decoder, rep, dtype):
+        return {
+            "expert": t["expert"],
+            "version": 3,
+            "sha256": "d" * 64,
+            "step": 12,
+            "seconds": rep.seconds,
+            "weights": None,
+            "opt": None,
+        }
+
+    fake = SimpleNamespace(
+        train_loop=loop,
+        finish=finish,
+        as_reply=lambda t, r: r,
+        keep=lambda *a: None,
+        base_state=lambda *a: None,
+        decoder_base=lambda *a: None,
+    )
+    monkeypatch.setattr(speculation, "task", fake)
+    folder = tmp_path / speculation.FOLDER
+    folder.mkdir(parents=True)
+    (folder / "current.json").write_text(json.dumps({"id": "x", "pid": os.getpid()}))
+    t = {"expert": 0, "version": 2, "base_sha256": "a" * 64, "step": 10, "steps": 100}
+    spec = {"budget": 0.3, "watch": os.getpid(), "id": "x"}
+    trainer = speculation.Trainer(
+        folder, spec, Config(), None, [speculation.Job(_key(), t, SimpleNamespace(step=10), None)], None
+    )
+    claim = {"nonce": "n", "keys": [_key().record()], "tasks": [t], "budget": 0.3, **claim_extra}
+    later = threading.Timer(0.3, lambda: (folder / "claim.json").write_text(json.dumps(claim)))
+    later.start()
+    goes_on = trainer._round()
+    later.join()
+    got = codec.decode((folder / "result-n.msgpack").read_bytes(), speculation.RESULT_KIND)
+    return got["results"][0]["seconds"], goes_on
+
+
+def test_a_claim_naming_no_next_experts_counts_its_budget_from_the_request(tmp_path, monkeypatch):
+    """The run's last round (the request names no experts next round): the seconds a trainer ran ahead of
+    the request come on top of its budget, so a node that trained ahead does not finish first and wait
+    for the others, and the trainer stops after it. Any other round: the budget counts them."""
+    assert _claimed_seconds(tmp_path / "mid", monkeypatch, {}) == (pytest.approx(0.3), True)
+    assert _claimed_seconds(tmp_path / "last", monkeypatch, {"next_experts": [], "next_tasks": []}) == (
+        pytest.approx(0.6),
+        False,
+    )

@@ -5,7 +5,9 @@ sent. The replies stay well-formed (right shape, dtype, finite, hashes that matc
 tell. There is no such switch in the product: this file exists in the test tree alone.
 
 SOMA_TEST_POISON: scale10 (the trained weights x 10) | random (noise at 3x the weights' scale) | mixed
-(scale10 for even experts, random for odd ones). Noise at the weights' own scale would be no lie the guard
+(scale10 for even experts, random for odd ones) | once (scale10, of one result of expert SOMA_TEST_POISON_EXPERT
+alone, the first it sends from a step past 0, which creates the file SOMA_TEST_POISON_MARK: an honest worker
+whose training went wrong once). Noise at the weights' own scale would be no lie the guard
 must refuse: it is a fresh init, whose loss (~5.7-6.1 nats/byte at the e2e size) sits within a 0.5
 tolerance of a young expert's best; at 3x it is 8-10.5, like scale10.
 """
@@ -35,6 +37,28 @@ def _lie(train):
     return lying_train
 
 
+def _once(finish):
+    """`worker.task.finish` that makes the result it sends of one expert's training from a step past 0, once
+    in the run, from its trained weights x 10 (a result sent, not speculated steps that may be dropped)."""
+
+    def lying_finish(t, cfg, state, *args):
+        if t["expert"] == int(os.environ["SOMA_TEST_POISON_EXPERT"]) and t["step"] > 0 and _mark():
+            state.weights[:] = state.weights * 10
+            print(f"poison: expert {t['expert']} step {state.step}: weights replaced (once)", file=sys.stderr)
+        return finish(t, cfg, state, *args)
+
+    return lying_finish
+
+
+def _mark() -> bool:
+    """True the first time in the run, across processes (the ClientApps and the speculating trainer)."""
+    try:
+        os.close(os.open(os.environ["SOMA_TEST_POISON_MARK"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 class _Hook(importlib.abc.MetaPathFinder):
     """Wraps `worker.task.train_loop` right after that module runs (the ClientApp's rounds and the
     speculating trainer's both train through it)."""
@@ -48,7 +72,10 @@ class _Hook(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            module.train_loop = _lie(module.train_loop)
+            if MODE == "once":
+                module.finish = _once(module.finish)
+            else:
+                module.train_loop = _lie(module.train_loop)
 
         spec.loader.exec_module = exec_module
         return spec
