@@ -415,7 +415,10 @@ class Trainer:
             if j is None or t["steps"] < j.rep.steps:
                 # Another version, lr scale or shards, or more steps ahead than the task allows: this expert
                 # alone starts again from the version the task names; the others keep their steps.
-                j = _job(self.cache, Key.from_record(k), t)
+                try:
+                    j = _job(self.cache, Key.from_record(k), t)
+                except (TypeError, KeyError):
+                    return "a malformed claim"
                 if j is None:
                     return f"expert {k.get('expert')}: the version or shards its task names are not in the cache"
                 j.begin(self.cfg)
