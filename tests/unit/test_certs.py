@@ -7,6 +7,7 @@ from __future__ import annotations
 import stat
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -153,8 +154,10 @@ def test_a_run_is_live_for_add_worker_from_its_superlinks_start(tmp_path):
     assert not workers_mod.live(run)
     fake = subprocess.Popen(["bash", "-c", "exec -a flower-superlink sleep 60"], cwd=run.flwr_home)
     try:
-        deadline = time.monotonic() + 10
-        while not launcher.superlink_running(run.flwr_home) and time.monotonic() < deadline:
+        # Wait for the exec: bash's own command line names flower-superlink too, and while it turns into
+        # `sleep` its /proc entry reads empty for a moment (a busy box once caught the test in between).
+        cmdline, deadline = Path(f"/proc/{fake.pid}/cmdline"), time.monotonic() + 10
+        while not cmdline.read_bytes().startswith(b"flower-superlink\0") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert workers_mod.live(run)
         assert not launcher.superlink_running(tmp_path)  # another folder's: not this run's
