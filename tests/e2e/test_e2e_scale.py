@@ -1,9 +1,10 @@
 """Many experts for real: `soma-coord start` prepares 64 experts of a ~1.5 MB corpus and trains them on two
 local workers (real SuperLink, SuperNodes, ServerApp and ClientApps on 127.0.0.1) for four short rounds.
 
-Every expert gets val text of its own (prepare's quotas), none fails, every one advances in every round, the
-held-out loss falls, and the console stays readable: id sets as runs, the experts table as its best and
-worst rows. Tiny experts (embed 16, hidden 64); every other setting is the shipped default.
+Every expert gets val text of its own (prepare's quotas), every one but the expert below advances in every
+round (no failed task), the held-out loss falls, and the console stays readable: id sets as runs, the
+experts table as its best and worst rows. Tiny experts (embed 16, hidden 64); every other setting is the
+shipped default.
 
 One result goes wrong, as honest training on a tiny shard can: the workers' ClientApps are wrapped
 (tests/e2e/poison, mode `once`) so that expert 7's first result from a step past 0 is sent x 10. The
