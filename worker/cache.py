@@ -160,6 +160,7 @@ class Cache:
         meta = {"run_id": run_id, "expert": expert, "version": version}
         checkpoint.atomic_write(path.with_suffix(".json"), json.dumps(meta).encode(), durable=False)
         checkpoint.save(path, body, KIND, durable=False)
+        self._meta[path.name] = (run_id, expert, version)  # the same weights stored again under another run
         self._prune_versions(run_id, expert)
 
     def get_weights(self, sha: str) -> dict[str, Any] | None:
@@ -226,13 +227,14 @@ class Cache:
         pinned = self.pinned(run_id, expert)
         mine = []
         for name, (r, e, v) in self._index().items():
-            p = self.root / "weights" / name if r == run_id and e == expert else None
-            if p is not None and p.stem not in pinned:
-                try:  # newest written first, not highest numbered: after a refusal, the version trained
-                    # again from the accepted one has a lower number than one trained on from the refused
-                    mine.append((p.stat().st_mtime_ns, v, p))
-                except FileNotFoundError:
-                    continue
+            if r != run_id or e != expert or name.removesuffix(".msgpack") in pinned:
+                continue
+            p = self.root / "weights" / name
+            try:  # newest written first, not highest numbered: after a refusal, the version trained
+                # again from the accepted one has a lower number than one trained on from the refused
+                mine.append((p.stat().st_mtime_ns, v, p))
+            except FileNotFoundError:
+                continue
         mine.sort()
         for _, _, p in mine[: max(0, len(mine) - self.keep_versions)]:
             p.unlink(missing_ok=True)
