@@ -113,9 +113,8 @@ def config(arm: Arm, args) -> str:
         "" if arm.min_expert_seconds is None else f"min_expert_seconds = {arm.min_expert_seconds}\n"
     )
     if args.paper:  # the example's model, seed run and E; these experts, rounds and round seconds
-        text = (ROOT / "examples" / "paper.toml").read_text()
-        keep = text.split("[federation]", 1)[0]
-        seed_steps = [ln for ln in text.split("[federation]", 1)[1].splitlines() if ln.startswith("seed_steps")]
+        keep, rest = (ROOT / "examples" / "paper.toml").read_text().split("[federation]", 1)
+        seed_steps = [ln for ln in rest.splitlines() if ln.startswith("seed_steps")]
         return keep + fed + "\n".join(seed_steps) + "\n"
     return (
         f'seed = {args.seed}\n[model]\nkind = "{args.kind}"\nembed = {m.embed}\nhidden = {m.hidden}\n'
