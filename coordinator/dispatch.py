@@ -29,6 +29,7 @@ from soma_edge.rundir.state import PrepareSummary
 from soma_edge.spsa import quant
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
+from soma_edge.spsa.recipe import Recipe
 from soma_edge.wire import pieces as pieces_mod
 from soma_edge.wire import protocol
 from soma_edge.wire.protocol import ReplyMode
@@ -250,7 +251,7 @@ class Dispatcher:
             **self.following(rnd, nid, experts, steps, bases, mode),
         )
         width = phase.spsa.accumulate * phase.spsa.directions  # scalars a step of a log reply
-        expected = protocol.Expected(nid, r, exp_tasks, self.ledger.size, fed.reply_dtype, width)
+        expected = protocol.Expected(nid, r, exp_tasks, self.ledger.size, fed.reply_dtype, width, Recipe.of(phase))
         msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
 

@@ -21,10 +21,9 @@ from soma_edge.config import Config
 from soma_edge.engine.numerics import DELTA, FLOAT32_STEP
 from soma_edge.errors import ValidationError
 from soma_edge.expert import steps as expert_steps
-from soma_edge.spsa import quant
+from soma_edge.spsa import quant, recipe
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import State, mean_decoder_grad, schedule
-from soma_edge.spsa.stepper import Stepper
 
 # Max |decoder - claimed| after a rebuilt round, in weight units. It need not scale with ε: the decoder
 # learns from exact gradients of clean forwards, where ε never enters, and Adam's steps are bounded by its lr.
@@ -55,19 +54,31 @@ def audit(cfg: Config, base: State, log: UpdateLog, expert: int, data: np.ndarra
     """Recompute the scalars of `steps` (indices into the log) from forward passes; ValidationError on
     the first that the worker did not compute. `evaluator` is a `LossEvaluator` of the run's model (with
     the decoder-gradient graph when the decoder learns by the delta rule)."""
+    try:
+        recipe.check(log.recipe, cfg)
+    except ValueError as e:
+        raise ValidationError(f"expert {expert}: {e}") from None
     stepper = expert_steps.stepper(cfg, expert)
     state = State(base.weights.copy(), step=base.step, opt=base.opt.copy())
     state.opt.lr_scale = log.lr_scale
     body, delta = stepper.split(state.weights.size)
+    from_probes = stepper.probe_decoder(delta)  # the decoder's steps need every step's probes
     wanted, last = set(steps), max(steps, default=-1)
     try:
         for i, g in enumerate(log.grads):
             if not delta and i > last:
                 return  # every audited step is checked, and nothing dense needs rebuilding
             objs = expert_steps.objectives(data, cfg, evaluator, expert, state.step)  # the worker's own batches
+            sums = None
+            if i in wanted or from_probes:
+                _, eps = schedule(cfg.spsa, state.step, state.opt.lr_scale)
+                sums = stepper.evaluate(state.weights, objs, state.step, body, eps, delta)
             if i in wanted:
-                _check_step(stepper, state, objs, g, body, i, expert, cfg.spsa.directions)
-            dec = mean_decoder_grad([o.clean(state.weights)[1] for o in objs]) if delta else None
+                _check_step(sums.pairs, eps, g, state.step, i, expert)
+            dec = None
+            if delta:
+                cleans = sums.cleans if sums is not None else [o.clean(state.weights) for o in objs]
+                dec = mean_decoder_grad([d for _, d in cleans])
             stepper.replay(state, g, dec)
     finally:
         stepper.close()
@@ -99,16 +110,14 @@ def sample_steps(n: int, count: int, seed: int, expert: int, version: int) -> li
     return sorted(int(i) for i in rng.choice(n, size=min(count, n), replace=False)) if n else []
 
 
-def _check_step(
-    stepper: Stepper, state: State, objs, claimed: np.ndarray, body: int, i: int, expert: int, k: int
-) -> None:
-    _, eps = schedule(stepper.cfg, state.step, state.opt.lr_scale)
+def _check_step(pairs: np.ndarray, eps: float, claimed: np.ndarray, step: int, i: int, expert: int) -> None:
+    """The claimed scalars of log step i (model step `step`) against the losses `pairs` recomputed here."""
     for j, want in enumerate(claimed):
-        lp, lm, _ = stepper.direction(state.weights, objs[j // k].loss, state.step, j, body, eps)
+        lp, lm = float(pairs[j, 0]), float(pairs[j, 1])
         got, want = (lp - lm) / (2.0 * eps), float(want)
         tol = g_tolerance(lp, lm, eps, want)
         if not abs(got - want) <= tol:
             raise ValidationError(
-                f"expert {expert}: step {state.step} (log step {i}), direction {j}: the losses give "
+                f"expert {expert}: step {step} (log step {i}), direction {j}: the losses give "
                 f"{got:.6g}, the log claims {want:.6g} (tolerance {tol:.3g} at eps {eps:.3g})"
             )

@@ -90,8 +90,15 @@ class SPSAConfig:
     adam_eps: float = 1e-8
     weight_decay: float = 0.0  # coupled: wd * w is added to the body's SPSA estimate before the moments
     accumulate: int = 1  # A batches per update, each with its own K fresh directions
+    # Each direction's antithetic pair on its own data.batch / K rows of the minibatch, not on all of them:
+    # K directions then cost the forward passes of one (a forward pass is data.batch rows).
+    split_rows: bool = False
+    shaping: str = "none"  # none | zscore | sign | rank: how a step's differences weigh its directions (spsa.shaping)
     decoder: str = "delta"  # delta: exact decoder-path gradient + Adam | spsa: perturbed with the body | frozen
     decoder_lr: float = 3e-2  # 3e-3 for model.kind = "soma" unless set (TIED_DECODER_LR)
+    # Where the delta rule's gradient comes from: a clean forward at w (one more forward pass a minibatch),
+    # or the mean of the probes' own at w ± eps z (the same to O(eps²), at no forward pass of its own).
+    decoder_from: str = "clean"
     plateau: bool = True  # halve lr and eps together when the val loss stops improving
     plateau_patience: int = 1000  # ... for this many steps
     plateau_factor: float = 0.5
@@ -189,8 +196,10 @@ class Config:
 
 
 def evals_per_step(spsa: SPSAConfig) -> int:
-    """Forward passes one update costs: 2K probes, plus a clean forward for the delta rule, per batch."""
-    return spsa.accumulate * (2 * spsa.directions + (1 if spsa.decoder == "delta" else 0))
+    """Forward passes one update costs, per batch: 2K probes (2 when each direction has its own rows),
+    plus a clean forward for the delta rule. A forward pass is data.batch rows."""
+    probes = 2 if spsa.split_rows else 2 * spsa.directions
+    return spsa.accumulate * (probes + (1 if spsa.decoder == "delta" and spsa.decoder_from == "clean" else 0))
 
 
 # The seed run's config rules (soma_edge.rundir.seed holds the rest of it). They live here, below spsa and seed,
@@ -308,6 +317,7 @@ def _check(ok: bool, path: str, rule: str, value: Any) -> None:
 
 MAX_SEED = 2**32 - 1  # the SPSA noise key holds the seed in 32 bits
 UPDATES = ("rms", "adam", "sgd")
+SHAPINGS = ("none", "zscore", "sign", "rank")  # soma_edge.spsa.shaping.KINDS (config imports nothing of spsa)
 DECODERS = ("delta", "spsa", "frozen")
 KINDS = ("lstm", "soma")
 TIED_DECODER_LR = 3e-3  # spsa.decoder_lr's default for model.kind = "soma" (its E is tied); a set value wins
@@ -337,6 +347,11 @@ def validate(cfg: Config) -> Config:
     d = cfg.data
     _check(d.batch >= 1, "data.batch", ">= 1", d.batch)
     _check(d.seq_len >= 1, "data.seq_len", ">= 1", d.seq_len)
+    if cfg.spsa.split_rows and d.batch % cfg.spsa.directions:
+        raise ConfigError(
+            f"spsa.split_rows needs data.batch ({d.batch}) to be a multiple of spsa.directions "
+            f"({cfg.spsa.directions}): each direction takes batch / directions rows"
+        )
     _check_federation(cfg)
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)
     _check(cfg.threads >= 0, "threads", ">= 0", cfg.threads)
@@ -392,8 +407,15 @@ def _check_spsa(s: SPSAConfig) -> None:
         "<= 2^24",
         s.accumulate * s.directions,
     )
+    _check(s.shaping in SHAPINGS, "spsa.shaping", " | ".join(map(repr, SHAPINGS)), s.shaping)
+    if s.shaping in ("zscore", "rank") and s.directions * s.accumulate < 2:
+        raise ConfigError(
+            f"spsa.shaping = {s.shaping!r} needs at least 2 directions a step (spsa.directions * spsa.accumulate), "
+            f"got {s.directions * s.accumulate}"
+        )
     _check(s.decoder in DECODERS, "spsa.decoder", " | ".join(map(repr, DECODERS)), s.decoder)
     _check(0 < s.decoder_lr < 10, "spsa.decoder_lr", "> 0 and < 10", s.decoder_lr)
+    _check(s.decoder_from in ("clean", "probes"), "spsa.decoder_from", "'clean' | 'probes'", s.decoder_from)
     _check(s.plateau_patience >= 1, "spsa.plateau_patience", ">= 1 step", s.plateau_patience)
     _check(0 < s.plateau_factor < 1, "spsa.plateau_factor", "> 0 and < 1", s.plateau_factor)
     _check(s.plateau_min_delta >= 0, "spsa.plateau_min_delta", ">= 0", s.plateau_min_delta)

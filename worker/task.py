@@ -17,6 +17,7 @@ from soma_edge.processes.logs import role_logger
 from soma_edge.spsa import quant
 from soma_edge.spsa.log import code_decoder, record_log
 from soma_edge.spsa.optim import OptState, State
+from soma_edge.spsa.recipe import Recipe
 from soma_edge.wire import compute_share, protocol
 from soma_edge.wire.protocol import ReplyMode
 from worker.cache import Cache
@@ -100,7 +101,9 @@ def finish(
         # The decoder's Adam moments go along only where the coordinator audits: it rebuilds the decoder's
         # steps from them. Otherwise the worker keeps them, and they stay off a weak link.
         moments = cfg.federation.audit_steps > 0
-        ulog = record_log(start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg), coded, moments)
+        ulog = record_log(
+            start, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg), coded, moments, Recipe.of(cfg)
+        )
         res["log"] = ulog.to_record()
     return res
 

@@ -109,7 +109,11 @@ def evaluator_for(
         cfg.parallel if parallel is None else parallel,
         decoder_grad=cfg.spsa.decoder == "delta",
     )
-    if choose_evaluator(cfg.spsa.evaluator if evaluator is None else evaluator, out.providers) is Evaluator.POPULATION:
+    choice = cfg.spsa.evaluator if evaluator is None else evaluator
+    if cfg.spsa.split_rows or cfg.spsa.decoder_from == "probes":
+        # A population call gives every member the same rows, and the clean member's decoder gradient only.
+        choice = Evaluator.LOOP
+    if choose_evaluator(choice, out.providers) is Evaluator.POPULATION:
         from soma_edge.engine.population import for_config  # imports onnx (heavy): only where it is chosen
 
         # One call at a time, so it gets the threads the loop's concurrent evaluations would share.

@@ -28,6 +28,7 @@ from soma_edge.engine.population import PopulationEvaluator
 from soma_edge.engine.runtime import load_ort, make_session
 from soma_edge.expert import update_graph
 from soma_edge.expert.steps import stepper as make_stepper
+from soma_edge.spsa import shaping
 from soma_edge.spsa.optim import State, mean_decoder_grad, schedule
 from soma_edge.spsa.stepper import StepResult
 
@@ -178,7 +179,7 @@ class Resident:
             return self._apply(self.values, self.state, grads, noises, decoder)
         cfg, state = self.cfg.spsa, self.state
         host = update_graph.scalars(cfg, state.step, state.opt.adam_t, state.opt.lr_scale)
-        values = self.captured.update({**host, "g": grads.astype(np.float32)})
+        values = self.captured.update({**host, "g": shaping.shape(cfg.shaping, grads).astype(np.float32)})
         update_graph.advance(cfg, state, self.delta)
         return values
 
@@ -191,7 +192,7 @@ class Resident:
         cfg = self.cfg.spsa
         io = self.update.io_binding()
         host = update_graph.scalars(cfg, state.step, state.opt.adam_t, state.opt.lr_scale)
-        host["g"] = grads.astype(np.float32)
+        host["g"] = shaping.shape(cfg.shaping, grads).astype(np.float32)  # the Stepper's weights of the scalars
         noise = noises[0][1] if len(noises) == 1 else {}
         if len(noises) > 1:
             noise = {n: self._upload(np.concatenate([h[n] for h, _ in noises])) for n in noises[0][0]}

@@ -12,6 +12,7 @@ import numpy as np
 from soma_edge.config import Config
 from soma_edge.corpus.documents import batch_rng, sample_batch
 from soma_edge.expert.params import layout
+from soma_edge.spsa import recipe
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.log import replay as replay_log
 from soma_edge.spsa.optim import State
@@ -35,8 +36,22 @@ def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int)
     for x, y in batches(data, cfg, expert, step):
         clean = (lambda w, x=x, y=y: evaluator.clean(w, x, y)) if evaluator.train_session is not None else None
         members = (lambda w, probes, eps, x=x, y=y: pop.members(w, probes, eps, x, y)) if pop is not None else None
-        out.append(Objective(loss=lambda w, x=x, y=y: evaluator.loss(w, x, y), clean=clean, members=members))
+        out.append(
+            Objective(
+                loss=lambda w, x=x, y=y: evaluator.loss(w, x, y),
+                clean=clean,
+                members=members,
+                part=lambda w, i, n, x=x, y=y: evaluator.loss(w, *rows_part(x, y, i, n)),
+                part_clean=lambda w, i, n, x=x, y=y: evaluator.clean(w, *rows_part(x, y, i, n)),
+            )
+        )
     return out
+
+
+def rows_part(x: np.ndarray, y: np.ndarray, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Part i of a minibatch's rows cut in n equal slices (spsa.split_rows: direction i's own rows)."""
+    rows = len(x) // n
+    return x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]
 
 
 def batches(data: np.ndarray, cfg: Config, expert: int, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -46,7 +61,9 @@ def batches(data: np.ndarray, cfg: Config, expert: int, step: int) -> list[tuple
 
 
 def replay(cfg: Config, state: State, log: UpdateLog, expert: int) -> State:
-    """`soma_edge.spsa.log.replay` of expert `expert`'s log under the run's config (ValueError if it does not fit)."""
+    """`soma_edge.spsa.log.replay` of expert `expert`'s log under the run's config (ValueError if it does not fit,
+    or ran another recipe)."""
+    recipe.check(log.recipe, cfg)
     lay = layout(cfg.model)
     return replay_log(
         cfg.spsa, state, log, seed=cfg.seed, expert=expert, body=lay.body, dense=lay.dense(), shapes=lay.shapes

@@ -13,6 +13,7 @@ from soma_edge.config import SPSAConfig
 from soma_edge.errors import CheckpointError
 from soma_edge.spsa import quant
 from soma_edge.spsa.optim import State, adam_moments, is_step_count
+from soma_edge.spsa.recipe import Recipe
 from soma_edge.spsa.stepper import Stepper
 
 
@@ -25,7 +26,8 @@ class UpdateLog:
     as its final float32 weights (`decoder`: federation.log_decoder = "float32"). Its Adam moments
     (`decoder_m`, `decoder_v`) come along only where the coordinator audits logs (federation.audit_steps > 0:
     the audit rebuilds the decoder's steps from them) and in logs before protocol 4; otherwise they stay on
-    the worker, which keeps the exact ones, and a replay keeps the base version's."""
+    the worker, which keeps the exact ones, and a replay keeps the base version's. `recipe` is the settings
+    its steps ran with (soma_edge.spsa.recipe; None in logs before protocol 5: the run's own)."""
 
     start: int  # the step of the first update
     grads: np.ndarray  # float32[steps, A*K]: each step's projected gradients (float32 is what the update uses)
@@ -35,9 +37,11 @@ class UpdateLog:
     decoder_v: np.ndarray | None = None
     decoder_codes: np.ndarray | None = None  # int8[n - body]: the decoder's change, coded (soma_edge.spsa.quant)
     decoder_scales: np.ndarray | None = None  # float32[blocks]: ... and its scales
+    recipe: Recipe | None = None
 
     KEYS: ClassVar = ("start", "grads", "lr_scale", "decoder", "decoder_m", "decoder_v")  # every record's
     CODED_KEYS: ClassVar = ("decoder_codes", "decoder_scales")  # ... and a coded decoder's (protocol 4)
+    RECIPE_KEY: ClassVar = "recipe"  # ... and, from protocol 5, its recipe
 
     @property
     def steps(self) -> int:
@@ -55,13 +59,22 @@ class UpdateLog:
         out = {k: getattr(self, k) for k in self.KEYS}
         if self.decoder_codes is not None:
             out.update({k: getattr(self, k) for k in self.CODED_KEYS})
+        if self.recipe is not None:
+            out[self.RECIPE_KEY] = self.recipe.to_record()
         return out
 
     @classmethod
     def from_record(cls, rec: Any, where: str = "update log") -> "UpdateLog":
         """Type-check a record (`replay` checks that it fits the state and config); CheckpointError if not."""
-        if not isinstance(rec, dict) or set(rec) not in (set(cls.KEYS), set(cls.KEYS) | set(cls.CODED_KEYS)):
+        if not isinstance(rec, dict) or set(rec) - {cls.RECIPE_KEY} not in (
+            set(cls.KEYS),
+            set(cls.KEYS) | set(cls.CODED_KEYS),
+        ):
             raise CheckpointError(f"{where}: not an update log record")
+        try:
+            recipe = None if rec.get(cls.RECIPE_KEY) is None else Recipe.from_record(rec[cls.RECIPE_KEY])
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
         g, scale = rec["grads"], rec["lr_scale"]
         if not is_step_count(rec["start"]):
             raise CheckpointError(f"{where}: start {rec['start']!r} is not a step")
@@ -78,7 +91,9 @@ class UpdateLog:
             raise CheckpointError(f"{where}: the decoder's codes must be an int8 vector with float32 scales")
         if codes is not None and rec["decoder"] is not None:
             raise CheckpointError(f"{where}: a decoder comes as its codes or as its weights, not both")
-        return cls(int(rec["start"]), g, scale, rec["decoder"], rec["decoder_m"], rec["decoder_v"], codes, scales)
+        return cls(
+            int(rec["start"]), g, scale, rec["decoder"], rec["decoder_m"], rec["decoder_v"], codes, scales, recipe
+        )
 
 
 def _vector(a: Any, dtype: type) -> bool:
@@ -102,12 +117,13 @@ def record_log(
     body: int = 0,
     coded: quant.Coded | None = None,
     moments: bool = False,
+    recipe: Recipe | None = None,
 ) -> UpdateLog:
-    """The log of the steps whose StepResult.grads are `grads`; with `state` (after them) and `body` < its
-    size, the delta-rule decoder too: its `coded` change (code_decoder), or else its float32 weights, and
-    with `moments` its Adam moments."""
+    """The log of the steps whose StepResult.grads are `grads`, run with `recipe`; with `state` (after them)
+    and `body` < its size, the delta-rule decoder too: its `coded` change (code_decoder), or else its float32
+    weights, and with `moments` its Adam moments."""
     g = np.array(grads, dtype=np.float32).reshape(len(grads), -1) if len(grads) else np.zeros((0, 0), np.float32)
-    out = UpdateLog(start=int(start), grads=g, lr_scale=float(lr_scale))
+    out = UpdateLog(start=int(start), grads=g, lr_scale=float(lr_scale), recipe=recipe)
     if state is not None and 0 < body < state.weights.size:
         if coded is not None:
             out.decoder_codes, out.decoder_scales = coded

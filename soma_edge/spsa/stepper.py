@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -37,8 +37,12 @@ from soma_edge.spsa.noise import (
     rank1_probe,
 )
 from soma_edge.spsa.optim import State, apply_update, mean_decoder_grad, schedule
+from soma_edge.spsa.shaping import shape
 
 LossFn = Callable[[np.ndarray], float]
+PartFn = Callable[[np.ndarray, int, int], float]  # (w, i, n): the loss on part i of the minibatch's rows in n parts
+PartCleanFn = Callable[[np.ndarray, int, int], tuple[float, np.ndarray]]  # ... and its decoder gradient
+ProbeFn = Callable[[np.ndarray], "float | tuple[float, np.ndarray]"]  # a probe's loss, or (loss, decoder gradient)
 CleanFn = Callable[[np.ndarray], tuple[float, np.ndarray]]
 
 
@@ -90,11 +94,15 @@ MembersFn = Callable[[np.ndarray, Probes, float], Population]
 class Objective:
     """One minibatch: `loss(w)` for the probes and, for the delta rule, `clean(w)` -> (loss, decoder grad).
     With `members(w, probes, eps)` (the population evaluator: soma_edge.engine.population), the Stepper evaluates
-    the minibatch's clean forward and 2K probes in that one call instead."""
+    the minibatch's clean forward and 2K probes in that one call instead. With spsa.split_rows, direction k's
+    probes take `part(w, k, K)`: the loss on the k-th of K equal slices of the minibatch's rows (`part_clean`:
+    with its decoder gradient, for spsa.decoder_from = "probes")."""
 
     loss: LossFn
     clean: CleanFn | None = None
     members: MembersFn | None = None
+    part: PartFn | None = None
+    part_clean: PartCleanFn | None = None
 
 
 @dataclass
@@ -108,12 +116,13 @@ class StepResult:
 
 
 class _Sums(NamedTuple):
-    """What a step's evaluation gives its update: Σ g_j z_j, the g_j, Σ (L+ + L-), and per minibatch the
-    clean forward's (loss, decoder gradient) for the delta rule (empty without it)."""
+    """What a step's evaluation gives its update: Σ g_j z_j, the g_j, each direction's (L+, L-), and per
+    minibatch the clean forward's (loss, decoder gradient) for the delta rule (empty without it; with
+    spsa.decoder_from = "probes", one entry: the probes' mean loss and mean decoder gradient)."""
 
     acc: np.ndarray
     grads: np.ndarray
-    probe_losses: float
+    pairs: np.ndarray  # float64[A*K, 2]
     cleans: list[tuple[float, np.ndarray | None]]
 
 
@@ -141,6 +150,9 @@ class Stepper:
     body: int = 0
     dense: np.ndarray | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
+    # Bench only (bench/body.py's frozen twin): no probes and no body update; the decoder's delta rule and
+    # the schedule run as they would, so the twin measures what the body's learning adds.
+    freeze_body: bool = False
 
     def __post_init__(self) -> None:
         if self.cfg.noise == "rank1" and (not self.shapes or self.cfg.density != 1):
@@ -179,9 +191,10 @@ class Stepper:
         return buf
 
     def direction(
-        self, w: np.ndarray, loss_fn: LossFn, t: int, j: int, body: int, eps: float
-    ) -> tuple[float, float, np.ndarray]:
-        """Direction j of step t: (L(w + eps z), L(w - eps z), z), z perturbing the first `body` weights."""
+        self, w: np.ndarray, loss_fn: ProbeFn, t: int, j: int, body: int, eps: float
+    ) -> tuple[Any, Any, np.ndarray]:
+        """Direction j of step t: (L(w + eps z), L(w - eps z), z), z perturbing the first `body` weights (each
+        L what `loss_fn` gives: a loss, or a loss and the decoder gradient there)."""
         z = self._z(t, j, body)
         probe = self._probe(w.size)
         probe[body:] = w[body:]
@@ -195,6 +208,25 @@ class Stepper:
         with self._gate:
             lm = loss_fn(probe)
         return lp, lm, z
+
+    def probe_fn(self, objs: Sequence[Objective], j: int, decoder: bool = False) -> ProbeFn:
+        """What direction j's probes evaluate: its minibatch's loss, or with spsa.split_rows its own rows'
+        share; with `decoder`, the clean function there (loss and decoder gradient: decoder_from = probes)."""
+        K = self.cfg.directions
+        obj = objs[j // K]
+        if self.cfg.split_rows:
+            part = obj.part_clean if decoder else obj.part
+            if part is None:
+                raise ValueError("spsa.split_rows needs each minibatch's loss on a share of its rows (Objective.part)")
+            return lambda w: part(w, j % K, K)
+        fn = obj.clean if decoder else obj.loss
+        if fn is None:
+            raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
+        return fn
+
+    def probe_decoder(self, delta: bool) -> bool:
+        """Whether the delta rule takes its gradient from the probes (spsa.decoder_from = "probes")."""
+        return delta and self.cfg.decoder_from == "probes"
 
     def _clean(self, w: np.ndarray, clean_fn: CleanFn) -> tuple[float, np.ndarray]:
         with self._gate:
@@ -214,38 +246,69 @@ class Stepper:
         if delta and not population and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
         lr, eps = schedule(cfg, t, state.opt.lr_scale)
-        run = self._population if population else self._loop
-        acc, grads, probe_losses, cleans = run(w, objs, t, body, eps, delta)
-        dec, loss = None, probe_losses / (2 * len(grads))
+        if population and (cfg.split_rows or self.probe_decoder(delta)):
+            raise ValueError("spsa.split_rows and decoder_from = 'probes' run on the loop evaluator")
+        run = self._frozen if self.freeze_body else self._population if population else self.evaluate
+        acc, grads, pairs, cleans = run(w, objs, t, body, eps, delta)
+        dec, loss = None, mean_probe_loss(pairs)
         if delta:
             if any(g is None for _, g in cleans):
                 raise ValueError("the delta-rule decoder needs the population evaluator's decoder gradient")
             dec = mean_decoder_grad([g for _, g in cleans])
             loss = sum(x for x, _ in cleans) / len(cleans)
+        frozen = w[:body].copy() if self.freeze_body else None
         apply_update(state, cfg, body, acc, dec)
+        if frozen is not None:
+            w[:body] = frozen  # the moments saw zeros; weight decay alone would move the body
         return StepResult(step=t, grads=grads, loss=loss, lr=lr, eps=eps, decoder_grad=dec)
 
-    def _loop(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
-        """The step's sums from one loss evaluation per probe, `parallel` at a time."""
-        K, total = self.cfg.directions, self.cfg.directions * self.cfg.accumulate
-        cleans = [self._pool.submit(self._clean, w, o.clean) for o in objs] if delta else []
+    def evaluate(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
+        """The step's sums from one loss evaluation per probe (the loop), `parallel` at a time; what the
+        coordinator's audit recomputes a step with."""
+        total = self.cfg.directions * self.cfg.accumulate
+        from_probes = self.probe_decoder(delta)
+        cleans = [self._pool.submit(self._clean, w, o.clean) for o in objs] if delta and not from_probes else []
         window = self.parallel + 1  # directions in flight; bounds memory to ~2 vectors per thread
 
         def submit(j):
-            return self._pool.submit(self.direction, w, objs[j // K].loss, t, j, body, eps)
+            return self._pool.submit(self.direction, w, self.probe_fn(objs, j, from_probes), t, j, body, eps)
 
         futures: dict[int, Future] = {j: submit(j) for j in range(min(window, total))}
         acc = np.zeros(body, dtype=np.float32)
         grads = np.empty(total, dtype=np.float64)
-        probe_losses = 0.0
+        pairs, kept, dec = np.empty((total, 2)), [], None
         for j in range(total):
             lp, lm, z = futures.pop(j).result()
             if j + window < total:
                 futures[j + window] = submit(j + window)
+            if from_probes:  # the delta rule's gradient: the mean of the probes', summed in order (+ then -)
+                (lp, gp), (lm, gm) = lp, lm
+                if dec is None:
+                    dec = np.array(gp, dtype=np.float32)
+                else:
+                    dec += gp
+                dec += gm
             grads[j] = (lp - lm) / (2.0 * eps)
-            probe_losses += lp + lm
-            _accumulate(acc, grads[j], z)
-        return _Sums(acc, grads, probe_losses, [f.result() for f in cleans])
+            pairs[j] = lp, lm
+            if self.cfg.shaping == "none":
+                _accumulate(acc, grads[j], z)  # as they come: one z in memory at a time
+            else:
+                kept.append(z)  # shaping weighs each direction by all of the step's scalars
+        for j, c in enumerate(shape(self.cfg.shaping, grads) if kept else ()):
+            _accumulate(acc, c, kept[j])
+        if from_probes:
+            dec /= np.float32(2 * total)
+            return _Sums(acc, grads, pairs, [(mean_probe_loss(pairs), dec)])
+        return _Sums(acc, grads, pairs, [f.result() for f in cleans])
+
+    def _frozen(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
+        """`freeze_body`'s sums: no probes, a zero estimate, the clean forwards the delta rule needs (with
+        decoder_from = "probes" as well: the probes' mean at z = 0)."""
+        total = self.cfg.directions * self.cfg.accumulate
+        if delta and any(o.clean is None for o in objs):
+            raise ValueError("a frozen body's step still needs the clean forward per minibatch (Objective.clean)")
+        cleans = [self._clean(w, o.clean) for o in objs] if delta else []
+        return _Sums(np.zeros(body, dtype=np.float32), np.zeros(total), np.zeros((total, 2)), cleans)
 
     def _population(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
         """The step's sums from one `members` call per minibatch: its clean forward and K directions' 2K
@@ -253,7 +316,7 @@ class Stepper:
         K = self.cfg.directions
         acc = np.zeros(body, dtype=np.float32)
         grads = np.empty(K * len(objs), dtype=np.float64)
-        probe_losses, cleans = 0.0, []
+        pairs, cleans, drawn = np.empty((K * len(objs), 2)), [], []
         for a, obj in enumerate(objs):
             probes = self.probes(t, range(a * K, (a + 1) * K), body)
             with self._gate:
@@ -262,10 +325,13 @@ class Stepper:
                 j = a * K + i
                 lp, lm = float(out.lp[i]), float(out.lm[i])
                 grads[j] = (lp - lm) / (2.0 * eps)
-                probe_losses += lp + lm
-                _accumulate(acc, grads[j], self._drawn(probes, i, t, j, body))
+                pairs[j] = lp, lm
+                drawn.append((probes, i))
             cleans.append((out.loss, out.decoder_grad if delta else None))
-        return _Sums(acc, grads, probe_losses, cleans)
+        for j, c in enumerate(shape(self.cfg.shaping, grads)):
+            probes, i = drawn[j]
+            _accumulate(acc, c, self._drawn(probes, i, t, j, body))
+        return _Sums(acc, grads, pairs, cleans)
 
     def _drawn(self, probes: Probes, i: int, t: int, j: int, body: int) -> np.ndarray:
         """Direction j's z (probes' i-th) for the update: taken from the probes where they carry it."""
@@ -302,8 +368,8 @@ class Stepper:
         if delta and not body_only and (decoder_grad is None or decoder_grad.shape != (n - body,)):
             raise ValueError(f"replay of a delta-rule step needs the decoder gradient float32[{n - body}]")
         acc = np.zeros(body, dtype=np.float32)
-        for j, g in enumerate(grads):
-            _accumulate(acc, float(g), self._z(t, j, body))
+        for j, c in enumerate(shape(cfg.shaping, np.asarray(grads, dtype=np.float64))):
+            _accumulate(acc, c, self._z(t, j, body))
         apply_update(state, cfg, body, acc, None if body_only or not delta else decoder_grad, delta and body_only)
 
     def close(self) -> None:
@@ -312,6 +378,14 @@ class Stepper:
 
 def _accumulate(acc: np.ndarray, g: float, z: np.ndarray) -> None:
     acc += np.float32(g) * z
+
+
+def mean_probe_loss(pairs: np.ndarray) -> float:
+    """The mean of a step's probe losses, summed in direction order (L+ + L- each), as a float."""
+    total = 0.0
+    for lp, lm in pairs.tolist():
+        total += lp + lm
+    return total / (2 * len(pairs)) if len(pairs) else 0.0
 
 
 def _as_objectives(objectives: Objective | Sequence[Objective] | LossFn) -> list[Objective]:

@@ -36,11 +36,12 @@ from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.expert.params import count
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
+from soma_edge.spsa.recipe import Recipe
 from soma_edge.wire import compute_share
 
 # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces; 4: a log's
-# decoder as int8 codes, and without its Adam moments)
-PROTOCOL = 4
+# decoder as int8 codes, and without its Adam moments; 5: a log's recipe)
+PROTOCOL = 5
 STYPE = "soma/msgpack"
 RECORD = "soma"
 QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")
@@ -318,6 +319,7 @@ class Expected:
     size: int  # parameters per expert
     reply_dtype: str
     width: int = 0  # scalars per step of a log reply: spsa.accumulate x spsa.directions (0: not checked)
+    recipe: Recipe | None = None  # the recipe the node trains with, which its logs must carry (None: not checked)
 
     def max_reply_bytes(self) -> int:
         # weights and up to three optimizer vectors (momentum, Adam's two moments) per task, plus generous
@@ -538,6 +540,11 @@ def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:
         raise ValidationError(
             f"expert {e}: the log holds {log.grads.shape[1]} scalars a step, the run's config gives each step "
             f"{exp.width} (spsa.accumulate x spsa.directions)"
+        )
+    if exp.recipe is not None and log.recipe is not None and log.recipe != exp.recipe:
+        raise ValidationError(
+            f"expert {e}: the log ran another recipe than this node's "
+            f"({'; '.join(log.recipe.differences(exp.recipe)[:3])}, the node's second)"
         )
     if log.start != sent["step"]:
         raise ValidationError(

@@ -48,6 +48,8 @@ def _worker(tmp_path, toml: str, *extra: str):
         ('[model]\nkind = "soma"\nembed = 16\nhidden = 32\n', "model.embed must equal model.hidden"),
         ('[model]\nseed_decoder = "spsa"\n', "model.seed_decoder"),
         ("[federation]\nseed_steps = -1\n", "federation.seed_steps"),
+        ('[spsa]\nshaping = "softmax"\n', "spsa.shaping"),
+        ("[spsa]\ndirections = 3\nsplit_rows = true\n", "spsa.split_rows"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, field):

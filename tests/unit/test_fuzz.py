@@ -28,9 +28,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from coordinator import replay as replay_mod
 from soma_edge import checkpoint, codec
+from soma_edge.config import Config
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
-from soma_edge.spsa.optim import OptState
+from soma_edge.spsa.optim import OptState, State
+from soma_edge.spsa.recipe import Recipe
 from soma_edge.wire import protocol
 
 # Fixed example budget, derandomized: the same examples on every run and every machine, no database.
@@ -676,6 +679,55 @@ def test_a_log_of_the_wrong_width_is_refused_at_arrival(width):
     )
     ok, exp = _log_result(2)
     assert protocol.check_log(ok, exp).grads.shape == (3, 2)
+
+
+def _recipe_record(**spsa) -> dict:
+    rec = Recipe.of(Config()).to_record()
+    rec["spsa"].update(spsa)
+    return rec
+
+
+RECIPE_CASES = [
+    ("not-a-map", [1, 2], "not a recipe record"),
+    ("no-spsa", {"batch": 16, "seq_len": 128}, "not a recipe record"),
+    ("spsa-list", {"spsa": [], "batch": 16, "seq_len": 128}, "not a recipe record"),
+    ("unknown-setting", _recipe_record(evil=1), "its spsa settings are not"),
+    ("missing-setting", {**_recipe_record(), "spsa": {"lr": 1e-3}}, "its spsa settings are not"),
+    ("directions-str", _recipe_record(directions="4"), "spsa.directions is str, not int"),
+    ("directions-bool", _recipe_record(directions=True), "spsa.directions is bool, not int"),
+    ("directions-zero", _recipe_record(directions=0), "spsa.directions must be between 1 and 65536"),
+    ("lr-nan", _recipe_record(lr=float("nan")), "spsa.lr must be a finite number"),
+    ("shaping-unknown", _recipe_record(shaping="softmax"), "spsa.shaping must be"),
+    ("split-int", _recipe_record(split_rows=1), "spsa.split_rows is int, not bool"),
+    ("split-odd-rows", _recipe_record(split_rows=True, directions=3), "spsa.split_rows needs data.batch"),
+    ("batch-ndarray", {**_recipe_record(), "batch": np.array([16])}, "batch is not an integer"),
+]
+
+
+@pytest.mark.parametrize("rec,fragment", [c[1:] for c in RECIPE_CASES], ids=[c[0] for c in RECIPE_CASES])
+def test_a_hostile_recipe_in_a_log_is_one_line(rec, fragment):
+    res, exp = _log_result(2)
+    res["log"]["recipe"] = rec
+    with pytest.raises(ValidationError) as got:
+        protocol.check_log(res, exp)
+    assert fragment in one_line(got.value), got.value
+
+
+def test_a_log_of_another_recipe_is_refused_at_arrival_and_by_the_replay():
+    res, exp = _log_result(2)
+    exp.recipe = Recipe.of(Config())
+    res["log"]["recipe"] = _recipe_record(directions=2, split_rows=True)
+    with pytest.raises(ValidationError) as got:
+        protocol.check_log(res, exp)
+    assert "ran another recipe than this node's (spsa.directions: 2 vs 1; spsa.split_rows: True vs False" in one_line(
+        got.value
+    )
+    res["log"]["recipe"] = _recipe_record()
+    log = protocol.check_log(res, exp)
+    assert log.recipe == exp.recipe
+    log.recipe = Recipe.from_record(_recipe_record(lr=2e-3))
+    with pytest.raises(ValidationError, match=r"expert 0: the log ran another recipe than this run's \(spsa.lr: 0.002"):
+        replay_mod.rebuild(Config(), State(np.zeros(10, np.float32)), log, 0)
 
 
 def test_good_header_and_caps_are_accepted():

@@ -1,0 +1,53 @@
+"""bench/body.py runs end to end on a tiny stream: the screen's lr sweep scored on val with the frozen twin
+scored at every arm's step count, then the final stage at equal passes and equal time, its gains, JSON and
+plot (the claim is the result in docs/RESULTS.md, not a test)."""
+
+import json
+
+import numpy as np
+
+from bench import body
+from soma_edge.config import ModelConfig
+
+TEXT = np.frombuffer(b"".join(bytes([i % 91 + 32]) * (i % 4 + 1) for i in range(6000)), dtype=np.uint8)
+
+
+def _tiny(monkeypatch):
+    windows = (np.stack([TEXT[i : i + 128] for i in range(0, 1024, 128)]).astype(np.int64),) * 2
+    monkeypatch.setattr(body, "_DATA", {"train": TEXT, "val": windows, "test": windows})
+    monkeypatch.setattr(body, "CHECK_STEPS", 4)
+    monkeypatch.setattr(body, "TEST_EVERY", 4)
+    monkeypatch.setitem(body.KINDS, "lstm", ModelConfig(embed=8, hidden=16))
+
+
+def test_body_bench_tiny(tmp_path, monkeypatch, capsys):
+    _tiny(monkeypatch)
+    screen = tmp_path / "screen.json"
+    body.main(["screen", "--arms", "shipped,split4-probes", "--evals", "24", "--jobs", "1", "--json", str(screen)])
+    table = capsys.readouterr().out
+    rec = json.loads(screen.read_text())
+    # 24 passes: 8 steps at 3 a step, 12 at 2 (the probes' own decoder gradient); the twin scored at both.
+    assert {r["steps"] for r in rec["arms"]["shipped"]} == {8} and {
+        r["steps"] for r in rec["arms"]["split4-probes"]
+    } == {12}
+    assert sorted(int(k) for k in rec["twin"]["at"]) == [8, 12]
+    for arm, runs in rec["arms"].items():
+        assert len(runs) >= 3 and len({r["lr"] for r in runs}) == len(runs)  # a grid, extended past a winning edge
+        best = min(runs, key=lambda r: r["val"])
+        assert f"| {arm} | {best['lr']:g} |" in table
+    out = tmp_path / "final.json"
+    png = tmp_path / "body.png"
+    argv = ["final", "--from", str(screen), "--top", "1", "--evals", "24", "--seeds", "0,1", "--jobs", "1"]
+    body.main([*argv, "--json", str(out), "--plot", str(png)])
+    fin = json.loads(out.read_text())
+    assert set(fin["arms"]) == {"shipped", "split4-probes"} and png.stat().st_size > 0
+    shipped = {r["seed"]: r["seconds"] for r in fin["equal_evals"] if r["arm"] == "shipped"}
+    for r in fin["equal_time"]:  # the other arm, for the shipped arm's seconds on its seed
+        assert r["arm"] == "split4-probes" and r["seconds"] >= shipped[r["seed"]]
+    gains = body.gains(fin, "equal_evals")
+    assert set(gains) == {"shipped", "split4-probes"} and all(len(g) == 2 for g in gains.values())
+    assert "split4-probes" in capsys.readouterr().out
+    body.main(["cost", "--arms", "shipped,split4-probes", "--cost-steps", "2"])
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert rows["split4-probes"].endswith("| n/a | n/a |") and "n/a" not in rows["shipped"]
+    assert rows["split4-probes"].split("|")[2].strip() == "2" and rows["shipped"].split("|")[2].strip() == "3"
