@@ -51,3 +51,17 @@ def test_body_bench_tiny(tmp_path, monkeypatch, capsys):
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()}
     assert rows["split4-probes"].endswith("| n/a | n/a |") and "n/a" not in rows["shipped"]
     assert rows["split4-probes"].split("|")[2].strip() == "2" and rows["shipped"].split("|")[2].strip() == "3"
+
+
+def test_body_noise_energies_and_bounds():
+    """The signal is |E g|² unbiased for the mean's noise; equal signal-to-noise in every tensor leaves the
+    Adam bound nothing to gain, and tensors of unequal signal per weight give the SGD bound a gain."""
+    from bench import body_noise
+
+    rng = np.random.default_rng(0)
+    mean = np.array([3.0, 0.0, 0.0, 4.0])
+    grads = {"a": mean + rng.standard_normal((20000, 4)), "b": 0.1 * (mean + rng.standard_normal((20000, 4)))}
+    e = body_noise.energies(grads)
+    assert abs(e["a"][1] - 25.0) < 0.5 and abs(e["a"][2] - 29.0) < 0.5 and e["b"][0] == 4
+    sgd, adam = body_noise.bounds(e)
+    assert abs(adam - 1.0) < 0.02 and sgd > 1.0
