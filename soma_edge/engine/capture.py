@@ -63,7 +63,9 @@ class Captured:
         r, pop = resident, resident.population
         self.ort, self.where, self.batch = load_ort(), r.where, tuple(batch)
         self.cuda = r.where[0] == "cuda"
-        graph = build_population(pop.model, pop.k, pop.perturbed, pop.noise, pop.decoder_grad, pop.seq_len)
+        graph = build_population(
+            pop.model, pop.k, pop.perturbed, pop.noise, pop.decoder_grad, pop.seq_len, pop.decoder_from
+        )
         self.population = make_session(graph, pop.device, pop.threads, pop.spin, cuda_graph=True)
         k = r.cfg.spsa.directions * r.cfg.spsa.accumulate
         update = update_graph.build_update(r.cfg.model, r.cfg.spsa, k, pop.perturbed, pop.noise, r.delta)

@@ -110,9 +110,8 @@ def evaluator_for(
         decoder_grad=cfg.spsa.decoder == "delta",
     )
     choice = cfg.spsa.evaluator if evaluator is None else evaluator
-    if cfg.spsa.split_rows or cfg.spsa.decoder_from == "probes":
-        # A population call gives every member the same rows, and the clean member's decoder gradient only.
-        choice = Evaluator.LOOP
+    if cfg.spsa.split_rows:
+        choice = Evaluator.LOOP  # a population call gives every member the same rows (soma_edge.spsa.stepper)
     if choose_evaluator(choice, out.providers) is Evaluator.POPULATION:
         from soma_edge.engine.population import for_config  # imports onnx (heavy): only where it is chosen
 

@@ -45,13 +45,16 @@ class PopulationEvaluator:
     device: str = "auto"
     threads: int = 0
     spin: bool = True
+    decoder_from: str = "clean"  # spsa.decoder_from: the clean member's decoder gradient, or the probes' mean
     layout: Layout = field(init=False)
 
     def __post_init__(self) -> None:
         self.noise = Noise(self.noise)
         self.perturbed = tuple(self.perturbed)
         self.layout = layout(self.model)
-        graph = build_population(self.model, self.k, self.perturbed, self.noise, self.decoder_grad, self.seq_len)
+        graph = build_population(
+            self.model, self.k, self.perturbed, self.noise, self.decoder_grad, self.seq_len, self.decoder_from
+        )
         self.session = make_session(graph, self.device, self.threads, self.spin)
         self.providers: list[str] = self.session.get_providers()
         self.inputs: list[NoiseInput] = noise_inputs(self.model, self.k, self.perturbed, self.noise)
@@ -120,6 +123,7 @@ def for_config(cfg: Config, device: str, threads: int, spin: bool) -> Population
         device=device,
         threads=threads,
         spin=spin,
+        decoder_from=cfg.spsa.decoder_from,
     )
 
 

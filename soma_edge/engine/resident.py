@@ -167,7 +167,8 @@ class Resident:
             cleans.append(float(losses[0]))
             decoder_grads.append(dec)
         self.values = self._update(grads, noises, decoder_grads)
-        loss = sum(cleans) / len(cleans) if self.delta else probe_losses / (2 * len(grads))
+        probes_mean = probe_losses / (2 * len(grads))
+        loss = sum(cleans) / len(cleans) if self.delta and cfg.decoder_from == "clean" else probes_mean
         dec_mean = None
         if decoder_grad and self.delta:
             dec_mean = mean_decoder_grad([np.concatenate([g.numpy().reshape(-1) for g in d]) for d in decoder_grads])

@@ -291,11 +291,38 @@ def _losses(g: GraphBuilder, logits: str) -> str:
     return g.op("Neg", g.op("ReduceMean", logp_y, axes=[1, 2], keepdims=0), out="losses")
 
 
+def _decoder_grads(g: GraphBuilder, m: ModelConfig, logits: str, rows: str, decoder_from: str) -> None:
+    """The delta rule's decoder gradients: the clean member's (member 0), or the mean over the probes' rows
+    (members 1..P-1 as one batch of (P-1) N rows: each member's mean gradient, averaged)."""
+    y_flat = g.op("Reshape", "y_tb", g.i64([-1]))
+    if decoder_from == "clean":
+        logits0, rows0 = g.op("Gather", logits, g.i64(0), axis=0), g.op("Gather", rows, g.i64(0), axis=0)
+        decoder_grads(g, m.kind, logits0, rows0, y_flat)
+        return
+    if decoder_from != "probes":
+        raise ValueError(f"decoder_from must be 'clean' or 'probes', got {decoder_from!r}")
+    width = m.hidden
+
+    def probes(t: str, last: int) -> str:
+        return g.op("Reshape", g.op("Slice", t, g.i64([1]), g.i64([g.p]), g.i64([0])), g.i64([-1, last]))
+
+    y_probes = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", y_flat, g.i64([0])), g.i64([g.p - 1, 1])), g.i64([-1]))
+    decoder_grads(g, m.kind, probes(logits, 256), probes(rows, width), y_probes)
+
+
 def build_population(
-    m: ModelConfig, k: int, perturbed: Sequence[str], noise: Noise | str, decoder_grad: bool, seq_len: int
+    m: ModelConfig,
+    k: int,
+    perturbed: Sequence[str],
+    noise: Noise | str,
+    decoder_grad: bool,
+    seq_len: int,
+    decoder_from: str = "clean",
 ) -> onnx.ModelProto:
     """The population graph of `k` directions over the tensors `perturbed`, for batches x, y int64 [B, seq_len]
-    (the module docstring). Inputs: x, y, every weight by its layout name, `eps` float32 [], the noise."""
+    (the module docstring). Inputs: x, y, every weight by its layout name, `eps` float32 [], the noise. The
+    decoder gradients are the clean member's, or with `decoder_from` = "probes" the mean over the 2K probes'
+    rows (spsa.decoder_from)."""
     noise, lay = Noise(noise), layout(m)
     unknown = sorted(set(perturbed) - set(lay.names))
     if k < 1 or seq_len < 1 or not perturbed or unknown or len(set(perturbed)) != len(perturbed):
@@ -313,8 +340,7 @@ def build_population(
     _losses(g, logits)
     outputs = [helper.make_tensor_value_info("losses", TensorProto.FLOAT, [g.p])]
     if decoder_grad:
-        logits0, rows0 = g.op("Gather", logits, g.i64(0), axis=0), g.op("Gather", rows, g.i64(0), axis=0)
-        decoder_grads(g, m.kind, logits0, rows0, g.op("Reshape", "y_tb", g.i64([-1])))  # the clean member's
+        _decoder_grads(g, m, logits, rows, decoder_from)
         outputs += [
             helper.make_tensor_value_info(f"grad.{n}", TensorProto.FLOAT, list(lay.shapes[lay.names.index(n)]))
             for n in lay.decoder

@@ -246,8 +246,8 @@ class Stepper:
         if delta and not population and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
         lr, eps = schedule(cfg, t, state.opt.lr_scale)
-        if population and (cfg.split_rows or self.probe_decoder(delta)):
-            raise ValueError("spsa.split_rows and decoder_from = 'probes' run on the loop evaluator")
+        if population and cfg.split_rows:
+            raise ValueError("spsa.split_rows runs on the loop evaluator (spsa.evaluator = 'loop')")
         run = self._frozen if self.freeze_body else self._population if population else self.evaluate
         acc, grads, pairs, cleans = run(w, objs, t, body, eps, delta)
         dec, loss = None, mean_probe_loss(pairs)
@@ -327,7 +327,9 @@ class Stepper:
                 grads[j] = (lp - lm) / (2.0 * eps)
                 pairs[j] = lp, lm
                 drawn.append((probes, i))
-            cleans.append((out.loss, out.decoder_grad if delta else None))
+            # With decoder_from = "probes" the call's gradient is its probes' mean, and so is the loss reported.
+            loss = mean_probe_loss(pairs[a * K : (a + 1) * K]) if self.probe_decoder(delta) else out.loss
+            cleans.append((loss, out.decoder_grad if delta else None))
         for j, c in enumerate(shape(self.cfg.shaping, grads)):
             probes, i = drawn[j]
             _accumulate(acc, c, self._drawn(probes, i, t, j, body))

@@ -197,3 +197,26 @@ def test_the_probes_decoder_gradient_is_the_clean_one_to_second_order_and_costs_
     clean_loss, clean = objs[0].clean(w)
     assert np.linalg.norm(probes - clean) < 1e-3 * np.linalg.norm(clean)
     assert abs(loss - clean_loss) < 1e-3 and evals_per_step(cfg.spsa) == 2
+
+
+def test_the_population_evaluator_takes_the_probes_decoder_gradient_and_passes_the_audit():
+    """decoder_from = "probes" on the population graph: its decoder gradient is the mean over the probes'
+    rows (the loop's, to float rounding), and its run's log passes the loop's audit and replays bit for bit."""
+    cfg = _run_config("none", decoder_from="probes", split=False)
+    cfg.spsa.evaluator = "population"
+    pop = evaluator_for(cfg, threads=1, parallel=1)
+    loop = evaluator_for(cfg, threads=1, parallel=1, evaluator="loop")
+    assert pop.population is not None and loop.population is None
+    w, body = params.init(cfg.model, 0), params.layout(cfg.model).body
+    stepper = steps.stepper(cfg, 0)
+    via_pop = stepper._population(w, steps.objectives(DATA, cfg, pop, 0, 0), 0, body, 1e-3, True)
+    via_loop = stepper.evaluate(w, steps.objectives(DATA, cfg, loop, 0, 0), 0, body, 1e-3, True)
+    stepper.close()
+    assert np.allclose(via_pop.pairs, via_loop.pairs, rtol=1e-5)
+    (_, dec_pop), (_, dec_loop) = via_pop.cleans[0], via_loop.cleans[0]
+    assert np.allclose(dec_pop, dec_loop, rtol=1e-4, atol=1e-7)
+    start, live = State(w.copy()), State(w.copy())
+    rep = train(live, DATA, cfg, pop, steps=4, keep_decoder_grads=True)
+    log = update_log.record_log(0, 1.0, rep.grads, live, steps.log_body(cfg), recipe=Recipe.of(cfg))
+    assert steps.replay(cfg, start, log, 0).weights.tobytes() == live.weights.tobytes()
+    audit_mod.audit(cfg, start, log, 0, DATA, loop, [0, 3])
