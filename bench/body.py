@@ -342,7 +342,8 @@ def plot(rec: dict[str, Any], path: Path) -> None:
         for r in runs:
             pts = [p for p in r["curve"] if "test" in p]
             xs = [p["steps"] * 3 if r["arm"] == TWIN else p[x] for p in pts]
-            ax.plot(xs, [p["test"] for p in pts], label=f"{r['arm']} s{r['seed']}", lw=1)
+            label = f"{r['arm']} s{r['seed']}" + (" (3 passes a step)" if r["arm"] == TWIN else "")
+            ax.plot(xs, [p["test"] for p in pts], label=label, lw=1, ls=":" if r["arm"] == TWIN else "-")
         ax.set_xlabel("forward passes" if x == "evals" else "seconds (one core)")
         ax.set_ylabel("test nats/byte")
         ax.legend(fontsize=6)

@@ -286,7 +286,14 @@ def from_dict(values: dict[str, Any]) -> Config:
     return cfg
 
 
-def load(path: str | Path) -> Config:
+# Settings added to [spsa] after runs were saved without them, with what those runs did: a run's run.toml
+# (written in full) that lacks one resumes with this value, not with today's default, so its recipe stays.
+SAVED_WITHOUT = {"split_rows": False, "shaping": "none", "decoder_from": "clean"}
+
+
+def load(path: str | Path, saved_run: bool = False) -> Config:
+    """The config in TOML file `path`; `saved_run`: a run's own run.toml, whose missing [spsa] settings are
+    the ones it predates (SAVED_WITHOUT)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -298,6 +305,8 @@ def load(path: str | Path) -> Config:
         values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML ({e})") from None
+    if saved_run and isinstance(values.get("spsa", {}), dict):
+        values["spsa"] = SAVED_WITHOUT | values.get("spsa", {})
     try:
         return from_dict(values)
     except ConfigError as e:

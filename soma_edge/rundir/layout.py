@@ -89,7 +89,7 @@ class RunDir:
         return self.run_toml.exists()
 
     def load_config(self) -> Config:
-        return config_mod.load(self.run_toml)
+        return config_mod.load(self.run_toml, saved_run=True)
 
     def save_config(self, cfg: Config) -> None:
         checkpoint.atomic_write(self.run_toml, tomli_w.dumps(cfg.to_dict()).encode())

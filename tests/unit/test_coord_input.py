@@ -143,3 +143,21 @@ def test_reopen_refuses_a_path_with_no_run_and_reopens_a_committed_runs_finished
     assert (
         again.finished is None and again.stale == 0 and "reopened 1 finished expert(s): [1]" in capsys.readouterr().out
     )
+
+
+def test_an_old_runs_config_keeps_the_recipe_it_was_saved_with(old_run):
+    """old_run's run.toml predates spsa.split_rows, shaping and decoder_from: resuming it keeps the recipe it
+    trained with (config.SAVED_WITHOUT), whatever today's defaults are; a new config file takes the defaults."""
+    from soma_edge import config as config_mod
+    from soma_edge.rundir.layout import RunDir
+
+    assert "decoder_from" not in (old_run / "run.toml").read_text()
+    spsa = RunDir(old_run).load_config().spsa
+    assert (spsa.split_rows, spsa.shaping, spsa.decoder_from) == (False, "none", "clean")
+    fresh = config_mod.load(old_run / "run.toml").spsa
+    default = config_mod.Config().spsa
+    assert (fresh.split_rows, fresh.shaping, fresh.decoder_from) == (
+        default.split_rows,
+        default.shaping,
+        default.decoder_from,
+    )
