@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.body screen [--arms shipped,split16,...] [--evals 9000] [--kind lstm|soma]
         [--seeds 0] [--jobs 2] [--json out.json]
     .venv/bin/python -m bench.body cost [--arms ...] [--kind lstm|soma] [--cost-steps 40]
-    .venv/bin/python -m bench.body final --from screen.json [--top 3] [--evals 36000] [--seeds 0,1]
+    .venv/bin/python -m bench.body final --from screen.json[,more.json] [--top 3] [--evals 36000] [--seeds 0,1]
         [--kind lstm|soma] [--jobs 2] [--json out.json] [--plot docs/img/body.png]
 
 Every figure is a **body gain**: the frozen twin's test loss minus the arm's. The twin runs the arm's head
@@ -246,7 +246,8 @@ def screen_table(rec: dict[str, Any]) -> str:
 def final(args: argparse.Namespace) -> dict[str, Any]:
     """The chosen arms and the shipped one, over the seeds: at equal forward passes, then at the shipped
     arm's wall time; then the twins, scored at every step count an arm reached."""
-    picked = _picked(json.loads(Path(args.source).read_text()), args.top, args.arms)
+    screens = [json.loads(Path(p).read_text()) for p in args.source.split(",")]
+    picked = _picked({"arms": {a: r for rec in screens for a, r in rec["arms"].items()}}, args.top, args.arms)
     seeds = [int(s) for s in args.seeds.split(",")]
     rec: dict[str, Any] = {"stage": "final", "kind": args.kind, "evals": args.evals, "arms": picked, "seeds": seeds}
     fp = map_jobs(
@@ -395,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--evals", type=int, default=None, help="forward passes per arm (screen 9000, final 36000)")
     p.add_argument("--seeds", default=None, help="comma-separated (screen: its first; final default 0,1)")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--from", dest="source", help="final: the screen's JSON")
+    p.add_argument("--from", dest="source", help="final: the screens' JSON (comma-separated: their arms together)")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--json", help="write the record here (after every arm)")
     p.add_argument("--plot", help="final: the curves' plot")
