@@ -9,8 +9,8 @@ at random and recomputes their two losses per direction with forward passes of i
 the replay reached at that step, on the batch the step's key draws: a claimed scalar further from the
 recomputed one than two honest devices can disagree (`g_tolerance`) refuses the reply. A delta-rule
 decoder's weights are not in the log step by step, so an audit rebuilds the decoder along the way with a
-clean forward per step (the delta rule is exact), and its final decoder must match the worker's within
-float noise.
+clean forward per step (with spsa.decoder_from = "probes", the step's probes: the delta rule is exact either
+way), and its final decoder must match the worker's within float noise. A log's recipe must be the run's.
 """
 
 from __future__ import annotations

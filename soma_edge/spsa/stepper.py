@@ -3,10 +3,13 @@
 One step at weights w, for each of A minibatches (`accumulate`) and each of its K directions:
 z comes from a counter-based RNG keyed by (seed, expert, step, a*K + k), optionally sparsified by a mask
 from the same key, or (`noise = "rank1"`) built as a·bᵀ per weight matrix from m + n of the key's signs
-(soma_edge.spsa.noise); g = (L(w+εz) - L(w-εz)) / 2ε; the estimate is ĝ = (1/AK) Σ g z over the body only.
-With `decoder = "delta"`, one clean forward per minibatch at w gives the step's clean loss and the exact
-gradient of the loss with respect to the decoder (hidden states held fixed), which takes its own Adam
-step. The body's estimate goes through the configured update (soma_edge.spsa.optim).
+(soma_edge.spsa.noise); g = (L(w+εz) - L(w-εz)) / 2ε; the estimate is ĝ = (1/AK) Σ s(g) z over the body only,
+s the step's shaping of its scalars (soma_edge.spsa.shaping; none by default). Each direction's probes see the
+whole minibatch, or with `split_rows` their own 1/K of its rows. With `decoder = "delta"`, one clean forward
+per minibatch at w gives the step's clean loss and the exact gradient of the loss with respect to the decoder
+(hidden states held fixed), which takes its own Adam step; with `decoder_from = "probes"` that gradient is
+the mean of the probes' own instead, and no clean forward runs. The body's estimate goes through the
+configured update (soma_edge.spsa.optim).
 
 The noise (and its mask) is regenerated from its key and never stored (as in MeZO), so a step replays from
 (key, g_1..g_AK) plus, for the delta-rule decoder, its dense gradient: `Stepper.replay` gives bit-identical
