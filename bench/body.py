@@ -8,10 +8,11 @@
 
 Every figure is a **body gain**: the frozen twin's test loss minus the arm's. The twin runs the arm's head
 recipe and plateau rule (judged on its own val loss, every 100 steps, as each run's is), step for step, with
-the body's probes and update switched off (the Stepper's bench-only `freeze_body`), so it isolates what the zero-order part adds. A forward pass is data.batch = 16
-rows of 128 bytes, however many calls it takes: arms take 3 a step, or 2 where the delta rule takes its
-gradient from the probes (decoder_from = "probes"), so at equal passes those take 1.5x the steps. One twin
-per seed and expert kind serves them all: it is scored at each step count an arm reached.
+the body's probes and update switched off (the Stepper's bench-only `freeze_body`), so it isolates what the
+zero-order part adds. A forward pass is data.batch = 16 rows of 128 bytes, however many calls it takes:
+arms take 3 a step, or 2 where the delta rule takes its gradient from the probes (decoder_from = "probes"),
+so at equal passes those take 1.5x the steps. One twin per seed and expert kind serves them all: it is
+scored at each step count an arm reached.
 
 Data: the whole default corpus (its train split), 256 val windows for the plateau rule and the lr sweep,
 256 test windows for the figures; one ORT thread and one evaluation at a time per arm, `--jobs` arms side by
