@@ -9,7 +9,6 @@ the lr scale that the log carries beside it (the plateau rule's settings).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,12 +89,6 @@ class Recipe:
         except ConfigError as e:
             raise ValueError(f"{where}: {e}") from None
         return cls.of(cfg)
-
-    def config(self, base: Config) -> Config:
-        """`base` with this recipe's settings: the config its steps replay under."""
-        out = dataclasses.replace(base, spsa=dataclasses.replace(base.spsa, **dict(self.spsa)))
-        out.data = dataclasses.replace(base.data, batch=self.batch, seq_len=self.seq_len)
-        return out
 
     def differences(self, other: "Recipe") -> list[str]:
         """'name: ours vs theirs' for each setting where the two differ."""
