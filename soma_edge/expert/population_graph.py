@@ -32,7 +32,8 @@ Each perturbed tensor's noise crosses in one of four forms (`Noise`), K members'
   computes x W. A vector (bias, gain) takes full `z.<name>` int8 signs, as under SIGNS.
 
 Outputs: `losses` float [P], each member's mean cross-entropy in nats/byte (graph.py's loss), and with
-`decoder_grad` the clean member's delta-rule decoder gradients `grad.<name>`, as graph.py's "train" mode.
+`decoder_grad` the clean member's delta-rule decoder gradients `grad.<name>`, as graph.py's "train" mode (with
+spsa.decoder_from = "probes", their mean over the 2K probes' rows instead).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from onnx import TensorProto, helper
 from soma_edge.config import ModelConfig
 from soma_edge.expert.builder import GraphBuilder, decoder_grads, entries, join, pieces
 from soma_edge.expert.graph import LN_EPS, OPSET
-from soma_edge.expert.params import layout
+from soma_edge.expert.params import VOCAB, layout
 from soma_edge.spsa.noise import bits_bytes, keep_table, sign_table
 
 
@@ -301,13 +302,12 @@ def _decoder_grads(g: GraphBuilder, m: ModelConfig, logits: str, rows: str, deco
         return
     if decoder_from != "probes":
         raise ValueError(f"decoder_from must be 'clean' or 'probes', got {decoder_from!r}")
-    width = m.hidden
 
     def probes(t: str, last: int) -> str:
         return g.op("Reshape", g.op("Slice", t, g.i64([1]), g.i64([g.p]), g.i64([0])), g.i64([-1, last]))
 
     y_probes = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", y_flat, g.i64([0])), g.i64([g.p - 1, 1])), g.i64([-1]))
-    decoder_grads(g, m.kind, probes(logits, 256), probes(rows, width), y_probes)
+    decoder_grads(g, m.kind, probes(logits, VOCAB), probes(rows, m.hidden), y_probes)
 
 
 def build_population(
