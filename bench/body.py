@@ -1,6 +1,6 @@
 """How much the zero-order body learns: each SPSA recipe against its frozen twin, on one core.
 
-    .venv/bin/python -m bench.body screen [--arms shipped,split16,...] [--evals 9000] [--kind lstm|soma]
+    .venv/bin/python -m bench.body screen [--arms k1-sparse,split16,...] [--evals 9000] [--kind lstm|soma]
         [--seeds 0] [--jobs 2] [--json out.json]
     .venv/bin/python -m bench.body cost [--arms ...] [--kind lstm|soma] [--cost-steps 40]
     .venv/bin/python -m bench.body final --from screen.json[,more.json] [--top 3] [--evals 36000] [--seeds 0,1]
@@ -21,8 +21,8 @@ test checks are not counted in an arm's seconds.
 
 `screen` sweeps each arm's body lr (x2 steps around its default, extended while the best sits at an edge;
 scored on val, never test) at `--evals` forward passes and prints the table. `final` takes the best `--top`
-arms of a screen (by val) and the shipped arm at their screened lr, at `--evals` forward passes and at equal
-wall time (the shipped arm's seconds for the same budget, measured in the same run), over `--seeds`, and
+arms of a screen (by val) and the BASE arm (`k1-sparse`) at their screened lr, at `--evals` forward passes and
+at equal wall time (the BASE arm's seconds for the same budget, measured in the same run), over `--seeds`, and
 writes the curves (JSON, plot). `cost` times each arm's steps with the loop and with the population
 evaluator (one at a time: run it alone on the box).
 """
@@ -54,18 +54,25 @@ CHECK_STEPS = 100  # steps between val checks (the plateau rule), as soma-worker
 TEST_EVERY = 1000  # steps between test points of a curve
 KINDS = {"lstm": ModelConfig(), "soma": ModelConfig(kind="soma", embed=32, hidden=32, layers=2)}
 
-# The arms: spsa.* overrides on the shipped config. Each pair of an arm's probes costs 2 forward passes of
-# the batch's 16 rows; with split_rows the K pairs share them (16 / K rows each).
-ARMS: dict[str, dict[str, Any]] = {"shipped": {}}
+# The arms: spsa.* settings over the config's. BASE is the recipe soma-edge shipped when this bench was
+# written (one sparse direction on all rows, the delta rule's gradient from a clean forward), and every arm
+# but `default` (today's defaults, whatever they are) names its settings against it, so the arms and the
+# tables in docs/RESULTS.md stay what they were as the defaults move. Each pair of an arm's probes costs 2
+# forward passes of the batch's 16 rows; with split_rows the K pairs share them (16 / K rows each).
+BASE = "k1-sparse"
+ARMS: dict[str, dict[str, Any]] = {
+    BASE: {"directions": 1, "split_rows": False, "density": 0.5, "decoder_from": "clean", "lr": 1e-3},
+    "default": {},
+}
 for _k in (2, 4, 8, 16):
-    ARMS[f"split{_k}"] = {"directions": _k, "split_rows": True, "density": 1.0}
-    ARMS[f"split{_k}-rank1"] = {"directions": _k, "split_rows": True, "density": 1.0, "noise": "rank1"}
+    ARMS[f"split{_k}"] = {**ARMS[BASE], "directions": _k, "split_rows": True, "density": 1.0}
+    ARMS[f"split{_k}-rank1"] = {**ARMS[f"split{_k}"], "noise": "rank1"}
 for _s in ("zscore", "sign", "rank"):
     ARMS[f"split16-{_s}"] = {**ARMS["split16"], "shaping": _s}
     ARMS[f"split16-{_s}-sgd"] = {**ARMS["split16"], "shaping": _s, "update": "sgd"}
 ARMS["split16-sgd"] = {**ARMS["split16"], "update": "sgd"}
 # The delta rule's gradient from the probes' own forwards: 2 passes a step instead of 3.
-ARMS["probes"] = {"decoder_from": "probes"}
+ARMS["probes"] = {**ARMS[BASE], "decoder_from": "probes"}
 ARMS["split4-probes"] = {**ARMS["split4"], "decoder_from": "probes"}
 ARMS["split16-probes"] = {**ARMS["split16"], "decoder_from": "probes"}
 # SGD's step is lr * the estimate itself (no per-weight normalization): its lr lives on another scale.
@@ -138,8 +145,8 @@ def run(job: Job) -> Run:
     stepper = make_stepper(cfg, 0, 1)
     stepper.freeze_body = job.arm == TWIN
     state = State(params.init(cfg.model, cfg.seed))
-    # The twin's step counts as the shipped arm's (3 passes): its x-axis is the steps its arms take.
-    per = evals_per_step(arm_config("shipped", job.kind, job.seed).spsa if job.arm == TWIN else cfg.spsa)
+    # The twin's step counts as the BASE arm's (3 passes): its x-axis is the steps its arms take.
+    per = evals_per_step(arm_config(BASE, job.kind, job.seed).spsa if job.arm == TWIN else cfg.spsa)
     cap = job.steps if job.steps is not None else (job.evals // per if job.evals else None)
     out = Run(job.arm, job.kind, job.seed, cfg.spsa.lr)
     marks = sorted(set(job.marks) | ({cap} if cap else set()))
@@ -245,8 +252,8 @@ def screen_table(rec: dict[str, Any]) -> str:
 
 
 def final(args: argparse.Namespace) -> dict[str, Any]:
-    """The chosen arms and the shipped one, over the seeds: at equal forward passes, then at the shipped
-    arm's wall time; then the twins, scored at every step count an arm reached."""
+    """The chosen arms and the BASE one, over the seeds: at equal forward passes, then at the BASE arm's
+    wall time; then the twins, scored at every step count an arm reached."""
     screens = [json.loads(Path(p).read_text()) for p in args.source.split(",")]
     picked = _picked({"arms": {a: r for rec in screens for a, r in rec["arms"].items()}}, args.top, args.arms)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -256,10 +263,10 @@ def final(args: argparse.Namespace) -> dict[str, Any]:
     )
     rec["equal_evals"] = [asdict(r) for r in fp]
     _save(args, rec)
-    shipped = {r.seed: r.seconds for r in fp if r.arm == "shipped"}
+    base = {r.seed: r.seconds for r in fp if r.arm == BASE}
     wall = map_jobs(
         run,
-        [Job(a, args.kind, s, lr=lr, seconds=shipped[s]) for a, lr in picked.items() if a != "shipped" for s in seeds],
+        [Job(a, args.kind, s, lr=lr, seconds=base[s]) for a, lr in picked.items() if a != BASE for s in seeds],
         args.jobs,
     )
     rec["equal_time"] = [asdict(r) for r in wall]
@@ -272,12 +279,12 @@ def final(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _picked(screen_rec: dict[str, Any], top: int, extra: str | None) -> dict[str, float]:
-    """arm -> lr: the shipped arm and the `top` best others of a screen, by val, at their best lr."""
+    """arm -> lr: the BASE arm and the `top` best others of a screen, by val, at their best lr."""
     bests = {arm: min(runs, key=lambda x: x["val"]) for arm, runs in screen_rec["arms"].items()}
-    others = sorted((a for a in bests if a != "shipped"), key=lambda a: bests[a]["val"])[:top]
+    others = sorted((a for a in bests if a != BASE), key=lambda a: bests[a]["val"])[:top]
     if extra:
         others += [a for a in extra.split(",") if a in bests and a not in others]
-    return {a: bests[a]["lr"] for a in ["shipped", *others] if a in bests}
+    return {a: bests[a]["lr"] for a in [BASE, *others] if a in bests}
 
 
 def gains(rec: dict[str, Any], key: str) -> dict[str, list[float]]:
@@ -292,16 +299,16 @@ def gains(rec: dict[str, Any], key: str) -> dict[str, list[float]]:
 
 def final_table(rec: dict[str, Any]) -> str:
     fp, wall = gains(rec, "equal_evals"), gains(rec, "equal_time")
-    ship = np.mean(fp.get("shipped", [np.nan]))
+    ref = np.mean(fp.get(BASE, [np.nan]))
     lines = [
         md_head(
             [
                 "arm",
                 "lr",
                 f"gain at {rec['evals']} passes",
-                "x shipped",
+                f"x {BASE}",
                 "gain at equal time",
-                "x shipped",
+                f"x {BASE}",
                 "test (mean)",
                 "ms/step",
             ]
@@ -309,16 +316,16 @@ def final_table(rec: dict[str, Any]) -> str:
     ]
     for arm, lr in rec["arms"].items():
         runs = [r for r in rec["equal_evals"] if r["arm"] == arm]
-        g_fp, g_t = fp.get(arm, []), wall.get(arm, []) if arm != "shipped" else fp.get(arm, [])
+        g_fp, g_t = fp.get(arm, []), wall.get(arm, []) if arm != BASE else fp.get(arm, [])
         lines.append(
             md_row(
                 [
                     arm,
                     f"{lr:g}",
                     _spread(g_fp),
-                    f"{np.mean(g_fp) / ship:.2f}" if g_fp else "",
+                    f"{np.mean(g_fp) / ref:.2f}" if g_fp else "",
                     _spread(g_t),
-                    f"{np.mean(g_t) / ship:.2f}" if g_t else "",
+                    f"{np.mean(g_t) / ref:.2f}" if g_t else "",
                     f"{np.mean([r['test'] for r in runs]):.4f}",
                     f"{1e3 * np.mean([r['seconds'] / r['steps'] for r in runs]):.1f}",
                 ]
@@ -338,7 +345,7 @@ def plot(rec: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, x in ((axes[0], "equal_evals", "evals"), (axes[1], "equal_time", "seconds")):
         runs = rec.get(key, []) + (
-            [r for r in rec.get("equal_evals", []) if r["arm"] == "shipped"] if key == "equal_time" else []
+            [r for r in rec.get("equal_evals", []) if r["arm"] == BASE] if key == "equal_time" else []
         )
         runs += [t for t in rec.get("twins", [])] if x == "evals" else []
         for r in runs:

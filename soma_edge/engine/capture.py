@@ -64,7 +64,7 @@ class Captured:
         self.ort, self.where, self.batch = load_ort(), r.where, tuple(batch)
         self.cuda = r.where[0] == "cuda"
         graph = build_population(
-            pop.model, pop.k, pop.perturbed, pop.noise, pop.decoder_grad, pop.seq_len, pop.decoder_from
+            pop.model, pop.k, pop.perturbed, pop.noise, pop.decoder_grad, pop.seq_len, pop.decoder_from, pop.split
         )
         self.population = make_session(graph, pop.device, pop.threads, pop.spin, cuda_graph=True)
         k = r.cfg.spsa.directions * r.cfg.spsa.accumulate

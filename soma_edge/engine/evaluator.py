@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from soma_edge.config import Config, Evaluator, ModelConfig
+from soma_edge.config import Config, Evaluator, ModelConfig, SPSAConfig
 from soma_edge.devices import CPU
 from soma_edge.engine import runtime
 from soma_edge.expert.params import layout
@@ -110,8 +110,8 @@ def evaluator_for(
         decoder_grad=cfg.spsa.decoder == "delta",
     )
     choice = cfg.spsa.evaluator if evaluator is None else evaluator
-    if cfg.spsa.split_rows:
-        choice = Evaluator.LOOP  # a population call gives every member the same rows (soma_edge.spsa.stepper)
+    if not population_takes(cfg.spsa):
+        choice = Evaluator.LOOP
     if choose_evaluator(choice, out.providers) is Evaluator.POPULATION:
         from soma_edge.engine.population import for_config  # imports onnx (heavy): only where it is chosen
 
@@ -119,6 +119,12 @@ def evaluator_for(
         pop_threads, _ = plan_concurrency(out.device, cfg.threads if threads is None else threads, 1)
         out.population = for_config(cfg, out.device, pop_threads, spin)
     return out
+
+
+def population_takes(spsa: SPSAConfig) -> bool:
+    """Whether a population graph evaluates `spsa`'s steps: not split rows with the clean decoder gradient,
+    since a split graph's clean member reads one slice of the rows (soma_edge.expert.population_graph)."""
+    return not (spsa.split_rows and spsa.decoder == "delta" and spsa.decoder_from == "clean")
 
 
 def choose_evaluator(choice: Evaluator | str, providers: list[str]) -> Evaluator:

@@ -46,14 +46,16 @@ class PopulationEvaluator:
     threads: int = 0
     spin: bool = True
     decoder_from: str = "clean"  # spsa.decoder_from: the clean member's decoder gradient, or the probes' mean
+    split: bool = False  # spsa.split_rows: each direction's members read their own 1/K of the rows
     layout: Layout = field(init=False)
 
     def __post_init__(self) -> None:
         self.noise = Noise(self.noise)
         self.perturbed = tuple(self.perturbed)
         self.layout = layout(self.model)
+        m, k, noise = self.model, self.k, self.noise
         graph = build_population(
-            self.model, self.k, self.perturbed, self.noise, self.decoder_grad, self.seq_len, self.decoder_from
+            m, k, self.perturbed, noise, self.decoder_grad, self.seq_len, self.decoder_from, self.split
         )
         self.session = make_session(graph, self.device, self.threads, self.spin)
         self.providers: list[str] = self.session.get_providers()
@@ -112,7 +114,7 @@ def graph_noise(cfg: SPSAConfig) -> Noise:
 def for_config(cfg: Config, device: str, threads: int, spin: bool) -> PopulationEvaluator:
     """The population evaluator of a run's expert: K = spsa.directions, the tensors the Stepper perturbs
     (the body; everything with decoder = "spsa"), spsa.noise's form (`graph_noise`), the delta rule's
-    decoder gradient when the decoder learns by it."""
+    decoder gradient when the decoder learns by it, each direction on its own rows under spsa.split_rows."""
     return PopulationEvaluator(
         cfg.model,
         cfg.spsa.directions,
@@ -124,6 +126,7 @@ def for_config(cfg: Config, device: str, threads: int, spin: bool) -> Population
         threads=threads,
         spin=spin,
         decoder_from=cfg.spsa.decoder_from,
+        split=cfg.spsa.split_rows,
     )
 
 

@@ -31,9 +31,15 @@ Each perturbed tensor's noise crosses in one of four forms (`Noise`), K members'
   rank-1 term, ±eps (x . b) a^T where the op computes x W^T (LSTM, tied head), ±eps (x . a) b^T where it
   computes x W. A vector (bias, gain) takes full `z.<name>` int8 signs, as under SIGNS.
 
+Rows: every member reads the whole minibatch, or with `split` (spsa.split_rows) direction j's two members read
+its own j-th of K equal slices of the batch's rows (x[j B/K : (j + 1) B/K]) and the clean member the first
+slice: activations [P, T B/K, d], so a step's 2K probes forward two batches' rows in all. The embedding then
+gathers per member (a member's ids offset into its own rows of the [P 256, width] stack).
+
 Outputs: `losses` float [P], each member's mean cross-entropy in nats/byte (graph.py's loss), and with
 `decoder_grad` the clean member's delta-rule decoder gradients `grad.<name>`, as graph.py's "train" mode (with
-spsa.decoder_from = "probes", their mean over the 2K probes' rows instead).
+spsa.decoder_from = "probes", their mean over the 2K probes' rows instead: what a split graph must use, its
+clean member seeing a slice only).
 """
 
 from __future__ import annotations
@@ -209,16 +215,53 @@ def _vector(g: GraphBuilder, w: _Weight) -> str:
     return w.base if w.members is None else g.once("Unsqueeze", w.members, g.i64([1]))
 
 
-def _embed(g: GraphBuilder, ids: str, w: _Weight, width: int) -> str:
-    """Rows of the byte matrix w [256, width] at ids [T, B] -> [P, N, width]."""
+@dataclass(frozen=True)
+class _Rows:
+    """The minibatch as the members read it: ids and targets [T, B] shared by every member, or with `split`
+    [P, T, B/K], each member its own rows (the module docstring)."""
+
+    x: str
+    y: str
+    split: bool
+
+
+def _rows(g: GraphBuilder, split: bool, seq_len: int) -> _Rows:
+    """x, y [B, T] -> the members' rows in time-major order, as graph.py's (`_Rows`)."""
+    if not split:
+        return _Rows(g.op("Transpose", "x", perm=[1, 0]), g.op("Transpose", "y", perm=[1, 0]), False)
+    owner = g.i64([0] + [j for j in range(g.k) for _ in "+-"])  # each member's slice: clean 0, then j, j
+
+    def own(v: str) -> str:
+        slices = g.op("Reshape", v, g.i64([g.k, -1, seq_len]))  # [K, B/K, T]: slice j is rows j B/K ..
+        return g.op("Transpose", g.op("Gather", slices, owner, axis=0), perm=[0, 2, 1])  # [P, T, B/K]
+
+    return _Rows(own("x"), own("y"), True)
+
+
+def _own(g: GraphBuilder, table: str, ids: str, rows: int) -> str:
+    """Each member's rows of its own table: table [P, rows, ...] at ids [P, T, b] -> [P, T, b, ...] (one
+    Gather over the [P rows, ...] stack, member p's ids offset by p rows)."""
+    offsets = g.i64(np.arange(g.p, dtype=np.int64).reshape(-1, 1, 1) * rows)
+    stacked = g.op("Reshape", table, g.i64([g.p * rows, -1]))
+    return g.op("Gather", stacked, g.once("Add", ids, offsets), axis=0)
+
+
+def _embed(g: GraphBuilder, rows: _Rows, w: _Weight, width: int) -> str:
+    """Rows of the byte matrix w [256, width] at the members' ids -> [P, N, width]."""
+    ids = rows.x
     if w.members is not None:
-        return g.op("Reshape", g.op("Gather", w.members, ids, axis=1), g.i64([0, -1, width]))
-    rows = g.op("Reshape", g.op("Gather", w.base, ids), g.i64([1, -1, width]))
+        own = _own(g, w.members, ids, VOCAB) if rows.split else g.op("Gather", w.members, ids, axis=1)
+        return g.op("Reshape", own, g.i64([0, -1, width]))
+    if rows.split:  # [P, T, b, width]: the shared rows at each member's own ids
+        base = g.op("Reshape", g.op("Gather", w.base, ids), g.i64([g.p, -1, width]))
+    else:
+        base = g.op("Expand", g.op("Reshape", g.op("Gather", w.base, ids), g.i64([1, -1, width])), g.i64([g.p, 1, 1]))
     if w.a is None:
-        return g.op("Expand", rows, g.i64([g.p, 1, 1]))
+        return base
     # (W + (±eps a) b^T)[x] = W[x] + (±eps a[x]) b^T
-    ax = g.op("Reshape", g.op("Gather", w.a, ids, axis=1), g.i64([0, -1, 1]))
-    return g.op("Add", rows, g.op("Mul", ax, g.once("Unsqueeze", w.b, g.i64([1]))))
+    a_x = _own(g, w.a, ids, VOCAB) if rows.split else g.op("Gather", w.a, ids, axis=1)
+    ax = g.op("Reshape", a_x, g.i64([g.p, -1, 1]))
+    return g.op("Add", base, g.op("Mul", ax, g.once("Unsqueeze", w.b, g.i64([1]))))
 
 
 def _layer_norm(g: GraphBuilder, x: str, gain: _Weight, width: int) -> str:
@@ -253,18 +296,18 @@ def _lstm(g: GraphBuilder, x: str, W: _Weight, R: _Weight, B: _Weight | None, hi
     return join(g, hs, axis=1)
 
 
-def _lstm_body(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
-    h = _embed(g, "x_tb", w["embed"], m.embed)
+def _lstm_body(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], rows: _Rows, seq_len: int) -> str:
+    h = _embed(g, rows, w["embed"], m.embed)
     for layer in range(m.layers):
         p = f"lstm{layer}."
         h = _lstm(g, h, w[p + "W"], w[p + "R"], w[p + "B"], m.hidden, seq_len)
     return h
 
 
-def _soma_body(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], seq_len: int) -> str:
+def _soma_body(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], rows: _Rows, seq_len: int) -> str:
     """graph.py's pre-norm residual blocks r += LSTM(LN(r)); r += W2 gelu(LN(r) W1), then the final LN."""
     d = m.hidden
-    r = _embed(g, "x_tb", w["E"], d)
+    r = _embed(g, rows, w["E"], d)
     for b in range(m.layers):
         p = f"block{b}."
         a = _layer_norm(g, r, w[p + "ln1.g"], d)
@@ -284,21 +327,25 @@ def _head(g: GraphBuilder, m: ModelConfig, w: dict[str, _Weight], rows: str) -> 
     return g.op("Add", _linear(g, rows, w["head.W"], transposed=False), _vector(g, w["head.b"]))
 
 
-def _losses(g: GraphBuilder, logits: str) -> str:
+def _losses(g: GraphBuilder, logits: str, rows: _Rows) -> str:
     """Each member's -mean log_softmax(logits)[n, y_n] -> "losses" [P], with graph.py's ops."""
-    y_col = g.op("Expand", g.op("Reshape", "y_tb", g.i64([1, -1, 1])), g.i64([g.p, 1, 1]))  # [P, N, 1]
+    if rows.split:
+        y_col = g.op("Reshape", rows.y, g.i64([g.p, -1, 1]))  # [P, N, 1]
+    else:
+        y_col = g.op("Expand", g.op("Reshape", rows.y, g.i64([1, -1, 1])), g.i64([g.p, 1, 1]))
     logp = g.op("LogSoftmax", logits, axis=-1)
     logp_y = g.op("GatherElements", logp, y_col, axis=2)
     return g.op("Neg", g.op("ReduceMean", logp_y, axes=[1, 2], keepdims=0), out="losses")
 
 
-def _decoder_grads(g: GraphBuilder, m: ModelConfig, logits: str, rows: str, decoder_from: str) -> None:
+def _decoder_grads(g: GraphBuilder, m: ModelConfig, logits: str, hidden: str, rows: _Rows, decoder_from: str) -> None:
     """The delta rule's decoder gradients: the clean member's (member 0), or the mean over the probes' rows
     (members 1..P-1 as one batch of (P-1) N rows: each member's mean gradient, averaged)."""
-    y_flat = g.op("Reshape", "y_tb", g.i64([-1]))
+    if decoder_from == "clean" and rows.split:
+        raise ValueError("a split graph's clean member sees one slice of the rows: its decoder gradient is the probes'")
     if decoder_from == "clean":
-        logits0, rows0 = g.op("Gather", logits, g.i64(0), axis=0), g.op("Gather", rows, g.i64(0), axis=0)
-        decoder_grads(g, m.kind, logits0, rows0, y_flat)
+        logits0, rows0 = g.op("Gather", logits, g.i64(0), axis=0), g.op("Gather", hidden, g.i64(0), axis=0)
+        decoder_grads(g, m.kind, logits0, rows0, g.op("Reshape", rows.y, g.i64([-1])))
         return
     if decoder_from != "probes":
         raise ValueError(f"decoder_from must be 'clean' or 'probes', got {decoder_from!r}")
@@ -306,8 +353,12 @@ def _decoder_grads(g: GraphBuilder, m: ModelConfig, logits: str, rows: str, deco
     def probes(t: str, last: int) -> str:
         return g.op("Reshape", g.op("Slice", t, g.i64([1]), g.i64([g.p]), g.i64([0])), g.i64([-1, last]))
 
-    y_probes = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", y_flat, g.i64([0])), g.i64([g.p - 1, 1])), g.i64([-1]))
-    decoder_grads(g, m.kind, probes(logits, VOCAB), probes(rows, m.hidden), y_probes)
+    if rows.split:  # each member's own targets, in the members' order as their logits
+        y_probes = g.op("Reshape", probes(rows.y, 1), g.i64([-1]))
+    else:
+        y_probes = g.op("Expand", g.op("Reshape", rows.y, g.i64([1, -1])), g.i64([g.p - 1, 1]))
+        y_probes = g.op("Reshape", y_probes, g.i64([-1]))
+    decoder_grads(g, m.kind, probes(logits, VOCAB), probes(hidden, m.hidden), y_probes)
 
 
 def build_population(
@@ -318,11 +369,13 @@ def build_population(
     decoder_grad: bool,
     seq_len: int,
     decoder_from: str = "clean",
+    split: bool = False,
 ) -> onnx.ModelProto:
     """The population graph of `k` directions over the tensors `perturbed`, for batches x, y int64 [B, seq_len]
     (the module docstring). Inputs: x, y, every weight by its layout name, `eps` float32 [], the noise. The
     decoder gradients are the clean member's, or with `decoder_from` = "probes" the mean over the 2K probes'
-    rows (spsa.decoder_from)."""
+    rows (spsa.decoder_from). With `split` each direction's members read their own B/k rows (B a multiple of k;
+    spsa.split_rows), and the decoder gradients must be the probes'."""
     noise, lay = Noise(noise), layout(m)
     unknown = sorted(set(perturbed) - set(lay.names))
     if k < 1 or seq_len < 1 or not perturbed or unknown or len(set(perturbed)) != len(perturbed):
@@ -332,15 +385,14 @@ def build_population(
     weights = {
         n: _weight(g, n, s, noise if n in perturbed else None, zs.get(n)) for n, s in zip(lay.names, lay.shapes)
     }  # in layout order, so the graph's nodes do not depend on the order of `perturbed`
-    g.op("Transpose", "x", perm=[1, 0], out="x_tb")  # time-major rows, as graph.py's
-    g.op("Transpose", "y", perm=[1, 0], out="y_tb")
+    rows = _rows(g, split, seq_len)
     body = _soma_body if m.kind == "soma" else _lstm_body
-    rows = body(g, m, weights, seq_len)
-    logits = _head(g, m, weights, rows)
-    _losses(g, logits)
+    hidden = body(g, m, weights, rows, seq_len)
+    logits = _head(g, m, weights, hidden)
+    _losses(g, logits, rows)
     outputs = [helper.make_tensor_value_info("losses", TensorProto.FLOAT, [g.p])]
     if decoder_grad:
-        _decoder_grads(g, m, logits, rows, decoder_from)
+        _decoder_grads(g, m, logits, hidden, rows, decoder_from)
         outputs += [
             helper.make_tensor_value_info(f"grad.{n}", TensorProto.FLOAT, list(lay.shapes[lay.names.index(n)]))
             for n in lay.decoder
@@ -354,7 +406,9 @@ def build_population(
         for i in noise_inputs(m, k, ordered, noise)
     ]
     graph = helper.make_graph(g.nodes, "soma_expert_population", inputs, outputs, g.inits)
-    graph.doc_string = f"soma-edge population: kind {m.kind!r}, K = {k}, noise {noise.value!r}, T = {seq_len}"
+    graph.doc_string = (
+        f"soma-edge population: kind {m.kind!r}, K = {k}, noise {noise.value!r}, T = {seq_len}, split rows {split}"
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="soma-edge")
     model.ir_version = 8  # as graph.py's
     onnx.checker.check_model(model)

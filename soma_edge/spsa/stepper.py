@@ -249,8 +249,8 @@ class Stepper:
         if delta and not population and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
         lr, eps = schedule(cfg, t, state.opt.lr_scale)
-        if population and cfg.split_rows:
-            raise ValueError("spsa.split_rows runs on the loop evaluator (spsa.evaluator = 'loop')")
+        if population and cfg.split_rows and delta and not self.probe_decoder(delta):
+            raise ValueError("split rows with the clean decoder gradient run on the loop (spsa.evaluator = 'loop')")
         run = self._frozen if self.freeze_body else self._population if population else self.evaluate
         acc, grads, pairs, cleans = run(w, objs, t, body, eps, delta)
         dec, loss = None, mean_probe_loss(pairs)
@@ -316,7 +316,7 @@ class Stepper:
     def _population(self, w: np.ndarray, objs: list[Objective], t: int, body: int, eps: float, delta: bool) -> _Sums:
         """The step's sums from one `members` call per minibatch: its clean forward and K directions' 2K
         probes, fed the noise `_z` draws (or, for rank-1 probes, its factors), bit for bit."""
-        K = self.cfg.directions
+        cfg, K = self.cfg, self.cfg.directions
         acc = np.zeros(body, dtype=np.float32)
         grads = np.empty(K * len(objs), dtype=np.float64)
         pairs, cleans, drawn = np.empty((K * len(objs), 2)), [], []
@@ -330,8 +330,10 @@ class Stepper:
                 grads[j] = (lp - lm) / (2.0 * eps)
                 pairs[j] = lp, lm
                 drawn.append((probes, i))
-            # With decoder_from = "probes" the call's gradient is its probes' mean, and so is the loss reported.
-            loss = mean_probe_loss(pairs[a * K : (a + 1) * K]) if self.probe_decoder(delta) else out.loss
+            # With decoder_from = "probes" the call's gradient is its probes' mean, and so is the loss reported
+            # (with split rows too: the clean member then reads one slice only).
+            own = self.probe_decoder(delta) or cfg.split_rows
+            loss = mean_probe_loss(pairs[a * K : (a + 1) * K]) if own else out.loss
             cleans.append((loss, out.decoder_grad if delta else None))
         for j, c in enumerate(shape(self.cfg.shaping, grads)):
             probes, i = drawn[j]

@@ -23,11 +23,11 @@ def _tiny(monkeypatch):
 def test_body_bench_tiny(tmp_path, monkeypatch, capsys):
     _tiny(monkeypatch)
     screen = tmp_path / "screen.json"
-    body.main(["screen", "--arms", "shipped,split4-probes", "--evals", "24", "--jobs", "1", "--json", str(screen)])
+    body.main(["screen", "--arms", "k1-sparse,split4-probes", "--evals", "24", "--jobs", "1", "--json", str(screen)])
     table = capsys.readouterr().out
     rec = json.loads(screen.read_text())
     # 24 passes: 8 steps at 3 a step, 12 at 2 (the probes' own decoder gradient); the twin scored at both.
-    assert {r["steps"] for r in rec["arms"]["shipped"]} == {8} and {
+    assert {r["steps"] for r in rec["arms"]["k1-sparse"]} == {8} and {
         r["steps"] for r in rec["arms"]["split4-probes"]
     } == {12}
     assert sorted(int(k) for k in rec["twin"]["at"]) == [8, 12]
@@ -40,17 +40,19 @@ def test_body_bench_tiny(tmp_path, monkeypatch, capsys):
     argv = ["final", "--from", str(screen), "--top", "1", "--evals", "24", "--seeds", "0,1", "--jobs", "1"]
     body.main([*argv, "--json", str(out), "--plot", str(png)])
     fin = json.loads(out.read_text())
-    assert set(fin["arms"]) == {"shipped", "split4-probes"} and png.stat().st_size > 0
-    shipped = {r["seed"]: r["seconds"] for r in fin["equal_evals"] if r["arm"] == "shipped"}
-    for r in fin["equal_time"]:  # the other arm, for the shipped arm's seconds on its seed
-        assert r["arm"] == "split4-probes" and r["seconds"] >= shipped[r["seed"]]
+    assert set(fin["arms"]) == {"k1-sparse", "split4-probes"} and png.stat().st_size > 0
+    base = {r["seed"]: r["seconds"] for r in fin["equal_evals"] if r["arm"] == "k1-sparse"}
+    for r in fin["equal_time"]:  # the other arm, for the base arm's seconds on its seed
+        assert r["arm"] == "split4-probes" and r["seconds"] >= base[r["seed"]]
     gains = body.gains(fin, "equal_evals")
-    assert set(gains) == {"shipped", "split4-probes"} and all(len(g) == 2 for g in gains.values())
+    assert set(gains) == {"k1-sparse", "split4-probes"} and all(len(g) == 2 for g in gains.values())
     assert "split4-probes" in capsys.readouterr().out
-    body.main(["cost", "--arms", "shipped,split4-probes", "--cost-steps", "2"])
+    body.main(["cost", "--arms", "k1-sparse,split4,split4-probes", "--cost-steps", "2"])
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()}
-    assert rows["split4-probes"].endswith("| n/a | n/a |") and "n/a" not in rows["shipped"]
-    assert rows["split4-probes"].split("|")[2].strip() == "2" and rows["shipped"].split("|")[2].strip() == "3"
+    # split rows with a clean forward's decoder gradient run on the loop only (a split graph's clean member
+    # reads one slice); with the probes' gradient the population graph takes them
+    assert rows["split4"].endswith("| n/a | n/a |") and "n/a" not in rows["k1-sparse"] + rows["split4-probes"]
+    assert rows["split4-probes"].split("|")[2].strip() == "2" and rows["k1-sparse"].split("|")[2].strip() == "3"
 
 
 def test_body_noise_energies_and_bounds():

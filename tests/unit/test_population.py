@@ -143,3 +143,39 @@ def test_evaluator_refuses_noise_of_the_wrong_form():
         pop.evaluate(w, {"z.embed": feeds["z.embed"]}, EPS, x, x)
     with pytest.raises(ValueError, match="unknown"):
         build_population(m, 1, ["nope"], Noise.SIGNS, decoder_grad=False, seq_len=T)
+
+
+@pytest.mark.parametrize("noise", list(Noise), ids=lambda n: n.value)
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_split_population_gives_each_direction_its_own_rows(expert, noise, k):
+    """spsa.split_rows on the graph: direction j's members see only rows j B/K .. (j + 1) B/K (their losses
+    equal the loop's on those rows alone, and differ from the whole batch's), and the decoder gradient is
+    the mean of the 2K probes' own, as the loop's decoder_from = "probes" sums it."""
+    m, w, _, _, ref = expert
+    rows = 4
+    x, y = np.random.default_rng(k).integers(0, 256, size=(2, rows, T), dtype=np.int64)
+    perturbed, lay = _body(m), params.layout(m)
+    feeds = _noise(m, k, perturbed, noise)
+    pop = PopulationEvaluator(
+        m, k, perturbed, noise, T, decoder_grad=True, device="cpu", threads=1, decoder_from="probes", split=True
+    )
+    got = pop.evaluate(w, feeds, EPS, x, y)
+    n, grads = perturbed_size(m, perturbed), []
+    for j in range(k):
+        own = slice(j * rows // k, (j + 1) * rows // k)
+        z = np.float32(EPS) * direction(lay, feeds, j, n)
+        (lp, gp), (lm, gm) = ref.clean(w + z, x[own], y[own]), ref.clean(w - z, x[own], y[own])
+        assert abs(got.lp[j] - lp) <= DELTA * lp and abs(got.lm[j] - lm) <= DELTA * lm, (j, got.lp[j], lp)
+        grads += [gp, gm]
+        if k > 1:  # the whole batch's loss is another number: a graph that ignored the split is caught here
+            assert abs(ref.loss(w + z, x, y) - lp) > 10 * DELTA * lp
+    np.testing.assert_allclose(got.decoder_grad, np.mean(grads, axis=0), rtol=0, atol=1e-6)
+
+
+def test_split_population_refuses_the_clean_decoder_gradient_and_runs_whole_on_cuda():
+    m = KINDS[1]
+    with pytest.raises(ValueError, match="clean member sees one slice"):
+        build_population(m, 2, _body(m), Noise.BITS, decoder_grad=True, seq_len=T, split=True)
+    for noise in Noise:
+        model = build_population(m, 4, _body(m), noise, True, T, decoder_from="probes", split=True)
+        assert cuda_ops.nodes_without_cuda_kernel(model) == []

@@ -199,10 +199,12 @@ def test_the_probes_decoder_gradient_is_the_clean_one_to_second_order_and_costs_
     assert abs(loss - clean_loss) < 1e-3 and evals_per_step(cfg.spsa) == 2
 
 
-def test_the_population_evaluator_takes_the_probes_decoder_gradient_and_passes_the_audit():
-    """decoder_from = "probes" on the population graph: its decoder gradient is the mean over the probes'
-    rows (the loop's, to float rounding), and its run's log passes the loop's audit and replays bit for bit."""
-    cfg = _run_config("none", decoder_from="probes", split=False)
+@pytest.mark.parametrize("split", [False, True], ids=["shared-rows", "split-rows"])
+def test_the_population_evaluator_takes_the_probes_decoder_gradient_and_passes_the_audit(split):
+    """decoder_from = "probes" on the population graph, each direction on the whole batch or on its own rows:
+    its losses and decoder gradient (the mean over the probes' rows) are the loop's to float rounding, and its
+    run's log passes the loop's audit and replays bit for bit."""
+    cfg = _run_config("none", decoder_from="probes", split=split)
     cfg.spsa.evaluator = "population"
     pop = evaluator_for(cfg, threads=1, parallel=1)
     loop = evaluator_for(cfg, threads=1, parallel=1, evaluator="loop")
