@@ -93,13 +93,15 @@ def timed_runs(*sessions: Any) -> Iterator[list[float]]:
 
 def resident_config(m: ModelConfig, k: int, noise: Noise, x: np.ndarray, device: str) -> Config:
     """The config of a worker training `m` with the population at K = k on batches shaped like x, whose
-    noise crosses in the form `noise`: the defaults (sparse Rademacher probes, Adam, the delta-rule decoder)
-    but dense Rademacher probes for BITS (the full-rank rows' form) and spsa.noise = rank1 for RANK1."""
+    noise crosses in the form `noise`: Adam and the delta-rule decoder from the clean member, every direction
+    on the whole batch (the population graph the cells build), with sparse Rademacher probes (density 0.5) for
+    SPARSE_BITS, dense ones for BITS and spsa.noise = rank1 for RANK1."""
     cfg = Config(model=m, device=device)
     cfg.spsa.evaluator, cfg.spsa.directions = "population", k
+    cfg.spsa.split_rows, cfg.spsa.decoder_from, cfg.spsa.density = False, "clean", 1.0
     cfg.data.batch, cfg.data.seq_len = x.shape
-    if noise is Noise.BITS:
-        cfg.spsa.density = 1.0
+    if noise is Noise.SPARSE_BITS:
+        cfg.spsa.density = 0.5
     if noise is Noise.RANK1:
         cfg.spsa.noise, cfg.spsa.density = "rank1", 1.0
     return cfg

@@ -69,20 +69,21 @@ class ModelConfig:
 class SPSAConfig:
     """Central-difference SPSA on the body, plus how the decoder (the head) learns.
 
-    Defaults are the setting that learned best on 2 CPU cores (docs/RESULTS.md, `bench/recipe.py`).
+    Defaults are the setting that learned best on 2 CPU cores (docs/RESULTS.md: `bench/recipe.py`, and for the
+    directions on their own rows with the probes' decoder gradient, `bench/body.py`).
     """
 
-    directions: int = 1  # K perturbations per step; each costs two forward passes
+    directions: int = 4  # K perturbations per step; each costs two forward passes (with split_rows: their share)
     eps: float = 1e-3
     eps_min: float = 1e-4  # floor for eps when tie_eps_to_lr, so warmup never makes eps zero
     tie_eps_to_lr: bool = False
-    lr: float = 1e-3
+    lr: float = 2e-3
     lr_min_frac: float = 0.1  # cosine decays to lr * lr_min_frac
     warmup_steps: int = 20
     total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup (the plateau rule decays it)
     noise: Noise = Noise.RADEMACHER  # rademacher | gaussian | rank1 (needs density = 1)
     evaluator: Evaluator = Evaluator.AUTO  # loop | population | auto: how the losses are evaluated (not what)
-    density: float = 0.5  # share of ordinary weights a probe touches (sparse probes); norm gains stay dense
+    density: float = 1.0  # share of ordinary weights a probe touches (< 1: sparse probes); norm gains stay dense
     update: str = "adam"  # body update from the estimate: rms (unit-RMS step) | adam | sgd
     momentum: float = 0.0  # heavy-ball momentum for update = rms | sgd
     beta1: float = 0.9  # Adam moments, for update = adam and for the delta-rule decoder
@@ -92,13 +93,13 @@ class SPSAConfig:
     accumulate: int = 1  # A batches per update, each with its own K fresh directions
     # Each direction's antithetic pair on its own data.batch / K rows of the minibatch, not on all of them:
     # K directions then cost the forward passes of one (a forward pass is data.batch rows).
-    split_rows: bool = False
+    split_rows: bool = True
     shaping: str = "none"  # none | zscore | sign | rank: how a step's differences weigh its directions (spsa.shaping)
     decoder: str = "delta"  # delta: exact decoder-path gradient + Adam | spsa: perturbed with the body | frozen
     decoder_lr: float = 3e-2  # 3e-3 for model.kind = "soma" unless set (TIED_DECODER_LR)
     # Where the delta rule's gradient comes from: a clean forward at w (one more forward pass a minibatch),
     # or the mean of the probes' own at w ± eps z (the same to O(eps²), at no forward pass of its own).
-    decoder_from: str = "clean"
+    decoder_from: str = "probes"
     plateau: bool = True  # halve lr and eps together when the val loss stops improving
     plateau_patience: int = 1000  # ... for this many steps
     plateau_factor: float = 0.5
@@ -359,7 +360,8 @@ def validate(cfg: Config) -> Config:
     if cfg.spsa.split_rows and d.batch % cfg.spsa.directions:
         raise ConfigError(
             f"spsa.split_rows needs data.batch ({d.batch}) to be a multiple of spsa.directions "
-            f"({cfg.spsa.directions}): each direction takes batch / directions rows"
+            f"({cfg.spsa.directions}): each direction takes batch / directions rows (set data.batch to a "
+            f"multiple of it, spsa.directions to a divisor of the batch, or spsa.split_rows = false)"
         )
     _check_federation(cfg)
     _check(0 <= cfg.seed <= MAX_SEED, "seed", f"between 0 and {MAX_SEED}", cfg.seed)

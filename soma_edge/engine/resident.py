@@ -30,7 +30,7 @@ from soma_edge.expert import update_graph
 from soma_edge.expert.steps import stepper as make_stepper
 from soma_edge.spsa import shaping
 from soma_edge.spsa.optim import State, mean_decoder_grad, schedule
-from soma_edge.spsa.stepper import StepResult
+from soma_edge.spsa.stepper import StepResult, mean_probe_loss
 
 log = logging.getLogger("soma.resident")
 _VERIFIED: dict[tuple, bool] = {}  # (device, ORT provider, graph) -> whether its update gave the host's bits
@@ -155,7 +155,7 @@ class Resident:
         lr, eps = schedule(cfg, t, self.state.opt.lr_scale)
         K = cfg.directions
         grads = np.empty(K * len(batches), dtype=np.float64)
-        probe_losses, cleans, noises, decoder_grads = 0.0, [], [], []
+        pairs, cleans, noises, decoder_grads = np.empty((K * len(batches), 2)), [], [], []
         for a, (x, y) in enumerate(batches):
             host = self.population.noise_of(self.stepper.probes(t, range(a * K, (a + 1) * K), self.body))
             losses, dec, noise = self._evaluate(host, eps, x, y)
@@ -163,12 +163,14 @@ class Resident:
             for i in range(K):  # the Stepper's float64 arithmetic and order
                 lp, lm = float(losses[1 + 2 * i]), float(losses[2 + 2 * i])
                 grads[a * K + i] = (lp - lm) / (2.0 * eps)
-                probe_losses += lp + lm
-            cleans.append(float(losses[0]))
+                pairs[a * K + i] = lp, lm
+            # the minibatch's loss as the Stepper's population path reports it: its clean member's, or where
+            # that member is not the step's (the probes' decoder gradient, split rows) its probes' mean
+            own = cfg.decoder_from == "probes" or cfg.split_rows
+            cleans.append(mean_probe_loss(pairs[a * K : (a + 1) * K]) if own else float(losses[0]))
             decoder_grads.append(dec)
         self.values = self._update(grads, noises, decoder_grads)
-        probes_mean = probe_losses / (2 * len(grads))
-        loss = sum(cleans) / len(cleans) if self.delta and cfg.decoder_from == "clean" else probes_mean
+        loss = sum(cleans) / len(cleans) if self.delta else mean_probe_loss(pairs)
         dec_mean = None
         if decoder_grad and self.delta:
             dec_mean = mean_decoder_grad([np.concatenate([g.numpy().reshape(-1) for g in d]) for d in decoder_grads])

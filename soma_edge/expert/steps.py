@@ -50,6 +50,8 @@ def objectives(data: np.ndarray, cfg: Config, evaluator, expert: int, step: int)
 
 def rows_part(x: np.ndarray, y: np.ndarray, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Part i of a minibatch's rows cut in n equal slices (spsa.split_rows: direction i's own rows)."""
+    if len(x) % n:  # config.validate refuses such a batch; a Config built in code is not validated
+        raise ValueError(f"a minibatch of {len(x)} rows does not cut into {n} equal slices (spsa.split_rows)")
     rows = len(x) // n
     return x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]
 

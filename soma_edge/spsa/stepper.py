@@ -245,12 +245,12 @@ class Stepper:
         if len(objs) != cfg.accumulate:
             raise ValueError(f"spsa.accumulate = {cfg.accumulate} needs that many minibatches, got {len(objs)}")
         body, delta = self.split(w.size)
-        population = all(o.members is not None for o in objs)
-        if delta and not population and any(o.clean is None for o in objs):
+        population, from_probes = all(o.members is not None for o in objs), self.probe_decoder(delta)
+        if delta and not population and not from_probes and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
-        lr, eps = schedule(cfg, t, state.opt.lr_scale)
-        if population and cfg.split_rows and delta and not self.probe_decoder(delta):
+        if population and cfg.split_rows and delta and not from_probes:
             raise ValueError("split rows with the clean decoder gradient run on the loop (spsa.evaluator = 'loop')")
+        lr, eps = schedule(cfg, t, state.opt.lr_scale)
         run = self._frozen if self.freeze_body else self._population if population else self.evaluate
         acc, grads, pairs, cleans = run(w, objs, t, body, eps, delta)
         dec, loss = None, mean_probe_loss(pairs)
@@ -330,8 +330,7 @@ class Stepper:
                 grads[j] = (lp - lm) / (2.0 * eps)
                 pairs[j] = lp, lm
                 drawn.append((probes, i))
-            # With decoder_from = "probes" the call's gradient is its probes' mean, and so is the loss reported
-            # (with split rows too: the clean member then reads one slice only).
+            # the probes' mean loss where the clean member is not the step's (decoder_from = "probes", split rows)
             own = self.probe_decoder(delta) or cfg.split_rows
             loss = mean_probe_loss(pairs[a * K : (a + 1) * K]) if own else out.loss
             cleans.append((loss, out.decoder_grad if delta else None))

@@ -839,8 +839,8 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
     from soma_edge.expert import params
 
     equal_rates(monkeypatch)
-    # Time enough that the step budget, not a slow box's clock, ends each expert's round: 36 steps of 5
-    # forwards each take 0.3 s at 600 evals/s, over the 0.2 s each of two experts gets of 0.4 s.
+    # Time enough that the step budget, not a slow box's clock, ends each expert's round: 37 steps of 2
+    # forwards each take 0.12 s at 600 evals/s, well within the 1.5 s each of two experts gets of 3 s.
     _seeded(run, seed_steps=12, rounds=3, max_steps=40, keep_versions=5, round_seconds=3.0)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
@@ -863,8 +863,8 @@ def test_seed_run_starts_every_expert_and_freezes_the_decoder(run, tmp_path, mon
         v0 = checkpoint.load(run.root / f"experts/{e}/v0.msgpack", "expert")
         assert v0["weights"].tobytes() == sw.tobytes() and v0["step"] == 0 and v0["opt"] is None  # bit for bit
         x = state.expert(e)
-        # 12 seed steps of 5 forward passes paid by 4 experts at 4 per step: 36 of the 40 steps are left
-        assert (x.version, x.step, expert_steps(cfg)) == (1, 36, 36)
+        # 12 seed steps of 2 forward passes paid by 4 experts at 2 per step: 37 of the 40 steps are left
+        assert (x.version, x.step, expert_steps(cfg)) == (1, 37, 37)
         w = _weights_of(run, x.path)
         assert w[body:].tobytes() == sw[body:].tobytes()  # E frozen after the seed
         assert not np.array_equal(w[:body], sw[:body])  # while the body trained
@@ -893,11 +893,11 @@ def test_seed_decoder_delta_keeps_training_the_decoder(run, tmp_path, monkeypatc
 
 def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
     equal_rates(monkeypatch)
-    _seeded(run, seed_steps=150, rounds=1)
+    _seeded(run, seed_steps=375, rounds=1)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     s1 = run.read_state()
     seed1 = s1.expert(4)
-    assert s1.phase == "seed" and list(s1.experts) == ["4"] and 0 < seed1.step < 150
+    assert s1.phase == "seed" and list(s1.experts) == ["4"] and 0 < seed1.step < 375
     from rich.console import Console
 
     from coordinator.progress import experts_table, summary
@@ -911,15 +911,15 @@ def test_interrupted_seed_run_resumes_where_it_was(run, tmp_path, monkeypatch):
 
         write(run.root, tmp_path / "deploy")
     # Debris of a crashed round 2, then a restart with more, longer rounds: rounds are timed, and a slow
-    # box's 0.4 s rounds took all 6 for the seed's 150 steps, leaving the experts none. At 1 s, rounds
-    # 2-6 carry >= 5 * 35 steps on such a box, and round 7 is the experts'.
+    # box's 0.4 s rounds took all 6 for the seed's 375 steps (of 2 forwards), leaving the experts none. At
+    # 1 s, rounds 2-6 carry >= 5 * 87 steps on such a box, and round 7 is the experts'.
     run.write_metrics(run.read_metrics() + [{"type": "round", "round": 2, "debris": True}])
     set_fed(run, rounds=7, round_seconds=1.0)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     state = Coordinator(grid, run).main()
     first = _train_tasks(grid)[0]
     assert (first["expert"], first["step"], first["base_sha256"]) == (4, seed1.step, seed1.sha256)
-    assert state.phase == "experts" and state.seed.step == 150
+    assert state.phase == "experts" and state.seed.step == 375
     assert all(x.version >= 1 for x in state.experts.values())
     rounds = [m["round"] for m in run.read_metrics() if m["type"] == "round"]
     assert rounds == list(range(1, 8))

@@ -26,9 +26,9 @@ from worker.trainer import train
 CFG = from_dict(
     {
         "model": {"embed": 8, "hidden": 16},
-        "data": {"batch": 2, "seq_len": 16},
+        "data": {"batch": 16, "seq_len": 16},
         "device": "cpu",
-        "spsa": {"directions": 4, "decoder": "frozen"},  # the decoder does not enter the scalars' check
+        "spsa": {"decoder": "frozen"},  # the decoder does not enter the scalars' check
     }
 )
 DATA = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(4000)), dtype=np.uint8)
@@ -73,7 +73,10 @@ def _losses(state: optim.State, evaluator) -> np.ndarray:
         body, _ = stepper.split(state.weights.size)
         objs = steps.objectives(DATA, CFG, evaluator, 0, state.step)
         k = CFG.spsa.directions
-        out = [stepper.direction(state.weights, objs[j // k].loss, state.step, j, body, eps)[:2] for j in range(k)]
+        # each direction on what it evaluates: with spsa.split_rows (the default) its own rows
+        out = [
+            stepper.direction(state.weights, stepper.probe_fn(objs, j), state.step, j, body, eps)[:2] for j in range(k)
+        ]
     finally:
         stepper.close()
     return np.array(out, dtype=np.float64)

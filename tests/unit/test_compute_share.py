@@ -51,7 +51,7 @@ def test_a_share_is_over_the_nodes_the_round_planned():
 
 def test_a_worker_result_says_when_it_trained():
     """The stretches of a round's training, on the worker's epoch clock, in the result it sends."""
-    cfg = from_dict({"model": {"embed": 8, "hidden": 16}, "data": {"batch": 2, "seq_len": 16}, "device": "cpu"})
+    cfg = from_dict({"model": {"embed": 8, "hidden": 16}, "data": {"batch": 4, "seq_len": 16}, "device": "cpu"})
     ev = probe.make_evaluator(cfg, "cpu", threads=1, spin=False, parallel=1)
     data = np.frombuffer(bytes(range(256)) * 4, dtype=np.uint8)
     state = optim.State(params.init(cfg.model, 0))

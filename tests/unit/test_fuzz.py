@@ -716,17 +716,17 @@ def test_a_hostile_recipe_in_a_log_is_one_line(rec, fragment):
 def test_a_log_of_another_recipe_is_refused_at_arrival_and_by_the_replay():
     res, exp = _log_result(2)
     exp.recipe = Recipe.of(Config())
-    res["log"]["recipe"] = _recipe_record(directions=2, split_rows=True)
+    res["log"]["recipe"] = _recipe_record(directions=2, split_rows=False)
     with pytest.raises(ValidationError) as got:
         protocol.check_log(res, exp)
-    assert "ran another recipe than this node's (spsa.directions: 2 vs 1; spsa.split_rows: True vs False" in one_line(
+    assert "ran another recipe than this node's (spsa.directions: 2 vs 4; spsa.split_rows: False vs True" in one_line(
         got.value
     )
     res["log"]["recipe"] = _recipe_record()
     log = protocol.check_log(res, exp)
     assert log.recipe == exp.recipe
-    log.recipe = Recipe.from_record(_recipe_record(lr=2e-3))
-    with pytest.raises(ValidationError, match=r"expert 0: the log ran another recipe than this run's \(spsa.lr: 0.002"):
+    log.recipe = Recipe.from_record(_recipe_record(lr=1e-3))
+    with pytest.raises(ValidationError, match=r"expert 0: the log ran another recipe than this run's \(spsa.lr: 0.001"):
         replay_mod.rebuild(Config(), State(np.zeros(10, np.float32)), log, 0)
 
 

@@ -16,13 +16,13 @@ def test_worker_training_path_without_torch():
         from soma_edge.engine.evaluator import evaluator_for
         from soma_edge.spsa.optim import State
         import worker.trainer, worker.cli, worker.client_app, worker.cache, worker.probe
-        cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=2, seq_len=16), device="cpu")
+        cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=4, seq_len=16), device="cpu")
         data = np.frombuffer(b"hello forward-only world " * 50, dtype=np.uint8)
         state = State(params.init(cfg.model, 0))
         w0 = state.weights.copy()
         rep = worker.trainer.train(state, data, cfg, evaluator_for(cfg, threads=1), steps=3)
         assert rep.steps == 3 and state.step == 3
-        assert rep.forward_evals == 3 * evals_per_step(cfg.spsa) == 3 * (2 * cfg.spsa.directions + 1)
+        assert rep.forward_evals == 3 * evals_per_step(cfg.spsa) == 3 * 2  # K directions on their own rows
         assert not np.array_equal(state.weights, w0)
         assert worker.client_app.torch_importable() is False
         try:
@@ -48,7 +48,7 @@ def test_worker_path_never_loads_torch_even_when_installed():
         from soma_edge.engine.evaluator import evaluator_for
         from soma_edge.spsa.optim import State
         import worker.trainer, worker.cli, worker.client_app, worker.cache, worker.probe
-        cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=2, seq_len=16), device="cpu")
+        cfg = Config(model=ModelConfig(embed=8, hidden=16), data=DataConfig(batch=4, seq_len=16), device="cpu")
         data = np.frombuffer(b"no autograd here " * 50, dtype=np.uint8)
         worker.trainer.train(State(params.init(cfg.model, 0)), data, cfg, evaluator_for(cfg, threads=1), steps=2)
         worker.client_app.torch_importable()

@@ -15,7 +15,7 @@ import pytest
 
 from coordinator import replay as coord_replay
 from soma_edge import checkpoint
-from soma_edge.config import Evaluator, from_dict
+from soma_edge.config import SAVED_WITHOUT, Evaluator, from_dict
 from soma_edge.engine.evaluator import evaluator_for
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState, State
@@ -28,7 +28,8 @@ OLD = checkpoint.load(FIXTURE, "old_logs")
 @pytest.mark.parametrize("name", sorted(OLD["logs"]))
 def test_an_old_update_log_still_replays_to_its_version_and_passes_the_audit(name):
     job = OLD["logs"][name]
-    cfg = from_dict(job["config"])  # keys added since read as today's defaults, as an old run.toml does
+    # keys added since read as the run's own run.toml reads them: those it predates as it trained (SAVED_WITHOUT)
+    cfg = from_dict({**job["config"], "spsa": SAVED_WITHOUT | job["config"].get("spsa", {})})
     base = State(job["weights"], step=job["step"], opt=OptState.from_record(job["opt"], job["weights"].size))
     log = UpdateLog.from_record(job["log"])
     got = coord_replay.rebuild(cfg, base, log, job["expert"])

@@ -38,7 +38,7 @@ def _config(kind: str, noise: str, evaluator: str = "population", decoder: str =
     return from_dict(
         {
             "model": KINDS[kind],
-            "data": {"batch": 2, "seq_len": 12},
+            "data": {"batch": 6, "seq_len": 12},
             "device": "cpu",
             "spsa": {"directions": 3, "accumulate": 2, "warmup_steps": 2, "decoder": decoder, "evaluator": evaluator}
             | NOISES[noise],

@@ -15,14 +15,18 @@ from worker import probe
 from worker.cache import Cache
 from worker.trainer import train
 
-CFG = from_dict({"model": {"embed": 8, "hidden": 16}, "data": {"batch": 2, "seq_len": 16}, "device": "cpu"})
+CFG = from_dict({"model": {"embed": 8, "hidden": 16}, "data": {"batch": 4, "seq_len": 16}, "device": "cpu"})
+# One direction a step on all rows with a clean forward: each slowed part then runs once a step, in line.
+K1 = from_dict(
+    {**CFG.to_dict(), "spsa": {**CFG.to_dict()["spsa"], "directions": 1, "split_rows": False, "decoder_from": "clean"}}
+)
 # s added to each call of the slowed part: far above a step of this model (well under 1 ms), so that even a
 # box loaded enough to run it at ~500 evals/s (as under 4 test processes on 2 cores) tells the two apart.
 SLOW = 0.05
 
 
 def _evaluator():
-    return probe.make_evaluator(CFG, "cpu", threads=1, spin=False, parallel=1)
+    return probe.make_evaluator(K1, "cpu", threads=1, spin=False, parallel=1)
 
 
 def _slowed(fn):
@@ -39,12 +43,12 @@ def test_the_probe_counts_the_noise_and_the_update(monkeypatch, part):
     direction per step: the noise is drawn once per step, the update made once). A probe of bare losses
     would not notice, and one that reported steps/s would be evals_per_step times too low."""
     evaluator = _evaluator()
-    fast = probe.measure(evaluator, CFG, seconds=0.2)
-    per = evals_per_step(CFG.spsa)
-    assert CFG.spsa.directions * CFG.spsa.accumulate == 1 and per == 3  # K = 1 with the delta rule's clean forward
+    fast = probe.measure(evaluator, K1, seconds=0.2)
+    per = evals_per_step(K1.spsa)
+    assert K1.spsa.directions * K1.spsa.accumulate == 1 and per == 3  # K = 1 with the delta rule's clean forward
     assert fast > 4 * per / SLOW  # so the slowed rate below is told apart
     monkeypatch.setattr(stepper, part, _slowed(getattr(stepper, part)))  # as the Stepper looks them up
-    slow = probe.measure(evaluator, CFG, seconds=0.5)  # ~10 slowed steps
+    slow = probe.measure(evaluator, K1, seconds=0.5)  # ~10 slowed steps
     assert 0.5 * per / SLOW < slow <= per / SLOW, (fast, slow)
 
 
@@ -59,7 +63,7 @@ def test_the_probe_is_cached_per_spsa_config(tmp_path, monkeypatch):
     again = probe.capabilities(CFG, cache, "cpu", 1, False, 1, seconds=0.05)
     assert not first["probe_cached"] and again["probe_cached"] and len(calls) == 1
     assert again["evals_per_s"] == first["evals_per_s"] > 0
-    other = from_dict({**CFG.to_dict(), "spsa": {**CFG.to_dict()["spsa"], "directions": 4}})
+    other = from_dict({**CFG.to_dict(), "spsa": {**CFG.to_dict()["spsa"], "directions": 2}})
     assert not probe.capabilities(other, cache, "cpu", 1, False, 1, seconds=0.05)["probe_cached"]
     assert len(calls) == 2
 

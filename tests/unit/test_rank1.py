@@ -135,7 +135,8 @@ def test_estimates_average_to_the_true_gradient():
 
 
 def _rank1_cfg(**kw) -> SPSAConfig:
-    return SPSAConfig(noise="rank1", density=1.0, directions=3, warmup_steps=2, **kw)
+    # all rows for every direction: a bare loss function has no rows to split (spsa.split_rows)
+    return SPSAConfig(noise="rank1", density=1.0, directions=3, warmup_steps=2, split_rows=False, **kw)
 
 
 def test_stepper_probes_are_the_materialized_outer_products():
@@ -181,7 +182,8 @@ def _toy_objective(cfg: Config, seed: int) -> Objective:
     def clean(w):
         return loss(w), (2 * (w[lay.body :] - target[lay.body :])).astype(np.float32)
 
-    return Objective(loss, clean)
+    # The toy's loss does not depend on rows: a direction's share of them (spsa.split_rows) is the whole.
+    return Objective(loss, clean, part=lambda w, i, n: loss(w), part_clean=lambda w, i, n: clean(w))
 
 
 @pytest.mark.parametrize("decoder", ["delta", "spsa", "frozen"])
@@ -195,7 +197,7 @@ def test_training_replays_bit_for_bit(decoder, update):
             "spsa": {
                 "noise": "rank1",
                 "density": 1.0,
-                "directions": 3,
+                "directions": 4,
                 "update": update,
                 "decoder": decoder,
                 "warmup_steps": 2,
@@ -266,7 +268,7 @@ def test_validation_refuses_rank1_with_sparse_probes():
 
 def test_cli_prints_one_error_line_for_rank1_with_density_below_one(tmp_path):
     path = tmp_path / "cfg.toml"
-    path.write_text('[spsa]\nnoise = "rank1"\n')  # the default density is 0.5
+    path.write_text('[spsa]\nnoise = "rank1"\ndensity = 0.5\n')
     r = subprocess.run(
         [sys.executable, "-m", "worker.cli", "train", "--config", str(path), "--steps", "1"],
         capture_output=True,

@@ -30,7 +30,7 @@ STEPS = 4
 def _config(kind: str, spsa_cfg: dict):
     base = {"directions": 3, "warmup_steps": 2, "evaluator": "population"}
     return from_dict(
-        {"model": KINDS[kind], "data": {"batch": 2, "seq_len": 12}, "device": "cpu", "spsa": base | spsa_cfg}
+        {"model": KINDS[kind], "data": {"batch": 6, "seq_len": 12}, "device": "cpu", "spsa": base | spsa_cfg}
     )
 
 
@@ -208,7 +208,7 @@ def test_a_fixed_buffer_takes_only_its_dtype_and_shape():
     runner = resident.Resident(cfg, 0, ev.population, optim.State(params.init(cfg.model, 3)), capture=True)
     runner.step(_batches(cfg, 0))
     x, y = _batches(cfg, 1)[0]
-    with pytest.raises(ValueError, match=r"x: int32\[2, 12\], the fixed buffer is int64\[2, 12\]"):
+    with pytest.raises(ValueError, match=r"x: int32\[6, 12\], the fixed buffer is int64\[6, 12\]"):
         runner.captured.evaluate(
             ev.population.noise_of(runner.stepper.probes(1, range(3), runner.body)), 1e-3, x.astype(np.int32), y
         )

@@ -80,8 +80,10 @@ def test_each_direction_probes_only_its_own_rows():
     stepper.step(State(np.zeros(M, np.float32)), Objective(loss=lambda w: pytest.fail("whole batch"), part=part))
     stepper.close()
     assert sorted(calls) == sorted([(i, 4) for i in range(4)] * 2)
-    assert evals_per_step(cfg) == 2 and evals_per_step(SPSAConfig(directions=4, split_rows=True)) == 3
-    assert evals_per_step(SPSAConfig(directions=4)) == 9
+    clean = {"decoder_from": "clean"}
+    assert evals_per_step(cfg) == 2 and evals_per_step(SPSAConfig(directions=4, split_rows=True, **clean)) == 3
+    assert evals_per_step(SPSAConfig(directions=4, split_rows=False, **clean)) == 9
+    assert evals_per_step(SPSAConfig()) == 2  # the default: 4 directions on their own rows, the head from them
 
 
 def test_shapings_weigh_the_step_as_documented():
@@ -102,7 +104,7 @@ def test_a_shaping_that_needs_two_scalars_is_refused_at_one_direction():
     cfg = config.from_dict({"spsa": {"directions": 2, "shaping": "rank"}})
     assert cfg.spsa.shaping == "rank"
     with pytest.raises(ConfigError, match="spsa.shaping = 'zscore' needs at least 2 directions"):
-        config.from_dict({"spsa": {"shaping": "zscore"}})
+        config.from_dict({"spsa": {"shaping": "zscore", "directions": 1}})
 
 
 DATA = np.frombuffer(b"".join(bytes([i % 89 + 33]) * (i % 5 + 1) for i in range(5000)), dtype=np.uint8)

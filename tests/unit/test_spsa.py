@@ -6,6 +6,10 @@ from soma_edge.spsa.noise import noise, probe_mask
 from soma_edge.spsa.optim import OptState, State, plateau, schedule
 from soma_edge.spsa.stepper import Objective, Stepper
 
+# The Stepper's mechanics on bare loss functions, which have no rows to split: every direction on the whole
+# minibatch and the delta rule from a clean forward (split rows: tests/unit/test_split_rows.py).
+ALL_ROWS = {"split_rows": False, "decoder_from": "clean"}
+
 
 def test_noise_is_regenerated_from_its_key():
     a = noise(7, 1, 100, 3, 1001)
@@ -54,7 +58,9 @@ def test_spsa_descends_a_quadratic(kind, update, momentum):
     rng = np.random.default_rng(0)
     target = rng.standard_normal(200)
     lr = {"rms": 0.02, "sgd": 0.005, "adam": 0.02}[update]
-    cfg = SPSAConfig(directions=4, eps=1e-2, lr=lr, warmup_steps=0, noise=kind, update=update, momentum=momentum)
+    cfg = SPSAConfig(
+        **ALL_ROWS, directions=4, eps=1e-2, lr=lr, warmup_steps=0, noise=kind, update=update, momentum=momentum
+    )
     state = State(np.zeros(200, dtype=np.float32))
     f = _quadratic(target)
     start = f(state.weights)
@@ -71,7 +77,7 @@ def test_step_estimates_the_gradient():
     target = np.linspace(-1, 1, 50)
     grad = 2 * (0 - target)
     for density in (1.0, 0.5):
-        cfg = SPSAConfig(directions=3, eps=1e-3, warmup_steps=0, density=density)
+        cfg = SPSAConfig(**ALL_ROWS, directions=3, eps=1e-3, warmup_steps=0, density=density)
         result = Stepper(cfg, seed=3, expert=2).step(State(np.zeros(50, dtype=np.float32)), _quadratic(target))
         for k in range(3):
             z = noise(3, 2, 0, k, 50).astype(np.float64)
@@ -82,7 +88,7 @@ def test_step_estimates_the_gradient():
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_replay_is_bit_identical(momentum):
-    cfg = SPSAConfig(directions=5, momentum=momentum, warmup_steps=3, total_steps=20)
+    cfg = SPSAConfig(**ALL_ROWS, directions=5, momentum=momentum, warmup_steps=3, total_steps=20)
     w0 = np.random.default_rng(4).standard_normal(300).astype(np.float32)
     target = np.random.default_rng(5).standard_normal(300)
     live, replayed = State(w0.copy()), State(w0.copy())
@@ -127,7 +133,7 @@ RECIPES = {
 @pytest.mark.parametrize("decoder", ["delta", "spsa", "frozen"])
 @pytest.mark.parametrize("recipe", list(RECIPES), ids=list(RECIPES))
 def test_replay_is_bit_identical_for_every_option(recipe, decoder):
-    cfg = SPSAConfig(directions=4, warmup_steps=2, decoder=decoder, **RECIPES[recipe])
+    cfg = SPSAConfig(**ALL_ROWS, directions=4, warmup_steps=2, decoder=decoder, **RECIPES[recipe])
     loss, clean = _toy(1)
     w0 = np.random.default_rng(2).standard_normal(BODY + DEC).astype(np.float32)
     live, replayed = State(w0.copy()), State(w0.copy())
@@ -158,7 +164,7 @@ def test_delta_decoder_is_never_perturbed_and_takes_adam_steps():
         return loss(w)
 
     w0 = np.zeros(BODY + DEC, dtype=np.float32)
-    cfg = SPSAConfig(directions=3, decoder="delta", decoder_lr=0.1, warmup_steps=0)
+    cfg = SPSAConfig(**ALL_ROWS, directions=3, decoder="delta", decoder_lr=0.1, warmup_steps=0)
     state = State(w0.copy())
     r = Stepper(cfg, seed=0, body=BODY).step(state, Objective(spy, clean))
     assert len(seen) == 6 and all(np.array_equal(p[BODY:], w0[BODY:]) for p in seen)
@@ -189,7 +195,7 @@ def test_sparse_probes_touch_a_density_share_and_keep_gains_dense():
 
 def test_accumulation_uses_fresh_directions_per_batch():
     loss, clean = _toy(4)
-    cfg = SPSAConfig(directions=2, accumulate=3, decoder="spsa", warmup_steps=0)
+    cfg = SPSAConfig(**ALL_ROWS, directions=2, accumulate=3, decoder="spsa", warmup_steps=0)
     calls = []
     objs = [Objective(lambda w, a=a: calls.append(a) or loss(w)) for a in range(3)]
     r = Stepper(cfg, seed=2).step(State(np.zeros(BODY + DEC, np.float32)), objs)
@@ -245,7 +251,7 @@ def test_optimizer_state_record_round_trips_and_refuses_mismatches():
 def test_adam_bias_correction_counts_its_own_updates_not_the_step():
     """A version resumed at step 5000 with fresh moments takes a first Adam step of size lr, not 3x lr."""
     loss, _ = _toy(6)
-    cfg = SPSAConfig(directions=2, update="adam", lr=1e-2, warmup_steps=0, decoder="spsa", density=1.0)
+    cfg = SPSAConfig(**ALL_ROWS, directions=2, update="adam", lr=1e-2, warmup_steps=0, decoder="spsa", density=1.0)
     w0 = np.zeros(BODY + DEC, np.float32)
     late = State(w0.copy(), step=5000)
     Stepper(cfg, seed=0).step(late, loss)
