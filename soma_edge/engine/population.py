@@ -53,9 +53,15 @@ class PopulationEvaluator:
         self.noise = Noise(self.noise)
         self.perturbed = tuple(self.perturbed)
         self.layout = layout(self.model)
-        m, k, noise = self.model, self.k, self.noise
         graph = build_population(
-            m, k, self.perturbed, noise, self.decoder_grad, self.seq_len, self.decoder_from, self.split
+            self.model,
+            self.k,
+            self.perturbed,
+            self.noise,
+            self.decoder_grad,
+            self.seq_len,
+            decoder_from=self.decoder_from,
+            split=self.split,
         )
         self.session = make_session(graph, self.device, self.threads, self.spin)
         self.providers: list[str] = self.session.get_providers()

@@ -99,7 +99,7 @@ class Objective:
     With `members(w, probes, eps)` (the population evaluator: soma_edge.engine.population), the Stepper evaluates
     the minibatch's clean forward and 2K probes in that one call instead. With spsa.split_rows, direction k's
     probes take `part(w, k, K)`: the loss on the k-th of K equal slices of the minibatch's rows (`part_clean`:
-    with its decoder gradient, for spsa.decoder_from = "probes")."""
+    with its decoder gradient, for spsa.decoder_from = "probes"); a population call splits them itself."""
 
     loss: LossFn
     clean: CleanFn | None = None

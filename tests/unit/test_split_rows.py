@@ -211,6 +211,8 @@ def test_the_population_evaluator_takes_the_probes_decoder_gradient_and_passes_t
     pop = evaluator_for(cfg, threads=1, parallel=1)
     loop = evaluator_for(cfg, threads=1, parallel=1, evaluator="loop")
     assert pop.population is not None and loop.population is None
+    clean = _run_config("none", decoder_from="clean", split=split)  # a split graph's clean member reads a slice:
+    assert (evaluator_for(clean, threads=1, evaluator="population").population is None) == split  # the loop
     w, body = params.init(cfg.model, 0), params.layout(cfg.model).body
     stepper = steps.stepper(cfg, 0)
     via_pop = stepper._population(w, steps.objectives(DATA, cfg, pop, 0, 0), 0, body, 1e-3, True)
