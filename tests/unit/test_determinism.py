@@ -56,7 +56,8 @@ def test_same_seed_same_bits_other_seed_differs(tmp_path):
 
 def test_concurrency_does_not_change_the_bits():
     """parallel=1 and parallel=2 (two ORT runs at once) give the same weights: g z is summed in index
-    order and the clean forwards are averaged in batch order, with the delta rule, Adam and accumulation."""
+    order and the probes' decoder gradients in probe order, with the delta rule, Adam, sparse probes on
+    their own rows and accumulation."""
     from soma_edge.config import Config
     from soma_edge.engine.evaluator import evaluator_for
     from soma_edge.expert.steps import rows_part
