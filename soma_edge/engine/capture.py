@@ -26,7 +26,6 @@ import numpy as np
 
 from soma_edge.engine.runtime import load_ort, make_session
 from soma_edge.expert import update_graph
-from soma_edge.expert.population_graph import build_population
 
 if TYPE_CHECKING:
     from soma_edge.config import Config
@@ -63,10 +62,7 @@ class Captured:
         r, pop = resident, resident.population
         self.ort, self.where, self.batch = load_ort(), r.where, tuple(batch)
         self.cuda = r.where[0] == "cuda"
-        graph = build_population(
-            pop.model, pop.k, pop.perturbed, pop.noise, pop.decoder_grad, pop.seq_len, pop.decoder_from, pop.split
-        )
-        self.population = make_session(graph, pop.device, pop.threads, pop.spin, cuda_graph=True)
+        self.population = make_session(pop.graph(), pop.device, pop.threads, pop.spin, cuda_graph=True)
         k = r.cfg.spsa.directions * r.cfg.spsa.accumulate
         update = update_graph.build_update(r.cfg.model, r.cfg.spsa, k, pop.perturbed, pop.noise, r.delta)
         # One thread, no spinning, as the resident's own update session (soma_edge.engine.resident says why).

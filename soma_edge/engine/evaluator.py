@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from soma_edge.config import Config, Evaluator, ModelConfig, SPSAConfig
+from soma_edge.config import Config, Evaluator, ModelConfig
 from soma_edge.devices import CPU
 from soma_edge.engine import runtime
 from soma_edge.expert.params import layout
+from soma_edge.spsa.stepper import population_takes
 
 if TYPE_CHECKING:  # population and the graph builders import onnx: loaded where a graph is built, not before
     from soma_edge.engine.population import PopulationEvaluator
@@ -119,12 +120,6 @@ def evaluator_for(
         pop_threads, _ = plan_concurrency(out.device, cfg.threads if threads is None else threads, 1)
         out.population = for_config(cfg, out.device, pop_threads, spin)
     return out
-
-
-def population_takes(spsa: SPSAConfig) -> bool:
-    """Whether a population graph evaluates `spsa`'s steps: not split rows with the clean decoder gradient,
-    since a split graph's clean member reads one slice of the rows (soma_edge.expert.population_graph)."""
-    return not (spsa.split_rows and spsa.decoder == "delta" and spsa.decoder_from == "clean")
 
 
 def choose_evaluator(choice: Evaluator | str, providers: list[str]) -> Evaluator:

@@ -53,7 +53,17 @@ class PopulationEvaluator:
         self.noise = Noise(self.noise)
         self.perturbed = tuple(self.perturbed)
         self.layout = layout(self.model)
-        graph = build_population(
+        self.session = make_session(self.graph(), self.device, self.threads, self.spin)
+        self.providers: list[str] = self.session.get_providers()
+        self.inputs: list[NoiseInput] = noise_inputs(self.model, self.k, self.perturbed, self.noise)
+        self.outputs = ["losses"] + ([f"grad.{n}" for n in self.layout.decoder] if self.decoder_grad else [])
+        self.update: Any = None  # the update graph's session (soma_edge.engine.resident), made on first use
+        self.captured: Any = None  # the captured steps' buffers and sessions (soma_edge.engine.capture), likewise
+        self.capture_refused = False  # the device refused capture once: later rounds run uncaptured
+
+    def graph(self) -> Any:
+        """Its population graph (an onnx.ModelProto; capture builds its own sessions on the same graph)."""
+        return build_population(
             self.model,
             self.k,
             self.perturbed,
@@ -63,13 +73,6 @@ class PopulationEvaluator:
             decoder_from=self.decoder_from,
             split=self.split,
         )
-        self.session = make_session(graph, self.device, self.threads, self.spin)
-        self.providers: list[str] = self.session.get_providers()
-        self.inputs: list[NoiseInput] = noise_inputs(self.model, self.k, self.perturbed, self.noise)
-        self.outputs = ["losses"] + ([f"grad.{n}" for n in self.layout.decoder] if self.decoder_grad else [])
-        self.update: Any = None  # the update graph's session (soma_edge.engine.resident), made on first use
-        self.captured: Any = None  # the captured steps' buffers and sessions (soma_edge.engine.capture), likewise
-        self.capture_refused = False  # the device refused capture once: later rounds run uncaptured
 
     def _check(self, noise: dict[str, np.ndarray]) -> None:
         if set(noise) != {i.name for i in self.inputs}:

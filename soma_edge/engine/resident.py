@@ -30,7 +30,7 @@ from soma_edge.expert import update_graph
 from soma_edge.expert.steps import stepper as make_stepper
 from soma_edge.spsa import shaping
 from soma_edge.spsa.optim import State, mean_decoder_grad, schedule
-from soma_edge.spsa.stepper import StepResult, mean_probe_loss
+from soma_edge.spsa.stepper import StepResult, mean_probe_loss, minibatch_loss
 
 log = logging.getLogger("soma.resident")
 _VERIFIED: dict[tuple, bool] = {}  # (device, ORT provider, graph) -> whether its update gave the host's bits
@@ -164,10 +164,7 @@ class Resident:
                 lp, lm = float(losses[1 + 2 * i]), float(losses[2 + 2 * i])
                 grads[a * K + i] = (lp - lm) / (2.0 * eps)
                 pairs[a * K + i] = lp, lm
-            # the minibatch's loss as the Stepper's population path reports it: its clean member's, or where
-            # that member is not the step's (the probes' decoder gradient, split rows) its probes' mean
-            own = cfg.decoder_from == "probes" or cfg.split_rows
-            cleans.append(mean_probe_loss(pairs[a * K : (a + 1) * K]) if own else float(losses[0]))
+            cleans.append(minibatch_loss(cfg, pairs[a * K : (a + 1) * K], float(losses[0])))
             decoder_grads.append(dec)
         self.values = self._update(grads, noises, decoder_grads)
         loss = sum(cleans) / len(cleans) if self.delta else mean_probe_loss(pairs)

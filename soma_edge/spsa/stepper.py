@@ -248,7 +248,7 @@ class Stepper:
         population, from_probes = all(o.members is not None for o in objs), self.probe_decoder(delta)
         if delta and not population and not from_probes and any(o.clean is None for o in objs):
             raise ValueError("the delta-rule decoder needs a clean forward (Objective.clean) per minibatch")
-        if population and cfg.split_rows and delta and not from_probes:
+        if population and delta and not population_takes(cfg):
             raise ValueError("split rows with the clean decoder gradient run on the loop (spsa.evaluator = 'loop')")
         lr, eps = schedule(cfg, t, state.opt.lr_scale)
         run = self._frozen if self.freeze_body else self._population if population else self.evaluate
@@ -330,10 +330,9 @@ class Stepper:
                 grads[j] = (lp - lm) / (2.0 * eps)
                 pairs[j] = lp, lm
                 drawn.append((probes, i))
-            # the probes' mean loss where the clean member is not the step's (decoder_from = "probes", split rows)
-            own = self.probe_decoder(delta) or cfg.split_rows
-            loss = mean_probe_loss(pairs[a * K : (a + 1) * K]) if own else out.loss
-            cleans.append((loss, out.decoder_grad if delta else None))
+            cleans.append(
+                (minibatch_loss(cfg, pairs[a * K : (a + 1) * K], out.loss), out.decoder_grad if delta else None)
+            )
         for j, c in enumerate(shape(self.cfg.shaping, grads)):
             probes, i = drawn[j]
             _accumulate(acc, c, self._drawn(probes, i, t, j, body))
@@ -384,6 +383,19 @@ class Stepper:
 
 def _accumulate(acc: np.ndarray, g: float, z: np.ndarray) -> None:
     acc += np.float32(g) * z
+
+
+def population_takes(cfg: SPSAConfig) -> bool:
+    """Whether a population call evaluates `cfg`'s steps: not split rows with the clean forward's decoder
+    gradient, since a split graph's clean member reads one slice of the rows (soma_edge.expert.population_graph)."""
+    return not (cfg.split_rows and cfg.decoder == "delta" and cfg.decoder_from == "clean")
+
+
+def minibatch_loss(cfg: SPSAConfig, pairs: np.ndarray, clean: float) -> float:
+    """A population call's loss for its minibatch (its probes' `pairs`): the clean member's, or the probes'
+    mean where that member is not the step's (the probes' decoder gradient; split rows: it reads one slice).
+    The Stepper's population path and the resident runner report it alike."""
+    return mean_probe_loss(pairs) if cfg.decoder_from == "probes" or cfg.split_rows else clean
 
 
 def mean_probe_loss(pairs: np.ndarray) -> float:
