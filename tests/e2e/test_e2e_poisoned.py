@@ -139,7 +139,9 @@ def test_poisoned_worker_is_refused_struck_out_and_stays_out_after_a_restart(tmp
     later = [m for m in experts if m["round"] > out_round + 1]
     # (an honest near miss costs its expert that result, and the next one where that round went out from it;
     # on a loaded box w0 may miss a round's deadline, which costs it that round and is no lie)
-    honest = re.compile(r"rejected: |trained from v\d+, which was refused|node w0 missed the round deadline|node lacked cached data")
+    honest = re.compile(
+        r"rejected: |trained from v\d+, which was refused|node w0 missed the round deadline|node lacked cached data"
+    )
     odd = [(m["round"], m["expert"], m["node"], m.get("reason")) for m in later]
     assert all(m["node"] == "w0" and (m["accepted"] or honest.match(m["reason"])) for m in later), odd
     assert out_round + 1 < 5
