@@ -29,18 +29,20 @@ $(VENV)/.created:
 	@! $(PY) -m pip show --quiet onnxruntime-gpu >/dev/null 2>&1 || $(PY) -m pip uninstall --quiet -y onnxruntime-gpu
 	@touch $@
 
+# Both installs go through uv (flwr depends on it, in this range: nothing extra in the venv), which fetches
+# and unpacks in parallel: the dev install ~20 s here, bytecode included, where pip took ~70 s.
+# tools/uv_install.py hands uv the package sources pip is configured with (uv does not read pip's
+# configuration), so the dev extra's torch comes from wherever pip would take it; should uv fail, pip
+# installs instead.
+UV_INSTALL = $(PY) -m pip install --quiet 'uv>=0.13.5,<0.14' && $(PY) tools/uv_install.py
+
 $(STAMP): pyproject.toml $(VENV)/.created
-	$(PY) -m pip install --quiet -e '.[dev,cpu]'
+	$(UV_INSTALL) -e '.[dev,cpu]' || $(PY) -m pip install --quiet -e '.[dev,cpu]'
 	@touch $@ $(DEMO_STAMP)
 
 # The dev install holds everything the demo needs, so a box that ran `make test` installs nothing more here.
-# The demo installs through uv (flwr depends on it, in this range: nothing extra in the venv), which fetches
-# and unpacks in parallel: ~7 s here, bytecode aside, where pip took 37-75 s. uv does not read pip's
-# configuration, so where it cannot reach the index pip would use, pip installs instead. `make test` stays
-# on pip, for the same reason: the dev extra's torch comes from wherever pip is configured to find it.
 $(DEMO_STAMP): pyproject.toml $(VENV)/.created
-	$(PY) -m pip install --quiet 'uv>=0.13.5,<0.14' && $(VENV)/bin/uv pip install --quiet --compile-bytecode \
-		--python $(PY) -e '.[cpu,report]' || $(PY) -m pip install --quiet -e '.[cpu,report]'
+	$(UV_INSTALL) -e '.[cpu,report]' || $(PY) -m pip install --quiet -e '.[cpu,report]'
 	@touch $@
 
 test: setup
