@@ -486,8 +486,10 @@ def download(debs: Path) -> dict[str, Path]:
         gone = _left_archive()
         if gone:
             raise CorpusError(
-                f"pinned Debian versions have left the archive: {'; '.join(gone)}. Update PINS in "
-                "coordinator/debian_corpus.py (the corpus bytes then change; say so in docs/BENCHMARKS.md)"
+                f"pinned Debian versions are not in apt's lists: {'; '.join(gone)}. Stale lists offer older "
+                "versions: run `apt-get update` and build again; if they are still missing, they have left "
+                "the archive: update PINS in coordinator/debian_corpus.py (the corpus bytes then change; say "
+                "so in docs/BENCHMARKS.md)"
             )
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
         raise CorpusError(f"apt-get download failed ({last}); run `apt-get update` first if the lists are empty")

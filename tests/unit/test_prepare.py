@@ -218,6 +218,7 @@ def test_debian_recipe_names_pins_that_left_the_archive(tmp_path, monkeypatch):
         debian_corpus.download(tmp_path)
     msg = str(e.value)
     assert f"{pkg}={version} (apt-cache policy offers 2.36-9+deb12u99)" in msg and "left the archive" in msg
+    assert "run `apt-get update`" in msg  # stale lists look the same: the first thing to try
     assert "libpython3.11-stdlib=" not in msg  # the pins still in the archive are not blamed
 
 
