@@ -179,7 +179,7 @@ def log_round_check(device: str, data: np.ndarray, n_steps: int, audit_steps: in
         return Check("log round", False, "no step fitted in the time left", figures, "time")
     log = record_log(base.step, state.opt.lr_scale, rep.grads, state, steps.log_body(cfg))
     auditor = evaluators.evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1)
-    picks = replay.sample_steps(log.steps, audit_steps, cfg.seed, 0, 1)
+    picks = replay.sample_steps(log.steps, audit_steps, replay.audit_key(), 0, 1)
     try:
         replay.audit(cfg, base, log, 0, data, auditor, picks)
         got = replay.rebuild(cfg, base, log, 0)

@@ -32,6 +32,7 @@ class Checks:
     def __init__(self, run: RunDir, cfg: Config, ledger: Ledger, prep: PrepareSummary, evaluation: Evaluation) -> None:
         self.run, self.cfg, self.ledger, self.prep, self.evaluation = run, cfg, ledger, prep, evaluation
         self.auditor: Any = None  # the audit's loss session, made on first use (onnxruntime)
+        self.audit_key = replay_mod.audit_key()  # which steps it audits: no worker can tell in advance
 
     def check(self, c: Claim) -> Checked | ValidationError:
         """Claim c's checks: its version, its val loss on each window and its expert's guard bar; or why it
@@ -67,7 +68,7 @@ class Checks:
         weights = protocol.decode_weights(stored["weights"])
         base = State(weights, step=int(x.step), opt=self.ledger.checked_opt(stored, x.path))
         if fed.audit_steps:
-            picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, cfg.seed, e, int(res["version"]))
+            picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, self.audit_key, e, int(res["version"]))
             shards = seed_mod.shards(self.cfg, self.prep, e, "train")
             data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in shards), dtype=np.uint8)
             replay_mod.audit(cfg, base, ulog, e, data, self._audit_evaluator(cfg), picks)

@@ -5,15 +5,18 @@ In log mode a worker returns, per expert, the scalars of its round's SPSA steps 
 worker ended at, bit for bit, and its hash must be the one the worker claimed.
 
 The log also makes each step checkable. With `federation.audit_steps = s`, the coordinator picks s steps
-at random and recomputes their two losses per direction with forward passes of its own, at the weights
-the replay reached at that step, on the batch the step's key draws: a claimed scalar further from the
-recomputed one than two honest devices can disagree (`g_tolerance`) refuses the reply. A delta-rule
+at random, from a secret key of its own (`audit_key`), and recomputes their two losses per direction with
+forward passes of its own, at the weights the replay reached at that step, on the batch the step's key
+draws: a claimed scalar further from the recomputed one than two honest devices can disagree
+(`g_tolerance`) refuses the reply. A delta-rule
 decoder's weights are not in the log step by step, so an audit rebuilds the decoder along the way with a
 clean forward per step (with spsa.decoder_from = "probes", the step's probes: the delta rule is exact either
 way), and its final decoder must match the worker's within float noise. A log's recipe must be the run's.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 
@@ -104,10 +107,18 @@ def _check_decoder(rebuilt: np.ndarray, base: np.ndarray, log: UpdateLog, expert
         )
 
 
-def sample_steps(n: int, count: int, seed: int, expert: int, version: int) -> list[int]:
-    """Which of a log's n steps to audit: `count` distinct ones, from a key the worker cannot choose."""
-    rng = np.random.default_rng([seed, expert, version, 0xA0D1])
+def sample_steps(n: int, count: int, key: int, expert: int, version: int) -> list[int]:
+    """Which of a log's n steps to audit: `count` distinct ones, drawn from `key` and the result's expert and
+    version. The coordinator's key is a secret of its own (`audit_key`): from a key the worker knows (the
+    run's seed, as once) it could tell which steps will be audited, compute those honestly and invent the
+    rest, which the replay then rebuilds without a word."""
+    rng = np.random.default_rng([key, expert, version, 0xA0D1])
     return sorted(int(i) for i in rng.choice(n, size=min(count, n), replace=False)) if n else []
+
+
+def audit_key() -> int:
+    """A coordinator's secret for `sample_steps`: 128 random bits, drawn when it starts and sent to no one."""
+    return secrets.randbits(128)
 
 
 def _check_step(pairs: np.ndarray, eps: float, claimed: np.ndarray, step: int, i: int, expert: int) -> None:

@@ -410,6 +410,43 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
     assert state.strikes["node:1001"]["count"] == len(rejected)
 
 
+def test_a_worker_cannot_tell_which_steps_will_be_audited(run, tmp_path, monkeypatch):
+    """Node b knows the run's seed, each result's expert and version: all a predictable key would be drawn
+    from. It computes the steps such a key would audit (2 of each log) and invents every other scalar,
+    claiming the hash its log replays to. The coordinator draws its picks from a secret of its own, so the
+    invented steps are among them and every such reply is refused. (The decoder learns by SPSA here: a
+    delta-rule decoder is rebuilt along every step in an audit, which would catch the lie on its own.)"""
+    from coordinator import replay
+    from coordinator.loop import Coordinator
+    from tests.helpers.fakegrid import FakeGrid, claim_log, equal_rates, set_fed
+
+    equal_rates(monkeypatch)
+    cfg = run.load_config()
+    cfg.spsa.decoder = "spsa"
+    run.save_config(cfg)
+    set_fed(run, rounds=2, reply="log", audit_steps=2)
+    box: list = []
+
+    def lie(nid, body):
+        for res in body["results"] if nid == 1001 else []:
+            log = update_log.UpdateLog.from_record(res["log"])
+            known = replay.sample_steps(log.steps, 2, cfg.seed, res["expert"], int(res["version"]))
+            assert log.steps > 8, log.steps  # enough steps that 2 picks miss the invented ones by chance rarely
+            log.grads[[i for i in range(log.steps) if i not in known]] *= 3.0
+            claim_log(box[0], res, log)
+        return body
+
+    coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=lie), run)
+    box.append(coord)
+    coord.main()
+    lines = _expert_lines(run)
+    liars = [m for m in lines if m["node"] == "b"]
+    assert liars and not any(m["accepted"] for m in liars), liars
+    rejected = [x for m in _round_lines(run) for x in m["rejected"]]
+    assert rejected and all(x["node"] == "b" and "the losses give" in x["reason"] for x in rejected), rejected
+    assert all(m["accepted"] for m in lines if m["node"] == "a")
+
+
 def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, monkeypatch):
     from flwr.app import Message
 
