@@ -116,9 +116,10 @@ def config(arm: Arm, args) -> str:
         keep, rest = (ROOT / "examples" / "paper.toml").read_text().split("[federation]", 1)
         seed_steps = [ln for ln in rest.splitlines() if ln.startswith("seed_steps")]
         return keep + fed + "\n".join(seed_steps) + "\n"
+    spsa = "" if args.lr is None else f"[spsa]\nlr = {args.lr}\n"
     return (
         f'seed = {args.seed}\n[model]\nkind = "{args.kind}"\nembed = {m.embed}\nhidden = {m.hidden}\n'
-        f"layers = {args.layers}\n" + fed
+        f"layers = {args.layers}\n" + spsa + fed
     )
 
 
@@ -346,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--paper", action="store_true", help="examples/paper.toml's model, seed run and E")
+    ap.add_argument("--lr", type=float, default=None, help="spsa.lr (default: the shipped one; not with --paper)")
     ap.add_argument("--top-k", type=int, default=4, help="experts mixed per window in the routed-inference table")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
