@@ -77,7 +77,7 @@ class SPSAConfig:
     eps: float = 1e-3
     eps_min: float = 1e-4  # floor for eps when tie_eps_to_lr, so warmup never makes eps zero
     tie_eps_to_lr: bool = False
-    lr: float = 2e-3
+    lr: float = 2e-3  # 4e-3 for model.kind = "soma" unless set (SOMA_KIND_LR)
     lr_min_frac: float = 0.1  # cosine decays to lr * lr_min_frac
     warmup_steps: int = 20
     total_steps: int = 0  # cosine horizon; 0 keeps lr constant after warmup (the plateau rule decays it)
@@ -283,6 +283,10 @@ def from_dict(values: dict[str, Any]) -> Config:
         # the decoder's and grows as E trains, so at the lstm head's 3e-2 E's steps turn to ascent and the
         # train loss climbs (docs/RESULTS.md, "The paper's expert on small shards").
         cfg.spsa.decoder_lr = TIED_DECODER_LR
+    if cfg.model.kind == "soma" and "lr" not in values.get("spsa", {}):
+        # The paper's expert learns most in its body (its E is a small share): every estimator's best body lr
+        # was 4e-3 there, twice the lstm kind's (docs/RESULTS.md, "The body's own learning").
+        cfg.spsa.lr = SOMA_KIND_LR
     validate(cfg)
     return cfg
 
@@ -331,6 +335,7 @@ SHAPINGS = ("none", "zscore", "sign", "rank")  # soma_edge.spsa.shaping.KINDS (c
 DECODERS = ("delta", "spsa", "frozen")
 KINDS = ("lstm", "soma")
 TIED_DECODER_LR = 3e-3  # spsa.decoder_lr's default for model.kind = "soma" (its E is tied); a set value wins
+SOMA_KIND_LR = 4e-3  # spsa.lr's default for model.kind = "soma"; a set value wins
 SEED_DECODERS = ("frozen", "delta")
 
 

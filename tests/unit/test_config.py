@@ -212,3 +212,13 @@ def test_the_soma_kind_takes_the_tied_decoder_lr_unless_one_is_set():
     assert from_dict({**soma, "spsa": {"decoder_lr": 3e-2}}).spsa.decoder_lr == 3e-2
     assert from_dict({}).spsa.decoder_lr == 3e-2  # the lstm kind's head is untied
     assert from_dict(from_dict(soma).to_dict()).spsa.decoder_lr == 3e-3  # a resolved config keeps it
+
+
+def test_the_soma_kind_takes_its_body_lr_unless_one_is_set():
+    from soma_edge.config import SOMA_KIND_LR, Config, from_dict
+
+    soma = {"model": {"kind": "soma", "embed": 32, "hidden": 32}}
+    assert from_dict(soma).spsa.lr == SOMA_KIND_LR == 4e-3
+    assert from_dict({**soma, "spsa": {"lr": 1e-3}}).spsa.lr == 1e-3
+    assert from_dict({}).spsa.lr == Config().spsa.lr == 2e-3  # the lstm kind's
+    assert from_dict(from_dict({**soma, "spsa": {"lr": 1e-3}}).to_dict()).spsa.lr == 1e-3  # a resolved config keeps it
