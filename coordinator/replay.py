@@ -8,10 +8,10 @@ The log also makes each step checkable. With `federation.audit_steps = s`, the c
 at random, from a secret key of its own (`audit_key`), and recomputes their two losses per direction with
 forward passes of its own, at the weights the replay reached at that step, on the batch the step's key
 draws: a claimed scalar further from the recomputed one than two honest devices can disagree
-(`g_tolerance`) refuses the reply. A delta-rule
-decoder's weights are not in the log step by step, so an audit rebuilds the decoder along the way with a
-clean forward per step (with spsa.decoder_from = "probes", the step's probes: the delta rule is exact either
-way), and its final decoder must match the worker's within float noise. A log's recipe must be the run's.
+(`g_tolerance`) refuses the reply. A delta-rule decoder's weights are not in the log step by step, so an
+audit rebuilds the decoder along the way with a clean forward per step (with spsa.decoder_from = "probes",
+the step's probes: the delta rule is exact either way), and its final decoder must match the worker's
+within float noise. A log's recipe must be the run's.
 """
 
 from __future__ import annotations

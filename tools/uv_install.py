@@ -4,8 +4,8 @@ make's set-up installs through uv, which fetches and unpacks in parallel (the de
 took ~70 s). uv does not read pip's configuration, so this hands it pip's: index-url, extra-index-url and
 find-links from `pip config list` (the global and install sections) and the PIP_* variables, which win as
 they do in pip, and pip's cert as SSL_CERT_FILE. `--index-strategy unsafe-best-match` picks a version
-across all sources as pip does (a CPU torch wheel in find-links is taken over the index's build of the same
-version, whose local label ranks lower). Exits with uv's status; make falls back to pip if it fails.
+across all sources as pip does (torch 2.13.0+cpu from find-links ranks above the index's 2.13.0). Exits
+with uv's status; make falls back to pip if it fails.
 
     python tools/uv_install.py -e '.[dev,cpu]'
 """
