@@ -126,7 +126,6 @@ class Ledger:
         experts = {str(e): self._version0(e, w) for e in range(self.cfg.federation.experts)}
         self.state.seed = dataclasses.replace(seed, expert=sid)
         self.state.experts, self.state.phase = experts, "experts"
-        self.started.update({int(e): 0 for e in experts})  # born in this run: each advanced if past its v0
         self.state.assignment = {}  # the experts' versions 0 are on no node yet
         log.info(
             "seed expert %s done at step %d (val %.4f): version 0 of all %d experts is its weights %s",
@@ -179,7 +178,7 @@ class Ledger:
         out = {}
         for e in self.expert_ids():
             rec = self.expert(e)
-            if rec.version == self.started.get(e, rec.version):
+            if rec.version == self.started.get(e, 0):  # one born in this run (a seed's fan-out) started at v0
                 out[e] = rec.cannot_train or self.last_failure.get(e) or "never handed out (no worker had time)"
         return out
 
