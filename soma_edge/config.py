@@ -278,15 +278,15 @@ def from_dict(values: dict[str, Any]) -> Config:
         if not isinstance(section, dict):
             raise ConfigError(f"{name}: expected a [{name}] table")
         _fill(getattr(cfg, name), section, f"{name}.")
-    if cfg.model.kind == "soma" and "decoder_lr" not in values.get("spsa", {}):
-        # The tied E is the body's input too, a path whose gradient the delta rule leaves out: it runs against
-        # the decoder's and grows as E trains, so at the lstm head's 3e-2 E's steps turn to ascent and the
-        # train loss climbs (docs/RESULTS.md, "The paper's expert on small shards").
-        cfg.spsa.decoder_lr = TIED_DECODER_LR
-    if cfg.model.kind == "soma" and "lr" not in values.get("spsa", {}):
-        # The paper's expert learns most in its body (its E is a small share): every estimator's best body lr
-        # was 4e-3 there, twice the lstm kind's (docs/RESULTS.md, "The body's own learning").
-        cfg.spsa.lr = SOMA_KIND_LR
+    if cfg.model.kind == "soma":
+        # decoder_lr: the tied E is the body's input too, a path whose gradient the delta rule leaves out: it
+        # runs against the decoder's and grows as E trains, so at the lstm head's 3e-2 E's steps turn to ascent
+        # and the train loss climbs (docs/RESULTS.md, "The paper's expert on small shards"). lr: this expert
+        # learns most in its body (its E is a small share), and every estimator's best body lr was 4e-3 there,
+        # twice the lstm kind's (docs/RESULTS.md, "The body's own learning"). A value the config sets wins.
+        for key, value in {"decoder_lr": TIED_DECODER_LR, "lr": SOMA_KIND_LR}.items():
+            if key not in values.get("spsa", {}):
+                setattr(cfg.spsa, key, value)
     validate(cfg)
     return cfg
 
