@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from bench.sizes import SIZES
+from bench.sizes import SIZES, rate
 from soma_edge.config import Config, DataConfig, Evaluator, Noise, validate
 from soma_edge.engine.evaluator import evaluator_for
 from soma_edge.expert import params
@@ -58,15 +58,6 @@ def config(size: str, noise: str, k: int) -> Config:
     return validate(cfg)
 
 
-def _timed(fn, repeats: int) -> float:
-    """Milliseconds per call of fn(), over `repeats` calls after one warm-up."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / repeats
-
-
 def measure(size: str, noise: str, k: int, steps: int, data: np.ndarray) -> Cell:
     cfg = config(size, noise, k)
     w = params.init(cfg.model, cfg.seed)
@@ -84,11 +75,11 @@ def measure(size: str, noise: str, k: int, steps: int, data: np.ndarray) -> Cell
     _, eps = schedule(cfg.spsa, 0, 1.0)
     objs = expert_steps.objectives(data, cfg, ev, 0, 0)
     try:
-        audit_ms = _timed(lambda: stepper.evaluate(w, objs, 0, body, eps, True), 1)
+        audit_ms = 1e3 / rate(lambda: stepper.evaluate(w, objs, 0, body, eps, True), 0.05)
     finally:
         stepper.close()
     x, y = expert_steps.batches(data, cfg, 0, 0)[0]
-    clean_ms = _timed(lambda: ev.clean(w, x, y), 3)
+    clean_ms = 1e3 / rate(lambda: ev.clean(w, x, y), 0.05)
     return Cell(size, params.count(cfg.model), noise, k, cfg.data.batch, replay_ms, audit_ms, clean_ms)
 
 
