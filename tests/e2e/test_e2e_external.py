@@ -1,7 +1,16 @@
-"""External mode with real processes: a SuperLink started on its own (as on another box), a worker
-joined to it, and `soma-coord start --superlink` submitting from elsewhere. `start` must not read or
-write the run directory (on the SuperLink's host): the config travels with the submission, and the
-progress comes back through the SuperLink.
+"""One worker, `soma-worker join --stay`, through two runs and a SuperLink that goes, with real processes on
+127.0.0.1. Three stories share it, in order, to keep the suite short (each federation costs ~15 s to start):
+
+1. External mode: a SuperLink started on its own (as on another box), the worker joined to it, and
+   `soma-coord start --superlink` submitting from elsewhere. `start` must not read or write the run
+   directory (on the SuperLink's host): the config travels with the submission, and the progress comes
+   back through the SuperLink.
+2. --stay: run 1 ends, then its SuperLink goes; the worker waits, and trains in run 2, a `soma-coord start`
+   on the same address.
+3. Run 2 trains with the population evaluator (spsa.evaluator = "population": one ORT call per minibatch for
+   its clean forward and 2K probes, the expert resident in the worker's update graph) and log replies: the
+   coordinator replays each log, audits sampled steps with the loop, and accepts it; every version names
+   the evaluator that made it, and the held-out loss falls.
 """
 
 from __future__ import annotations
@@ -10,15 +19,21 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from coordinator.launcher import Launcher
 from soma_edge.processes.launch import free_port
 from soma_edge.rundir.layout import RunDir
 from tests.helpers.corpus import write_stdlib_corpus
-from tests.helpers.federation import cli
+from tests.helpers.federation import START_TIMEOUT, cli, leftovers, log_tails, metric_lines, val_loss, wait_until
 
-CONFIG = """
+# The tests that share `link` continue its story in order: one pytest-xdist process runs them all.
+SHARED = pytest.mark.xdist_group("e2e_external_then_stay")
+
+EXTERNAL = """
 seed = 4
 [model]
 embed = 8
@@ -35,79 +50,136 @@ deadline_slack = 8.0
 val_windows = 8
 wait_seconds = 120
 """
+POPULATION = """
+seed = 5
+[model]
+embed = 16
+hidden = 32
+[data]
+batch = 8
+seq_len = 64
+[spsa]
+directions = 4
+warmup_steps = 0
+evaluator = "population"
+[federation]
+join_grace = 0.0
+experts = 2
+rounds = 2
+round_seconds = 3.0
+deadline_factor = 1.5
+deadline_slack = 12.0
+val_windows = 16
+reply = "log"
+audit_steps = 2
+"""
 
 
-def test_start_against_an_external_superlink_follows_it_without_the_run_dir(tmp_path):
-    env = dict(os.environ, SOMA_CACHE=str(tmp_path / "cache"))
-    src = write_stdlib_corpus(tmp_path / "corpus")
-    run = tmp_path / "link-host" / "run"
-    (tmp_path / "fed.toml").write_text(CONFIG)
-    link = Launcher(tmp_path / "link-host" / "logs", tmp_path / "link-host" / "flwr")
-    port = free_port()
-    worker = None
-    try:
-        link.superlink("127.0.0.1", port, None)
-        cmd = [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "join",
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--name",
-            "box1",
-            "--cache",
-            str(tmp_path / "box1"),
-            "--threads",
-            "1",
-            "--no-spin",
-            "--parallel",
-            "1",
-        ]
-        with open(tmp_path / "box1.log", "ab") as out:
-            worker = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        (tmp_path / "elsewhere").mkdir()
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "coordinator",
-                "start",
-                "--superlink",
-                f"127.0.0.1:{port}",
-                "--run",
-                str(run),
-                "--config",
-                str(tmp_path / "fed.toml"),
-                "--corpus",
-                str(src),
-                "--rounds",
-                "2",
-            ],
-            capture_output=True,
-            text=True,
+@pytest.fixture(scope="module")
+def link(tmp_path_factory):
+    """The SuperLink on its own and the `join --stay` worker; both go at the end, whatever happened."""
+    root = tmp_path_factory.mktemp("link")
+    env = dict(os.environ, SOMA_CACHE=str(root / "cache"))
+    (root / "external.toml").write_text(EXTERNAL)
+    (root / "population.toml").write_text(POPULATION)
+    superlink = Launcher(root / "link-host" / "logs", root / "link-host" / "flwr")
+    port, log = free_port(), root / "worker.log"
+    superlink.superlink("127.0.0.1", port, None)  # it listens when this returns
+    join = ["join", "--coordinator", f"127.0.0.1:{port}", "--stay", "--patience", "3", "--name", "s"]
+    join += ["--cache", str(root / "s"), "--threads", "1", "--no-spin", "--parallel", "1"]
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", *join],
+            stdout=out,
+            stderr=subprocess.STDOUT,
             env=env,
-            cwd=tmp_path / "elsewhere",
-            timeout=400,
+            start_new_session=True,
         )
+    fed = {"root": root, "corpus": write_stdlib_corpus(root / "corpus"), "env": env, "port": port}
+    fed.update(superlink=superlink, worker=worker, log=log, run=root / "link-host" / "run")
+    try:
+        yield fed
     finally:
-        if worker is not None and worker.poll() is None:
+        if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGKILL)
-        link.stop_all()
+        superlink.stop_all()
+
+
+def _said(fed, text: str) -> bool:
+    return text in fed["log"].read_text(errors="replace")
+
+
+@SHARED
+def test_start_against_an_external_superlink_follows_it_without_the_run_dir(link):
+    (link["root"] / "elsewhere").mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "coordinator", "start", "--superlink", f"127.0.0.1:{link['port']}"]
+        + ["--run", str(link["run"]), "--config", str(link["root"] / "external.toml")]
+        + ["--corpus", str(link["corpus"]), "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        env=link["env"],
+        cwd=link["root"] / "elsewhere",
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # The progress came through the SuperLink: the coordinator's own round lines, as it logged them.
     assert "following it through the SuperLink" in r.stdout
     assert "round 1/2 committed" in r.stdout and "round 2/2 committed" in r.stdout, r.stdout
     # The ServerApp prepared RUN and applied the config there; start wrote nothing into it.
-    rd = RunDir(run)
+    rd = RunDir(link["run"])
     cfg = rd.load_config()
     assert (cfg.federation.rounds, cfg.federation.experts, cfg.seed, cfg.model.hidden) == (2, 2, 4, 16)
     assert rd.read_state().round == 2
-    assert not (run / "flwr").exists() and not (run / "flwr_run.json").exists()
-    assert (tmp_path / "cache" / "coord-flwr" / "config.toml").exists()  # start's Flower connection is its own
+    assert not (link["run"] / "flwr").exists() and not (link["run"] / "flwr_run.json").exists()
+    assert (link["root"] / "cache" / "coord-flwr" / "config.toml").exists()  # start's Flower connection is its own
 
 
 def test_start_against_an_external_superlink_needs_an_absolute_run_path(tmp_path):
     r = cli(tmp_path, dict(os.environ), "coordinator", "start", "--superlink", "127.0.0.1:9", "--run", "runs/x")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --run runs/x: with --superlink")
     assert not Path(tmp_path / "runs").exists()
+
+
+@SHARED
+def test_a_worker_with_stay_serves_the_next_run(link):
+    """Run 1 ended with its SuperLink still up; then the SuperLink goes. The worker waits, and trains in run 2."""
+    worker, log = link["worker"], link["log"]
+    wait_until(lambda: _said(link, "waiting for the next run (--stay)"), 60, "the worker to wait for a next run")
+    assert _said(link, "the run ended (2/2 rounds, complete); waiting for the next run (--stay)")
+    link["superlink"].stop_all()
+    wait_until(lambda: _said(link, "waiting for it to come back (--stay)"), 60, "the worker to see it gone")
+    assert worker.poll() is None, log.read_text(errors="replace")[-2000:]
+    run = link["root"] / "run2"
+    fed = {"root": link["root"], "run": run}
+    start = [sys.executable, "-m", "coordinator", "start", "--run", str(run), "--port", str(link["port"])]
+    start += ["--config", str(link["root"] / "population.toml"), "--corpus", str(link["corpus"])]
+    with open(link["root"] / "start.log", "ab") as out:
+        second = subprocess.Popen(start, stdout=out, stderr=subprocess.STDOUT, env=link["env"], cwd=link["root"])
+    try:
+        assert second.wait(START_TIMEOUT) == 0, log_tails(fed, 3000)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    nodes = {m["node"] for m in metric_lines(RunDir(run), "expert") if m["accepted"]}
+    assert nodes == {"s"} and worker.poll() is None
+    worker.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert worker.wait(30) == 0 and time.monotonic() - t0 < 30
+
+
+@SHARED
+def test_a_population_worker_trains_and_its_log_replies_are_accepted(link):
+    rd = RunDir(link["root"] / "run2")
+    state = rd.read_state()
+    lines = metric_lines(rd, "expert")
+    assert state.round == 2 and len(lines) == 4, lines
+    for m in lines:  # each version: a log reply (no weights up), audited and accepted, made by the population
+        assert m["accepted"] and m["evaluator"] == "population", m
+        assert m["weights_bytes_up"] == 0 and m["log_bytes_up"], m
+    assert not [x for m in metric_lines(rd, "round") for x in m["rejected"]]
+    for e in range(2):
+        assert state.expert(e).version == 2
+        before, after = val_loss(rd, e, 0), val_loss(rd, e, 2)
+        assert after < before, (e, before, after)
+    wait_until(lambda: not leftovers(rd.root), 30, f"no processes of the run left: {leftovers(rd.root)}")
