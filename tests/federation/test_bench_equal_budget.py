@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench import equal_budget
+from coordinator import fleet as fleet_mod
+from coordinator import loop as loop_mod
 from coordinator.server_app import Coordinator
 from soma_edge.config import Config, evals_per_step
 from soma_edge.rundir.layout import RunDir
@@ -20,46 +22,37 @@ from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.fakegrid import FakeGrid
 
 
-def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
+@pytest.fixture
+def quick(monkeypatch):
+    """Dead time out of the three federations, nothing the bench computes."""
+    # The Adam arm's torch threads: the bench gives torch every core, and two OpenMP threads on a busy 2-core
+    # box (the suite runs 2 workers) wait on each other at every op, ~0.2 s a step instead of ~5 ms. One
+    # thread leaves the arm's steps and budget what they were (the budget is SPSA's rate, measured on ORT).
+    monkeypatch.setattr(equal_budget, "cpu_count", lambda: 1)
+    # The fake grid answers a message as soon as it is pulled: the coordinator's 0.5 s between pulls is only
+    # dead time here (run_end's acknowledgements alone cost each of the three runs one), so pull every 10 ms.
+    monkeypatch.setattr(fleet_mod, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(loop_mod, "POLL_SECONDS", 0.01)
+
+
+def fake_federation(run: Path) -> None:  # the real ServerApp and ClientApp; only Flower's transport is faked
+    rd = RunDir(run)
+    cfg = rd.load_config() if rd.has_config() else None
+    if cfg is None:
+        from soma_edge import config as config_mod
+
+        rd.save_config(config_mod.load(run / "bench.toml"))
+    Coordinator(FakeGrid(run.parent / f"{run.name}-nodes", ["a", "b"]), rd).main()
+
+
+def test_tiny_equal_budget_is_well_formed(tmp_path, capsys, quick):
     src = write_stdlib_corpus(tmp_path / "corpus")
-
-    def fake_federation(run: Path) -> None:  # the real ServerApp and ClientApp; only Flower's transport is faked
-        rd = RunDir(run)
-        cfg = rd.load_config() if rd.has_config() else None
-        if cfg is None:
-            from soma_edge import config as config_mod
-
-            rd.save_config(config_mod.load(run / "bench.toml"))
-        Coordinator(FakeGrid(run.parent / f"{run.name}-nodes", ["a", "b"]), rd).main()
-
     png = tmp_path / "eb.png"
-    argv = [
-        "--minutes",
-        "0.01",
-        "--corpus",
-        str(src),
-        "--params",
-        "12000",
-        "--ns",
-        "2",
-        "--lrs",
-        "5e-3,2e-2",
-        "--adam-lrs",
-        "1e-3",
-        "--round-seconds",
-        "0.5",
-        "--rate-seconds",
-        "1",
-        "--test-bytes",
-        "20000",
-        "--curve-bytes",
-        "8000",
-        "--work",
-        str(tmp_path / "work"),
-        "--plot",
-        str(png),
-        "--json",
-    ]
+    # 0.18 s of monolithic SPSA at the measured rate (~300 forward passes/s: 27 steps, 60 an expert at N = 2,
+    # 18 Adam steps): a round or two, every curve 2+ points, and 1+ steps an arm on a box 10x slower.
+    argv = ["--minutes", "0.003", "--corpus", str(src), "--params", "12000", "--ns", "2", "--lrs", "5e-3,2e-2"]
+    argv += ["--adam-lrs", "1e-3", "--round-seconds", "0.5", "--rate-seconds", "0.3", "--test-bytes", "20000"]
+    argv += ["--curve-bytes", "8000", "--work", str(tmp_path / "work"), "--plot", str(png), "--json"]
     out = equal_budget.main(argv, federate=fake_federation)
     printed = json.loads(capsys.readouterr().out)
     assert printed["arms"] == out["arms"] and printed["budget_flops"] == out["budget_flops"] > 0
@@ -92,31 +85,10 @@ def test_tiny_equal_budget_is_well_formed(tmp_path, capsys):
     assert json.loads((tmp_path / "work" / "results.json").read_text())["arms"] == out["arms"]
 
     # An extra monolithic arm at a pinned lr and the first run's budget (no sweep, no rate probe), merged.
-    extra = equal_budget.main(
-        [
-            "--corpus",
-            str(src),
-            "--params",
-            "12000",
-            "--ns",
-            "",
-            "--no-adam",
-            "--lr",
-            "n1=1e-3",
-            "--budget-tflops",
-            str(budget / 1e12),
-            "--tag=-lr1e-3",
-            "--round-seconds",
-            "0.5",
-            "--test-bytes",
-            "20000",
-            "--curve-bytes",
-            "8000",
-            "--work",
-            str(tmp_path / "work2"),
-        ],
-        federate=fake_federation,
-    )
+    argv = ["--corpus", str(src), "--params", "12000", "--ns", "", "--no-adam", "--lr", "n1=1e-3"]
+    argv += ["--budget-tflops", str(budget / 1e12), "--tag=-lr1e-3", "--round-seconds", "0.5"]
+    argv += ["--test-bytes", "20000", "--curve-bytes", "8000", "--work", str(tmp_path / "work2")]
+    extra = equal_budget.main(argv, federate=fake_federation)
     assert [a["arm"] for a in extra["arms"]] == ["mono-spsa-lr1e-3"] and extra["sweep"] == {}
     # the budget went through str(budget / 1e12) on the command line: equal to within its decimal rounding
     assert extra["arms"][0]["lr"] == 1e-3 and extra["budget_flops"] == pytest.approx(budget, rel=1e-12)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench import spsa_throughput
 from bench.sizes import SIZES
 from bench.spsa_throughput import chosen_evaluator, loop_row, population_feeds
 from soma_edge.devices import CPU, CUDA
@@ -70,10 +71,17 @@ def test_chosen_is_what_auto_trains_with_on_the_device_measured():
     assert chosen_evaluator([CUDA, CPU], {loop: 1.0, "population": 1.0}) == "population"
 
 
-def test_throughput_bench_tiny_json():
-    pytest.importorskip("torch")
-    r = _run([sys.executable, "-m", "bench.spsa_throughput", "--sizes", "124K,S", *TINY])
-    _check(r.stdout, ["124K", "S"], torch=True)
+def test_throughput_bench_tiny_json(monkeypatch, capsys):
+    """In-process: a subprocess would spend ~2.5 s importing torch again (the command line itself is run by
+    the test without torch below)."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", ["spsa_throughput", "--sizes", "124K,S", *TINY])
+    try:
+        spsa_throughput.main()
+    finally:  # its matmul peak sets torch's threads for the whole process: the tests after this keep theirs
+        torch.set_num_threads(threads)
+    _check(capsys.readouterr().out, ["124K", "S"], torch=True)
 
 
 def test_throughput_bench_without_torch():

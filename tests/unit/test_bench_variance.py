@@ -11,36 +11,28 @@ import pytest
 
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
+ARGV = ["--params", "12000", "--trials", "3", "--k", "1,4", "--experts", "1,2", "--noise", "rademacher,rank1"]
+
+
+def _printed(kind: str, capsys) -> dict:
+    """The bench's JSON: lstm from its command line, soma from main() in-process (a second subprocess would
+    only import torch again, ~2 s, for the same code path)."""
+    argv = [*ARGV, "--kind", kind, "--json"]
+    if kind == "lstm":
+        r = subprocess.run(
+            [sys.executable, "-m", "bench.variance", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    from bench import variance
+
+    variance.main(argv)
+    return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "soma"])
-def test_variance_bench_tiny_json(kind):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.variance",
-            "--params",
-            "12000",
-            "--trials",
-            "3",
-            "--k",
-            "1,4",
-            "--experts",
-            "1,2",
-            "--kind",
-            kind,
-            "--noise",
-            "rademacher,rank1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_variance_bench_tiny_json(kind, capsys):
+    out = _printed(kind, capsys)
     rows = out["rows"]
     assert sorted((row["noise"], row["N"], row["K"]) for row in rows) == [
         (noise, n, k) for noise in ("rademacher", "rank1") for n in (1, 2) for k in (1, 4)
