@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-from coordinator import scheduler
+from coordinator import fleet, loop, scheduler
 from coordinator.prepare import prepare
 from soma_edge import config as config_mod
 from soma_edge.rundir.layout import RunDir
@@ -35,3 +35,11 @@ def in_process_link(monkeypatch):
     shipped 1 Mbit/s, or every test whose node misses a deadline would wait out a transfer that never happens
     (test_slow_worker.py checks the shipped rate)."""
     monkeypatch.setattr(scheduler, "UNMEASURED_LINK", 1e8)
+
+
+@pytest.fixture(autouse=True)
+def quick_pulls(monkeypatch):
+    """The fake grid answers a message as soon as it is pulled: the coordinator's 0.5 s between pulls (for a
+    real SuperLink) is only dead time here, so it pulls every 10 ms. Tests of the poll itself set their own."""
+    monkeypatch.setattr(fleet, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(loop, "POLL_SECONDS", 0.01)

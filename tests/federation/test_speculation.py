@@ -24,6 +24,9 @@ from worker import speculation
 from worker.trainer import TrainReport
 
 NODES = ["a", "b", "c", "d"]  # the run's 4 experts, one on each node
+# Each expert takes its step budget (`step_budgets_bind`), and 0.05 s rounds make it 38 steps (18 with two on a
+# node: 1000 evals/s claimed, 2 a step, times HEADROOM): enough to train ahead and claim, at a quarter of 0.2 s's.
+ROUND_SECONDS = 0.05
 
 
 def _no_trainer_left(root: Path, within: float = 20.0) -> bool:
@@ -43,7 +46,7 @@ def _with_and_without(
     `request(body)`, where given, edits every train request's body; `fed`: more federation settings, under
     which `per_round` experts advance each round."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=rounds, min_nodes=len(nodes), deadline_slack=60.0, **fed)
+    set_fed(run, rounds=rounds, min_nodes=len(nodes), deadline_slack=60.0, round_seconds=ROUND_SECONDS, **fed)
     cfg = run.load_config()
     cfg.spsa.plateau = False  # the lr scale stays, so every round's key is the one its trainer ran
     run.save_config(cfg)
@@ -95,15 +98,8 @@ def test_the_trainer_trains_the_experts_the_request_names_for_the_next_round(run
     alternate {0, 1} and {2, 3}. Each request names the node's expert of the next round, from the version
     the node made two rounds before, and the trainer trains that one, not the one it just sent: every round
     from round 3 on is claimed (rounds 1 and 2 bring version 0's optimizer state), bit for bit."""
-    cfg = run.load_config()
     on, off, claims = _with_and_without(
-        run,
-        tmp_path,
-        monkeypatch,
-        rounds=5,
-        nodes=["a", "b"],
-        per_round=2,
-        min_expert_seconds=cfg.federation.round_seconds,
+        run, tmp_path, monkeypatch, rounds=5, nodes=["a", "b"], per_round=2, min_expert_seconds=ROUND_SECONDS
     )
     assert on == off
     assert claims == [True] * 3 * 2, claims
