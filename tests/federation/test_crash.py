@@ -1,6 +1,7 @@
 """Crash trials: a coordinator (against the fake grid, `tests/helpers/fakegrid.py`) in a subprocess exits at once
 (`os._exit`, no cleanup, no finally blocks) at a chosen point of a chosen write phase of a round's commit,
-then a fresh process resumes the run to completion. The injection itself is `tests/helpers/crash_child.py`.
+then a fresh process resumes the run to completion. The injection itself is `tests/helpers/crash_child.py`;
+both processes of a trial are forked from its zygote (`crash_child --serve`, which has done the imports only).
 
 Every trial is seeded by its index: `plan(i)` draws the round and the k (which matching call) from
 `random.Random(i)`; the (phase, point) of the first `len(COMBOS)` trials walk every combination (in an
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -126,6 +128,33 @@ def _child(run: Path, nodes: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=_env(), cwd=ROOT)
 
 
+class Zygote:
+    """`crash_child --serve`: each `run` forks a process from one that has imported Flower, numpy and the
+    project already (~0.4 s of each of the trials' 48 start-ups), which then runs as `_child` would run it.
+    One run at a time: the pool holds PARALLEL of them."""
+
+    def __init__(self) -> None:
+        cmd = [sys.executable, *CHILD, "--serve"]
+        pipe = subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdin=pipe, stdout=pipe, text=True, env=_env(), cwd=ROOT)
+
+    def run(self, out: Path, run: Path, nodes: Path, *extra: str) -> subprocess.CompletedProcess:
+        argv = [str(run), str(nodes), *extra]
+        req = {"argv": argv, "out": f"{out}.out", "err": f"{out}.err", "timeout": CHILD_TIMEOUT}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the zygote ended (exit {self.proc.wait(30)})"
+        rc = json.loads(line)["rc"]
+        if rc is None:
+            raise subprocess.TimeoutExpired(argv, CHILD_TIMEOUT)
+        return subprocess.CompletedProcess(argv, rc, Path(req["out"]).read_text(), Path(req["err"]).read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the end of its stdin ends it
+        self.proc.wait(30)
+
+
 def _new_run(prepared: Path, dest: Path, **fed) -> RunDir:
     shutil.copytree(prepared, dest)
     rd = RunDir(dest)
@@ -189,12 +218,21 @@ def _pending_prune(root: Path, snap: dict) -> int:
     return n
 
 
-def run_trial(prepared: Path, base: Path, t: Trial) -> dict:
+def run_trial(prepared: Path, base: Path, t: Trial, zygotes: queue.Queue) -> dict:
     # What a trial tests is the commit's writes, not the training: each node trains 0.05 s a round (every
     # expert still takes at least one step), ~0.5 s of CPU less per child than TINY's 0.2 s, 48 children.
     rd = _new_run(prepared, base / "run", round_seconds=TRIAL_ROUND_SECONDS)
+    zygote = zygotes.get()
+    try:
+        return _crash_and_resume(zygote, rd, base, t)
+    finally:
+        zygotes.put(zygote)
+
+
+def _crash_and_resume(zygote: Zygote, rd: RunDir, base: Path, t: Trial) -> dict:
     nodes, journal, info = base / "nodes", base / "journal.jsonl", base / "crash.json"
-    crash = _child(
+    crash = zygote.run(
+        base / "crash",
         rd.root,
         nodes,
         "--phase",
@@ -218,7 +256,7 @@ def run_trial(prepared: Path, base: Path, t: Trial) -> dict:
     if crash.returncode != CRASH_CODE:
         return res
     res["snap"] = snapshot(rd, journal)
-    resume = _child(rd.root, nodes)
+    resume = zygote.run(base / "resume", rd.root, nodes)
     res.update(resume_rc=resume.returncode, resume_err=resume.stderr[-3000:])
     return res
 
@@ -352,10 +390,17 @@ def trial_runs(request, prepared, tmp_path_factory):
         }
     )
     base = tmp_path_factory.mktemp("crash")
+    zygotes: queue.Queue = queue.Queue()
+    for _ in range(PARALLEL if wanted else 0):
+        zygotes.put(Zygote())
     pool = ThreadPoolExecutor(PARALLEL)
-    futures: dict[int, Future] = {i: pool.submit(run_trial, prepared, base / str(TRIALS[i]), TRIALS[i]) for i in wanted}
+    futures: dict[int, Future] = {
+        i: pool.submit(run_trial, prepared, base / str(TRIALS[i]), TRIALS[i], zygotes) for i in wanted
+    }
     yield {"base": base, "futures": futures}
     pool.shutdown(wait=True, cancel_futures=True)
+    while not zygotes.empty():
+        zygotes.get().close()
 
 
 def test_plan_is_seeded_and_covers_every_phase_and_point():

@@ -68,19 +68,28 @@ def _poison(coord_box: list, attack):
     return tamper
 
 
-def _guarded_run(run, tmp_path, monkeypatch, attack, rounds: int):
+def _guarded_run(run, tmp_path, monkeypatch, attack, rounds: int, round_seconds: float | None = None):
     equal_rates(monkeypatch)
     # v0 stays readable; the attacks edit the weights a weights reply carries (a lying log is refused by
     # its replay before the guard: tests/federation/test_replay.py)
     # The shipped 64 val windows, not the fake grid's 4: with 4, Student's t (9.2) widens the margin to about
     # 0.55 nats/byte, and a random lie (about +0.45 over v0 here, by its draw) was accepted or not by chance.
     set_fed(run, rounds=rounds, max_strikes=3, keep_versions=10, reply="weights", val_windows=64)
+    if round_seconds is not None:
+        set_fed(run, round_seconds=round_seconds)
     box: list = []
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, attack))
     coord = Coordinator(grid, run)
     box.append(coord)
     state = coord.main()
     return state, run.read_metrics(), grid
+
+
+# Rounds for the runs whose lies are refused whatever the honest node trains (x10, random or drifted
+# weights): each node trains for round_seconds, and at the fake grid's 0.2 s the drift's 7 rounds took 3 s.
+# The honest node's versions must still pass the guard: 0.1 s plans 38 steps an expert (18 where a node
+# trains all four; at 0.2 s, 75 and 38), far from the plateau of these tiny experts.
+SHORT_ROUND = 0.1
 
 
 def _train_rounds(grid: FakeGrid, node: int) -> list[int]:
@@ -111,7 +120,7 @@ def _accepted_within_bound(metrics: list[dict], v0: dict[int, float]) -> None:
     ids=["scale10", "random", "drift"],
 )
 def test_poisoned_replies_are_refused_and_the_node_struck_out(run, tmp_path, monkeypatch, attack, rounds):
-    state, metrics, grid = _guarded_run(run, tmp_path, monkeypatch, attack, rounds)
+    state, metrics, grid = _guarded_run(run, tmp_path, monkeypatch, attack, rounds, SHORT_ROUND)
     assert state.round == rounds
     v0 = {e: checkpoint.load(run.root / f"experts/{e}/v0.msgpack", "expert")["val_loss"] for e in range(4)}
     _accepted_within_bound(metrics, v0)
@@ -144,7 +153,8 @@ def test_a_late_poisoned_reply_strikes_and_excludes_its_node_in_the_round_that_s
     """b's x10 reply to round 1 comes after its deadline; round 2 settles it: refused, b struck out, and
     round 2's metrics line says so (found when a slow CI box made the poisoned e2e worker miss round 1)."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=2, deadline_slack=0.5, max_strikes=1, reply="weights")
+    # a's reply has the same 0.5 s to spare at the short round: its deadline and its training both shrink
+    set_fed(run, rounds=2, deadline_slack=0.5, max_strikes=1, reply="weights", round_seconds=SHORT_ROUND)
     box: list = []
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"], tamper=_poison(box, _scale10))
     coord = Coordinator(grid, run)
@@ -157,9 +167,11 @@ def test_a_late_poisoned_reply_strikes_and_excludes_its_node_in_the_round_that_s
 
 def test_strikes_persist_across_a_coordinator_restart(run, tmp_path, monkeypatch):
     """Strikes commit with the round: a node excluded before a restart is excluded after it (same identity)."""
-    state, _, _ = _guarded_run(run, tmp_path, monkeypatch, _scale10, 2)
+    state, _, _ = _guarded_run(run, tmp_path, monkeypatch, _scale10, 2, SHORT_ROUND)
     assert state.strikes["node:1001"]["count"] >= 3
-    set_fed(run, rounds=3)
+    # b answers its capability query in the same pull as a, and is excluded there: the start-up then waits
+    # wait_seconds for a second worker it never gets (the fake grid's 5 s were most of this test).
+    set_fed(run, rounds=3, wait_seconds=0.5)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])  # b is honest now, but its strikes stand
     state = Coordinator(grid, run).main()
     assert state.round == 3 and _train_rounds(grid, 1001) == []
@@ -261,7 +273,8 @@ def test_strikes_count_and_forgive():
 def test_export_takes_the_best_version_by_default_and_latest_on_request(run, tmp_path, monkeypatch):
     from export.bundle import write
 
-    state, _, _ = _guarded_run(run, tmp_path, monkeypatch, _drift, 1)  # b's drifted versions are accepted ...
+    # b's drifted versions are accepted ...
+    state, _, _ = _guarded_run(run, tmp_path, monkeypatch, _drift, 1, SHORT_ROUND)
     best = {int(e): x.best_or_current().version for e, x in state.experts.items()}
     latest = {int(e): x.version for e, x in state.experts.items()}
     assert best != latest  # ... but are not the best: v0 stays the best of b's experts

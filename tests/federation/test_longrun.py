@@ -22,6 +22,11 @@ from tests.helpers.fakegrid import FakeGrid, claim_log, equal_rates, set_fed
 from worker import task as task_mod
 
 MAX = FederationConfig().max_strikes  # the shipped limit
+# Rounds for the runs about what is refused, struck, finished or kept, not about how far the experts train:
+# each node trains for round_seconds, and at the fake grid's 0.2 s a round of two nodes took 0.4 s. The
+# honest versions must still pass the guard: 0.1 s plans 38 steps an expert (75 at 0.2 s). (The run whose
+# strike must be forgiven keeps 0.2 s: forgiving takes a version that clearly raises its bar.)
+SHORT_ROUND = 0.1
 
 
 def _season(pattern: list[tuple[int, int, int, int]]) -> list[int]:
@@ -116,7 +121,7 @@ def test_a_refused_claim_at_keep_versions_1_costs_no_cache_miss(run, tmp_path, m
     """Round 2's version of expert 0 is refused after round 3 went out from it (pipelined): round 3's result
     is dropped, and round 4 trains expert 0 from the version the node kept, with no miss and no resend."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=5, keep_versions=1, reply="weights", val_windows=16, max_strikes=0)
+    set_fed(run, rounds=5, keep_versions=1, reply="weights", val_windows=16, max_strikes=0, round_seconds=SHORT_ROUND)
     missing: list = []
     calls = {"n": 0}
     honest = task_mod.train_loop
@@ -167,7 +172,7 @@ def test_a_run_whose_experts_all_finish_ends_with_its_line_and_reopens(run, tmp_
     """No version can gain 10 nats/byte: every expert finishes by patience after its first version, the run
     ends before its next round, and --reopen's edit trains them again on resume."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=4, finish_patience=1, finish_min_delta=10.0)
+    set_fed(run, rounds=4, finish_patience=1, finish_min_delta=10.0, round_seconds=SHORT_ROUND)
     with caplog.at_level(logging.INFO, logger="soma.coord"):
         state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     assert state.round < 4 and all(state.expert(e).finished.startswith("patience: 1 versions") for e in range(4))
@@ -188,7 +193,7 @@ def test_a_run_whose_experts_all_finish_ends_with_its_line_and_reopens(run, tmp_
 
 def test_an_expert_refused_again_and_again_finishes_and_leaves_the_plans(run, tmp_path, monkeypatch):
     equal_rates(monkeypatch)
-    set_fed(run, rounds=6, reply="weights", val_windows=16, max_strikes=0, finish_refusals=2)
+    set_fed(run, rounds=6, reply="weights", val_windows=16, max_strikes=0, finish_refusals=2, round_seconds=SHORT_ROUND)
 
     def tamper(nid, body):
         for res in body["results"]:
@@ -211,6 +216,7 @@ def test_an_expert_refused_again_and_again_finishes_and_leaves_the_plans(run, tm
 
 def test_epochs_are_the_steps_bytes_over_the_train_text(run, tmp_path, monkeypatch):
     equal_rates(monkeypatch)
+    set_fed(run, round_seconds=SHORT_ROUND)
     Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     prep, cfg = run.read_prepare(), run.load_config()
     sizes = prep.shard_sizes()
@@ -228,7 +234,8 @@ def test_a_log_liar_with_made_up_scalars_is_excluded_at_the_defaults(run, tmp_pa
     from soma_edge.spsa import log as update_log
 
     equal_rates(monkeypatch)
-    set_fed(run, rounds=4, reply="log", val_windows=16)  # guard, strikes and audit at their defaults
+    # guard, strikes and audit at their defaults
+    set_fed(run, rounds=4, reply="log", val_windows=16, round_seconds=SHORT_ROUND)
     box: list = []
 
     def lie(nid, body):
@@ -258,7 +265,7 @@ def test_a_claim_of_an_expert_refused_last_time_is_judged_before_the_next_round_
     from the refused version and is lost (the price of pipelining); round 4's claim is then suspect and is
     judged before round 5 is planned, so round 5 trains from the kept version and is not lost."""
     equal_rates(monkeypatch)
-    set_fed(run, rounds=5, reply="weights", val_windows=16, max_strikes=0)
+    set_fed(run, rounds=5, reply="weights", val_windows=16, max_strikes=0, round_seconds=SHORT_ROUND)
     calls = {"n": 0}
     honest = task_mod.train_loop
 
@@ -284,7 +291,7 @@ def test_a_log_of_the_wrong_width_is_one_strike_and_the_run_goes_on(run, tmp_pat
     from soma_edge.spsa import log as update_log
 
     equal_rates(monkeypatch)
-    set_fed(run, rounds=3, reply="log", audit_steps=audit, val_windows=16)
+    set_fed(run, rounds=3, reply="log", audit_steps=audit, val_windows=16, round_seconds=SHORT_ROUND)
 
     def widen(nid, body):
         for res in body["results"] if nid == 1001 and body["round"] <= 2 else []:

@@ -24,6 +24,12 @@ from soma_edge.wire import protocol
 from soma_edge.wire.protocol import ReplyMode
 
 STEPS = 200
+# The version each log starts from needs a history (optimizer state present, as a second round starts from),
+# not a round's worth of it: its 200 steps were half of the setup's training.
+WARM_STEPS = 20
+# Rounds of the log-reply runs that assert what a reply carries or refuses, not how far its experts train:
+# each node trains for round_seconds (the fake grid's 0.2 s: 0.4 s a round of two nodes).
+SHORT_ROUND = 0.05
 BASE = {
     "model": {"embed": 8, "hidden": 16},
     "data": {"batch": 2, "seq_len": 16},
@@ -62,7 +68,7 @@ DATA = np.frombuffer(b"".join(bytes([i % 97 + 32]) * (i % 7 + 1) for i in range(
 
 
 def _train(
-    cfg: Config, expert: int, start: optim.State, coded: bool = False
+    cfg: Config, expert: int, start: optim.State, coded: bool = False, n_steps: int = STEPS
 ) -> tuple[optim.State, update_log.UpdateLog]:
     from soma_edge.engine.evaluator import evaluator_for
     from worker.trainer import train
@@ -71,8 +77,8 @@ def _train(
     state.opt.lr_scale = 0.5  # the coordinator's plateau factor for the round: the log carries it
     body = steps.log_body(cfg)
     base_decoder = state.weights[body:].copy()
-    rep = train(state, DATA, cfg, evaluator_for(cfg, threads=1, parallel=1), expert=expert, steps=STEPS)
-    assert rep.steps == STEPS
+    rep = train(state, DATA, cfg, evaluator_for(cfg, threads=1, parallel=1), expert=expert, steps=n_steps)
+    assert rep.steps == n_steps
     change = update_log.code_decoder(state, body, base_decoder) if coded and body else None
     return state, update_log.record_log(start.step, 0.5, rep.grads, state, body, change)
 
@@ -107,7 +113,7 @@ def trained(tmp_path_factory):
     for i, name in enumerate(VARIANTS):
         cfg = _config(name)
         w0 = params.init(cfg.model, cfg.seed)
-        warm, _ = _train(cfg, i, optim.State(w0))  # a version with a history, as a second round starts from
+        warm, _ = _train(cfg, i, optim.State(w0), n_steps=WARM_STEPS)  # a version with a history
         warm.step = 37  # any step: the keys and the schedule follow it
         end, log = _train(cfg, i, warm, coded=name in CODED)
         runs[name] = (cfg, i, warm, end, log)
@@ -283,7 +289,8 @@ def test_log_replies_replay_to_the_workers_weights_at_a_fraction_of_the_bytes(ru
 
     shutil.copytree(run.root, weights_run.root)
     set_fed(run, rounds=2, reply="log")
-    set_fed(weights_run, rounds=2, reply="weights")
+    # A weights reply's bytes do not depend on how long it trained (the log's do: that run keeps its rounds).
+    set_fed(weights_run, rounds=2, reply="weights", round_seconds=SHORT_ROUND)
     state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     Coordinator(FakeGrid(tmp_path / "nodes-w", ["a", "b"]), weights_run).main()
     lines = _expert_lines(run)
@@ -312,7 +319,7 @@ def test_a_log_reply_carries_the_decoder_as_its_codes_or_weights_and_moments_onl
     from worker.cache import Cache
 
     equal_rates(monkeypatch)
-    set_fed(run, rounds=1, reply="log", log_decoder=log_decoder, audit_steps=audit)
+    set_fed(run, rounds=1, reply="log", log_decoder=log_decoder, audit_steps=audit, round_seconds=SHORT_ROUND)
     state = Coordinator(FakeGrid(tmp_path / "nodes", ["a", "b"]), run).main()
     lay = params.layout(run.load_config().model)
     n = lay.size - lay.body
@@ -331,7 +338,7 @@ def test_auto_sends_weights_too_every_few_rounds_and_they_must_match_the_replay(
     equal_rates(monkeypatch)
     # The fake grid's links stay unmeasured (slow, to auto): let the checkpoint fit them regardless.
     monkeypatch.setattr(dispatch, "CHECKPOINT_SHARE", float("inf"))
-    set_fed(run, rounds=2, reply="auto", weights_every=2)
+    set_fed(run, rounds=2, reply="auto", weights_every=2, round_seconds=SHORT_ROUND)
     grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
     Coordinator(grid, run).main()
     lines = _expert_lines(run)
@@ -388,7 +395,8 @@ def test_audit_catches_a_worker_that_invents_one_scalar(run, tmp_path, monkeypat
     from tests.helpers.fakegrid import FakeGrid, claim_log, equal_rates, set_fed
 
     equal_rates(monkeypatch)
-    set_fed(run, rounds=2, reply="log", audit_steps=1024)  # every step: the altered one is surely among them
+    # every step: the altered one is surely among them (each one audited: short rounds, short audits)
+    set_fed(run, rounds=2, reply="log", audit_steps=1024, round_seconds=SHORT_ROUND)
     box: list = []
 
     def lie(nid, body):
@@ -459,7 +467,7 @@ def test_gaussian_noise_falls_back_to_weights_for_another_numpy(run, tmp_path, m
     cfg = run.load_config()
     cfg.spsa.noise = "gaussian"
     run.save_config(cfg)
-    set_fed(run, rounds=1, reply="log")
+    set_fed(run, rounds=1, reply="log", round_seconds=SHORT_ROUND)
     real = client_app.capabilities
 
     def other_numpy(msg, context):  # node b claims another numpy: its Gaussian stream may differ

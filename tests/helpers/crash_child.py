@@ -2,7 +2,12 @@
 
     python -m tests.helpers.crash_child RUN NODES [--phase P --point Q --k K --round R --info FILE] [--journal FILE]
 
+    python -m tests.helpers.crash_child --serve
+
 (from the repository root, which puts `tests` and the project on the path).
+
+--serve starts a zygote (`serve`): it imports what a run needs once, then forks one such process per request,
+so that each of the crash trials' ~50 processes skips the ~0.4 s of importing Flower, numpy and the project.
 
 Without --phase it just runs (or resumes) the run in RUN to completion with two fake nodes (their caches
 under NODES). With --phase it exits at once with `os._exit(CRASH_CODE)` at the k-th call matching
@@ -42,7 +47,9 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -228,7 +235,59 @@ def install_journal(path: Path) -> None:
     RunDir.save_state = save_state
 
 
-def main() -> int:
+def serve() -> list[str]:
+    """The zygote: for each request line on stdin, {"argv": [...], "out": FILE, "err": FILE, "timeout": S},
+    fork a child with stdin from /dev/null and stdout/stderr in those files, and return the argv in it (it
+    runs `main` and exits as any `python -m tests.helpers.crash_child ARGV` would: the same exit code, the
+    same interpreter shutdown). The zygote waits for each child and answers {"rc": its exit code} (None:
+    killed at the timeout); it exits at the end of stdin."""
+    # Imported before any fork, with no thread running (a fork copies only the thread that calls it, so a
+    # lock another thread held would stay held in the child). onnxruntime starts a thread when it loads, so
+    # each child imports it itself (~0.03 s).
+    import onnx  # noqa: F401
+
+    import coordinator.loop  # noqa: F401
+    import soma_edge.expert.graph  # noqa: F401
+    import tests.helpers.fakegrid  # noqa: F401  (with SOMA_BLOCK_TORCH=1, it blocks torch)
+    import worker.trainer  # noqa: F401
+    from coordinator import board
+
+    board._summary_writer()  # tensorboardX, as the coordinator imports it
+    if os.path.isdir("/proc/self/task"):  # Linux: count native threads too
+        assert len(os.listdir("/proc/self/task")) == 1, "a thread runs in the zygote: its forks could hang"
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _redirect(req["out"], req["err"])
+            return req["argv"]
+        deadline = time.monotonic() + req["timeout"]
+        rc = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                rc = os.waitstatus_to_exitcode(status)
+                break
+            time.sleep(0.005)
+        if rc is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        sys.stdout.write(json.dumps({"rc": rc}) + "\n")
+        sys.stdout.flush()  # before the next fork: a child must not inherit an unwritten reply
+    sys.exit(0)
+
+
+def _redirect(out: str, err: str) -> None:
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run")
     ap.add_argument("nodes")
@@ -238,12 +297,18 @@ def main() -> int:
     ap.add_argument("--round", type=int, default=1)
     ap.add_argument("--info")
     ap.add_argument("--journal")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     # Imported here, after OMP_NUM_THREADS is set above: numpy's BLAS and ORT read it when they load.
+    from coordinator import fleet, loop
     from coordinator.loop import Coordinator
     from soma_edge.rundir.layout import RunDir
     from tests.helpers.fakegrid import FakeGrid
+
+    # As tests/federation/conftest.py sets it in-process: the fake grid answers a message as soon as it is
+    # pulled, so the 0.5 s between pulls (for a real SuperLink) is dead time here; end_run alone waited it
+    # once in every run that completes.
+    fleet.POLL_SECONDS = loop.POLL_SECONDS = 0.01
 
     run = RunDir(a.run)
     if a.journal:
@@ -257,4 +322,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(serve() if sys.argv[1:] == ["--serve"] else None))
