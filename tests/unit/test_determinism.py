@@ -1,4 +1,8 @@
-"""Same seed and config: bit-identical weights from two separate processes on the CPU EP."""
+"""Same seed and config: bit-identical weights from two separate processes on the CPU EP.
+
+Each comparison trains in two processes: this test process (`train`), and a fresh one, which for the seed
+test is `python -m worker.cli` itself. Only that one reads the default corpus (~2 s a process); the others
+take the session's copy (tests/unit/conftest.py), which the CLI then reads as it would its own."""
 
 import subprocess
 import sys
@@ -11,42 +15,26 @@ from soma_edge.config import ModelConfig
 from soma_edge.expert import params
 
 
-def _train(tmp_path, name: str, seed: int) -> np.ndarray:
-    out = tmp_path / f"{name}.msgpack"
+def _train_args(tmp_path, name: str, seed: int) -> list[str]:
     cfg = tmp_path / "cfg.toml"
     cfg.write_text('device = "cpu"\n[model]\nembed = 16\nhidden = 48\n[data]\nbatch = 4\nseq_len = 32\n')
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "train",
-            "--config",
-            str(cfg),
-            "--steps",
-            "20",
-            "--seed",
-            str(seed),
-            "--out",
-            str(out),
-            "--eval-windows",
-            "4",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    body = checkpoint.load(out, "expert")
+    run = ["--steps", "20", "--seed", str(seed), "--out", str(tmp_path / f"{name}.msgpack")]
+    return ["--config", str(cfg), *run, "--eval-windows", "4", "--json"]
+
+
+def _weights(tmp_path, name: str) -> np.ndarray:
+    body = checkpoint.load(tmp_path / f"{name}.msgpack", "expert")
     assert body["step"] == 20
     return body["weights"]
 
 
-def test_same_seed_same_bits_other_seed_differs(tmp_path):
-    a = _train(tmp_path, "a", 0)
-    b = _train(tmp_path, "b", 0)
-    c = _train(tmp_path, "c", 1)
+def test_same_seed_same_bits_other_seed_differs(tmp_path, train):
+    cmd = [sys.executable, "-m", "worker.cli", "train", *_train_args(tmp_path, "a", 0)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    train(*_train_args(tmp_path, "b", 0))
+    train(*_train_args(tmp_path, "c", 1))
+    a, b, c = (_weights(tmp_path, name) for name in "abc")
     assert a.dtype == np.float32
     assert a.tobytes() == b.tobytes()
     init = params.init(ModelConfig(embed=16, hidden=48), 0)
@@ -89,47 +77,30 @@ def test_concurrency_does_not_change_the_bits():
     assert out[0].opt.adam_v.tobytes() == out[1].opt.adam_v.tobytes()
 
 
-def _cli_train(tmp_path, *args: str):
+def _resume_args(tmp_path, *args: str) -> list[str]:
     cfg = tmp_path / "resume.toml"
     cfg.write_text(
         'device = "cpu"\n[model]\nembed = 8\nhidden = 24\n[data]\nbatch = 4\nseq_len = 32\n'
         '[spsa]\ndirections = 2\nupdate = "adam"\nlr = 1e-3\ndensity = 0.5\nweight_decay = 1e-4\n'
         "plateau = true\nplateau_patience = 4\n"
     )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "train",
-            "--config",
-            str(cfg),
-            "--eval-windows",
-            "4",
-            "--check-steps",
-            "4",
-            "--json",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return r
+    return ["--config", str(cfg), "--eval-windows", "4", "--check-steps", "4", "--json", *args]
 
 
-def test_resume_restores_the_optimizer_state_bit_for_bit(tmp_path):
-    """12 steps straight equal 8 steps, a checkpoint, and 4 more: weights, both Adam moments, lr scale."""
+def _cli_train(tmp_path, *args: str):
+    cmd = [sys.executable, "-m", "worker.cli", "train", *_resume_args(tmp_path, *args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_resume_restores_the_optimizer_state_bit_for_bit(tmp_path, train):
+    """12 steps straight equal 8 steps, a checkpoint, and 4 more: weights, both Adam moments, lr scale. The
+    resumed run is a fresh process, so all it can start from is the checkpoint."""
     from soma_edge.spsa.optim import OptState
 
     straight, first, resumed = tmp_path / "straight.msgpack", tmp_path / "first.msgpack", tmp_path / "resumed.msgpack"
-    for args in (
-        ["--steps", "12", "--out", str(straight)],
-        ["--steps", "8", "--out", str(first)],
-        ["--steps", "4", "--resume", str(first), "--out", str(resumed)],
-    ):
-        r = _cli_train(tmp_path, *args)
-        assert r.returncode == 0, r.stderr
+    train(*_resume_args(tmp_path, "--steps", "12", "--out", str(straight)))
+    train(*_resume_args(tmp_path, "--steps", "8", "--out", str(first)))
+    train(*_resume_args(tmp_path, "--steps", "4", "--resume", str(first), "--out", str(resumed)), fresh=True)
     a, b = checkpoint.load(straight, "expert"), checkpoint.load(resumed, "expert")
     assert a["step"] == b["step"] == 12
     assert a["weights"].tobytes() == b["weights"].tobytes()
@@ -138,9 +109,10 @@ def test_resume_restores_the_optimizer_state_bit_for_bit(tmp_path):
     assert (oa.lr_scale, oa.best_val, oa.best_step) == (ob.lr_scale, ob.best_val, ob.best_step)
 
 
-def test_resume_refuses_optimizer_state_that_does_not_fit(tmp_path):
+def test_resume_refuses_optimizer_state_that_does_not_fit(tmp_path, train):
+    # The refusals run `python -m worker.cli`, for its stderr: they stop before it reads the corpus.
     ckpt = tmp_path / "first.msgpack"
-    assert _cli_train(tmp_path, "--steps", "2", "--out", str(ckpt)).returncode == 0
+    train(*_resume_args(tmp_path, "--steps", "2", "--out", str(ckpt)))
     body = checkpoint.load(ckpt, "expert")
     body["opt"]["adam_v"] = body["opt"]["adam_v"][:-3]
     checkpoint.save(ckpt, body, "expert")

@@ -133,10 +133,15 @@ def test_wide_k_and_many_tensors_stay_within_the_fanin(tmp_path):
         for label, model in _worker_graphs(m, 40, 4).items():
             assert too_wide(model, reads=True) == [], label
             # ORT's optimizer where the trees cut what it could fuse: the demo's update graphs (K = 40 reads),
-            # the deep model's keyed bits (37 pieces); its other K = 40 update graphs are large (rank-1: 12k
-            # nodes, ~8 s to optimize) and cut as the demo's are
-            if m is DEMO_MODEL and label.startswith("update") or m is deep and label.endswith("bits"):
+            # and the deep model's keyed bits below; the deep model's K = 40 update graphs are large (rank-1:
+            # 12k nodes, ~8 s to optimize) and cut as the demo's are
+            if m is DEMO_MODEL and label.startswith("update"):
                 assert too_wide(optimized(model, tmp_path), reads=False) == [], label
+    # The deep model's keyed bits (37 pieces) optimized at K = 8: each direction's bits are cut as at K = 40,
+    # whose 40 reads the demo's update graphs check, and at K = 8 its bits graphs optimize in ~0.6 s, not ~2 s.
+    for label, model in _worker_graphs(deep, K, 4).items():
+        if label.endswith("bits"):
+            assert too_wide(optimized(model, tmp_path), reads=False) == [], label
 
 
 def _model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
@@ -179,8 +184,9 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarra
 
 def test_trees_nest_past_32_squared_and_keep_every_byte():
     """entries, pieces and join over more than 32 * 32 items (three levels): no node wider than MAX_FANIN, and
-    the joined reads give the tensor back exactly."""
-    sizes = np.random.default_rng(0).integers(1, 4, 1100).tolist()
+    the joined reads give the tensor back exactly. 1030 pieces of 1 or 2 entries: just past 32 * 32 of each,
+    since ORT takes the longer to open the session the more entries there are (~1.7 s for 2,200)."""
+    sizes = np.random.default_rng(0).integers(1, 3, 1030).tolist()
     n = sum(sizes)
     g = GraphBuilder(1)
     rows = join(g, [g.op("Unsqueeze", e, g.i64([0])) for e in entries(g, "x", 0, n)], axis=0)

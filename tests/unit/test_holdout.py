@@ -162,12 +162,19 @@ def test_held_out_bytes_never_reach_the_routers_fit(many):
             assert texts[i] == d.text[: len(d.text) - aside]  # every window a cluster could cut is left out
 
 
-def test_the_demos_prepare_cuts_nothing(tmp_path):
+def test_the_demos_prepare_cuts_nothing(tmp_path, monkeypatch):
     """4 experts on the default corpus: every cluster has its held-out documents, so the first fit stands and
     the shards are the plain document split (the demo's held-out set is what it was before quotas)."""
+    loaded, real_load = [], sources.load_documents
+
+    def load(*args, **kwargs):  # keeps the documents prepare read: reading the default corpus again costs ~2 s
+        loaded.append(real_load(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(sources, "load_documents", load)
     s = prepare_mod.prepare("default", 4, tmp_path / "run", seed=0, progress=False)
     assert not any(c.get("cut") for c in s["clusters"])
-    docs = sources.load_documents("default")
+    [docs] = loaded
     held = sum(len(d.text) for d in docs if d.split == "val")
     n_val = sum(1 for d in docs if d.split == "val")
     assert sum(c["bytes"]["val"] for c in s["clusters"]) == held + len(SEPARATOR) * (n_val - 4)

@@ -5,9 +5,6 @@ and training with each evaluator is deterministic across processes."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -152,22 +149,28 @@ def test_validation_refuses_a_bad_evaluator():
     assert from_dict({}).spsa.evaluator is Evaluator.AUTO
 
 
-def _train_process(tmp_path, name: str, evaluator: str) -> np.ndarray:
+def _train_args(tmp_path, name: str, evaluator: str) -> list[str]:
     out, cfg = tmp_path / f"{name}.msgpack", tmp_path / f"{name}.toml"
     cfg.write_text(
         'device = "cpu"\nthreads = 1\nparallel = 1\n[model]\nembed = 8\nhidden = 16\n[data]\nbatch = 2\nseq_len = 16\n'
         f'[spsa]\ndirections = 2\nevaluator = "{evaluator}"\n'
     )
-    cmd = [sys.executable, "-m", "worker.cli", "train", "--config", str(cfg), "--steps", "8", "--out", str(out)]
-    r = subprocess.run([*cmd, "--eval-windows", "2", "--json"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    body = checkpoint.load(out, "expert")
+    return ["--config", str(cfg), "--steps", "8", "--out", str(out), "--eval-windows", "2", "--json"]
+
+
+def _weights(tmp_path, name: str) -> np.ndarray:
+    body = checkpoint.load(tmp_path / f"{name}.msgpack", "expert")
     assert body["step"] == 8
     return body["weights"]
 
 
-def test_each_evaluator_is_deterministic_across_processes(tmp_path):
-    got = {e: [_train_process(tmp_path, f"{e}{i}", e) for i in range(2)] for e in ("loop", "population")}
+def test_each_evaluator_is_deterministic_across_processes(tmp_path, train):
+    """Each evaluator trains in a fresh process and in this test process: two processes, each with its own
+    hash seed and history."""
+    for e in ("loop", "population"):
+        train(*_train_args(tmp_path, f"{e}0", e), fresh=True)
+        train(*_train_args(tmp_path, f"{e}1", e))
+    got = {e: [_weights(tmp_path, f"{e}{i}") for i in range(2)] for e in ("loop", "population")}
     for a, b in got.values():
         assert a.tobytes() == b.tobytes()
     # The population graph's losses differ from the LSTM op's by float rounding, which moves the weights'
