@@ -102,6 +102,11 @@ def downstream_log(run: RunDir, ledger: Ledger, e: int, node: Node) -> tuple[dic
     rec = run.load_log(e, int(x.version)) if int(x.version) > 0 else None
     if rec is None or rec.get("from_sha256") not in node.weights or rec.get("sha256") != x.sha256:
         return None
+    seed = ledger.state.seed
+    if seed is not None and rec["from_sha256"] == seed.sha256:
+        # Version 0 after a seed run hashes like the seed's final weights: the node may hold that hash as
+        # the seed, at its step and with its optimizer state, from which version 0's log does not replay.
+        return None
     try:
         nbytes = sum(UpdateLog.from_record(rec.get("log")).nbytes().values())
     except CheckpointError:

@@ -524,3 +524,42 @@ def test_a_node_holding_the_version_before_gets_the_log_instead_of_the_weights(r
     assert all(tasks[e]["weights"] is not None for e in tasks if e not in on_a)
     weights_bytes = max(r3[e]["weights_bytes_down"] for e in tasks if e not in on_a)
     assert all(0 < r3[e]["weights_bytes_down"] < weights_bytes / 10 for e in on_a)
+
+
+def test_after_a_seed_run_a_node_holding_the_seed_is_sent_version_1_not_a_log_from_version_0(
+    run, tmp_path, monkeypatch
+):
+    """Version 0 of every expert hashes like the seed's final weights, which the node that trained the seed
+    holds with the seed's step and optimizer state. Round 1: only a, which trains the seed. Round 2: only b,
+    which trains every expert to version 1. Round 3: only a again: the log 0 -> 1 would replay from a's copy
+    of the seed (its step and Adam moments, not version 0's), and did not ("the log starts at step 0, the
+    version is at step 4", seen in the secure seed e2e run): a is sent version 1's weights, and trains it."""
+    from coordinator.loop import Coordinator, Loop
+    from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed
+
+    equal_rates(monkeypatch)
+    cfg = run.load_config()
+    cfg.model.kind, cfg.model.embed, cfg.model.hidden = "soma", 8, 8  # the paper's expert: its E is frozen
+    run.save_config(cfg)
+    set_fed(run, rounds=3, reply="log", min_nodes=1, seed_steps=4, round_seconds=SHORT_ROUND)
+    grid = FakeGrid(tmp_path / "nodes", ["a", "b"])
+    real_start = Loop.start_round
+
+    def start(self, r, ahead=None):
+        grid.gone = {1: {1001}, 2: {1000}, 3: {1001}}[r]
+        return real_start(self, r, ahead)
+
+    monkeypatch.setattr(Loop, "start_round", start)
+    state = Coordinator(grid, run).main()
+    lines = _expert_lines(run)
+    assert [m["node"] for m in lines if m["round"] == 1] == ["a"] and state.seed is not None  # a trained the seed
+    r3 = [m for m in lines if m["round"] == 3]
+    assert r3 and all(m["accepted"] and m["node"] == "a" for m in r3), [(m["expert"], m.get("reason")) for m in r3]
+    to_a = [
+        protocol.unpack(m.content, protocol.KIND_TRAIN)
+        for m in grid.sent
+        if m.metadata.message_type == protocol.TRAIN and m.metadata.dst_node_id == 1000
+    ]
+    # Its first request of round 3 sends the weights: no log that fails to replay, reported, and sent again
+    # as weights (in a real federation that costs the round: the secure seed e2e run lost one to it)
+    assert len(to_a) == 2 and all(t["base_log"] is None and t["weights"] is not None for t in to_a[1]["tasks"])
