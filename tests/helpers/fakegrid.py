@@ -1,8 +1,10 @@
-"""A fake Flower Grid that hands each message straight to the real ClientApp, and the tiny config the
-round-loop tests train with. Only Flower's transport is replaced: training runs for real on ORT."""
+"""A fake Flower Grid that hands each message straight to the real ClientApp, the tiny config the
+round-loop tests train with, and helpers several of those tests share. Only Flower's transport is replaced:
+training runs for real on ORT."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from pathlib import Path
@@ -33,6 +35,11 @@ TINY = {
         "join_grace": 0.0,
     },  # the guard at its default rule: its margin follows the noise of these 4 val windows of 32 bytes
 }
+
+
+# Rounds for the tests about what a run keeps, refuses or resumes, not about how far its experts train: each
+# node trains for round_seconds, and at the fake grid's 0.2 s a round of two nodes took 0.4 s.
+SHORT_ROUND = 0.05
 
 
 class FakeGrid(Grid):
@@ -200,3 +207,35 @@ def claim_log(coord, res: dict, log) -> None:
     base = optim.State(w, step=x.step, opt=coord.loop.ledger.checked_opt(stored, x.path))
     got = replay.rebuild(coord.loop.ledger.phase_config(), base, log, res["expert"])
     res["log"], res["sha256"] = log.to_record(), protocol.weights_sha256(got.weights)
+
+
+def hashes(root: Path, subdirs=("experts", "shards")) -> dict[str, str]:
+    """SHA-256 of each file of a run directory that a refused reply or command must leave as it was."""
+    out = {}
+    for sub in subdirs:
+        for p in sorted((root / sub).rglob("*")):
+            if p.is_file():
+                out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    for name in ("router.msgpack", "prepare.json", "run.toml"):
+        out[name] = hashlib.sha256((root / name).read_bytes()).hexdigest()
+    return out
+
+
+def train_tasks(grid: FakeGrid) -> list[dict]:
+    """Every task of every train request the grid carried, in the order sent."""
+    return [
+        t
+        for m in grid.sent
+        if m.metadata.message_type == protocol.TRAIN
+        for t in protocol.unpack(m.content, protocol.KIND_TRAIN)["tasks"]
+    ]
+
+
+def cli(argv, capsys):
+    """Run `soma-coord ARGV` in-process: (exit code, stdout, stderr)."""
+    from coordinator.cli import app
+    from soma_edge.cli import run as run_cli
+
+    code = run_cli(app, argv, prog="soma-coord")
+    out = capsys.readouterr()
+    return code, out.out, out.err
