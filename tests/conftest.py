@@ -24,29 +24,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = Path(item.path).resolve().relative_to(HERE).parts[0]
         if tier in TIERS:  # a test elsewhere gets no tier: tests/unit/test_suite.py names it (an error raised
             item.add_marker(tier)  # here would end a pytest-xdist worker without a word)
-
-
-E2E_PRIORITY = 5  # nice levels an e2e test's processes get above the tests that run beside it
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    """An e2e test, with every process it starts (its module fixtures' too), runs E2E_PRIORITY nice levels
-    above the CPU-bound tests in the other xdist process. A federation is latency-bound: each round waits on
-    a ClientApp process starting, a reply, a check; on 2 cores beside a busy test, a local worker (which
-    `start` runs at nice 5) took 15 s to answer a 3 s round and missed its deadline. Where this process may
-    not raise its priority (not root), nothing changes."""
-    raised = item.get_closest_marker("e2e") is not None and _renice(-E2E_PRIORITY)
-    try:
-        yield
-    finally:
-        if raised:
-            _renice(E2E_PRIORITY)
-
-
-def _renice(by: int) -> bool:
-    try:
-        os.nice(by)
-        return True
-    except OSError:  # lowering a nice value needs root (CI runs as root)
-        return False
