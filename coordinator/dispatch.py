@@ -116,6 +116,14 @@ def downstream_log(run: RunDir, ledger: Ledger, e: int, node: Node) -> tuple[dic
     return {"from_sha256": rec["from_sha256"], "log": rec["log"]}, nbytes
 
 
+def _link_said(link: float | None, at_least: bool) -> str:
+    if not link:
+        return "still untimed (a piece too small to tell)"
+    if at_least:  # a piece that crossed within Flower's own overhead shows only a floor (loopback, a LAN)
+        return f"timed at {8 * link / 1e6:.1f} Mbit/s or more (the piece crossed within Flower's own overhead)"
+    return f"timed at {8 * link / 1e6:.1f} Mbit/s"
+
+
 class Dispatcher:
     def __init__(self, run: RunDir, cfg: Config, ledger: Ledger, fleet: Fleet, prep: PrepareSummary) -> None:
         self.run, self.cfg, self.ledger, self.fleet, self.prep = run, cfg, ledger, fleet, prep  # prep: the shards
@@ -204,12 +212,12 @@ class Dispatcher:
             messages = pieces_mod.group_pieces(rest, self.fleet.piece_bytes(o.node))
             wait.last = messages.pop()  # rides in the train request
             self.push_pieces(o.node, wait, messages)
-            link = self.fleet.nodes[o.node].link
+            node = self.fleet.nodes[o.node]
             log.info(
                 "round %d: node %s's link %s: %s with and before its experts %s",
                 rnd.r,
-                self.fleet.nodes[o.node].label,
-                f"timed at {8 * link / 1e6:.1f} Mbit/s" if link else "still untimed (a piece too small to tell)",
+                node.label,
+                _link_said(node.link, node.link_at_least),
                 "1 more piece goes" if not messages else f"{len(messages) + 1} more pieces go",
                 logs.expert_set(wait.experts),
             )

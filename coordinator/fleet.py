@@ -61,6 +61,7 @@ class Node:
     identity: str = ""  # who strikes count against (`coordinator.guard.identity`), set when it answers a query
     advised: float | None = None  # the heartbeat interval last sent to it
     link_free: float = 0.0  # when its link last finished an exchange that was timed (a reply came in)
+    link_at_least: bool = False  # its last timed exchange crossed within Flower's overhead: `link` is a floor
 
     @property
     def who(self) -> str:
@@ -329,7 +330,10 @@ class Fleet:
         # Timed from when the link was free for it: pieces pushed together queue, and timing each from its push
         # measured the link ever slower (the heartbeat advice rose to 25 minutes during one download).
         now = self.clock()
-        node.link = scheduler.link_rate(node.link, nbytes, now - max(o.sent_at, node.link_free), compute)
+        elapsed = now - max(o.sent_at, node.link_free)
+        if nbytes >= scheduler.MIN_PROBE_BYTES:
+            node.link_at_least = scheduler.link_at_least(nbytes, elapsed, compute)
+        node.link = scheduler.link_rate(node.link, nbytes, elapsed, compute)
         node.link_free = now
         self.advise(o.node)
 

@@ -156,6 +156,7 @@ def priced_link(measured: float | None) -> float:
 
 FLOWER_SECONDS = 4.5  # a message's round trip beyond its transfer and compute (process start, polling)
 MIN_PROBE_BYTES = 256 << 10  # smaller messages say nothing about a link: Flower's overhead dominates
+MIN_LINK_SECONDS = 0.5  # the least time an exchange's transfer is credited with (faster: a lower bound)
 
 
 def link_rate(old: float | None, nbytes: int, elapsed: float, compute: float) -> float | None:
@@ -165,8 +166,14 @@ def link_rate(old: float | None, nbytes: int, elapsed: float, compute: float) ->
     message of at least MIN_PROBE_BYTES has been timed."""
     if nbytes < MIN_PROBE_BYTES or not math.isfinite(elapsed) or not math.isfinite(compute):
         return old
-    seen = nbytes / max(0.5, elapsed - compute - FLOWER_SECONDS)
+    seen = nbytes / max(MIN_LINK_SECONDS, elapsed - compute - FLOWER_SECONDS)
     return seen if old is None else 0.5 * old + 0.5 * seen
+
+
+def link_at_least(nbytes: int, elapsed: float, compute: float) -> bool:
+    """Whether `link_rate` took this exchange as a lower bound of the link: its bytes crossed within Flower's
+    own overhead (a fast link, loopback), so it was credited MIN_LINK_SECONDS and the link may be faster."""
+    return nbytes >= MIN_PROBE_BYTES and elapsed - compute - FLOWER_SECONDS < MIN_LINK_SECONDS
 
 
 def update_rate(old: float, observed: float, weight: float = 0.5) -> float:

@@ -7,6 +7,7 @@ larger than its run's model allows.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ def test_shards_travel_in_bounded_pieces(run, tmp_path, monkeypatch):
         assert not any((tmp_path / "nodes" / name / "parts").iterdir())  # every piece joined, nothing left over
 
 
-def test_a_first_piece_times_an_unmeasured_link_and_the_rest_go_in_pieces_it_allows(run, tmp_path, monkeypatch):
+def test_a_first_piece_times_an_unmeasured_link_and_the_rest_go_in_pieces_it_allows(run, tmp_path, monkeypatch, caplog):
     """Round 1, links not yet measured: a first piece goes alone, sized for the feared 1 Mbit/s (here a slower
     fear, so that the shards make several pieces); its exchange times the link, and the rest of the shards go
     in messages sized for the link it showed, not in a long run of small ones (each costs a process start)."""
@@ -68,8 +69,11 @@ def test_a_first_piece_times_an_unmeasured_link_and_the_rest_go_in_pieces_it_all
     monkeypatch.setattr(scheduler, "MIN_PROBE_BYTES", first)  # so that one piece times the link
     set_fed(run, rounds=1, min_nodes=1)  # one node: round 1 waits for no other
     grid = FakeGrid(tmp_path / "nodes", ["a"])
-    state = Coordinator(grid, run).main()
+    with caplog.at_level(logging.INFO, logger="soma.coord"):
+        state = Coordinator(grid, run).main()
     assert all(x.version == 1 for x in state.experts.values())
+    # The fake grid answers at once: the piece crossed within Flower's overhead, which shows only a floor
+    assert "link timed at " in caplog.text and " Mbit/s or more (the piece crossed within" in caplog.text
     for nid in (1000,):
         mine = [
             m
