@@ -320,9 +320,8 @@ class Fleet:
         return self.nodes[nid].advised
 
     def time_link(self, o: Outgoing, reply: Any, compute: float) -> None:
-        """What the exchange of `o` and its reply showed of the node's link (the request down and the reply
-        up, one after the other, beyond `compute` seconds of work on the node); the heartbeat advice
-        follows the link as measured."""
+        """What the exchange of `o` and its reply (the request down, the reply up, beyond `compute` seconds of
+        work on the node) showed of the node's link; the heartbeat advice follows the link as measured."""
         node = self.nodes.get(o.node)
         if node is None:
             return
@@ -330,10 +329,8 @@ class Fleet:
         # Timed from when the link was free for it: pieces pushed together queue, and timing each from its push
         # measured the link ever slower (the heartbeat advice rose to 25 minutes during one download).
         now = self.clock()
-        elapsed = now - max(o.sent_at, node.link_free)
-        if nbytes >= scheduler.MIN_PROBE_BYTES:
-            node.link_at_least = scheduler.link_at_least(nbytes, elapsed, compute)
-        node.link = scheduler.link_rate(node.link, nbytes, elapsed, compute)
+        seen = scheduler.link_seen(node.link, node.link_at_least, nbytes, now - max(o.sent_at, node.link_free), compute)
+        node.link, node.link_at_least = seen
         node.link_free = now
         self.advise(o.node)
 

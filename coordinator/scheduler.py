@@ -170,6 +170,16 @@ def link_rate(old: float | None, nbytes: int, elapsed: float, compute: float) ->
     return seen if old is None else 0.5 * old + 0.5 * seen
 
 
+def link_seen(
+    old: float | None, at_least: bool, nbytes: int, elapsed: float, compute: float
+) -> tuple[float | None, bool]:
+    """A node's link rate after one exchange (`link_rate`), and whether it is only a floor (`link_at_least`);
+    both as they were where the exchange could not be timed (too small, or no finite time)."""
+    if nbytes < MIN_PROBE_BYTES or not math.isfinite(elapsed) or not math.isfinite(compute):
+        return old, at_least
+    return link_rate(old, nbytes, elapsed, compute), link_at_least(nbytes, elapsed, compute)
+
+
 def link_at_least(nbytes: int, elapsed: float, compute: float) -> bool:
     """Whether `link_rate` took this exchange as a lower bound of the link: its bytes crossed within Flower's
     own overhead (a fast link, loopback), so it was credited MIN_LINK_SECONDS and the link may be faster."""
