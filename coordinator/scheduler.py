@@ -160,30 +160,23 @@ MIN_LINK_SECONDS = 0.5  # the least time an exchange's transfer is credited with
 
 
 def link_rate(old: float | None, nbytes: int, elapsed: float, compute: float) -> float | None:
-    """A node's link rate (bytes/s) blended with what one train exchange showed: the bytes of the request
-    and its reply over the time the reply took beyond the node's compute and Flower's own overhead
-    (as if the link were as fast both ways). Unknown (None) until a
-    message of at least MIN_PROBE_BYTES has been timed."""
-    if nbytes < MIN_PROBE_BYTES or not math.isfinite(elapsed) or not math.isfinite(compute):
-        return old
-    seen = nbytes / max(MIN_LINK_SECONDS, elapsed - compute - FLOWER_SECONDS)
-    return seen if old is None else 0.5 * old + 0.5 * seen
+    """A node's link rate (bytes/s) blended with what one train exchange showed (`link_seen`'s rate)."""
+    return link_seen(old, False, nbytes, elapsed, compute)[0]
 
 
 def link_seen(
     old: float | None, at_least: bool, nbytes: int, elapsed: float, compute: float
 ) -> tuple[float | None, bool]:
-    """A node's link rate after one exchange (`link_rate`), and whether it is only a floor (`link_at_least`);
-    both as they were where the exchange could not be timed (too small, or no finite time)."""
+    """A node's link rate (bytes/s) blended with what one exchange showed: the bytes of the request and its
+    reply over the time the reply took beyond the node's compute and Flower's own overhead (as if the link
+    were as fast both ways), and whether that is only a floor: a transfer within Flower's overhead (a fast
+    link, loopback) is credited MIN_LINK_SECONDS. Both as they were (`old`, `at_least`; None: unknown) until
+    a message of at least MIN_PROBE_BYTES has been timed."""
     if nbytes < MIN_PROBE_BYTES or not math.isfinite(elapsed) or not math.isfinite(compute):
         return old, at_least
-    return link_rate(old, nbytes, elapsed, compute), link_at_least(nbytes, elapsed, compute)
-
-
-def link_at_least(nbytes: int, elapsed: float, compute: float) -> bool:
-    """Whether `link_rate` took this exchange as a lower bound of the link: its bytes crossed within Flower's
-    own overhead (a fast link, loopback), so it was credited MIN_LINK_SECONDS and the link may be faster."""
-    return nbytes >= MIN_PROBE_BYTES and elapsed - compute - FLOWER_SECONDS < MIN_LINK_SECONDS
+    transfer = elapsed - compute - FLOWER_SECONDS
+    seen = nbytes / max(MIN_LINK_SECONDS, transfer)
+    return (seen if old is None else 0.5 * old + 0.5 * seen), transfer < MIN_LINK_SECONDS
 
 
 def update_rate(old: float, observed: float, weight: float = 0.5) -> float:

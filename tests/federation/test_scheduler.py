@@ -78,8 +78,9 @@ def test_link_rate_is_measured_from_large_messages_only():
     assert scheduler.link_rate(seen, 1_000_000, 7.0, 5.0) == pytest.approx(0.5 * 400_000 + 0.5 * 1_000_000 / 0.5)
     assert scheduler.link_rate(seen, 1_000_000, float("nan"), 5.0) == seen
     # 12 - 5 - 4.5 s is a time the transfer took; 7 - 5 - 4.5 s is within Flower's overhead: only a floor
-    assert not scheduler.link_at_least(1_000_000, 12.0, 5.0) and scheduler.link_at_least(1_000_000, 7.0, 5.0)
-    assert not scheduler.link_at_least(100_000, 7.0, 5.0)  # too small to time at all
+    assert scheduler.link_seen(None, False, 1_000_000, 12.0, 5.0) == (pytest.approx(400_000), False)
+    assert scheduler.link_seen(None, False, 1_000_000, 7.0, 5.0) == (pytest.approx(2_000_000), True)
+    assert scheduler.link_seen(seen, True, 100_000, 7.0, 5.0) == (seen, True)  # too small to time at all
 
 
 def test_heartbeat_advice_holds_while_queued_pieces_come_back_one_by_one(run):
