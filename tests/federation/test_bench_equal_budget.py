@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from bench import equal_budget
-from coordinator import fleet as fleet_mod
-from coordinator import loop as loop_mod
 from coordinator.server_app import Coordinator
 from soma_edge.config import Config, evals_per_step
 from soma_edge.rundir.layout import RunDir
@@ -29,10 +27,7 @@ def quick(monkeypatch):
     # box (the suite runs 2 workers) wait on each other at every op, ~0.2 s a step instead of ~5 ms. One
     # thread leaves the arm's steps and budget what they were (the budget is SPSA's rate, measured on ORT).
     monkeypatch.setattr(equal_budget, "cpu_count", lambda: 1)
-    # The fake grid answers a message as soon as it is pulled: the coordinator's 0.5 s between pulls is only
-    # dead time here (run_end's acknowledgements alone cost each of the three runs one), so pull every 10 ms.
-    monkeypatch.setattr(fleet_mod, "POLL_SECONDS", 0.01)
-    monkeypatch.setattr(loop_mod, "POLL_SECONDS", 0.01)
+    # (the coordinator's 10 ms pulls: tests/federation/conftest.py, as in every fake-grid test)
 
 
 def fake_federation(run: Path) -> None:  # the real ServerApp and ClientApp; only Flower's transport is faked

@@ -22,14 +22,12 @@ from soma_edge.spsa import log as update_log
 from soma_edge.spsa import optim, quant
 from soma_edge.wire import protocol
 from soma_edge.wire.protocol import ReplyMode
+from tests.helpers.fakegrid import SHORT_ROUND  # rounds of the runs about what a reply carries or refuses
 
 STEPS = 200
 # The version each log starts from needs a history (optimizer state present, as a second round starts from),
 # not a round's worth of it: its 200 steps were half of the setup's training.
 WARM_STEPS = 20
-# Rounds of the log-reply runs that assert what a reply carries or refuses, not how far its experts train:
-# each node trains for round_seconds (the fake grid's 0.2 s: 0.4 s a round of two nodes).
-SHORT_ROUND = 0.05
 BASE = {
     "model": {"embed": 8, "hidden": 16},
     "data": {"batch": 2, "seq_len": 16},
