@@ -62,7 +62,9 @@ class Checks:
     ) -> tuple[np.ndarray, OptState]:
         """The version a log reply stands for: the replay of its log from the current version, which must
         hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first."""
-        e, cfg, fed = res["expert"], self.ledger.phase_config(), self.cfg.federation
+        e, fed = res["expert"], self.cfg.federation
+        # The log's own recipe, which its arrival checked against its node's (protocol.check_log).
+        cfg = self.ledger.phase_config() if ulog.recipe is None else ulog.recipe.apply(self.ledger.phase_config())
         x = self.ledger.expert(e)
         stored = self.run.load_expert(x.path)
         weights = protocol.decode_weights(stored["weights"])

@@ -73,6 +73,25 @@ def prepare_cmd(
         print_summary(prep, out)
 
 
+LOCAL_DEVICE = typer.Option(
+    None,
+    "--device",
+    help="Device of the --local-workers: auto, cpu, cuda[:i] or an ONNX Runtime EP (config key `device`).",
+)
+LOCAL_DEVICES = typer.Option(
+    None,
+    "--local-devices",
+    help="A device for each local worker, in a list such as cuda:0,cpu (w0 on the GPU, w1 on the CPU); "
+    "a shorter list repeats. Instead of --device.",
+)
+LOCAL_RECIPES = typer.Option(
+    None,
+    "--local-recipes",
+    help="The recipe of each local worker (the worker's --recipe), in a list such as run,device:16: auto "
+    "(the default), run, device or device:K; a shorter list repeats.",
+)
+
+
 @app.command("start")
 def start_cmd(
     run: Path = typer.Option(
@@ -94,11 +113,9 @@ def start_cmd(
     local_workers: Optional[int] = typer.Option(
         None, "--local-workers", min=0, help="SuperNodes to start on this box."
     ),
-    device: Optional[str] = typer.Option(
-        None,
-        "--device",
-        help="Device of the --local-workers: auto, cpu, cuda[:i] or an ONNX Runtime EP (config key `device`).",
-    ),
+    device: Optional[str] = LOCAL_DEVICE,
+    local_devices: Optional[str] = LOCAL_DEVICES,
+    local_recipes: Optional[str] = LOCAL_RECIPES,
     min_nodes: Optional[int] = typer.Option(
         None,
         "--min-nodes",
@@ -151,8 +168,14 @@ def start_cmd(
     if superlink is None:
         runtime.load_ort()  # its ServerApp audits and evaluates on ONNX Runtime: say what to install now
     tls = _tls(ssl_ca_certfile, ssl_certfile, ssl_keyfile, tls_dir)
-    opts = start_mod.Options(run, config, overrides, superlink, host, port, tls, auth, reopen)  # in field order
+    lists = (_listed(local_devices), _listed(local_recipes))
+    opts = start_mod.Options(run, config, overrides, superlink, host, port, tls, auth, reopen, *lists)  # field order
     raise typer.Exit(start_mod.start(opts))
+
+
+def _listed(value: str | None) -> list[str] | None:
+    """A comma-separated option as a list (None: not given)."""
+    return None if value is None else [x.strip() for x in value.split(",")]
 
 
 def _given(options: dict[str, Any]) -> dict[str, Any]:

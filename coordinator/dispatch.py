@@ -58,7 +58,8 @@ CHECKPOINT_SHARE = 0.25
 def reply_mode(
     cfg: Config, phase: Config, node: Node, r: int, steps: int, version_bytes: int, experts: int = 1
 ) -> ReplyMode:
-    """What to ask a node's `experts` back in round r: weights, the update log, or both (a checkpoint)."""
+    """What to ask a node's `experts` back in round r: weights, the update log, or both (a checkpoint).
+    `phase` is the node's recipe."""
     fed = cfg.federation
     if fed.reply == ReplyPolicy.WEIGHTS:
         return ReplyMode.WEIGHTS
@@ -243,7 +244,8 @@ class Dispatcher:
         shard_bytes: dict[int, int],
     ) -> tuple[Any, Outgoing]:
         """Node `nid`'s train request for round `rnd`, and what it expects back."""
-        r, node, fed, phase = rnd.r, self.fleet.nodes[nid], self.cfg.federation, self.ledger.phase_config()
+        r, node, fed = rnd.r, self.fleet.nodes[nid], self.cfg.federation
+        phase = node.config(self.ledger.phase_config())  # the node's recipe: the run's with its own probes
         most = max((steps[e] for e in experts), default=0)
         mode = reply_mode(self.cfg, phase, node, r, most, self.ledger.version_bytes(), len(experts))
         tasks, per_expert, exp_tasks = [], {}, {}
@@ -271,10 +273,9 @@ class Dispatcher:
     def following(
         self, rnd: Round, nid: int, experts: list[int], steps: dict[int, int], bases: Bases, mode: ReplyMode
     ) -> dict[str, Any]:
-        """A request's `next_experts` (the node's experts next round) and `next_tasks`: the task each of those
-        this round does not train would get now from the version the node holds (not one it lacks, nor version
-        0, which brings its own optimizer state). Named where the experts in turn change; none in the run's
-        last round, whose speculating trainer then trains this round longer, not ahead (worker.speculation)."""
+        """A request's `next_experts` (the node's experts next round) and `next_tasks` (the task each one it does not
+        train this round would get now from a version the node holds; not version 0, with its own optimizer state),
+        where the experts in turn change; none in the last round, trained longer instead (worker.speculation)."""
         if rnd.r >= self.cfg.federation.rounds:
             return {"next_experts": [], "next_tasks": []}
         if not rnd.following:
@@ -357,9 +358,8 @@ class Dispatcher:
             return
         nodes, bases = self.fleet.nodes, Bases(self.ledger, self.fleet.nodes)
         nid = max(free, key=lambda n: (nodes[n].rate, -n))
-        per = scheduler.steps_for(
-            nodes[nid].rate, len(idle), fed.round_seconds, evals_per_step(self.ledger.phase_config().spsa)
-        )
+        cost = evals_per_step(nodes[nid].config(self.ledger.phase_config()).spsa)  # its recipe's passes a step
+        per = scheduler.steps_for(nodes[nid].rate, len(idle), fed.round_seconds, cost)
         steps = {e: min(scheduler.MAX_STEPS, math.ceil(scheduler.HEADROOM * per)) for e in idle}
         if self.ledger.capped():
             left = self.ledger.steps_left(bases)

@@ -24,6 +24,7 @@ from soma_edge.errors import CodecError, SomaError, ValidationError
 from soma_edge.processes.logs import role_logger
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.state import RunState
+from soma_edge.spsa.recipe import Probes
 from soma_edge.wire import protocol
 
 log = role_logger("soma.coord")
@@ -62,6 +63,11 @@ class Node:
     advised: float | None = None  # the heartbeat interval last sent to it
     link_free: float = 0.0  # when its link last finished an exchange that was timed (a reply came in)
     link_at_least: bool = False  # its last timed exchange crossed within Flower's overhead: `link` is a floor
+    probes: Probes | None = None  # how it probes (its capability reply): its recipe is the run's with these
+
+    def config(self, phase: Config) -> Config:
+        """What this node trains the phase's experts with: `phase` with its own probes (spsa.recipe.Probes)."""
+        return phase if self.probes is None else self.probes.apply(phase)
 
     @property
     def who(self) -> str:
@@ -94,6 +100,15 @@ def message(body: dict[str, Any], kind: str, node: int, message_type: str) -> An
     from flwr.app import Message
 
     return Message(protocol.pack(body, kind), dst_node_id=node, message_type=message_type)
+
+
+def active_line(node: Node, rate: float) -> str:
+    """The line that says a node answered its capability query and gets work."""
+    return (
+        f"node {node.id} ({node.name}) active: {rate:.1f} forward evals/s on {(node.caps.get('providers') or ['?'])[0]}"
+        f" with {node.probes.describe() if node.probes else 'the run probes'}, torch importable: "
+        f"{node.caps.get('torch_importable')}, cache: {len(node.weights)} versions, {len(node.shards)} shards"
+    )
 
 
 class Fleet:
@@ -179,6 +194,7 @@ class Fleet:
                 raise ValidationError(f"capabilities for node {o.node} came from node {reply.metadata.src_node_id}")
             caps: protocol.Capabilities = protocol.unpack(reply.content, protocol.KIND_CAPS, protocol.SMALL_BYTES)
             rate = scheduler.clamp_rate(protocol.check_caps(caps))
+            probes = protocol.caps_probes(caps, self.cfg)
         except (CodecError, ValidationError) as e:
             log.warning("node %s: bad capability reply (%s); excluded", o.node, e)
             node.status = NodeStatus.EXCLUDED
@@ -186,6 +202,7 @@ class Fleet:
         node.name = str(caps.get("name") or o.node)
         node.label = f"{node.name}#{node.id}" if self._twins(node) else node.name
         node.caps = protocol.Capabilities(**{k: v for k, v in caps.items() if k != "cache"})
+        node.probes = probes
         if self._refused(node, caps):
             node.status = NodeStatus.EXCLUDED
             return
@@ -194,16 +211,7 @@ class Fleet:
         node.shards = set(inv.get("shards", []))
         node.rate = rate if node.rate <= 0 else node.rate
         node.status = NodeStatus.ACTIVE
-        log.info(
-            "node %s (%s) active: %.1f forward evals/s on %s, torch importable: %s, cache: %d versions, %d shards",
-            o.node,
-            node.name,
-            rate,
-            (caps.get("providers") or ["?"])[0],
-            caps.get("torch_importable"),
-            len(node.weights),
-            len(node.shards),
-        )
+        log.info("%s", active_line(node, rate))
 
     def _twins(self, node: Node) -> bool:
         """Whether another live node that answered has the same name."""

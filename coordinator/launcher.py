@@ -180,6 +180,7 @@ class Launcher:
         parallel: int = 0,
         tls: TLS | None = None,
         auth_key: Path | None = None,
+        recipe: str = "auto",
     ) -> Proc:
         cmd = [
             sys.executable,
@@ -198,6 +199,8 @@ class Launcher:
             device,
             "--parallel",
             str(parallel),
+            "--recipe",
+            recipe,
         ]
         cmd += [] if spin else ["--no-spin"]
         cmd += ["--root-certificates", str(tls.ca)] if tls and tls.enabled else []

@@ -26,7 +26,7 @@ class Planner:
 
     def plan(self, active: dict[int, Node], bases: Bases) -> tuple[scheduler.Plan, dict[int, list[int]]]:
         """The round's plan from the bases each expert trains from, and each node's experts."""
-        rates = {nid: n.rate for nid, n in active.items()}
+        rates, phase = {nid: n.rate for nid, n in active.items()}, self.ledger.phase_config()
         fed = self.cfg.federation
         ids = in_turn(
             self.ledger.trainable_ids(),
@@ -40,7 +40,7 @@ class Planner:
             rates,
             self.previous(active, bases),
             fed.round_seconds,
-            evals_per_step(self.ledger.phase_config().spsa),
+            {nid: evals_per_step(n.config(phase).spsa) for nid, n in active.items()},
             lambda e, nid: self.transfer_seconds(e, nid, bases),
         )
         if self.ledger.capped():  # a fixed budget: never past it; experts that have it all sit the round out
@@ -114,7 +114,7 @@ class Planner:
     def reply_seconds(self, nid: int, experts: list[int], r: int, steps: dict[int, int]) -> float:
         """How long node `nid`'s reply for `experts` takes up its link."""
         node = self.fleet.nodes[nid]
-        phase, vbytes = self.ledger.phase_config(), self.ledger.version_bytes()
+        phase, vbytes = node.config(self.ledger.phase_config()), self.ledger.version_bytes()
         most = max(steps[e] for e in experts)
         mode = reply_mode(self.cfg, phase, node, r, most, vbytes, len(experts))  # as the request asks
         weights = vbytes if mode in (ReplyMode.WEIGHTS, ReplyMode.BOTH) else 0

@@ -21,6 +21,7 @@ from soma_edge.config import expert_config
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.metrics import ExpertLine, Line, RoundLine, Status
+from soma_edge.spsa.recipe import Probes
 from soma_edge.wire import compute_share
 
 
@@ -32,6 +33,19 @@ def last_expert_lines(lines: list[Line]) -> dict[int, ExpertLine]:
 def last_round(lines: list[Line]) -> RoundLine | None:
     rounds = metrics.round_lines(lines)
     return rounds[-1] if rounds else None
+
+
+def node_recipes(lines: list[Line]) -> dict[str, str]:
+    """Each node's recipe, as its last accepted version records it: the run's, or its own probes
+    (soma_edge.spsa.recipe.Probes), described."""
+    out: dict[str, str] = {}
+    for m in metrics.expert_lines(lines):
+        if m.accepted and m.node and isinstance(m.recipe, dict):
+            try:
+                out[m.node] = Probes(**m.recipe).describe()
+            except TypeError:  # a line of another version's making: its node's recipe is not shown
+                continue
+    return out
 
 
 def summary(run: RunDir) -> dict[str, Any]:
@@ -68,6 +82,7 @@ def summary(run: RunDir) -> dict[str, Any]:
         # still open while the run goes on
         "compute_shares": {str(r): v for r, v in compute_share.shares(metrics.round_lines(lines)).items()},
         "running": run.is_locked(),
+        "node_recipes": node_recipes(lines),  # node -> the probes its last accepted version was made with
         "phase": state.phase if state else "experts",  # "seed" while the seed run trains
         # the finished seed's version, once the experts started from it
         "seed": state.seed.to_dict() if state and state.seed else None,
@@ -95,6 +110,9 @@ def experts_table(s: dict[str, Any], status: Status | None = None, every: bool =
     done = {int(e): finish.rule_of(x["finished"]) for e, x in s["experts"].items() if x.get("finished")}
     if done:
         notes.append(f"finished (federation.finish_*), on their best versions: {records.reasons(done)}")
+    recipes = s.get("node_recipes") or {}
+    if len(set(recipes.values())) > 1:  # mixed recipes: which node trains with which
+        notes.append("recipes: " + "; ".join(f"{n}: {r}" for n, r in sorted(recipes.items())))
     rows = expert_rows(s, status)
     shown = rows if every or len(rows) <= TABLE_ROWS else _edges(s, rows)
     if len(shown) < len(rows):

@@ -139,6 +139,7 @@ def expert_line(
         lr=lr,
         eps=eps,
         evaluator=res.get("evaluator"),
+        recipe=node.probes.to_record() if node.probes is not None else None,
     )
 
 
@@ -251,7 +252,11 @@ def status(phase: str, cfg: Config, state: RunState | None, nodes: dict[int, Any
         experts={} if state is None else state.experts,
         nodes={
             str(n.id): NodeEntry(
-                name=n.name, status=n.status, rate=n.rate, torch_importable=n.caps.get("torch_importable")
+                name=n.name,
+                status=n.status,
+                rate=n.rate,
+                torch_importable=n.caps.get("torch_importable"),
+                recipe=n.probes.describe() if n.probes is not None else None,
             )
             for n in nodes.values()
         },

@@ -141,6 +141,18 @@ def _shares(s: dict[str, Any]) -> str:
     )
 
 
+def _recipes(s: dict[str, Any]) -> str:
+    """Each node's recipe: the run's settings with the probes its last accepted version was made with."""
+    recipes = s.get("node_recipes") or {}
+    if not recipes:
+        return ""
+    cells = "".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(r)}</td></tr>" for n, r in sorted(recipes.items()))
+    return (
+        "<h2>Recipes</h2><p>What each node probes with; every other setting is the run's.</p>"
+        f"<table><tr><th>node</th><th>probes</th></tr>{cells}</table>"
+    )
+
+
 def _finished(s: dict[str, Any]) -> str:
     """The finished experts (coordinator.finish) and the rule that finished each."""
     done = [(e, x["finished"]) for e, x in s["experts"].items() if x.get("finished")]
@@ -181,7 +193,7 @@ def write(run: RunDir, out: Path | None = None) -> Report:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}img{max-width:100%}</style></head>"
-        f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}{_shares(s)}<h2>Experts</h2>{_table(s)}{_finished(s)}</body></html>"
+        f"<body><h1>{html.escape(title)}</h1>{''.join(parts)}{_shares(s)}{_recipes(s)}<h2>Experts</h2>{_table(s)}{_finished(s)}</body></html>"
     )
     page_path = out / "report.html"
     checkpoint.atomic_write(page_path, page.encode(), mode=0o644)

@@ -122,16 +122,19 @@ def plan(
     rates: dict[int, float],
     previous: dict[int, int],
     round_seconds: float,
-    evals_per_step: int,
+    evals_per_step: dict[int, int],
     transfer: Callable[[int, int], float] | None = None,
 ) -> Plan:
+    """Who trains which of `experts` and for how many steps. `evals_per_step`: per node, the forward passes
+    of one of its updates (its recipe's `soma_edge.config.evals_per_step`), the unit its rate counts in."""
     assignment = assign(experts, rates, previous, transfer)
     counts: dict[int, int] = {}
     for n in assignment.values():
         counts[n] = counts.get(n, 0) + 1
-    predicted = {e: steps_for(rates[n], counts[n], round_seconds, evals_per_step) for e, n in assignment.items()}
+    per = evals_per_step
+    predicted = {e: steps_for(rates[n], counts[n], round_seconds, per[n]) for e, n in assignment.items()}
     span = max(
-        (sum(predicted[e] for e, m in assignment.items() if m == n) * evals_per_step / rates[n] for n in counts),
+        (sum(predicted[e] for e, m in assignment.items() if m == n) * per[n] / rates[n] for n in counts),
         default=0.0,
     )
     steps = {e: min(MAX_STEPS, math.ceil(HEADROOM * s)) for e, s in predicted.items()}

@@ -23,7 +23,7 @@ from typing import Any
 from coordinator import finish, launcher, records, remote, runconfig
 from coordinator import workers as workers_mod
 from coordinator.progress import Follower
-from soma_edge import checkpoint
+from soma_edge import checkpoint, devices
 from soma_edge.config import Config, local_worker_threads
 from soma_edge.engine import runtime
 from soma_edge.errors import ConfigError, SomaError
@@ -32,6 +32,7 @@ from soma_edge.processes.launch import free_port
 from soma_edge.processes.pids import pid_alive
 from soma_edge.rundir import metrics
 from soma_edge.rundir.layout import RunDir, RunLockedError
+from soma_edge.spsa import recipe
 from soma_edge.wire.certs import WORKER_KEY, WORKER_PUB, make_worker_key
 
 STATUS_GRACE = 240.0  # seconds for the ServerApp to appear (Flower starts it, it waits for the run lock)
@@ -48,6 +49,8 @@ class Options:
     tls: launcher.TLS | None = None
     auth: bool = False  # only workers whose keys the run registered may join (needs tls)
     reopen: bool = False  # train the run's finished experts again (coordinator.finish)
+    local_devices: list[str] | None = None  # per local worker, repeating (None: the config's `device` for all)
+    local_recipes: list[str] | None = None  # per local worker, repeating: its `join --recipe` (None: auto)
 
 
 def start(opts: Options) -> int:
@@ -80,7 +83,7 @@ def start(opts: Options) -> int:
         address = _launch_superlink(procs, run, opts)
         if opts.auth:
             _register_workers(run, address, opts.tls)
-        launch_workers(procs, run, opts, address, keys, workers, cfg.device)
+        launch_workers(procs, run, opts, address, keys, workers, opts.local_devices or [cfg.device])
         t_submit = time.time()
         run_id = launcher.submit(run.flwr_home, run.root, address, opts.tls)
         checkpoint.atomic_write(
@@ -141,6 +144,7 @@ def check_options(opts: Options) -> None:
     """What the options alone can tell is wrong, before anything starts or is read."""
     if opts.tls:
         opts.tls.check(server=opts.superlink is None)
+    _check_local_lists(opts)
     if not opts.superlink:
         if opts.auth and not (opts.tls and opts.tls.enabled):
             raise ConfigError("--auth needs --tls DIR: Flower authenticates workers over TLS only")
@@ -157,6 +161,27 @@ def check_options(opts: Options) -> None:
             "--auth registers worker keys with the embedded SuperLink; with --superlink, register "
             "them there (`flwr supernode register KEY.pub`)"
         )
+
+
+def _check_local_lists(opts: Options) -> None:
+    """--local-devices and --local-recipes: each entry one a worker takes, and only for local workers."""
+    if (opts.local_devices or opts.local_recipes) and opts.superlink:
+        raise ConfigError(
+            "--local-devices and --local-recipes are for --local-workers, which need the embedded SuperLink"
+        )
+    if opts.local_devices and "device" in (opts.overrides or {}):
+        raise ConfigError("give --device (every local worker) or --local-devices (one each), not both")
+    for d in opts.local_devices or []:
+        try:
+            devices.parse(d)
+        except ConfigError as e:
+            raise ConfigError(f"--local-devices: {e}") from None
+        runtime.check_device(d)  # here: not one worker of W that dies after the run has started
+    for r in opts.local_recipes or []:
+        try:
+            recipe.parse(r)
+        except ValueError as e:
+            raise ConfigError(f"--local-recipes {e}") from None
 
 
 def check_local_device(cfg: Config) -> None:
@@ -237,25 +262,35 @@ def _register_workers(run: RunDir, address: str, tls: launcher.TLS | None) -> No
 
 
 def launch_workers(
-    procs: launcher.Launcher, run: RunDir, opts: Options, address: str, keys: dict[str, Path], n: int, device: str
+    procs: launcher.Launcher,
+    run: RunDir,
+    opts: Options,
+    address: str,
+    keys: dict[str, Path],
+    n: int,
+    devices: list[str],
 ) -> None:
-    """Start the --local-workers SuperNodes w0..w{n-1} on the config's `device`. On the CPU they split this
-    box's cores; on one GPU each holds its own session and the GPU interleaves their kernels."""
+    """Start the --local-workers SuperNodes w0..w{n-1}, worker i on devices[i] and with --local-recipes' i-th
+    recipe (each list repeating). On the CPU they split this box's cores; on one GPU each holds its own
+    session and the GPU interleaves their kernels."""
     threads = local_worker_threads(n)
+    recipes = opts.local_recipes or ["auto"]
     for i in range(n):
         procs.worker(
             f"w{i}",
             address,
             run.root / "workers" / f"w{i}" / "cache",
             threads=threads,
-            device=device,
+            device=devices[i % len(devices)],
+            recipe=recipes[i % len(recipes)],
             spin=n == 1,
             parallel=0 if n == 1 else 1,
             tls=opts.tls,
             auth_key=keys.get(f"w{i}"),
         )
     if n:
-        print(f"started {n} local worker(s) on device {device}, {threads or 'auto'} thread(s) each", flush=True)
+        on = ", ".join(f"w{i} on {devices[i % len(devices)]} ({recipes[i % len(recipes)]})" for i in range(n))
+        print(f"started {n} local worker(s), {threads or 'auto'} thread(s) each: {on}", flush=True)
 
 
 def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) -> int:

@@ -23,6 +23,7 @@ from soma_edge.engine.evaluator import evaluator_for, mean_loss
 from soma_edge.errors import CheckpointError, ConfigError
 from soma_edge.expert import params
 from soma_edge.processes.launch import flower_env, free_port
+from soma_edge.spsa import recipe as recipe_mod
 from soma_edge.spsa.optim import OptState, State, plateau
 from soma_edge.wire import protocol
 from soma_edge.wire.certs import check_private_key, fingerprint, make_worker_key, read_public_key
@@ -142,6 +143,19 @@ def _resume(path: Path, cfg: config_mod.Config) -> State:
     return State(np.array(w), step=step, opt=opt)
 
 
+NO_SPECULATE = typer.Option(
+    False,
+    "--no-speculate",
+    help="Do not train experts on while their reply is in flight (the next request takes those steps "
+    "when it asks for the same experts from the versions just sent).",
+)
+RECIPE = typer.Option(
+    "auto",
+    help="The probes it trains with: auto (measured for the device on an accelerator, the run's on a CPU), "
+    "run, device (measure even on a CPU), or device:K (K dense directions on the whole batch each).",
+)
+
+
 @app.command("join")
 def join_cmd(
     coordinator: str = typer.Option(..., "--coordinator", help="HOST:PORT of the coordinator's SuperLink."),
@@ -156,12 +170,7 @@ def join_cmd(
         0, min=0, help="ORT intra-op threads (0 = choose: cores / --parallel on a CPU, ORT's choice on a GPU)."
     ),
     no_spin: bool = typer.Option(False, "--no-spin", help="No ORT spin-waiting (for workers sharing cores)."),
-    no_speculate: bool = typer.Option(
-        False,
-        "--no-speculate",
-        help="Do not train experts on while their reply is in flight (the next request takes those steps "
-        "when it asks for the same experts from the versions just sent).",
-    ),
+    no_speculate: bool = NO_SPECULATE,
     parallel: int = typer.Option(
         0, min=0, max=2, help="Concurrent loss evaluations (0 = auto; 1 when workers share a box)."
     ),
@@ -173,6 +182,7 @@ def join_cmd(
         help="CA certificate (PEM) of the SuperLink: connect with TLS instead of insecure.",
     ),
     probe_seconds: float = typer.Option(1.5, min=0.05, help="How long the throughput probe measures."),
+    recipe: str = RECIPE,
     auth_key: Optional[Path] = path_option(
         None,
         "--auth-key",
@@ -197,14 +207,15 @@ def join_cmd(
     """Serve as a worker: start a Flower SuperNode whose ClientApp is the SOMA worker, until the run ends.
     With --log-level info (the default) it prints its own lines and Flower's warnings; debug adds Flower's
     per-message lines; warning or error keeps warnings and errors only."""
-    host, link_port = _check_join(coordinator, heartbeat, device, root_certificates, auth_key)
+    host, link_port = _check_join(coordinator, heartbeat, device, root_certificates, auth_key, recipe)
     name, cache = _node_values(name, cache, device)
     join.preflight(host, link_port, root_certificates, wait=patience)
     if port == 0:
         port = free_port()
     node_config = (
-        f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} "
-        f"parallel={parallel} cache-mb={cache_mb} probe-seconds={probe_seconds} speculate={0 if no_speculate else 1}"
+        f"name='{name}' cache='{cache}' device='{device}' threads={threads} spin={0 if no_spin else 1} parallel="
+        f"{parallel} cache-mb={cache_mb} probe-seconds={probe_seconds} speculate={0 if no_speculate else 1} "
+        f"recipe='{recipe}'"
     )
     cmd = _supernode_cmd(heartbeat, cache, coordinator, port, node_config, root_certificates, auth_key)
     env = flower_env(cache / "flwr", SOMA_BLOCK_TORCH="1")
@@ -239,9 +250,18 @@ def _node_values(name: str | None, cache: Path | None, device: str) -> tuple[str
 
 
 def _check_join(
-    coordinator: str, heartbeat: str, device: str, root_certificates: Path | None, auth_key: Path | None
+    coordinator: str,
+    heartbeat: str,
+    device: str,
+    root_certificates: Path | None,
+    auth_key: Path | None,
+    recipe: str = "auto",
 ) -> tuple[str, int]:
     """join's options that can be checked before anything starts; returns the coordinator's host and port."""
+    try:
+        recipe_mod.parse(recipe)
+    except ValueError as e:
+        raise ConfigError(f"--recipe {e}") from None
     host, sep, port_s = coordinator.rpartition(":")
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT, for example 10.0.0.5:9092")

@@ -39,8 +39,10 @@ from soma_edge.errors import CheckpointError, SomaError, ValidationError
 from soma_edge.expert import steps
 from soma_edge.processes import logs
 from soma_edge.processes.logs import role_logger
+from soma_edge.spsa import recipe as recipe_mod
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState, State
+from soma_edge.spsa.recipe import Choice
 from soma_edge.wire import pieces as pieces_mod
 from soma_edge.wire import protocol
 from worker import probe, speculation, task
@@ -62,6 +64,7 @@ class Settings:
     cache_bytes: int
     probe_seconds: float
     speculate: bool  # keep training while the reply goes up (worker.speculation); join sets it, a bare node_config not
+    recipe: Choice  # which probes it trains with (worker.device_recipe)
 
 
 def settings(node_config: dict[str, Any]) -> Settings:
@@ -79,6 +82,7 @@ def settings(node_config: dict[str, Any]) -> Settings:
         cache_bytes=int(float(get("cache-mb", 2048)) * (1 << 20)),
         probe_seconds=float(get("probe-seconds", probe.PROBE_SECONDS)),
         speculate=bool(int(get("speculate", 0))),
+        recipe=recipe_mod.parse(str(get("recipe", "auto"))),
     )
 
 
@@ -98,7 +102,7 @@ def capabilities(msg: Message, context: Context) -> Message:
     cfg = config_mod.from_dict(body["config"])
     cache = Cache(s.cache, max_bytes=s.cache_bytes, keep_versions=cfg.federation.keep_versions)
     _take_advice(cache, body)  # before round 1's download, which may take minutes on a slow link
-    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
+    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds, s.recipe)
     # The run's model fixes how large its train requests can be: decode none larger (`train`).
     cache.put_json(_limit_name(context.run_id), protocol.train_request_limit(cfg))
     log.info(
@@ -108,6 +112,7 @@ def capabilities(msg: Message, context: Context) -> Message:
         caps["evaluator"],
         "cached" if caps["probe_cached"] else f"{caps['probe_seconds']:.1f} s",
     )
+    log.info("recipe (--recipe %s): %s", s.recipe, caps["recipe_line"])
     reply: protocol.Capabilities = {
         "soma_version": __version__,
         "node": context.node_id,
@@ -144,7 +149,8 @@ def _from_downstream_log(
         ulog = UpdateLog.from_record(sent.get("log"), f"expert {t['expert']}: downstream log")
         w0 = protocol.decode_weights(prev["weights"])
         start = State(w0, step=int(prev["step"]), opt=OptState.from_record(prev.get("opt"), w0.size))
-        got = steps.replay(cfg, start, ulog, t["expert"])
+        # Under the recipe it ran, which may be another node's: the hash below is what vouches for it.
+        got = steps.replay(cfg if ulog.recipe is None else ulog.recipe.apply(cfg), start, ulog, t["expert"])
     except (CheckpointError, ValueError, KeyError, TypeError) as e:
         errors.append(f"expert {t['expert']}: the downstream log does not replay here ({e})")
         return None
@@ -406,8 +412,9 @@ def _train_all(
     train with why: a failure belongs to its expert, and the others of the request still train."""
     if not runnable:
         return [], []
-    # The capability query measured (and cached) which evaluator this box trains with under "auto".
-    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds)
+    # The capability query measured (and cached) which evaluator this box trains with under "auto", for the
+    # recipe it chose, which `cfg` (the request's) already is.
+    caps = probe.capabilities(cfg, cache, s.device, s.threads, s.spin, s.parallel, s.probe_seconds, probe.AS_SENT)
     evaluator = probe.make_evaluator(cfg, s.device, s.threads, s.spin, s.parallel, probe.chosen(caps))
     log.info(
         "round %s: training experts %s for up to %.0f s",

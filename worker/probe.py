@@ -10,6 +10,8 @@ Measured once per (model, SPSA config, batch, device, threads, versions) and cac
 ClientApp process that answers the capability query lives for one message only. With spsa.evaluator =
 "auto" on an accelerator, both evaluators are timed and the faster one is cached with the rate: the worker
 then trains with it (`chosen`) and names it in every result, so each version records how it was made.
+The probes the worker trains with (worker.device_recipe: the run's, or measured for its device) are chosen
+first, cached with the rate, and the rate is of those probes' steps.
 """
 
 from __future__ import annotations
@@ -23,14 +25,20 @@ from typing import Any
 import numpy as np
 
 from soma_edge import __version__, devices
-from soma_edge.config import Config, Evaluator
+from soma_edge.config import Config, Evaluator, evals_per_step
+from soma_edge.engine import runtime
 from soma_edge.engine.evaluator import LossEvaluator, evaluator_for, evaluator_kind, measures_auto
 from soma_edge.expert import params
 from soma_edge.spsa.optim import State
+from soma_edge.spsa.recipe import NODE_FIELDS, Choice
+from worker import device_recipe
 from worker.cache import Cache
 from worker.trainer import train
 
 PROBE_SECONDS = 1.5
+AUTO = Choice("auto")  # the worker's recipe unless --recipe says otherwise (worker.device_recipe)
+# A train request's config, which is this node's recipe already (the coordinator applied its probes).
+AS_SENT = Choice("run")
 
 
 def host_memory_bytes() -> int | None:
@@ -80,7 +88,7 @@ def chosen(caps: dict[str, Any]) -> Evaluator | None:
         return None
 
 
-def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> str:
+def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int, recipe: Choice) -> str:
     import onnxruntime  # for its version only; loaded (heavy) by the evaluator anyway, not at import
 
     what = {
@@ -94,8 +102,17 @@ def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int) -> s
         "threads": threads,
         "spin": spin,
         "parallel": parallel,
+        "recipe": str(recipe),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def steps_per_s(cfg: Config, device: str, threads: int, spin: bool, parallel: int, seconds: float) -> float:
+    """Whole steps/s of `cfg` on this device's one-call evaluator where it has one (a candidate of
+    device_recipe.choose, timed for a third of the probe's time)."""
+    accel = runtime.plan(device).names[0] != devices.CPU
+    ev = make_evaluator(cfg, device, threads, spin, parallel, Evaluator.POPULATION if accel else None)
+    return measure(ev, cfg, seconds / 3) / evals_per_step(cfg.spsa)
 
 
 def measure(evaluator: LossEvaluator, cfg: Config, seconds: float = PROBE_SECONDS) -> float:
@@ -109,18 +126,32 @@ def measure(evaluator: LossEvaluator, cfg: Config, seconds: float = PROBE_SECOND
 
 
 def capabilities(
-    cfg: Config, cache: Cache, device: str, threads: int, spin: bool, parallel: int = 0, seconds: float = PROBE_SECONDS
+    cfg: Config,
+    cache: Cache,
+    device: str,
+    threads: int,
+    spin: bool,
+    parallel: int = 0,
+    seconds: float = PROBE_SECONDS,
+    recipe: Choice = AUTO,
 ) -> dict[str, Any]:
-    """Measured (or cached) throughput plus static facts about this box."""
-    key = _key(cfg, device, threads, spin, parallel)
+    """Measured (or cached) throughput plus static facts about this box, and the probes it trains with
+    (`probes`, a spsa.recipe.Probes record; `recipe_line`, how they were chosen)."""
+    key = _key(cfg, device, threads, spin, parallel, recipe)
     hit = cache.get_json(key)
     if isinstance(hit, dict) and isinstance(hit.get("evals_per_s"), (int, float)) and chosen(hit) is not None:
-        return {**hit, "probe_cached": True}
+        if isinstance(hit.get("probes"), dict) and set(hit["probes"]) == set(NODE_FIELDS):
+            return {**hit, "probe_cached": True}
     t0 = time.perf_counter()
-    evaluator, rates = fastest(cfg, device, threads, spin, parallel, seconds)
+    probes, table = device_recipe.probes_for(
+        recipe, cfg, runtime.plan(device).names, lambda c: steps_per_s(c, device, threads, spin, parallel, seconds)
+    )
+    evaluator, rates = fastest(probes.apply(cfg), device, threads, spin, parallel, seconds)
     best = evaluator_kind(evaluator)
     on_cuda = evaluator.providers[0] == devices.CUDA
     out = {
+        "probes": probes.to_record(),
+        "recipe_line": device_recipe.summary(probes, table),
         "evals_per_s": rates[best],
         "evaluator": best.value,
         "evaluator_rates": {e.value: r for e, r in rates.items()},
@@ -132,4 +163,6 @@ def capabilities(
         "probe_seconds": time.perf_counter() - t0,
     }
     cache.put_json(key, out)
+    # The train requests carry the recipe chosen here: they find this measurement, not a fresh one.
+    cache.put_json(_key(probes.apply(cfg), device, threads, spin, parallel, AS_SENT), out)
     return {**out, "probe_cached": False}

@@ -522,7 +522,7 @@ def _start(folder: Path, spec: dict[str, Any]) -> Trainer | None:
     if not jobs:
         return None
     device, threads, spin, parallel = s["device"], int(s["threads"]), bool(s["spin"]), int(s["parallel"])
-    caps = probe.capabilities(cfg, cache, device, threads, spin, parallel, float(s["probe_seconds"]))
+    caps = probe.capabilities(cfg, cache, device, threads, spin, parallel, float(s["probe_seconds"]), probe.AS_SENT)
     evaluator = probe.make_evaluator(cfg, device, threads, spin, parallel, probe.chosen(caps))
     return Trainer(folder, spec, cfg, cache, jobs, evaluator)
 

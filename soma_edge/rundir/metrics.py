@@ -60,6 +60,9 @@ class ExpertLine(Record):
     eps: float | None = None
     late: bool = False  # accepted after its round's deadline, committed with the next round
     evaluator: str | None = None  # how the worker evaluated the steps (loop | population); None: not said
+    # The probes it trained with (soma_edge.spsa.recipe.Probes: directions, split_rows, noise, density): its
+    # recipe is the run's with these (its update log, if it sent one, carries the whole). None: not said.
+    recipe: dict[str, Any] | None = None
     bar_version: int | None = None  # the guard's bar after it (coordinator.guard); None: a run from before bars
     guard_margin: float | None = None  # how much worse than the bar it was allowed to be
     epochs: float | None = None  # its steps' bytes over its train text's (coordinator.records.epochs)
@@ -282,6 +285,7 @@ class NodeEntry(Record):
     status: str | None = None
     rate: float | None = None  # forward evaluations per second, measured
     torch_importable: bool | None = None
+    recipe: str | None = None  # the probes it trains with (soma_edge.spsa.recipe.Probes.describe); None: not yet said
 
     KEYS: ClassVar = ("name", "status", "rate", "torch_importable")
 

@@ -31,12 +31,12 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 
 from soma_edge import __version__, codec
-from soma_edge.config import Evaluator
+from soma_edge.config import Config, Evaluator
 from soma_edge.errors import CheckpointError, CodecError, ValidationError
 from soma_edge.expert.params import count
 from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState
-from soma_edge.spsa.recipe import Recipe
+from soma_edge.spsa.recipe import Probes, Recipe
 from soma_edge.wire import compute_share
 
 # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces; 4: a log's
@@ -259,6 +259,8 @@ class Capabilities(TypedDict, total=False):
     device_memory: int | None
     probe_seconds: float
     probe_cached: bool
+    probes: dict[str, Any]  # the probes it trains with (soma_edge.spsa.recipe.Probes), checked by `caps_probes`
+    recipe_line: str  # how it chose them, for its own log
 
 
 def task(
@@ -427,6 +429,15 @@ def check_caps(caps: Capabilities) -> float:
         raise ValidationError(f"torch_importable is {type(caps.get('torch_importable')).__name__}, not a bool")
     _check_hash_lists(caps.get("cache"), "cache")
     return float(rate)
+
+
+def caps_probes(caps: Capabilities, cfg: Config) -> Probes:
+    """The probes a capability reply says its node trains with, if the run's `cfg` can take them (its other
+    settings stay the run's); ValidationError otherwise."""
+    try:
+        return Probes.from_record(caps.get("probes"), cfg, "its probes")
+    except ValueError as e:
+        raise ValidationError(str(e)) from None
 
 
 def check_result(res: Any, exp: Expected, current_sha: dict[int, str]) -> tuple[np.ndarray | None, OptState | None]:

@@ -11,6 +11,10 @@
    its clean forward and 2K probes, the expert resident in the worker's update graph) and log replies: the
    coordinator replays each log, audits sampled steps with the loop, and accepts it; every version names
    the evaluator that made it, and the held-out loss falls.
+4. Mixed recipes: a second worker joins run 2 once its round 1 is under way, given a GPU-sized recipe by
+   `--recipe device:8` (8 dense directions on the whole batch, where the run's are 4 on a quarter each). It
+   takes an expert over from the first; every log of both recipes is audited (8 steps) and replayed under
+   its own recipe, and accepted.
 """
 
 from __future__ import annotations
@@ -65,14 +69,16 @@ evaluator = "population"
 [federation]
 join_grace = 0.0
 experts = 2
-rounds = 2
+rounds = 3
 round_seconds = 3.0
 deadline_factor = 1.5
 deadline_slack = 12.0
 val_windows = 16
 reply = "log"
-audit_steps = 2
+audit_steps = 8
+keep_versions = 4  # version 0 stays, for the held-out loss before training
 """
+GPU_SIZED = {"directions": 8, "split_rows": False, "noise": "rademacher", "density": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +91,36 @@ def link(tmp_path_factory):
     superlink = Launcher(root / "link-host" / "logs", root / "link-host" / "flwr")
     port, log = free_port(), root / "worker.log"
     superlink.superlink("127.0.0.1", port, None)  # it listens when this returns
-    join = ["join", "--coordinator", f"127.0.0.1:{port}", "--stay", "--patience", "3", "--name", "s"]
-    join += ["--cache", str(root / "s"), "--threads", "1", "--no-spin", "--parallel", "1"]
+    worker = _join(root, env, port, "s", log, "--stay", "--patience", "3")
+    fed = {"root": root, "corpus": write_stdlib_corpus(root / "corpus"), "env": env, "port": port, "workers": [worker]}
+    fed.update(superlink=superlink, worker=worker, log=log, run=root / "link-host" / "run")
+    try:
+        yield fed
+    finally:
+        for w in fed["workers"]:
+            if w.poll() is None:
+                os.killpg(w.pid, signal.SIGKILL)
+        superlink.stop_all()
+
+
+def _join(root: Path, env: dict, port: int, name: str, log: Path, *extra: str) -> subprocess.Popen:
+    join = ["join", "--coordinator", f"127.0.0.1:{port}", "--name", name, *extra]
+    join += ["--cache", str(root / name), "--threads", "1", "--no-spin", "--parallel", "1"]
     with open(log, "ab") as out:
-        worker = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "worker.cli", *join],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
-    fed = {"root": root, "corpus": write_stdlib_corpus(root / "corpus"), "env": env, "port": port}
-    fed.update(superlink=superlink, worker=worker, log=log, run=root / "link-host" / "run")
+
+
+def _round_under_way(run: Path) -> bool:
     try:
-        yield fed
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-        superlink.stop_all()
+        return (RunDir(run).read_status() or {}).get("round", 0) >= 1
+    except Exception:  # noqa: BLE001  (a status.json being replaced, or not there yet)
+        return False
 
 
 def _said(fed, text: str) -> bool:
@@ -157,12 +175,16 @@ def test_a_worker_with_stay_serves_the_next_run(link):
     with open(link["root"] / "start.log", "ab") as out:
         second = subprocess.Popen(start, stdout=out, stderr=subprocess.STDOUT, env=link["env"], cwd=link["root"])
     try:
+        # The GPU-sized worker joins once round 1 is planned without it, so that a later plan moves an expert to it.
+        wait_until(lambda: _round_under_way(run), 120, "run 2's round 1 to start", fed)
+        g = _join(link["root"], link["env"], link["port"], "g", link["root"] / "g.log", "--recipe", "device:8")
+        link["workers"].append(g)
         assert second.wait(START_TIMEOUT) == 0, log_tails(fed, 3000)
     finally:
         if second.poll() is None:
             second.kill()
     nodes = {m["node"] for m in metric_lines(RunDir(run), "expert") if m["accepted"]}
-    assert nodes == {"s"} and worker.poll() is None
+    assert nodes == {"s", "g"} and worker.poll() is None, log_tails(fed, 3000)
     worker.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     assert worker.wait(30) == 0 and time.monotonic() - t0 < 30
@@ -173,13 +195,25 @@ def test_a_population_worker_trains_and_its_log_replies_are_accepted(link):
     rd = RunDir(link["root"] / "run2")
     state = rd.read_state()
     lines = metric_lines(rd, "expert")
-    assert state.round == 2 and len(lines) == 4, lines
+    assert state.round == 3 and len(lines) == 6, lines
     for m in lines:  # each version: a log reply (no weights up), audited and accepted, made by the population
         assert m["accepted"] and m["evaluator"] == "population", m
         assert m["weights_bytes_up"] == 0 and m["log_bytes_up"], m
     assert not [x for m in metric_lines(rd, "round") for x in m["rejected"]]
     for e in range(2):
-        assert state.expert(e).version == 2
-        before, after = val_loss(rd, e, 0), val_loss(rd, e, 2)
+        assert state.expert(e).version == 3
+        before, after = val_loss(rd, e, 0), val_loss(rd, e, 3)
         assert after < before, (e, before, after)
+
+
+@SHARED
+def test_a_gpu_sized_worker_takes_an_expert_over_and_its_logs_pass_the_audit(link):
+    rd = RunDir(link["root"] / "run2")
+    lines = metric_lines(rd, "expert")
+    run_probes = {"directions": 4, "split_rows": True, "noise": "rademacher", "density": 1.0}
+    assert {m["node"]: m["recipe"] for m in lines} == {"s": run_probes, "g": GPU_SIZED}
+    moved = [e for e in range(2) if len({m["node"] for m in lines if m["expert"] == e}) == 2]
+    assert moved, [(m["round"], m["expert"], m["node"]) for m in lines]
+    text = (link["root"] / "g.log").read_text(errors="replace")
+    assert "recipe (--recipe device:8): K=8 rademacher directions on the whole batch each" in text
     wait_until(lambda: not leftovers(rd.root), 30, f"no processes of the run left: {leftovers(rd.root)}")

@@ -26,12 +26,13 @@ def test_scheduler_quotas_follow_throughput_and_stay_sticky():
     a = scheduler.assign([0, 1, 2, 3], {1: 100.0, 2: 100.0}, prev)
     assert a == prev  # nothing moves when quotas allow it
     # node 2 dies: all four go to node 1; only its two experts move
-    p = scheduler.plan([0, 1, 2, 3], {1: 100.0}, prev, 10.0, 16)  # 16 forward passes per step (K = 8)
+    p = scheduler.plan([0, 1, 2, 3], {1: 100.0}, prev, 10.0, {1: 16})  # 16 forward passes per step (K = 8)
     assert p.assignment == {0: 1, 1: 1, 2: 1, 3: 1} and p.moved == [0, 1]
     assert scheduler.steps_for(100.0, 4, 10.0, 16) == 15 and p.steps[0] == math.ceil(scheduler.HEADROOM * 15)
     assert scheduler.steps_for(100.0, 4, 10.0, 17) == 14  # a delta-rule step adds its clean forward
     # a faster node joins beside an idle one: it takes two, node 1 keeps one, and node 2 is not left idle
-    p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 100.0, 3: 400.0}, {e: 1 for e in range(4)}, 10.0, 16)
+    rates = {1: 100.0, 2: 100.0, 3: 400.0}
+    p = scheduler.plan([0, 1, 2, 3], rates, {e: 1 for e in range(4)}, 10.0, dict.fromkeys(rates, 16))
     assert sorted(p.assignment.values()) == [1, 2, 3, 3] and p.assignment[0] == 1 and p.moved == [1, 2, 3]
     assert p.makespan <= 10.0 + 1e-9
 
@@ -56,10 +57,10 @@ def test_scheduler_does_not_move_experts_for_a_small_change_in_rates():
     prev = {0: 1, 1: 1, 2: 2}
     rates = {1: 1000.0, 2: 1000.001}
     assert scheduler.quotas(3, rates) == {1: 1, 2: 2}  # the bare rule
-    p = scheduler.plan([0, 1, 2], rates, prev, 10.0, 2)
+    p = scheduler.plan([0, 1, 2], rates, prev, 10.0, dict.fromkeys(rates, 2))
     assert p.assignment == prev and p.moved == []
     # A real difference still moves work: node 2 three times as fast takes two.
-    p = scheduler.plan([0, 1, 2], {1: 1000.0, 2: 3000.0}, prev, 10.0, 2)
+    p = scheduler.plan([0, 1, 2], {1: 1000.0, 2: 3000.0}, prev, 10.0, {1: 2, 2: 2})
     assert sorted(p.assignment.values()).count(2) == 2 and len(p.moved) == 1
 
 
@@ -67,7 +68,7 @@ def test_scheduler_sends_a_moving_expert_where_it_is_fetched_fastest():
     """An expert that must move goes to the node that lacks the least of it on its link, and the plan
     predicts each node's fetch time (which extends its round deadline)."""
     lacks = {(0, 1): 30.0, (0, 2): 0.5, (1, 1): 0.0, (1, 2): 8.0}  # seconds to fetch, by (expert, node)
-    p = scheduler.plan([0, 1], {1: 100.0, 2: 100.0}, {}, 10.0, 2, lambda e, n: lacks[(e, n)])
+    p = scheduler.plan([0, 1], {1: 100.0, 2: 100.0}, {}, 10.0, {1: 2, 2: 2}, lambda e, n: lacks[(e, n)])
     assert p.assignment == {0: 2, 1: 1} and p.transfer == {1: 0.0, 2: 0.5}
 
 
@@ -141,6 +142,6 @@ def test_scheduler_bounds_claimed_rates_and_steps():
     assert scheduler.update_rate(100.0, 1e300) <= scheduler.MAX_RATE
     assert scheduler.update_rate(0.0, 1e300) == scheduler.MAX_RATE
     assert scheduler.steps_for(1e300, 1, 1e6, 1) == scheduler.MAX_STEPS
-    p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 1e300}, {}, 10.0, 8)
+    p = scheduler.plan([0, 1, 2, 3], {1: 100.0, 2: 1e300}, {}, 10.0, {1: 8, 2: 8})
     assert all(1 <= s <= scheduler.MAX_STEPS for s in p.steps.values()) and math.isfinite(p.makespan)
     codec.encode({"steps": max(p.steps.values())}, "train_request")

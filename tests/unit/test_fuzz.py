@@ -726,7 +726,7 @@ def test_a_log_of_another_recipe_is_refused_at_arrival_and_by_the_replay():
     log = protocol.check_log(res, exp)
     assert log.recipe == exp.recipe
     log.recipe = Recipe.from_record(_recipe_record(lr=1e-3))
-    with pytest.raises(ValidationError, match=r"expert 0: the log ran another recipe than this run's \(spsa.lr: 0.001"):
+    with pytest.raises(ValidationError, match=r"expert 0: the log ran another recipe than its node's \(spsa.lr: 0.001"):
         replay_mod.rebuild(Config(), State(np.zeros(10, np.float32)), log, 0)
 
 

@@ -1,4 +1,5 @@
-"""`soma-coord start --local-workers W --device D`: the local SuperNodes run on the config's device."""
+"""`soma-coord start --local-workers W --device D`: the local SuperNodes run on the config's device, or each
+on its own (`--local-devices`) and with its own `--recipe` (`--local-recipes`)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,35 @@ def test_local_workers_run_on_the_device_the_command_line_gives(tmp_path: Path, 
     run = RunDir(tmp_path / "run")
     cfg = runconfig.resolve_config(run, None, {"device": device, "federation.local_workers": 2})
     procs = FakeLauncher()
-    start.launch_workers(procs, run, start.Options(run=run.root), "127.0.0.1:1", {}, 2, cfg.device)
+    start.launch_workers(procs, run, start.Options(run=run.root), "127.0.0.1:1", {}, 2, [cfg.device])
     assert [w["device"] for w in procs.workers] == [device, device]
     assert [w["name"] for w in procs.workers] == ["w0", "w1"]
+    assert [w["recipe"] for w in procs.workers] == ["auto", "auto"]
+
+
+def test_each_local_worker_takes_its_own_device_and_recipe_and_short_lists_repeat(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    opts = start.Options(run=run.root, local_devices=["cpu"], local_recipes=["run", "device:16"])
+    start.check_options(opts)
+    procs = FakeLauncher()
+    start.launch_workers(procs, run, opts, "127.0.0.1:1", {}, 3, opts.local_devices)
+    assert [(w["device"], w["recipe"]) for w in procs.workers] == [("cpu", "run"), ("cpu", "device:16"), ("cpu", "run")]
+
+
+@pytest.mark.parametrize(
+    "opts, says",
+    [
+        ({"local_recipes": ["run", "gpu"]}, "--local-recipes 'gpu': expected auto, run, device or device:K"),
+        ({"local_devices": ["cpu", "tpu9"]}, "--local-devices: unknown execution provider 'tpu9'"),
+        ({"local_devices": ["cpu"], "overrides": {"device": "cpu"}}, "give --device (every local worker) or"),
+        ({"local_recipes": ["run"], "superlink": "127.0.0.1:9"}, "which need the embedded SuperLink"),
+    ],
+)
+def test_bad_local_lists_are_refused_before_anything_starts(tmp_path: Path, opts: dict, says: str) -> None:
+    with pytest.raises(ConfigError) as got:
+        start.check_options(start.Options(run=tmp_path / "run", **opts))
+    assert says in str(got.value)
+    assert not (tmp_path / "run").exists()
 
 
 def test_local_workers_take_the_configs_device(tmp_path: Path) -> None:

@@ -114,6 +114,6 @@ def test_a_cached_probe_without_an_evaluator_is_measured_again(tmp_path, monkeyp
     """A probe cached by a version that did not record the evaluator cannot say which one to train with."""
     cache = Cache(tmp_path)
     first = probe.capabilities(CFG, cache, "cpu", 1, False, 1, seconds=0.05)
-    key = probe._key(CFG, "cpu", 1, False, 1)
+    key = probe._key(CFG, "cpu", 1, False, 1, probe.AUTO)
     cache.put_json(key, {k: v for k, v in first.items() if k not in ("evaluator", "probe_cached")})
     assert not probe.capabilities(CFG, cache, "cpu", 1, False, 1, seconds=0.05)["probe_cached"]
