@@ -15,7 +15,9 @@ Each cell times those parts on one thread, as one of check_threads' threads chec
 with numpy as the coordinator runs it, the forward passes on the coordinator's audit evaluator (CPU EP,
 one intra-op thread, the loop). The config is the shipped default but for the model (the bench's sizes),
 spsa.directions = K, spsa.noise and, since split rows need data.batch to be a multiple of K, data.batch =
-max(16, K). `steps/s` is the replay alone: the log steps a check thread can keep up with without audits.
+max(16, K). `steps/s` is the replay alone: the log steps a check thread can keep up with without audits;
+`budget steps/s` the most a single worker may step while its logs' replays stay within the coordinator's
+budget (coordinator.check_budget: CHECK_SHARE of the round on check_threads' default threads).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from bench.sizes import SIZES, rate
-from soma_edge.config import Config, DataConfig, Evaluator, Noise, validate
+from coordinator import check_budget
+from soma_edge.config import Config, DataConfig, Evaluator, Noise, check_threads, validate
 from soma_edge.engine.evaluator import evaluator_for
 from soma_edge.expert import params
 from soma_edge.expert import steps as expert_steps
@@ -50,6 +53,11 @@ class Cell:
     @property
     def steps_per_s(self) -> float:
         return 1e3 / self.replay_ms
+
+    @property
+    def budget_steps_per_s(self) -> float:
+        """A worker's step rate whose logs one round's replays keep within the check budget."""
+        return self.steps_per_s * check_budget.CHECK_SHARE * check_threads(Config())
 
 
 def config(size: str, noise: str, k: int) -> Config:
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     data = np.frombuffer(np.random.default_rng(1).bytes(1 << 20), dtype=np.uint8)
     print(
         f"{'size':>5} {'params':>10} {'noise':>10} {'K':>3} {'batch':>5} {'replay ms':>10} {'steps/s':>8} "
-        f"{'audit ms':>9} {'clean ms':>9}"
+        f"{'budget steps/s':>14} {'audit ms':>9} {'clean ms':>9}"
     )
     cells = []
     for size in args.sizes.split(","):
@@ -104,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(c)
                 print(
                     f"{c.size:>5} {c.params:>10,} {c.noise:>10} {c.k:>3} {c.batch:>5} {c.replay_ms:>10.2f} "
-                    f"{c.steps_per_s:>8.1f} {c.audit_ms:>9.1f} {c.clean_ms:>9.2f}",
+                    f"{c.steps_per_s:>8.1f} {c.budget_steps_per_s:>14.1f} {c.audit_ms:>9.1f} {c.clean_ms:>9.2f}",
                     flush=True,
                 )
     if args.json:
-        print(json.dumps({"cells": [{**asdict(c), "steps_per_s": c.steps_per_s} for c in cells]}))
+        extra = lambda c: {"steps_per_s": c.steps_per_s, "budget_steps_per_s": c.budget_steps_per_s}  # noqa: E731
+        print(json.dumps({"cells": [{**asdict(c), **extra(c)} for c in cells]}))
     return 0
 
 

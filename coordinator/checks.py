@@ -7,11 +7,13 @@ given one by one (coordinator.intake).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from coordinator import check_budget
 from coordinator import replay as replay_mod
 from coordinator.evaluation import Evaluation
 from coordinator.ledger import Ledger
@@ -23,7 +25,6 @@ from soma_edge.errors import ValidationError
 from soma_edge.rundir import seed as seed_mod
 from soma_edge.rundir.layout import RunDir
 from soma_edge.rundir.state import PrepareSummary
-from soma_edge.spsa.log import UpdateLog
 from soma_edge.spsa.optim import OptState, State
 from soma_edge.wire import protocol
 
@@ -38,7 +39,7 @@ class Checks:
         """Claim c's checks: its version, its val loss on each window and its expert's guard bar; or why it
         is refused."""
         try:
-            w, opt = (c.w, c.opt) if c.ulog is None else self.from_log(c.res, c.ulog, c.w, c.opt)
+            w, opt = (c.w, c.opt) if c.ulog is None else self.from_log(c)
         except ValidationError as err:
             return err
         windows = self.evaluation.window_losses(c.res["expert"], protocol.decode_weights(w))
@@ -57,24 +58,28 @@ class Checks:
             for c, checked in zip(claims, pool.map(self.check, claims)):
                 c.checked = checked
 
-    def from_log(
-        self, res: dict, ulog: UpdateLog, w: np.ndarray | None, opt: OptState | None
-    ) -> tuple[np.ndarray, OptState]:
+    def from_log(self, c: Claim) -> tuple[np.ndarray, OptState]:
         """The version a log reply stands for: the replay of its log from the current version, which must
-        hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first."""
-        e, fed = res["expert"], self.cfg.federation
+        hash to what the worker claims (log alone) or equal the weights it sent too; audited steps first,
+        where its log is one of federation.audit_share (coordinator.check_budget). Times both into `c.timed`."""
+        res, ulog, w, opt, fed = c.res, c.ulog, c.w, c.opt, self.cfg.federation
+        e, version = res["expert"], int(res["version"])
         # The log's own recipe, which its arrival checked against its node's (protocol.check_log).
         cfg = self.ledger.phase_config() if ulog.recipe is None else ulog.recipe.apply(self.ledger.phase_config())
         x = self.ledger.expert(e)
         stored = self.run.load_expert(x.path)
         weights = protocol.decode_weights(stored["weights"])
         base = State(weights, step=int(x.step), opt=self.ledger.checked_opt(stored, x.path))
-        if fed.audit_steps:
-            picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, self.audit_key, e, int(res["version"]))
+        audit_s, t0 = None, time.perf_counter()
+        if fed.audit_steps and check_budget.audited(self.audit_key, e, version, fed.audit_share):
+            picks = replay_mod.sample_steps(ulog.steps, fed.audit_steps, self.audit_key, e, version)
             shards = seed_mod.shards(self.cfg, self.prep, e, "train")
             data = np.frombuffer(SEPARATOR.join(self.run.shard(h) for h in shards), dtype=np.uint8)
             replay_mod.audit(cfg, base, ulog, e, data, self._audit_evaluator(cfg), picks)
+            audit_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
         got = replay_mod.rebuild(cfg, base, ulog, e)
+        c.timed = (ulog.steps, time.perf_counter() - t1, audit_s)
         if w is None:
             if protocol.weights_sha256(got.weights) != res["sha256"]:
                 raise ValidationError(f"expert {e}: its update log replays to other weights than the sha256 it claims")

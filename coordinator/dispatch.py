@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import scheduler
+from coordinator import check_budget, scheduler
 from coordinator.fleet import Fleet, Node, Outgoing, Sent, message
 from coordinator.ledger import Bases, Ledger
 from coordinator.round import Round, Waiting
-from soma_edge.config import Config, LogDecoder, ReplyPolicy, evals_per_step
+from soma_edge.config import Config, LogDecoder, ReplyPolicy, check_threads, evals_per_step
 from soma_edge.errors import CheckpointError, CorpusError
 from soma_edge.expert import params
 from soma_edge.processes import logs
@@ -56,10 +56,10 @@ CHECKPOINT_SHARE = 0.25
 
 
 def reply_mode(
-    cfg: Config, phase: Config, node: Node, r: int, steps: int, version_bytes: int, experts: int = 1
+    cfg: Config, phase: Config, node: Node, r: int, steps: int, version_bytes: int, experts: int = 1, nodes: int = 1
 ) -> ReplyMode:
     """What to ask a node's `experts` back in round r: weights, the update log, or both (a checkpoint).
-    `phase` is the node's recipe."""
+    `phase` is the node's recipe; `nodes` how many share the round's checks (coordinator.check_budget)."""
     fed = cfg.federation
     if fed.reply == ReplyPolicy.WEIGHTS:
         return ReplyMode.WEIGHTS
@@ -73,6 +73,11 @@ def reply_mode(
     seconds = experts * version_bytes / node.link if node.link else math.inf
     if seconds <= WEIGHTS_SHARE * fed.round_seconds:
         return ReplyMode.WEIGHTS
+    priced = experts * version_bytes / scheduler.priced_link(node.link)
+    budget = check_budget.budget(cfg, nodes)
+    audits = fed.audit_share if fed.audit_steps else 0.0
+    if check_budget.prefer_weights(node.checks, experts * steps, budget, audits, priced):
+        return ReplyMode.WEIGHTS  # checking its logs would take longer than its link takes to carry the weights
     if r % fed.weights_every == 0 and seconds <= CHECKPOINT_SHARE * fed.round_seconds:
         return ReplyMode.BOTH
     return ReplyMode.LOG
@@ -123,6 +128,27 @@ def _link_said(link: float | None, at_least: bool) -> str:
     if at_least:  # a piece that crossed within Flower's own overhead shows only a floor (loopback, a LAN)
         return f"timed at {8 * link / 1e6:.1f} Mbit/s or more (the piece crossed within Flower's own overhead)"
     return f"timed at {8 * link / 1e6:.1f} Mbit/s"
+
+
+def say_over_budget(cfg: Config, node: Node, mode: ReplyMode, steps: int, nodes: int) -> None:
+    """One line when checking a node's logs starts to take longer than its budget (coordinator.check_budget)."""
+    if mode == ReplyMode.WEIGHTS:
+        return
+    fed, budget = cfg.federation, check_budget.budget(cfg, nodes)
+    took = check_budget.log_seconds(node.checks, steps, fed.audit_share if fed.audit_steps else 0.0)
+    if took > budget and not node.over_budget:
+        log.warning(
+            "node %s: checking its logs takes about %.1f s of one check thread a round, over their budget of "
+            '%.1f s (%d%% of the round on %d threads, shared by %d nodes); reply = "auto" sends its weights '
+            "where the link allows, a lower federation.audit_share audits fewer of its logs",
+            node.label,
+            took,
+            budget,
+            round(100 * check_budget.CHECK_SHARE),
+            check_threads(cfg),
+            nodes,
+        )
+    node.over_budget = took > budget
 
 
 class Dispatcher:
@@ -246,8 +272,8 @@ class Dispatcher:
         """Node `nid`'s train request for round `rnd`, and what it expects back."""
         r, node, fed = rnd.r, self.fleet.nodes[nid], self.cfg.federation
         phase = node.config(self.ledger.phase_config())  # the node's recipe: the run's with its own probes
-        most = max((steps[e] for e in experts), default=0)
-        mode = reply_mode(self.cfg, phase, node, r, most, self.ledger.version_bytes(), len(experts))
+        most, nodes = max((steps[e] for e in experts), default=0), len(set(rnd.plan.assignment.values()))
+        mode = reply_mode(self.cfg, phase, node, r, most, self.ledger.version_bytes(), len(experts), nodes)
         tasks, per_expert, exp_tasks = [], {}, {}
         for e in experts:
             task, exp_tasks[e], per_expert[e] = self._task(e, node, steps[e], bases, mode)
@@ -267,6 +293,7 @@ class Dispatcher:
         )
         width = phase.spsa.accumulate * phase.spsa.directions  # scalars a step of a log reply
         expected = protocol.Expected(nid, r, exp_tasks, self.ledger.size, fed.reply_dtype, width, Recipe.of(phase))
+        say_over_budget(self.cfg, node, mode, sum(steps[e] for e in experts), nodes)
         msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
 

@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any, Callable
 
 from coordinator import guard, heartbeat, scheduler
+from coordinator.check_budget import CheckCost
 from soma_edge import __version__
 from soma_edge.config import Config
 from soma_edge.errors import CodecError, SomaError, ValidationError
@@ -64,6 +65,8 @@ class Node:
     link_free: float = 0.0  # when its link last finished an exchange that was timed (a reply came in)
     link_at_least: bool = False  # its last timed exchange crossed within Flower's overhead: `link` is a floor
     probes: Probes | None = None  # how it probes (its capability reply): its recipe is the run's with these
+    checks: CheckCost = field(default_factory=CheckCost)  # what its logs cost the coordinator's checks
+    over_budget: bool = False  # its logs' checks were last planned beyond their budget (said once)
 
     def config(self, phase: Config) -> Config:
         """What this node trains the phase's experts with: `phase` with its own probes (spsa.recipe.Probes)."""

@@ -174,6 +174,8 @@ class Intake:
             rnd.failed.setdefault(e, "finished")
         else:
             checked = c.checked or self.checks.check(c)
+            if c.timed is not None:
+                node.checks.seen(*c.timed)
             if isinstance(checked, ValidationError):
                 self.reject(rnd, node, [e], str(checked))
             else:

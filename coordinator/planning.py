@@ -80,7 +80,10 @@ class Planner:
         (weights, shards) and to send its reply, one after the other, both priced at `link`."""
         fed = self.cfg.federation
         transfer = max(
-            (plan.transfer.get(n, 0.0) + self.reply_seconds(n, es, r, plan.steps) for n, es in by_node.items()),
+            (
+                plan.transfer.get(n, 0.0) + self.reply_seconds(n, es, r, plan.steps, len(by_node))
+                for n, es in by_node.items()
+            ),
             default=0.0,
         )
         return self.fleet.clock() + fed.round_seconds * fed.deadline_factor + fed.deadline_slack + transfer
@@ -111,12 +114,12 @@ class Planner:
         nbytes += sum(self.sizes.get(h, 0) for h in shards if h not in node.shards)
         return nbytes / link(node)
 
-    def reply_seconds(self, nid: int, experts: list[int], r: int, steps: dict[int, int]) -> float:
+    def reply_seconds(self, nid: int, experts: list[int], r: int, steps: dict[int, int], nodes: int = 1) -> float:
         """How long node `nid`'s reply for `experts` takes up its link."""
         node = self.fleet.nodes[nid]
         phase, vbytes = node.config(self.ledger.phase_config()), self.ledger.version_bytes()
         most = max(steps[e] for e in experts)
-        mode = reply_mode(self.cfg, phase, node, r, most, vbytes, len(experts))  # as the request asks
+        mode = reply_mode(self.cfg, phase, node, r, most, vbytes, len(experts), nodes)  # as the request asks
         weights = vbytes if mode in (ReplyMode.WEIGHTS, ReplyMode.BOTH) else 0
         logs = (ReplyMode.LOG, ReplyMode.BOTH)
         return sum(weights + (log_bytes(phase, steps[e]) if mode in logs else 0) for e in experts) / link(node)

@@ -36,6 +36,7 @@ class Claim:
     reply: dict[str, Any]
     ulog: UpdateLog | None
     checked: Any = None  # its costly checks' outcome once run ahead of its verdict (Checked or ValidationError)
+    timed: tuple[int, float, float | None] | None = None  # a log's steps, replay and audit seconds, once checked
 
 
 @dataclass

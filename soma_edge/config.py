@@ -170,6 +170,9 @@ class FederationConfig:
     # copy is refreshed by each weights reply (see `reply`, `weights_every`).
     log_decoder: LogDecoder = LogDecoder.INT8
     audit_steps: int = 0  # steps per log reply whose losses the coordinator recomputes to check its scalars
+    # The share of log replies audited (each drawn from the coordinator's secret key): an audit costs about
+    # the worker's own forward work, which a CPU coordinator cannot match for GPU workers (coordinator.check_budget).
+    audit_share: float = 1.0
     # Start the next round as soon as every reply of this one is in, from the versions the replies claim,
     # while the coordinator replays, audits and evaluates them; a version its checks refuse costs its
     # expert the next round too. false: each round waits for the last one's checks and commit.
@@ -486,6 +489,7 @@ def _check_federation(cfg: Config) -> None:
     _check(f.log_decoder in LOG_DECODERS, "federation.log_decoder", " | ".join(map(repr, LOG_DECODERS)), f.log_decoder)
     f.log_decoder = LogDecoder(f.log_decoder)
     _check(0 <= f.audit_steps <= 1024, "federation.audit_steps", "between 0 and 1024", f.audit_steps)
+    _check(0 < f.audit_share <= 1, "federation.audit_share", "> 0 and <= 1", f.audit_share)
     _check(f.max_strikes >= 0, "federation.max_strikes", ">= 0 (0: never exclude)", f.max_strikes)
 
 

@@ -1,8 +1,9 @@
+import math
 import shutil
 
 import pytest
 
-from coordinator import fleet, loop, scheduler
+from coordinator import check_budget, fleet, loop, scheduler
 from coordinator.prepare import prepare
 from soma_edge import config as config_mod
 from soma_edge.rundir.layout import RunDir
@@ -35,6 +36,15 @@ def in_process_link(monkeypatch):
     shipped 1 Mbit/s, or every test whose node misses a deadline would wait out a transfer that never happens
     (test_slow_worker.py checks the shipped rate)."""
     monkeypatch.setattr(scheduler, "UNMEASURED_LINK", 1e8)
+
+
+@pytest.fixture(autouse=True)
+def no_check_budget(monkeypatch):
+    """Rounds here last 0.05-0.2 s, and a log's checks on this busy box take a share of that which varies
+    from run to run: the budget would switch nodes between logs and weights (whose int8-coded decoder changes
+    differ) by the box's load, and the tests that compare two runs bit for bit would compare two plans.
+    The budget is off here unless a test sets it (test_check_budget.py); the e2e tier runs it as shipped."""
+    monkeypatch.setattr(check_budget, "CHECK_SHARE", math.inf)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import json
 
 from bench import check_cost
 from bench.sizes import SIZES
-from soma_edge.config import Config
+from coordinator import check_budget
+from soma_edge.config import Config, check_threads
 
 
 def test_check_cost_tiny_json(capsys):
@@ -23,6 +24,7 @@ def test_check_cost_tiny_json(capsys):
     for c in cells:
         assert all(c[k] > 0 for k in ("replay_ms", "audit_ms", "clean_ms", "steps_per_s"))
         assert c["steps_per_s"] == 1e3 / c["replay_ms"]
+        assert c["budget_steps_per_s"] == c["steps_per_s"] * check_budget.CHECK_SHARE * check_threads(Config())
     assert len([ln for ln in lines if ln.split()[:1] == ["124K"]]) == len(cells)
 
 
