@@ -11,9 +11,9 @@ logs have not been timed yet is planned as if they were free.
 With `reply = "auto"`, logs that would take longer to check than the node's share of the budget (`budget`)
 give way to the weights, where those cross the node's link sooner than the logs would be checked
 (`prefer_weights`). Where logs are asked all the same (`reply = "log"`, or a link slower still), the
-coordinator says so once per node (coordinator.dispatch); `federation.audit_share` audits only that share of
-the logs, each drawn from the coordinator's secret key (`audited`) so that no worker can tell which of its
-logs will be. Every log is still replayed: the replay is what gives the version.
+coordinator says so when a node's logs go over their budget (coordinator.dispatch); `federation.audit_share`
+audits only that share of the logs, each drawn from the coordinator's secret key (`audited`) so that no
+worker can tell which of its logs will be. Every log is still replayed: the replay is what gives the version.
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ def _link_said(link: float | None, at_least: bool) -> str:
 
 
 def say_over_budget(cfg: Config, node: Node, mode: ReplyMode, steps: int, nodes: int) -> None:
-    """One line when checking a node's logs starts to take longer than its budget (coordinator.check_budget)."""
+    """One line when checking a node's logs goes over their budget (coordinator.check_budget); again only
+    after they were back under it."""
     if mode == ReplyMode.WEIGHTS:
         return
     fed, budget = cfg.federation, check_budget.budget(cfg, nodes)
@@ -293,7 +294,7 @@ class Dispatcher:
         )
         width = phase.spsa.accumulate * phase.spsa.directions  # scalars a step of a log reply
         expected = protocol.Expected(nid, r, exp_tasks, self.ledger.size, fed.reply_dtype, width, Recipe.of(phase))
-        say_over_budget(self.cfg, node, mode, sum(steps[e] for e in experts), nodes)
+        say_over_budget(self.cfg, node, mode, most * len(experts), nodes)  # the log steps reply_mode priced
         msg = message(body, protocol.KIND_TRAIN, nid, protocol.TRAIN)
         return msg, Outgoing(node=nid, kind=Sent.TRAIN, expected=expected, per_expert=per_expert)
 

@@ -66,7 +66,7 @@ class Node:
     link_at_least: bool = False  # its last timed exchange crossed within Flower's overhead: `link` is a floor
     probes: Probes | None = None  # how it probes (its capability reply): its recipe is the run's with these
     checks: CheckCost = field(default_factory=CheckCost)  # what its logs cost the coordinator's checks
-    over_budget: bool = False  # its logs' checks were last planned beyond their budget (said once)
+    over_budget: bool = False  # its logs' checks were last planned beyond their budget (said as they went over)
 
     def config(self, phase: Config) -> Config:
         """What this node trains the phase's experts with: `phase` with its own probes (spsa.recipe.Probes)."""
@@ -205,6 +205,8 @@ class Fleet:
         node.name = str(caps.get("name") or o.node)
         node.label = f"{node.name}#{node.id}" if self._twins(node) else node.name
         node.caps = protocol.Capabilities(**{k: v for k, v in caps.items() if k != "cache"})
+        if probes != node.probes:  # a first answer, or a restart with other probes: its rate and costs start over
+            node.rate, node.checks, node.over_budget = 0.0, CheckCost(), False
         node.probes = probes
         if self._refused(node, caps):
             node.status = NodeStatus.EXCLUDED

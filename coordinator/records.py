@@ -139,8 +139,15 @@ def expert_line(
         lr=lr,
         eps=eps,
         evaluator=res.get("evaluator"),
-        recipe=node.probes.to_record() if node.probes is not None else None,
+        recipe=_probes(ulog, node),
     )
+
+
+def _probes(ulog: UpdateLog | None, node: Any) -> dict[str, Any] | None:
+    """The probes a version was made with: its log's, else its node's (a weights reply)."""
+    if ulog is not None and ulog.recipe is not None:
+        return ulog.recipe.probes().to_record()
+    return node.probes.to_record() if node.probes is not None else None
 
 
 def missed_line(r: int, e: int, x: ExpertRecord, reason: str, node: str) -> ExpertLine:

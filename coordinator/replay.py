@@ -11,7 +11,8 @@ draws: a claimed scalar further from the recomputed one than two honest devices 
 (`g_tolerance`) refuses the reply. A delta-rule decoder's weights are not in the log step by step, so an
 audit rebuilds the decoder along the way with a clean forward per step (with spsa.decoder_from = "probes",
 the step's probes: the delta rule is exact either way), and its final decoder must match the worker's
-within float noise. A log's recipe must be the run's.
+within float noise. A log's recipe must be its node's (the run's with the node's probes), and it is replayed
+and audited under that recipe.
 """
 
 from __future__ import annotations

@@ -131,10 +131,9 @@ def plan(
     counts: dict[int, int] = {}
     for n in assignment.values():
         counts[n] = counts.get(n, 0) + 1
-    per = evals_per_step
-    predicted = {e: steps_for(rates[n], counts[n], round_seconds, per[n]) for e, n in assignment.items()}
+    predicted = {e: steps_for(rates[n], counts[n], round_seconds, evals_per_step[n]) for e, n in assignment.items()}
     span = max(
-        (sum(predicted[e] for e, m in assignment.items() if m == n) * per[n] / rates[n] for n in counts),
+        (sum(predicted[e] for e, m in assignment.items() if m == n) * evals_per_step[n] / rates[n] for n in counts),
         default=0.0,
     )
     steps = {e: min(MAX_STEPS, math.ceil(HEADROOM * s)) for e, s in predicted.items()}

@@ -268,9 +268,9 @@ def launch_workers(
     address: str,
     keys: dict[str, Path],
     n: int,
-    devices: list[str],
+    on: list[str],
 ) -> None:
-    """Start the --local-workers SuperNodes w0..w{n-1}, worker i on devices[i] and with --local-recipes' i-th
+    """Start the --local-workers SuperNodes w0..w{n-1}, worker i on device on[i] and with --local-recipes' i-th
     recipe (each list repeating). On the CPU they split this box's cores; on one GPU each holds its own
     session and the GPU interleaves their kernels."""
     threads = local_worker_threads(n)
@@ -281,7 +281,7 @@ def launch_workers(
             address,
             run.root / "workers" / f"w{i}" / "cache",
             threads=threads,
-            device=devices[i % len(devices)],
+            device=on[i % len(on)],
             recipe=recipes[i % len(recipes)],
             spin=n == 1,
             parallel=0 if n == 1 else 1,
@@ -289,8 +289,8 @@ def launch_workers(
             auth_key=keys.get(f"w{i}"),
         )
     if n:
-        on = ", ".join(f"w{i} on {devices[i % len(devices)]} ({recipes[i % len(recipes)]})" for i in range(n))
-        print(f"started {n} local worker(s), {threads or 'auto'} thread(s) each: {on}", flush=True)
+        said = ", ".join(f"w{i} on {on[i % len(on)]} ({recipes[i % len(recipes)]})" for i in range(n))
+        print(f"started {n} local worker(s), {threads or 'auto'} thread(s) each: {said}", flush=True)
 
 
 def follow(run: RunDir, procs: launcher.Launcher, run_id: str, t_submit: float) -> int:

@@ -108,10 +108,10 @@ def _key(cfg: Config, device: str, threads: int, spin: bool, parallel: int, reci
 
 
 def steps_per_s(cfg: Config, device: str, threads: int, spin: bool, parallel: int, seconds: float) -> float:
-    """Whole steps/s of `cfg` on this device's one-call evaluator where it has one (a candidate of
-    device_recipe.choose, timed for a third of the probe's time)."""
-    accel = runtime.plan(device).names[0] != devices.CPU
-    ev = make_evaluator(cfg, device, threads, spin, parallel, Evaluator.POPULATION if accel else None)
+    """Whole steps/s of `cfg` on this device's one-call evaluator where it has one and the config does not
+    ask for the loop (a candidate of device_recipe.choose, timed for a third of the probe's time)."""
+    one_call = runtime.plan(device).names[0] != devices.CPU and cfg.spsa.evaluator != Evaluator.LOOP
+    ev = make_evaluator(cfg, device, threads, spin, parallel, Evaluator.POPULATION if one_call else None)
     return measure(ev, cfg, seconds / 3) / evals_per_step(cfg.spsa)
 
 

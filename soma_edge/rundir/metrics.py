@@ -283,7 +283,7 @@ class NodeEntry(Record):
 
     name: str | None = None
     status: str | None = None
-    rate: float | None = None  # forward evaluations per second, measured
+    rate: float | None = None  # forward evaluations per second, measured, each step counted at its own recipe
     torch_importable: bool | None = None
     recipe: str | None = None  # the probes it trains with (soma_edge.spsa.recipe.Probes.describe); None: not yet said
 

@@ -99,6 +99,11 @@ class Recipe:
             raise ValueError(f"{where}: {e}") from None
         return cls.of(cfg)
 
+    def probes(self) -> "Probes":
+        """The four settings of this recipe a node chooses."""
+        s = dict(self.spsa)
+        return Probes(s["directions"], s["split_rows"], str(s["noise"]), s["density"])
+
     def differences(self, other: "Recipe") -> list[str]:
         """'name: ours vs theirs' for each setting where the two differ."""
         ours, theirs = self.to_record(), other.to_record()
@@ -108,6 +113,9 @@ class Recipe:
 
 # The settings a node chooses for its device (`Probes`); every other one is the run's, on every node.
 NODE_FIELDS = ("directions", "split_rows", "noise", "density")
+# The most directions a node may take: its audit costs the coordinator 2K forward passes a sampled step,
+# and a GPU's device recipe is measured up to 64 (worker.device_recipe).
+MAX_NODE_DIRECTIONS = 256
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,8 @@ class Probes:
         k, split, noise, density = (rec[name] for name in NODE_FIELDS)
         if type(k) is not int or type(split) is not bool or not isinstance(noise, str):
             raise ValueError(f"{where}: directions, split_rows and noise must be an int, a bool and a string")
+        if not 1 <= k <= MAX_NODE_DIRECTIONS:
+            raise ValueError(f"{where}: {k} directions, where a node may take 1 to {MAX_NODE_DIRECTIONS}")
         if type(density) not in (int, float) or noise not in {n.value for n in Noise}:
             raise ValueError(f"{where}: density must be a number and noise one of {', '.join(n.value for n in Noise)}")
         out = cls(k, split, noise, float(density))
@@ -187,9 +197,9 @@ def parse(text: str) -> Choice:
     kind, colon, k = str(text).strip().partition(":")
     if kind in ("auto", "run", "device") and not colon:
         return Choice(kind)
-    if kind == "device" and k.isdigit() and 1 <= int(k) <= 65536:
+    if kind == "device" and k.isdigit() and 1 <= int(k) <= MAX_NODE_DIRECTIONS:
         return Choice(kind, int(k))
-    raise ValueError(f"{text!r}: expected {CHOICES} (K a whole number from 1 to 65536)")
+    raise ValueError(f"{text!r}: expected {CHOICES} (K a whole number from 1 to {MAX_NODE_DIRECTIONS})")
 
 
 def _plain(value: Any) -> Any:

@@ -40,8 +40,8 @@ from soma_edge.spsa.recipe import Probes, Recipe
 from soma_edge.wire import compute_share
 
 # bump on any incompatible change of the bodies below (2: optimizer state and lr scale; 3: pieces; 4: a log's
-# decoder as int8 codes, and without its Adam moments; 5: a log's recipe)
-PROTOCOL = 5
+# decoder as int8 codes, and without its Adam moments; 5: a log's recipe; 6: a capability reply's probes)
+PROTOCOL = 6
 STYPE = "soma/msgpack"
 RECORD = "soma"
 QUERY_CAPABILITIES = "query.capabilities"  # Flower routes it to @app.query("capabilities")
@@ -251,7 +251,7 @@ class Capabilities(TypedDict, total=False):
     torch_importable: bool
     cache: Inventory
     numpy: str  # numpy's version: gaussian noise is bit-identical only across equal versions
-    evals_per_s: float  # measured on whole SPSA steps of the run's config: steps/s x config.evals_per_step
+    evals_per_s: float  # measured on whole SPSA steps of its recipe (the run's with its probes) x evals_per_step
     providers: list[str]
     device: str
     threads: int
@@ -552,7 +552,9 @@ def check_log(res: dict[str, Any], exp: Expected) -> UpdateLog | None:
             f"expert {e}: the log holds {log.grads.shape[1]} scalars a step, the run's config gives each step "
             f"{exp.width} (spsa.accumulate x spsa.directions)"
         )
-    if exp.recipe is not None and log.recipe is not None and log.recipe != exp.recipe:
+    if exp.recipe is not None and log.recipe is None:
+        raise ValidationError(f"expert {e}: the log carries no recipe (this node's is checked against it)")
+    if exp.recipe is not None and log.recipe != exp.recipe:
         raise ValidationError(
             f"expert {e}: the log ran another recipe than this node's "
             f"({'; '.join(log.recipe.differences(exp.recipe)[:3])}, the node's second)"

@@ -5,10 +5,14 @@ node to the other halfway, keep learning."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from coordinator import replay, scheduler
+from coordinator.fleet import Outgoing, Sent
 from coordinator.loop import Coordinator
 from coordinator.progress import summary
 from soma_edge.spsa.recipe import Probes
+from soma_edge.wire import protocol
 from tests.helpers.fakegrid import FakeGrid, equal_rates, set_fed, step_budgets_bind
 
 GPU_SIZED = {"directions": 4, "split_rows": False, "noise": "rademacher", "density": 1.0}
@@ -45,6 +49,13 @@ def test_mixed_recipes_are_audited_and_replayed_and_moved_experts_keep_learning(
     grid.nodes[1001]["recipe"] = "device:4"  # as `soma-worker join --recipe device:4` sets it
     step_budgets_bind(grid)
     state = Coordinator(grid, run).main()
+    # Each node's steps are planned in its own recipe's forward passes a step: at equal rates (evals/s), the
+    # run's 2 a step (split rows, the head from the probes) against 4 directions on the whole batch's 8.
+    first = [
+        protocol.unpack(m.content, protocol.KIND_TRAIN) for m in grid.sent if m.metadata.message_type == protocol.TRAIN
+    ]
+    steps = {b["node"]: {t["steps"] for t in b["tasks"]} for b in first if b["round"] == 1}
+    assert len(steps[1000]) == len(steps[1001]) == 1 and 3.5 <= steps[1000].pop() / steps[1001].pop() <= 4.5, steps
 
     lines = [m for m in run.read_metrics() if m["type"] == "expert"]
     rejected = [x for m in run.read_metrics() if m["type"] == "round" for x in m["rejected"]]
@@ -65,3 +76,28 @@ def test_mixed_recipes_are_audited_and_replayed_and_moved_experts_keep_learning(
     nodes = {n["name"]: n["recipe"] for n in run.read_status()["nodes"].values()}
     assert nodes == {"a": Probes(**run_probes).describe(), "b": Probes(**GPU_SIZED).describe()}
     assert summary(run)["node_recipes"] == nodes
+
+
+def test_a_node_that_answers_again_with_other_probes_starts_its_rate_over(run, tmp_path):
+    """A rate is counted in its recipe's forward passes a step, and a log's check cost is its recipe's: a
+    node that answers a capability query again with other probes (a worker restarted with another --recipe)
+    takes its new rate and costs afresh, where one with the same probes keeps its measured rate."""
+    set_fed(run, rounds=1, min_nodes=1)
+    coord = Coordinator(FakeGrid(tmp_path / "nodes", ["a"]), run)
+    coord.main()
+    fleet, node = coord.loop.fleet, coord.loop.fleet.nodes[1000]
+    node.rate, node.checks.replay = 500.0, 10.0
+
+    def answer(probes: dict, rate: float) -> None:
+        caps = {**node.caps, "probes": probes, "evals_per_s": rate, "cache": {"weights": [], "shards": []}}
+        reply = SimpleNamespace(
+            has_error=lambda: False,
+            metadata=SimpleNamespace(src_node_id=1000),
+            content=protocol.pack(caps, protocol.KIND_CAPS),
+        )
+        fleet.on_capabilities(reply, Outgoing(node=1000, kind=Sent.QUERY))
+
+    answer(Probes.of(run.load_config()).to_record(), 77.0)
+    assert node.rate == 500.0 and node.checks.replay == 10.0  # the same probes: the measured rate stays
+    answer(GPU_SIZED, 77.0)
+    assert node.probes == Probes(**GPU_SIZED) and node.rate == 77.0 and node.checks.replay is None

@@ -72,6 +72,7 @@ def test_a_gpu_sized_log_is_planned_within_its_budget():
     checks, the log stays (and the coordinator says so, coordinator.dispatch)."""
     run = Config()
     run.federation.round_seconds, run.federation.weights_every = 60.0, 1000
+    run.federation.check_threads = 2  # this box's default: the budget does not grow with a bigger box's cores
     gpu = Probes(64, False, "rademacher", 1.0).apply(run)
     steps, version_bytes = round(GPU_STEPS_PER_S * 60), 12 * params.count(run.model)
     node = Node(1, caps={"numpy": np.__version__}, link=250_000.0)  # 2 Mbit/s: the weights in 6 s

@@ -722,6 +722,9 @@ def test_a_log_of_another_recipe_is_refused_at_arrival_and_by_the_replay():
     assert "ran another recipe than this node's (spsa.directions: 2 vs 4; spsa.split_rows: False vs True" in one_line(
         got.value
     )
+    res["log"].pop("recipe")  # a log that says nothing of its recipe, to a node with one of its own
+    with pytest.raises(ValidationError, match="expert 0: the log carries no recipe"):
+        protocol.check_log(res, exp)
     res["log"]["recipe"] = _recipe_record()
     log = protocol.check_log(res, exp)
     assert log.recipe == exp.recipe
