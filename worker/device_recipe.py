@@ -11,9 +11,9 @@ faster. Only the probes change (spsa.recipe.Probes): the step-size rule, the upd
 run's, and under Adam a step's size is the lr whatever K (the body bench's lr sweeps found the same best lr
 for K = 1 to 16), so the lr stays the run's too.
 
-A worker's `--recipe` (spsa.recipe.Choice): `auto` (the device's own on an accelerator, the run's on the CPU EP), `run`,
-`device` (measure even on the CPU), or `device:K` (K dense directions on the whole batch, not measured: the
-explicit way to give a node a GPU-sized recipe).
+A worker's `--recipe` (spsa.recipe.Choice): `auto` (the device's own on an accelerator, the run's on the CPU
+EP), `run`, `device` (measure even on the CPU), or `device:K` (K dense directions on the whole batch, not
+measured: the explicit way to give a node a GPU-sized recipe).
 """
 
 from __future__ import annotations
