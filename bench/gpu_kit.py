@@ -1,20 +1,22 @@
-"""Carry onnxruntime-gpu to an offline GPU box in chunks, install it there beside torch's CUDA, and run
-bench.gpu_check with it.
+"""Carry onnxruntime-gpu and Flower to an offline GPU box in chunks, install them there beside torch's CUDA,
+and run bench.gpu_check with them.
 
 The box (x86_64 Linux, Python 3.12, a CUDA 13 torch with NVIDIA's CUDA 13 and cuDNN 9 wheels, the CPU
-onnxruntime) lacks onnxruntime-gpu and tomli_w and has no network, and a command sent to it carries at most
-about 58 MiB beside the checkout, while the onnxruntime-gpu wheel is 244 MiB. The procedure, from the
-repository root each time:
+onnxruntime) lacks onnxruntime-gpu, tomli_w and flwr (with most of its dependencies) and has no network, and
+a command sent to it carries at most about 58 MiB beside the checkout, while the onnxruntime-gpu wheel is 244
+MiB. The procedure, from the repository root each time:
 
 1. On a box that reaches the package registry:
 
-       python -m bench.gpu_kit prepare [--out .gpukit] [--chunk-mib 50] [--wheels DIR]
+       python -m bench.gpu_kit prepare [--out .gpukit] [--chunk-mib 50] [--wheels DIR] [--no-flower]
 
    downloads the cp312 manylinux x86_64 wheels the GPU box lacks (onnxruntime-gpu at the pin of
    pyproject.toml's `cuda` extra, without its nvidia-* extras since torch brings CUDA 13 and cuDNN 9;
-   tomli_w), or takes the wheels in DIR, packs them into one uncompressed tar, cuts it into
-   .gpukit/kit-01.part, kit-02.part, ... of at most 50 MiB beside .gpukit/manifest.json (every chunk's and
-   wheel's bytes and sha256), and prints the upload plan.
+   tomli_w; and, unless --no-flower, flwr at the project's pin and tensorboardX with their dependencies,
+   but numpy, which torch brought: what `soma-coord start` needs there), or takes the wheels in DIR,
+   packs them into one uncompressed tar, cuts it into .gpukit/kit-01.part, kit-02.part, ... of at most
+   50 MiB beside .gpukit/manifest.json (every chunk's and wheel's bytes and sha256), and prints the upload
+   plan.
 2. Upload i of n carries .gpukit/kit-0i.part (the first also .gpukit/manifest.json); after each, on the box:
 
        python3 -m bench.gpu_kit receive [--kit .gpukit] [--stage /tmp/soma-gpu-kit]
@@ -27,8 +29,9 @@ repository root each time:
 
    reassembles the tar, checks every chunk's and wheel's sum, installs the wheels into --target (pip
    --no-index --no-deps; unpacked by hand where the interpreter has no pip), checks the imports in the
-   kit's environment (PYTHONPATH: the target first; LD_LIBRARY_PATH: every nvidia/cu13/lib and
-   nvidia/cudnn/lib on sys.path first), and runs `python -m bench.gpu_check ARGS` (default --device
+   kit's environment (PYTHONPATH: the target first; PATH: its bin/ first, where flower-superlink and
+   flower-supernode are; LD_LIBRARY_PATH: every nvidia/cu13/lib and nvidia/cudnn/lib on sys.path first), and
+   runs `python -m bench.gpu_check ARGS` (default --device
    cuda:0) there, exiting with its status; --no-check stops after the import check (exit 1 if one fails).
    `python3 -m bench.gpu_kit env [--target ...]` prints that environment as export lines, for commands
    typed by hand.
@@ -66,6 +69,10 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 # pyproject asks tomli-w>=1.0; the kit pins what pip found when this was written, so that each kit (and the
 # upload plan in docs/BENCHMARKS.md) comes out the same.
 TOMLI_W = "tomli-w==1.2.0"
+# What `soma-coord start` needs on the box besides them, with their dependencies (pyproject's pins): Flower, and
+# tensorboardX for the run's event files. Not numpy: torch brought it, and a second one would shadow it.
+FLOWER = ("flwr", "tensorboardX")
+BOX_HAS = ("numpy",)
 # torch's CUDA 13 wheel puts the CUDA libraries in nvidia/cu13/lib and cuDNN in nvidia/cudnn/lib, the folders
 # onnxruntime-gpu 1.31's preload_dlls reads; installed apart from torch, ORT finds them on LD_LIBRARY_PATH.
 CUDA_LIBS = (("nvidia", "cu13", "lib"), ("nvidia", "cudnn", "lib"))
@@ -133,20 +140,46 @@ def pins(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     raise KitError(f"{pyproject}: the cuda extra pins no onnxruntime-gpu==VERSION ({extra})")
 
 
-def download_command(pin: str, dest: Path) -> list[str]:
-    """--no-deps: the nvidia-* wheels onnxruntime-gpu asks for are torch's on the box already."""
+def flower_pins(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The project's requirements of FLOWER, as pyproject.toml pins them."""
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    out = [d.replace(" ", "") for d in deps if re.split(r"[\s=<>~!\[;]", d.strip(), maxsplit=1)[0] in FLOWER]
+    if len(out) != len(FLOWER):
+        raise KitError(f"{pyproject}: the dependencies name {out}, not each of {', '.join(FLOWER)}")
+    return out
+
+
+def download_command(pin: str, dest: Path, deps: bool = False) -> list[str]:
+    """--no-deps (but for Flower's): the nvidia-* wheels onnxruntime-gpu asks for are torch's on the box already."""
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
-    flags = "--no-deps --only-binary=:all: --python-version 3.12 --implementation cp".split()
+    flags = "--only-binary=:all: --python-version 3.12 --implementation cp".split() + ([] if deps else ["--no-deps"])
     return [sys.executable, "-m", "pip", "download", *flags, *platforms, "-d", str(dest), pin]
 
 
-def download(dest: Path) -> Path:
-    for pin in pins():
-        print(f"downloading {pin} (cp312, manylinux x86_64) ...", flush=True)
-        r = subprocess.run(download_command(pin, dest), capture_output=True, text=True)
+def normalized(name: str) -> str:
+    """A distribution's name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def dist_name(wheel: Path) -> str:
+    """A wheel's distribution name, normalized: its file name up to the first dash."""
+    return normalized(wheel.name.split("-", 1)[0])
+
+
+def download(dest: Path, flower: bool = True) -> Path:
+    todo = [(p, True) for p in flower_pins()] if flower else []
+    for pin, deps in todo + [(p, False) for p in pins()]:
+        print(f"downloading {pin}{' and its dependencies' if deps else ''} (cp312, manylinux x86_64) ...", flush=True)
+        r = subprocess.run(download_command(pin, dest, deps), capture_output=True, text=True)
         if r.returncode:
             last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
             raise KitError(f"pip download {pin} failed: {last}")
+    pinned = dict((normalized(name), version) for name, version in (p.split("==") for p in pins()))
+    for w in dest.glob("*.whl"):
+        name, version = dist_name(w), w.name.split("-")[1]
+        # Not what the box has; and one version of each pinned wheel (Flower's dependencies ask tomli-w too).
+        if name in BOX_HAS or (name in pinned and version != pinned[name]):
+            w.unlink()
     return dest
 
 
@@ -155,8 +188,9 @@ def pack(wheels: list[Path], out: Path, chunk_bytes: int) -> Manifest:
     records = [FileRecord(w.name, w.stat().st_size, sha256_of(w)) for w in wheels]
     chunks = []
     with tempfile.TemporaryFile() as stream:
-        # Fixed owners and times: the same wheels give the same chunks.
-        with tarfile.open(fileobj=stream, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        # Fixed owners and times: the same wheels give the same chunks. PAX: a manylinux wheel's name can pass
+        # USTAR's 100 characters (charset_normalizer's, one of Flower's dependencies, does).
+        with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for w in wheels:
                 info = tarfile.TarInfo(w.name)
                 info.size, info.mode, info.mtime = w.stat().st_size, 0o644, 0
@@ -170,14 +204,14 @@ def pack(wheels: list[Path], out: Path, chunk_bytes: int) -> Manifest:
     return Manifest(chunks, records, sum(c.bytes for c in chunks))
 
 
-def prepare(out: Path, chunk_bytes: int, wheels_dir: Path | None) -> Manifest:
+def prepare(out: Path, chunk_bytes: int, wheels_dir: Path | None, flower: bool = True) -> Manifest:
     if chunk_bytes <= 0:
         raise KitError("the chunk size must be positive")
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("kit-*.part"), out / MANIFEST]:  # an earlier kit's, which this one may not overwrite
         old.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpukit-") as tmp:
-        source = wheels_dir if wheels_dir is not None else download(Path(tmp))
+        source = wheels_dir if wheels_dir is not None else download(Path(tmp), flower)
         wheels = sorted(source.glob("*.whl"))
         if not wheels:
             raise KitError(f"no wheels in {source}")
@@ -285,8 +319,12 @@ def reassemble(stage: Path, m: Manifest) -> list[Path]:
 
 def unpack_wheel(wheel: Path, target: Path) -> None:
     """What `pip install --target` does with a wheel, for an interpreter without pip: its files into the
-    target, NAME.data/purelib and platlib too (scripts, headers and data are not needed to import it)."""
+    target, NAME.data/purelib and platlib too (scripts, headers and data are not needed to import it), and
+    its console scripts into target/bin (`flower-superlink`, ...)."""
     with zipfile.ZipFile(wheel) as z:
+        entry_points = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/entry_points.txt")]
+        for name in entry_points:
+            console_scripts(z.read(name).decode(), target / "bin")
         for info in z.infolist():
             parts = info.filename.split("/")
             if info.filename.startswith("/") or ".." in parts:
@@ -303,6 +341,33 @@ def unpack_wheel(wheel: Path, target: Path) -> None:
                 shutil.copyfileobj(src, dst, 1 << 20)
             if (info.external_attr >> 16) & 0o111:
                 dest.chmod(0o755)
+
+
+SCRIPT = """#!{python}
+import importlib, sys
+obj = importlib.import_module({module!r})
+for part in {attrs!r}:
+    obj = getattr(obj, part)
+sys.exit(obj())
+"""
+
+
+def console_scripts(entry_points: str, bin_dir: Path) -> None:
+    """A wheel's [console_scripts] as executables in bin_dir, run by this interpreter (as pip writes them)."""
+    section = None
+    for raw in entry_points.splitlines():
+        line = raw.strip()
+        if line.startswith("["):
+            section = line.strip("[]").strip()
+        elif section == "console_scripts" and "=" in line:
+            name, ref = (x.strip() for x in line.split("=", 1))
+            module, _, attr = ref.split("[")[0].strip().partition(":")
+            if not re.fullmatch(r"[\w.-]+", name) or not module:
+                raise KitError(f"console script {line!r}: not NAME = MODULE:ATTR")
+            bin_dir.mkdir(parents=True, exist_ok=True)
+            text = SCRIPT.format(python=sys.executable, module=module, attrs=tuple(filter(None, attr.split("."))))
+            (bin_dir / name).write_text(text)
+            (bin_dir / name).chmod(0o755)
 
 
 def install(wheels: list[Path], target: Path) -> None:
@@ -341,14 +406,15 @@ def kit_env(target: Path, base: dict[str, str] | None = None, path: list[str] | 
     need it run in a child process; the CPU onnxruntime stays installed, and the target first shadows it."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = _first([str(target.resolve())], env.get("PYTHONPATH"))
+    env["PATH"] = _first([str(target.resolve() / "bin")], env.get("PATH"))  # flower-superlink, flower-supernode
     env["LD_LIBRARY_PATH"] = _first([str(d) for d in cuda_lib_dirs(path)], env.get("LD_LIBRARY_PATH"))
     return env
 
 
 # Run in the kit's environment, from the repository root: a line for each import that fails.
 IMPORT_CHECK = """
-import sys
-target, bad = sys.argv[1], []
+import shutil, sys
+target, flower, bad = sys.argv[1], sys.argv[2] == "flower", []
 def why(e):
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 try:
@@ -359,20 +425,22 @@ try:
         bad.append(f"onnxruntime: no CUDAExecutionProvider in {ort.get_available_providers()}")
 except Exception as e:
     bad.append(f"onnxruntime: {why(e)}")
-for name in ("tomli_w", "bench.gpu_check"):
+for name in ("tomli_w", "bench.gpu_check") + (("flwr", "coordinator.cli", "worker.cli") if flower else ()):
     try:
         __import__(name)
     except Exception as e:
         bad.append(f"{name}: {why(e)}")
+for tool in ("flower-superlink", "flower-supernode") if flower else ():
+    if not (shutil.which(tool) or "").startswith(target):
+        bad.append(f"{tool}: not found in {target}/bin on PATH (found: {shutil.which(tool)})")
 print("\\n".join(bad) or "imports: ok")
 sys.exit(1 if bad else 0)
 """
 
 
-def imports_ok(env: dict[str, str], target: Path) -> bool:
-    r = subprocess.run(
-        [sys.executable, "-c", IMPORT_CHECK, str(target.resolve())], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+def imports_ok(env: dict[str, str], target: Path, flower: bool = False) -> bool:
+    cmd = [sys.executable, "-c", IMPORT_CHECK, str(target.resolve()), "flower" if flower else "-"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = r.stdout.strip().splitlines()
     if r.returncode not in (0, 1) or not lines:  # it died importing (a library that crashed on load)
         lines.append(f"import check: exit {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]}")
@@ -386,7 +454,7 @@ def finish(stage: Path, target: Path, check_args: list[str], no_check: bool) -> 
     install(wheels, target)
     print(f"installed {', '.join(w.name for w in wheels)} into {target}", flush=True)
     env = kit_env(target)
-    ok = imports_ok(env, target)
+    ok = imports_ok(env, target, flower=any(dist_name(w) == "flwr" for w in wheels))
     if no_check:
         return 0 if ok else 1
     args = check_args or DEFAULT_CHECK
@@ -398,7 +466,7 @@ def env_lines(target: Path) -> list[str]:
     if not target.is_dir():
         raise KitError(f"no {target}: run python3 -m bench.gpu_kit finish first")
     env = kit_env(target)
-    return [f"export {k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "LD_LIBRARY_PATH")]
+    return [f"export {k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH")]
 
 
 # --- the command line -----------------------------------------------------------------------------------------
@@ -416,6 +484,7 @@ def parser() -> argparse.ArgumentParser:
     size.add_argument("--chunk-mib", type=float, default=50.0, help="the most MiB a chunk holds")
     size.add_argument("--chunk-bytes", type=int, help="the same in bytes (tests)")
     p.add_argument("--wheels", type=Path, help="take the wheels in this folder instead of downloading them")
+    p.add_argument("--no-flower", action="store_true", help="onnxruntime-gpu and tomli_w only (gpu_check's needs)")
     p = sub.add_parser("receive", help="check the chunks of one upload and stage them (the GPU box)")
     p.add_argument("--kit", type=Path, default=KIT, help="where the upload put the chunks")
     p.add_argument("--stage", type=Path, default=STAGE, help="where the chunks wait for the others")
@@ -434,7 +503,7 @@ def run(a: argparse.Namespace, extra: list[str]) -> int:
         raise KitError("only finish takes arguments after --")
     if a.cmd == "prepare":
         chunk = a.chunk_bytes if a.chunk_bytes is not None else int(a.chunk_mib * MIB)
-        print("\n".join(plan(prepare(a.out, chunk, a.wheels), a.out, chunk)))
+        print("\n".join(plan(prepare(a.out, chunk, a.wheels, not a.no_flower), a.out, chunk)))
     elif a.cmd == "receive":
         print(receive(a.kit, a.stage))
     elif a.cmd == "finish":

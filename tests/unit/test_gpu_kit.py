@@ -152,7 +152,7 @@ def test_finish_names_a_missing_or_damaged_chunk_in_one_error_line(kit, tmp_path
 def test_finish_runs_gpu_check_in_the_kits_environment_and_returns_its_status(kit, tmp_path, monkeypatch):
     stage, target = tmp_path / "stage", tmp_path / "site"
     gpu_kit.receive(_upload(kit, [p.name for p in kit.iterdir()], tmp_path / "box"), stage)
-    monkeypatch.setattr(gpu_kit, "imports_ok", lambda env, target: True)
+    monkeypatch.setattr(gpu_kit, "imports_ok", lambda env, target, flower=False: True)
     real, calls = subprocess.run, []
 
     def run(cmd, **kw):  # pip runs for real; bench.gpu_check is only recorded
@@ -236,3 +236,76 @@ def test_it_imports_only_the_standard_library():
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert {n.split(".")[0] for n in names} <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_prepare_carries_flower_with_its_dependencies_but_what_the_box_has(tmp_path, monkeypatch):
+    """flwr and tensorboardX at pyproject's pins come with their dependencies (`soma-coord start` runs on the
+    box); not numpy, which torch brought; and one tomli-w, the pinned one, though Flower asks for it too."""
+    flwr, tbx = gpu_kit.flower_pins()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"{flwr}"' in pyproject and tbx.startswith("tensorboardX")
+    assert "--no-deps" not in gpu_kit.download_command(flwr, Path("/d"), deps=True)
+    fetched = {  # what each pip download leaves, as the registry would
+        flwr: ["flwr-1.42.0-py3-none-any.whl", "numpy-2.5.5-cp312-cp312-manylinux_2_28_x86_64.whl"],
+        tbx: ["tensorboardx-2.6.5-py3-none-any.whl", "tomli_w-1.3.0-py3-none-any.whl"],
+        "onnxruntime-gpu==1.31.1": ["onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_27_x86_64.whl"],
+        "tomli-w==1.2.0": ["tomli_w-1.2.0-py3-none-any.whl"],
+    }
+    calls = []
+
+    def fake_run(cmd, **kw):
+        pin, dest = cmd[-1], Path(cmd[cmd.index("-d") + 1])
+        calls.append((pin, "--no-deps" in cmd))
+        for name in fetched[pin]:
+            (dest / name).write_bytes(b"w")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gpu_kit.subprocess, "run", fake_run)
+    monkeypatch.setattr(gpu_kit, "pins", lambda: ["onnxruntime-gpu==1.31.1", "tomli-w==1.2.0"])
+    got = sorted(p.name for p in gpu_kit.download(tmp_path).glob("*.whl"))
+    assert got == sorted(
+        fetched[flwr][:1] + fetched[tbx][:1] + fetched["onnxruntime-gpu==1.31.1"] + fetched["tomli-w==1.2.0"]
+    )
+    assert calls == [(flwr, False), (tbx, False), ("onnxruntime-gpu==1.31.1", True), ("tomli-w==1.2.0", True)]
+    (tmp_path / "only").mkdir()
+    gpu_kit.download(tmp_path / "only", flower=False)
+    assert sorted(p.name for p in (tmp_path / "only").glob("*.whl")) == [
+        "onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_27_x86_64.whl",
+        "tomli_w-1.2.0-py3-none-any.whl",
+    ]
+
+
+def test_flower_commands_come_from_the_targets_bin(tmp_path):
+    """pip --target writes a wheel's console scripts into target/bin, and so does the kit without pip; the
+    kit's PATH puts that folder first, where `soma-coord start` finds flower-superlink and flower-supernode."""
+    target = tmp_path / "site"
+    gpu_kit.console_scripts("[console_scripts]\nkit-hello = json.tool:main\n[other]\nx = y:z\n", target / "bin")
+    assert sorted(p.name for p in (target / "bin").iterdir()) == ["kit-hello"]
+    env = gpu_kit.kit_env(target, base={"PATH": "/usr/bin:/bin"})
+    assert env["PATH"].split(os.pathsep) == [str((target / "bin").resolve()), "/usr/bin", "/bin"]
+    r = subprocess.run(["kit-hello"], input='{"a": 1}', capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 0 and '"a": 1' in r.stdout, r.stderr
+    with pytest.raises(gpu_kit.KitError, match="not NAME = MODULE:ATTR"):
+        gpu_kit.console_scripts("[console_scripts]\nbad name = :main\n", target / "bin")
+
+
+def test_the_import_check_asks_for_flower_and_its_commands_where_the_kit_carries_flwr(tmp_path, capsys):
+    target = tmp_path / "site"
+    target.mkdir()
+    assert not gpu_kit.imports_ok(gpu_kit.kit_env(target), target, flower=True)
+    out = capsys.readouterr().out
+    assert f"flower-superlink: not found in {target.resolve()}/bin on PATH" in out
+    assert "flower-supernode: not found" in out and "flwr:" not in out  # flwr itself imports (the venv's)
+
+
+def test_a_wheel_name_longer_than_ustar_allows_goes_through(tmp_path):
+    """Manylinux wheels of Flower's dependencies have names past USTAR's 100 characters (charset_normalizer's)."""
+    name = "charset_normalizer-3.5.3-cp312-cp312-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64.whl"
+    assert len(name) > 100
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / name).write_bytes(b"wheel bytes " * 1000)
+    m = gpu_kit.prepare(tmp_path / "kit", CHUNK, tmp_path / "w")
+    for c in m.chunks:
+        shutil.copy(tmp_path / "kit" / c.name, tmp_path / c.name)
+    (got,) = gpu_kit.reassemble(tmp_path, m)
+    assert got.name == name and got.read_bytes() == b"wheel bytes " * 1000
