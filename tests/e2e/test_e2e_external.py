@@ -15,6 +15,9 @@
    `--recipe device:8` (8 dense directions on the whole batch, where the run's are 4 on a quarter each). It
    takes an expert over from the first; every log of both recipes is audited (8 steps) and replayed under
    its own recipe, and accepted.
+5. The GPU box's rehearsal: every process runs Flower from the target install of a kit (bench/gpu_kit.py:
+   prepare, receive, finish), as on an offline GPU box, its wheels repacked from this environment (a test
+   has no network), both workers on the CPU.
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from bench import gpu_kit
 from coordinator.launcher import Launcher
 from soma_edge.processes.launch import free_port
 from soma_edge.rundir.layout import RunDir
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.federation import START_TIMEOUT, cli, leftovers, log_tails, metric_lines, val_loss, wait_until
+from tests.helpers.kit_wheels import repack
 
 # The tests that share `link` continue its story in order: one pytest-xdist process runs them all.
 SHARED = pytest.mark.xdist_group("e2e_external_then_stay")
@@ -81,16 +87,34 @@ keep_versions = 4  # version 0 stays, for the held-out loss before training
 GPU_SIZED = {"directions": 8, "split_rows": False, "noise": "rademacher", "density": 1.0}
 
 
+def _kit_target(root: Path) -> Path:
+    """Flower and its dependencies through a kit, as a GPU box gets them: prepare, receive, finish --no-check
+    (whose import check fails on this box's CPU onnxruntime alone)."""
+    kit, stage, target = root / "kit", root / "stage", root / "site"
+    wheels = repack(list(gpu_kit.FLOWER), root / "wheels")
+    assert any(w.name.startswith("flwr-") for w in wheels)
+    assert gpu_kit.main(["prepare", "--wheels", str(root / "wheels"), "--out", str(kit)]) == 0
+    assert gpu_kit.main(["receive", "--kit", str(kit), "--stage", str(stage)]) == 0
+    gpu_kit.main(["finish", "--stage", str(stage), "--target", str(target), "--no-check"])
+    assert (target / "bin" / "flower-superlink").is_file() and (target / "flwr").is_dir()
+    return target
+
+
 @pytest.fixture(scope="module")
 def link(tmp_path_factory):
-    """The SuperLink on its own and the `join --stay` worker; both go at the end, whatever happened."""
+    """The SuperLink on its own and the `join --stay` worker, all from a kit's target install; both go at the
+    end, whatever happened."""
     root = tmp_path_factory.mktemp("link")
-    env = dict(os.environ, SOMA_CACHE=str(root / "cache"))
+    target = _kit_target(root)
+    env = gpu_kit.kit_env(target, base=dict(os.environ, SOMA_CACHE=str(root / "cache")))
+    got = subprocess.run([sys.executable, "-c", "import flwr; print(flwr.__file__)"], env=env, capture_output=True)
+    assert got.stdout.decode().startswith(str(target.resolve())), got  # every process below runs the kit's Flower
     (root / "external.toml").write_text(EXTERNAL)
     (root / "population.toml").write_text(POPULATION)
     superlink = Launcher(root / "link-host" / "logs", root / "link-host" / "flwr")
     port, log = free_port(), root / "worker.log"
-    superlink.superlink("127.0.0.1", port, None)  # it listens when this returns
+    with mock.patch.dict(os.environ, {k: env[k] for k in ("PYTHONPATH", "PATH")}):  # its flower_env reads these
+        superlink.superlink("127.0.0.1", port, None)  # it listens when this returns
     worker = _join(root, env, port, "s", log, "--stay", "--patience", "3")
     fed = {"root": root, "corpus": write_stdlib_corpus(root / "corpus"), "env": env, "port": port, "workers": [worker]}
     fed.update(superlink=superlink, worker=worker, log=log, run=root / "link-host" / "run")
