@@ -55,6 +55,11 @@ def budget(cfg: Config, nodes: int) -> float:
     return CHECK_SHARE * cfg.federation.round_seconds * check_threads(cfg) / max(nodes, 1)
 
 
+def audit_share(cfg: Config) -> float:
+    """The share of a node's logs the coordinator audits: federation.audit_share where audits are on, else 0."""
+    return cfg.federation.audit_share if cfg.federation.audit_steps else 0.0
+
+
 def log_seconds(cost: CheckCost, steps: int, audit_share: float) -> float:
     """One thread's seconds to check a node's logs of `steps` log steps in all, auditing `audit_share` of them
     (0 where not timed yet)."""

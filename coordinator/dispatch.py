@@ -75,8 +75,7 @@ def reply_mode(
         return ReplyMode.WEIGHTS
     priced = experts * version_bytes / scheduler.priced_link(node.link)
     budget = check_budget.budget(cfg, nodes)
-    audits = fed.audit_share if fed.audit_steps else 0.0
-    if check_budget.prefer_weights(node.checks, experts * steps, budget, audits, priced):
+    if check_budget.prefer_weights(node.checks, experts * steps, budget, check_budget.audit_share(cfg), priced):
         return ReplyMode.WEIGHTS  # checking its logs would take longer than its link takes to carry the weights
     if r % fed.weights_every == 0 and seconds <= CHECKPOINT_SHARE * fed.round_seconds:
         return ReplyMode.BOTH
@@ -135,8 +134,8 @@ def say_over_budget(cfg: Config, node: Node, mode: ReplyMode, steps: int, nodes:
     after they were back under it."""
     if mode == ReplyMode.WEIGHTS:
         return
-    fed, budget = cfg.federation, check_budget.budget(cfg, nodes)
-    took = check_budget.log_seconds(node.checks, steps, fed.audit_share if fed.audit_steps else 0.0)
+    budget = check_budget.budget(cfg, nodes)
+    took = check_budget.log_seconds(node.checks, steps, check_budget.audit_share(cfg))
     if took > budget and not node.over_budget:
         log.warning(
             "node %s: checking its logs takes about %.1f s of one check thread a round, over their budget of "

@@ -16,9 +16,7 @@ from pathlib import Path
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-
-def _key(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
+from bench.gpu_kit import normalized
 
 
 def closure(names: list[str], skip: tuple[str, ...] = ("numpy",)) -> list[md.Distribution]:
@@ -26,10 +24,10 @@ def closure(names: list[str], skip: tuple[str, ...] = ("numpy",)) -> list[md.Dis
     env, seen, todo = {**default_environment(), "extra": ""}, {}, list(names)
     while todo:
         name = todo.pop()
-        if _key(name) in seen or _key(name) in map(_key, skip):
+        if normalized(name) in seen or normalized(name) in map(normalized, skip):
             continue
         dist = md.distribution(name)
-        seen[_key(name)] = dist
+        seen[normalized(name)] = dist
         for r in dist.requires or []:
             req = Requirement(r)
             if req.marker is None or req.marker.evaluate(env):
