@@ -30,6 +30,8 @@ import numpy as np
 from soma_edge.config import SPSAConfig
 from soma_edge.spsa.noise import (
     Rank1,
+    add_rademacher,
+    add_rank1,
     body_shapes,
     expand_bits,
     expand_keep,
@@ -89,7 +91,21 @@ class Probes:
             raise ValueError("rank-1 directions have no dense z here: they cross as their factors")
         return np.stack([self.direction(i, body) for i in range(len(self.bits))])
 
+    def add_to(self, acc: np.ndarray, coefs: Sequence[float]) -> None:
+        """acc += float32(coefs[i]) z_i for each direction i in order: for Rademacher and rank-1 directions
+        from their bits or factors without building any z whole (soma_edge.spsa.noise.add_rademacher,
+        add_rank1), bit for bit what adding each one's float32(c) z in turn gives."""
+        if self.bits is not None:
+            add_rademacher(acc, coefs, self.bits, self.keep)
+        elif self.factors is not None:
+            add_rank1(acc, coefs, self.factors)
+        else:
+            for c, z in zip(coefs, self.z if self.z is not None else ()):
+                _accumulate(acc, c, z)
 
+
+# Directions a replay draws at once: their bits (or factors) in memory together, 15 MB at L's 7.6M body.
+REPLAY_GROUP = 16
 MembersFn = Callable[[np.ndarray, Probes, float], Population]
 
 
@@ -329,22 +345,14 @@ class Stepper:
                 lp, lm = float(out.lp[i]), float(out.lm[i])
                 grads[j] = (lp - lm) / (2.0 * eps)
                 pairs[j] = lp, lm
-                drawn.append((probes, i))
+            drawn.append(probes)
             cleans.append(
                 (minibatch_loss(cfg, pairs[a * K : (a + 1) * K], out.loss), out.decoder_grad if delta else None)
             )
-        for j, c in enumerate(shape(self.cfg.shaping, grads)):
-            probes, i = drawn[j]
-            _accumulate(acc, c, self._drawn(probes, i, t, j, body))
+        coefs = shape(self.cfg.shaping, grads)
+        for a, probes in enumerate(drawn):  # minibatch by minibatch: directions j in index order
+            probes.add_to(acc, coefs[a * K : (a + 1) * K])
         return _Sums(acc, grads, pairs, cleans)
-
-    def _drawn(self, probes: Probes, i: int, t: int, j: int, body: int) -> np.ndarray:
-        """Direction j's z (probes' i-th) for the update: taken from the probes where they carry it."""
-        if probes.z is not None:
-            return probes.z[i]
-        if probes.bits is not None:
-            return probes.direction(i, body)
-        return self._z(t, j, body)
 
     def probes(self, t: int, js: range, body: int) -> Probes:
         """Directions `js` of step t over the first `body` weights, as a population call takes them: for
@@ -373,8 +381,13 @@ class Stepper:
         if delta and not body_only and (decoder_grad is None or decoder_grad.shape != (n - body,)):
             raise ValueError(f"replay of a delta-rule step needs the decoder gradient float32[{n - body}]")
         acc = np.zeros(body, dtype=np.float32)
-        for j, c in enumerate(shape(cfg.shaping, np.asarray(grads, dtype=np.float64))):
-            _accumulate(acc, c, self._z(t, j, body))
+        coefs = shape(cfg.shaping, np.asarray(grads, dtype=np.float64))
+        if cfg.noise == "gaussian":  # its z is drawn whole either way
+            for j, c in enumerate(coefs):
+                _accumulate(acc, c, self._z(t, j, body))
+        else:
+            for g in range(0, total, REPLAY_GROUP):
+                self.probes(t, range(g, min(total, g + REPLAY_GROUP)), body).add_to(acc, coefs[g : g + REPLAY_GROUP])
         apply_update(state, cfg, body, acc, None if body_only or not delta else decoder_grad, delta and body_only)
 
     def close(self) -> None:

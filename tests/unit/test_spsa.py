@@ -2,7 +2,17 @@ import numpy as np
 import pytest
 
 from soma_edge.config import SPSAConfig
-from soma_edge.spsa.noise import noise, probe_mask
+from soma_edge.spsa import optim
+from soma_edge.spsa.noise import (
+    add_rademacher,
+    add_rank1,
+    body_shapes,
+    noise,
+    noise_bits,
+    probe_mask,
+    rank1_factors,
+    rank1_probe,
+)
 from soma_edge.spsa.optim import OptState, State, plateau, schedule
 from soma_edge.spsa.stepper import Objective, Stepper
 
@@ -31,6 +41,48 @@ def test_gaussian_noise():
 def test_noise_key_out_of_range():
     with pytest.raises(ValueError):
         noise(2**32, 0, 0, 0, 10)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1 << 16])
+def test_directions_summed_in_blocks_are_the_one_by_one_sum_bit_for_bit(block):
+    """add_rademacher / add_rank1 (the update's and the replay's Σ c_j z_j) against acc += float32(c) z_j one
+    direction at a time, across block edges, a body that is no whole number of bytes, masks and c = 0."""
+    n, k = 1003, 6
+    coefs = np.array([0.37, -1.5e-3, 0.0, 2.5, -7.0, 1e-30])
+    bits = np.stack([noise_bits(4, 1, 9, j, n) for j in range(k)])
+    masks = [probe_mask(4, 1, 9, j, n, 0.5) for j in range(k)]
+    for packed in (None, np.stack([np.packbits(m) for m in masks])):
+        want, got = np.full(n, 0.1, np.float32), np.full(n, 0.1, np.float32)
+        for j, c in enumerate(coefs):
+            want += np.float32(c) * (noise(4, 1, 9, j, n) * (1 if packed is None else masks[j]))
+        add_rademacher(got, coefs, bits, packed, block=block)
+        assert got.tobytes() == want.tobytes()
+
+    shapes = body_shapes([(1, 12, 7), (12,), (5, 1, 9), (3,)], 84 + 12 + 45 + 3)
+    size = sum(int(np.prod(s)) for s in shapes)
+    want, got = np.full(size, -0.2, np.float32), np.full(size, -0.2, np.float32)
+    for j, c in enumerate(coefs):
+        want += np.float32(c) * rank1_probe(4, 1, 9, j, shapes)
+    add_rank1(got, coefs, [rank1_factors(4, 1, 9, j, shapes) for j in range(k)])
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("recipe", ["adam", "sgd+momentum+wd", "rms+momentum"])
+def test_the_update_in_blocks_is_the_whole_body_update_bit_for_bit(monkeypatch, recipe):
+    kw = {"adam": {}, "sgd+momentum+wd": dict(update="sgd", momentum=0.9, weight_decay=1e-2)}
+    cfg = SPSAConfig(warmup_steps=0, **kw.get(recipe, dict(update="rms", momentum=0.5)))
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(1000).astype(np.float32)
+    accs = [rng.standard_normal(900).astype(np.float32) for _ in range(3)]
+    dec = rng.standard_normal(100).astype(np.float32)
+    got = []
+    for block in (1 << 17, 7):
+        monkeypatch.setattr(optim, "UPDATE_BLOCK", block)
+        state = State(w0.copy())
+        for acc in accs:
+            optim.apply_update(state, cfg, 900, acc, dec)
+        got.append((state.weights.tobytes(), state.opt.adam_m.tobytes(), state.opt.adam_v.tobytes()))
+    assert got[0] == got[1] and got[0][0] != w0.tobytes()
 
 
 def test_schedule_warmup_cosine_and_tied_eps():
