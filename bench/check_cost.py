@@ -2,9 +2,11 @@
 
     python -m bench.check_cost                  # --sizes 124K,L --noises rademacher,rank1 --ks 1,8,64
     python -m bench.check_cost --json           # ... and one JSON line with every cell
+    python -m bench.check_cost --replay-only    # the replay column alone (a minute, where the audits take ten)
 
 A log reply is checked in two parts (coordinator.replay, coordinator.checks): the **replay** of every step
-(each direction's z rebuilt from its key as body-many floats, g_j z_j summed, the optimizer's update), and,
+(g_j z_j summed over every direction from its key, a cache-sized block of weights at a time without
+building any z whole (soma_edge.spsa.noise.add_rademacher, add_rank1), then the optimizer's update), and,
 with federation.audit_steps > 0, the **audit**: each sampled step's 2K losses recomputed by forward passes
 at the replayed weights, and, where the decoder learns by the delta rule, the decoder rebuilt along every
 step, which with spsa.decoder_from = "probes" (the default) takes that step's 2K probes as well. So a
@@ -66,7 +68,7 @@ def config(size: str, noise: str, k: int) -> Config:
     return validate(cfg)
 
 
-def measure(size: str, noise: str, k: int, steps: int, data: np.ndarray) -> Cell:
+def measure(size: str, noise: str, k: int, steps: int, data: np.ndarray, replay_only: bool = False) -> Cell:
     cfg = config(size, noise, k)
     w = params.init(cfg.model, cfg.seed)
     body = params.layout(cfg.model).body
@@ -77,6 +79,8 @@ def measure(size: str, noise: str, k: int, steps: int, data: np.ndarray) -> Cell
     t0 = time.perf_counter()
     expert_steps.replay(cfg, State(w.copy(), step=0), log, 0)
     replay_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if replay_only:
+        return Cell(size, params.count(cfg.model), noise, k, cfg.data.batch, replay_ms, float("nan"), float("nan"))
     # The coordinator's audit evaluator (coordinator.checks): CPU, one thread, no spinning, the loop.
     ev = evaluator_for(cfg, "cpu", threads=1, spin=False, parallel=1, evaluator=Evaluator.LOOP)
     stepper = expert_steps.stepper(cfg, 0)
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default="1,8,64", help="comma-separated spsa.directions")
     ap.add_argument("--steps", type=int, default=8, help="log steps replayed per cell (after one to warm up)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of every cell")
+    ap.add_argument("--replay-only", action="store_true", help="time the replay alone (audit and clean: nan)")
     args = ap.parse_args(argv)
     data = np.frombuffer(np.random.default_rng(1).bytes(1 << 20), dtype=np.uint8)
     print(
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes.split(","):
         for noise in args.noises.split(","):
             for k in (int(x) for x in args.ks.split(",")):
-                c = measure(size, noise, k, args.steps, data)
+                c = measure(size, noise, k, args.steps, data, args.replay_only)
                 cells.append(c)
                 print(
                     f"{c.size:>5} {c.params:>10,} {c.noise:>10} {c.k:>3} {c.batch:>5} {c.replay_ms:>10.2f} "

@@ -1,7 +1,7 @@
 """What checking a node's update logs costs the coordinator, and the plan that keeps a round's checks within
 CHECK_SHARE of the round.
 
-A log's replay rebuilds every step of it, each direction as body-many floats; its audit (federation.audit_steps)
+A log's replay rebuilds every step of it, body-many additions a direction; its audit (federation.audit_steps)
 recomputes the sampled steps' losses and, under the delta rule, the decoder along every step: about the
 worker's own forward work. A GPU worker's logs can therefore cost the coordinator's CPU more than the round
 they came from (docs/BENCHMARKS.md, "Checking update logs"). Both parts are timed on every log checked, per

@@ -79,7 +79,7 @@ def test_a_gpu_sized_log_is_planned_within_its_budget():
     node.checks = _timed_replay(gpu, 16)
     budget = check_budget.budget(run, 4)
     took = check_budget.log_seconds(node.checks, steps, 0.0)
-    assert took > 2 * budget, (took, budget, check_threads(run))  # 17 s against 3 s on the 2-core box
+    assert took > 2 * budget, (took, budget, check_threads(run))  # 30 s against 3 s on the 2-core box
     assert log_bytes(gpu, steps) < version_bytes and version_bytes / node.link < took
     assert reply_mode(run, gpu, node, 2, steps, version_bytes, nodes=4) == ReplyMode.WEIGHTS
     # A link slower than the checks: the log, whatever its checks cost.
