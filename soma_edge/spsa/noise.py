@@ -164,15 +164,18 @@ def add_rademacher(
             out += term.reshape(-1)[: hi - lo]
 
 
-def add_rank1(acc: np.ndarray, coefs: Sequence[float], factors: Sequence[Sequence[Rank1 | np.ndarray]]) -> None:
+def add_rank1(
+    acc: np.ndarray, coefs: Sequence[float], factors: Sequence[Sequence[Rank1 | np.ndarray]], block: int = BLOCK_BYTES
+) -> None:
     """acc += Σ_j float32(coefs[j]) · z_j in index order j, z_j the rank-1 direction of `factors[j]`
     (`rank1_factors`, over acc's tensors in order): bit for bit `acc += float32(c) * rank1_probe(...)`, since
-    (c·a)·b and c·(a·b) are the same exact ±c; a matrix a block of its rows at a time, its terms never whole."""
+    (c·a)·b and c·(a·b) are the same exact ±c; a matrix as many rows at a time as make `block` * 8 weights
+    (one at least), its terms never whole."""
     at = 0
     for i, first in enumerate(factors[0] if len(factors) else ()):
         if isinstance(first, Rank1):
             m, n = first.a.size, first.b.size
-            rows = max(1, (BLOCK_BYTES * 8) // n)
+            rows = max(1, (block * 8) // n)
             mat, tmp = acc[at : at + m * n].reshape(m, n), np.empty((min(rows, m), n), dtype=np.float32)
             scaled = [f[i].a * np.float32(c) for c, f in zip(coefs, factors)]
             for r in range(0, m, rows):

@@ -99,9 +99,11 @@ class Probes:
             add_rademacher(acc, coefs, self.bits, self.keep)
         elif self.factors is not None:
             add_rank1(acc, coefs, self.factors)
-        else:
-            for c, z in zip(coefs, self.z if self.z is not None else ()):
+        elif self.z is not None:
+            for c, z in zip(coefs, self.z):
                 _accumulate(acc, c, z)
+        else:
+            raise ValueError("these directions carry neither bits, factors nor z")
 
 
 # Directions a replay draws at once: their bits (or factors) in memory together, 15 MB at L's 7.6M body.

@@ -63,7 +63,7 @@ def test_directions_summed_in_blocks_are_the_one_by_one_sum_bit_for_bit(block):
     want, got = np.full(size, -0.2, np.float32), np.full(size, -0.2, np.float32)
     for j, c in enumerate(coefs):
         want += np.float32(c) * rank1_probe(4, 1, 9, j, shapes)
-    add_rank1(got, coefs, [rank1_factors(4, 1, 9, j, shapes) for j in range(k)])
+    add_rank1(got, coefs, [rank1_factors(4, 1, 9, j, shapes) for j in range(k)], block=block)  # 1: a row a block
     assert got.tobytes() == want.tobytes()
 
 
