@@ -175,7 +175,7 @@ def add_rank1(
     for i, first in enumerate(factors[0] if len(factors) else ()):
         if isinstance(first, Rank1):
             m, n = first.a.size, first.b.size
-            rows = max(1, (block * 8) // n)
+            rows = max(1, (block * 8) // max(1, n))
             mat, tmp = acc[at : at + m * n].reshape(m, n), np.empty((min(rows, m), n), dtype=np.float32)
             scaled = [f[i].a * np.float32(c) for c, f in zip(coefs, factors)]
             for r in range(0, m, rows):

@@ -207,7 +207,7 @@ def apply_update(
         adam_moments(opt, w.size)
     if cfg.momentum > 0 and cfg.update != "adam" and opt.momentum is None:
         opt.momentum = np.zeros_like(w)
-    block = body if cfg.update == "rms" else UPDATE_BLOCK  # rms scales by the whole update's norm
+    block = max(1, body) if cfg.update == "rms" else UPDATE_BLOCK  # rms scales by the whole update's norm
     for at in range(0, body, block):
         _body_step(opt, cfg, w, acc, slice(at, min(body, at + block)), float(lr), n_adam)
     if dec is not None:
