@@ -32,6 +32,7 @@ from tests.helpers.fakegrid import (
     set_fed,
     train_tasks,
 )
+from tests.helpers.fuzz import good_result
 from worker import client_app
 
 
@@ -466,28 +467,8 @@ def test_protocol_refuses_foreign_and_oversized_bodies():
 
 
 def test_check_result_accepts_a_good_result_and_float16():
-    w = np.ones(10, dtype=np.float16)
-    exp = protocol.Expected(
-        node=5,
-        round=1,
-        tasks={0: {"version": 0, "base_sha256": "a" * 64, "step": 0, "steps": 3, "lr_scale": 0.5}},
-        size=10,
-        reply_dtype="float16",
-    )
-    opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), adam_t=3, lr_scale=0.5).to_record()
-    res = {
-        "expert": 0,
-        "base_sha256": "a" * 64,
-        "version": 1,
-        "step": 3,
-        "steps": 3,
-        "weights": w,
-        "opt": opt,
-        "train_loss": 1.0,
-        "sha256": protocol.weights_sha256(w),
-        "forward_evals": 12,
-        "seconds": 0.5,
-    }
+    res, exp, _ = good_result()
+    w, opt = res["weights"], res["opt"]
     got, got_opt = protocol.check_result(res, exp, {0: "a" * 64})
     assert got is w and got_opt.lr_scale == 0.5 and np.array_equal(got_opt.adam_v, opt["adam_v"])
     # Optimizer state that does not fit the weights, is not finite, or ignores the round's lr scale.

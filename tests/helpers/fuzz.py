@@ -1,6 +1,6 @@
 """What the fuzz and bad-input tests share (tests/unit/test_fuzz_*.py): hypothesis' fixed budget, the dtypes
 the codec allows, the one-line check every case makes of its error, hand-built envelopes, and a file tree's
-snapshot (what a refused load must leave unchanged)."""
+snapshot (what a refused load must leave unchanged), and a result `check_result` accepts."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+
+from soma_edge.spsa.optim import OptState
+from soma_edge.wire import protocol
 
 # Fixed example budget, derandomized: the same examples on every run and every machine, no database.
 EXAMPLES = 300
@@ -74,3 +77,33 @@ def tree(root: Path) -> dict[str, bytes | str]:
         else:
             out[rel] = p.read_bytes()
     return out
+
+
+SHA_A = "a" * 64  # the current version's hash in `good_result`
+
+
+def good_result():
+    """A result `protocol.check_result` accepts, its Expected and the current hashes."""
+    w = np.ones(10, dtype=np.float16)
+    exp = protocol.Expected(
+        node=5,
+        round=1,
+        tasks={0: {"version": 0, "base_sha256": SHA_A, "step": 0, "steps": 3, "lr_scale": 0.5}},
+        size=10,
+        reply_dtype="float16",
+    )
+    opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), adam_t=3, lr_scale=0.5).to_record()
+    res = {
+        "expert": 0,
+        "base_sha256": SHA_A,
+        "version": 1,
+        "step": 3,
+        "steps": 3,
+        "weights": w,
+        "opt": opt,
+        "train_loss": 1.0,
+        "sha256": protocol.weights_sha256(w),
+        "forward_evals": 12,
+        "seconds": 0.5,
+    }
+    return res, exp, {0: SHA_A}

@@ -18,45 +18,20 @@ from coordinator import replay as replay_mod
 from soma_edge import codec
 from soma_edge.config import Config
 from soma_edge.errors import CodecError, ValidationError
-from soma_edge.spsa.optim import OptState, State
+from soma_edge.spsa.optim import State
 from soma_edge.spsa.recipe import Recipe
 from soma_edge.wire import protocol
 from tests.helpers.fuzz import (
     ARR3,
     DROP,
     FUZZ,
+    SHA_A,
     cases,
+    good_result,
     one_line,
 )
 
-SHA_A, SHA_B = "a" * 64, "b" * 64
-
-
-def good_result():
-    """A result `check_result` accepts (as in test_federation_unit), its Expected and the current hashes."""
-    w = np.ones(10, dtype=np.float16)
-    exp = protocol.Expected(
-        node=5,
-        round=1,
-        tasks={0: {"version": 0, "base_sha256": SHA_A, "step": 0, "steps": 3, "lr_scale": 0.5}},
-        size=10,
-        reply_dtype="float16",
-    )
-    opt = OptState(adam_m=np.zeros(10, np.float32), adam_v=np.ones(10, np.float32), adam_t=3, lr_scale=0.5).to_record()
-    res = {
-        "expert": 0,
-        "base_sha256": SHA_A,
-        "version": 1,
-        "step": 3,
-        "steps": 3,
-        "weights": w,
-        "opt": opt,
-        "train_loss": 1.0,
-        "sha256": protocol.weights_sha256(w),
-        "forward_evals": 12,
-        "seconds": 0.5,
-    }
-    return res, exp, {0: SHA_A}
+SHA_B = "b" * 64
 
 
 def _set(**kv):
