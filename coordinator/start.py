@@ -273,23 +273,23 @@ def launch_workers(
     """Start the --local-workers SuperNodes w0..w{n-1}, worker i on device on[i] and with --local-recipes' i-th
     recipe (each list repeating). On the CPU they split this box's cores; on one GPU each holds its own
     session and the GPU interleaves their kernels."""
-    threads = local_worker_threads(n)
-    recipes = opts.local_recipes or ["auto"]
-    for i in range(n):
+    threads, recipes = local_worker_threads(n), opts.local_recipes or ["auto"]
+    each = [(on[i % len(on)], recipes[i % len(recipes)]) for i in range(n)]  # (device, recipe), lists repeating
+    for i, (device, recipe_) in enumerate(each):
         procs.worker(
             f"w{i}",
             address,
             run.root / "workers" / f"w{i}" / "cache",
             threads=threads,
-            device=on[i % len(on)],
-            recipe=recipes[i % len(recipes)],
+            device=device,
+            recipe=recipe_,
             spin=n == 1,
             parallel=0 if n == 1 else 1,
             tls=opts.tls,
             auth_key=keys.get(f"w{i}"),
         )
     if n:
-        said = ", ".join(f"w{i} on {on[i % len(on)]} ({recipes[i % len(recipes)]})" for i in range(n))
+        said = ", ".join(f"w{i} on {device} ({recipe_})" for i, (device, recipe_) in enumerate(each))
         print(f"started {n} local worker(s), {threads or 'auto'} thread(s) each: {said}", flush=True)
 
 
