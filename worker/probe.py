@@ -139,9 +139,9 @@ def capabilities(
     (`probes`, a spsa.recipe.Probes record; `recipe_line`, how they were chosen)."""
     key = _key(cfg, device, threads, spin, parallel, recipe)
     hit = cache.get_json(key)
-    if isinstance(hit, dict) and isinstance(hit.get("evals_per_s"), (int, float)) and chosen(hit) is not None:
-        if isinstance(hit.get("probes"), dict) and set(hit["probes"]) == set(NODE_FIELDS):
-            return {**hit, "probe_cached": True}
+    probes_ok = isinstance(hit, dict) and isinstance(hit.get("probes"), dict) and set(hit["probes"]) == set(NODE_FIELDS)
+    if probes_ok and isinstance(hit.get("evals_per_s"), (int, float)) and chosen(hit) is not None:
+        return {**hit, "probe_cached": True}
     t0 = time.perf_counter()
     probes, table = device_recipe.probes_for(
         recipe, cfg, runtime.plan(device).names, lambda c: steps_per_s(c, device, threads, spin, parallel, seconds)
